@@ -1,0 +1,24 @@
+# Two commands do all the set-up: `make demo` and `make test` (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-unit test-distributed bench clean horovod
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m commopt demo
+
+test: setup
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-distributed: setup
+	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
+
+clean:
+	rm -rf build *.egg-info commopt_ext/*.so .pytest_cache

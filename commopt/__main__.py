@@ -1,0 +1,3 @@
+from commopt.cli import main
+
+raise SystemExit(main())

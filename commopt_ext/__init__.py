@@ -1,0 +1,1 @@
+"""Native kernels for commopt. Never imports commopt; commopt/kernels.py loads these."""

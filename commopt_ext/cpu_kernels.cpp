@@ -1,0 +1,2 @@
+// Native CPU kernels for commopt (C ABI, loaded through ctypes by commopt/kernels.py).
+extern "C" int commopt_abi_version() { return 1; }
