@@ -1,0 +1,187 @@
+"""torch.distributed transport (gloo or nccl process groups).
+
+    $ torchrun --nproc-per-node 2 -m commopt.examples.allreduce --comm torch
+
+Wraps the default process group, or the one given as ``group=``. When no default group
+exists it is created from the launcher's environment: torchrun's MASTER_ADDR/PORT, RANK,
+WORLD_SIZE; under mpirun or srun without MASTER_ADDR, rank 0's address and a free port
+are shared over MPI. The backend is nccl when CUDA is available, else gloo (``backend=``
+overrides).
+
+Threads: operations are queued on the process group's own threads (gloo) or CUDA stream
+(nccl) in issue order; the public methods may be called from any thread, but all ranks
+must issue operations in the same order. Dtypes a backend cannot sum are summed in fp32 on
+a copy, which is correct but carries 32 bits (gloo in torch >= 2.1 and nccl >= 2.10 sum
+fp16 and bf16 themselves).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.launcher import detect_launcher
+
+_DONE = CompletedWork()
+
+
+class _TorchWork(Work):
+    def __init__(self, work, after=None):
+        self._work = work
+        self._after = after
+
+    def wait(self) -> None:
+        self._work.wait()
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def init_default_group(backend: str | None = None, timeout_s: float = 600) -> None:
+    """Create torch.distributed's default group from the launcher's environment."""
+    if dist.is_initialized():
+        return
+    info = detect_launcher()
+    env = os.environ
+    if "MASTER_ADDR" not in env:
+        if info.is_mpi or info.name == "slurm":
+            _share_master_over_mpi()
+        elif info.size == 1:
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(_free_port()))
+        else:
+            raise RuntimeError(
+                "the 'torch' communicator needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
+                "launch with torchrun, mpirun or `commopt launch --launcher torch`"
+            )
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, rank=info.rank, world_size=info.size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _share_master_over_mpi() -> None:
+    """Under mpirun/srun without torchrun: rank 0 picks the address and port, MPI shares them."""
+    import socket
+
+    from commopt.comm.mpi import _mpi
+
+    world = _mpi().COMM_WORLD
+    mine = None
+    if world.Get_rank() == 0:
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("COMMOPT_DATA_IFNAME")
+        addr = _address_of(ifname) if ifname else socket.gethostbyname(socket.gethostname())
+        mine = (addr, _free_port())
+    addr, port = world.bcast(mine, root=0)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+
+
+def _address_of(ifname: str) -> str:
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])
+
+
+class TorchCommunicator(Communicator):
+    """Communicator over a torch.distributed process group.
+
+    Options: ``group`` (a ProcessGroup; default: the default group, created if needed),
+    ``backend`` ("gloo" or "nccl", used only when the default group is created here),
+    ``timeout_s`` (collective timeout of a group created here).
+    """
+
+    name = "torch"
+
+    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, group=None,
+                 backend: str | None = None, timeout_s: float = 600):
+        super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
+        if group is None:
+            init_default_group(backend, timeout_s)
+        self.group = group
+        self.backend = dist.get_backend(group)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        # Global ranks of this group's members, for broadcast's src argument.
+        self._global = [dist.get_global_rank(group, r) if group is not None else r
+                        for r in range(self.size)]
+        self._init_topology()
+
+    # gloo (torch >= 2.1) and nccl (>= 2.10) both sum fp16 and bf16 in C++/CUDA.
+    def supports_sum(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.float64, torch.int32, torch.int64,
+                         torch.float16, torch.bfloat16)
+
+    def _allreduce(self, buf: torch.Tensor) -> Work:
+        if self.supports_sum(buf.dtype):
+            return _TorchWork(dist.all_reduce(buf, group=self.group, async_op=True))
+        wide = buf.float()
+        return _TorchWork(dist.all_reduce(wide, group=self.group, async_op=True),
+                          after=lambda: buf.copy_(wide))
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        if self.size == 1:
+            recv.copy_(send)
+            return _DONE
+        s, r = _as_bytes(send), _as_bytes(recv)
+        return _TorchWork(dist.all_to_all_single(r, s, group=self.group, async_op=True))
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        s, r = _as_bytes(send), _as_bytes(recv)
+        if s.numel() == 0:
+            return _DONE
+        # Views of recv's chunks: all_gather writes straight into them, no copy.
+        return _TorchWork(dist.all_gather(list(r.view(self.size, -1).unbind(0)), s,
+                                          group=self.group, async_op=True))
+
+    def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
+        b = _as_bytes(buf)
+        if b.numel() == 0:
+            return _DONE
+        return _TorchWork(dist.broadcast(b, src=self._global[root], group=self.group, async_op=True))
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def _bcast_obj(self, obj: Any, root: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global[root], group=self.group)
+        return box[0]
+
+    def _allgather_obj(self, obj: Any) -> list:
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _split(self, color: int, key: int) -> "TorchCommunicator":
+        # new_group must be called by every rank of the parent for every new group.
+        triples = self._allgather_obj((color, key, self.rank))
+        mine = None
+        for c in sorted({t[0] for t in triples}):
+            members = [self._global[r] for _, _, r in sorted(t for t in triples if t[0] == c)]
+            g = dist.new_group(members, backend=self.backend)
+            if c == color:
+                mine = g
+        return TorchCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

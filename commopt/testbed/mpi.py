@@ -1,0 +1,105 @@
+"""mpirun command lines: N ranks on this machine, or on the hosts of an emulated cluster.
+
+    >>> mpirun_local_argv(2, ["python", "train.py"], is_root=False, ncpus=2)[:5]
+    ['mpirun', '-n', '2', '--bind-to', 'none']
+
+On an emulated cluster, mpirun runs on the control network's head and starts one daemon per
+host through the agent script; every MPI byte between ranks on different hosts goes through
+the shaped data links (only Open MPI's TCP transport is allowed between hosts, and only on the
+data subnet), while mpirun's own traffic uses the unshaped control network.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+from commopt.testbed.agent import agent_script
+from commopt.testbed.netns import EmulatedCluster
+
+
+def mpirun_path() -> str:
+    path = shutil.which("mpirun")
+    if path is None:
+        raise FileNotFoundError("mpirun not found: install Open MPI (e.g. apt-get install "
+                                "openmpi-bin libopenmpi-dev) or use --launcher torch")
+    return path
+
+
+def _common_flags(nprocs: int, *, is_root: bool, ncpus: int) -> list[str]:
+    flags = []
+    if is_root:
+        flags.append("--allow-run-as-root")
+    if nprocs > ncpus:
+        flags.append("--oversubscribe")
+    # Ranks share a few cores with each other (and on an emulated cluster every daemon thinks
+    # it owns the whole machine): pinning would stack ranks on the same core.
+    flags += ["--bind-to", "none"]
+    return flags
+
+
+def _loopback_only() -> list[str]:
+    # Every rank is on this machine: its TCP traffic, if any, belongs on loopback.
+    return ["--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
+
+
+def mpirun_local_argv(nprocs: int, command: list[str], *, ranks_per_node: int | None = None,
+                      is_root: bool | None = None, ncpus: int | None = None) -> list[str]:
+    """mpirun starting ``nprocs`` ranks here.
+
+    With ``ranks_per_node`` the ranks are told (COMMOPT_NODE_NAME) that they sit on nodes of
+    that many ranks each: node0 has ranks 0..K-1, and so on. One app context per fake node
+    gives each its own variable.
+    """
+    is_root = os.geteuid() == 0 if is_root is None else is_root
+    ncpus = (os.cpu_count() or 1) if ncpus is None else ncpus
+    flags = _common_flags(nprocs, is_root=is_root, ncpus=ncpus) + _loopback_only()
+    if ranks_per_node is None or ranks_per_node >= nprocs:
+        return ["mpirun", "-n", str(nprocs), *flags, *command]
+    contexts: list[str] = []
+    for node, first in enumerate(range(0, nprocs, ranks_per_node)):
+        count = min(ranks_per_node, nprocs - first)
+        if contexts:
+            contexts.append(":")
+        contexts += ["-n", str(count), "-x", f"COMMOPT_NODE_NAME=node{node}", *command]
+    return ["mpirun", *flags, *contexts]
+
+
+def mpirun_cluster_argv(cluster: EmulatedCluster, nprocs: int, ranks_per_host: int,
+                        command: list[str], *, ncpus: int | None = None) -> list[str]:
+    """mpirun that starts ``nprocs`` ranks, ``ranks_per_host`` per emulated host.
+
+    Writes the run's hostfile and agent into ``cluster.workdir``. The returned argv is meant
+    to run in the head namespace (``cluster.head_argv``).
+    """
+    ncpus = (os.cpu_count() or 1) if ncpus is None else ncpus
+    hostfile = cluster.workdir / "hostfile"
+    hostfile.write_text("".join(f"{h.ctl_ip} slots={ranks_per_host}\n" for h in cluster.hosts))
+    agent = agent_script(cluster)
+    flags = _common_flags(nprocs, is_root=os.geteuid() == 0, ncpus=ncpus)
+    mca = {
+        "plm_rsh_agent": str(agent),
+        "plm_rsh_no_tree_spawn": "1",           # only mpirun starts daemons
+        "oob_tcp_if_include": cluster.ctl_cidr,  # daemons <-> mpirun: control network
+        # Ranks: shared memory within a host, TCP on the data network between hosts, and
+        # nothing else (UCX or OFI could find a path that bypasses the shaped links).
+        "pml": "ob1",
+        "btl": "self,vader,tcp",
+        "btl_tcp_if_include": cluster.data_cidr,
+        "osc": "^ucx",
+    }
+    argv = [mpirun_path(), "-n", str(nprocs), "--hostfile", str(hostfile), "--map-by", "slot",
+            *flags]
+    for key, value in mca.items():
+        argv += ["--mca", key, value]
+    for var, value in cluster_env(cluster).items():
+        argv += ["-x", f"{var}={value}"]
+    return argv + list(command)
+
+
+def cluster_env(cluster: EmulatedCluster) -> dict[str, str]:
+    """Variables every rank on an emulated cluster gets (COMMOPT_NODE_NAME comes per host)."""
+    return {
+        "COMMOPT_DATA_IFNAME": cluster.data_ifname,
+        "GLOO_SOCKET_IFNAME": cluster.data_ifname,
+        "NCCL_SOCKET_IFNAME": cluster.data_ifname,
+    }

@@ -1,0 +1,143 @@
+"""Run a Python snippet on several real ranks, with a timeout, and report failures by rank.
+
+    out = run_mpi('''
+        import commopt, torch
+        comm = commopt.create_communicator("mpi")
+        t = torch.full((3,), float(comm.rank)); comm.allreduce(t)
+        assert t.tolist() == [1.0] * 3, t
+        print("ok", comm.rank)
+    ''', nprocs=2)
+    assert out == ["ok 0\\n", "ok 1\\n"]
+
+``run_mpi`` starts the ranks with mpirun; ``run_torch`` starts them as plain processes with
+torch.distributed's environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) for gloo.
+Both return each rank's stdout in rank order, or raise AssertionError naming every rank
+that failed with the end of its stderr (the assertion and traceback), or the timeout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def mpirun_available() -> bool:
+    return shutil.which("mpirun") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env(env: dict | None) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e["PYTHONUNBUFFERED"] = "1"
+    e.setdefault("OMP_NUM_THREADS", "1")  # ranks share 2 cores: no thread oversubscription
+    e.update({k: str(v) for k, v in (env or {}).items()})
+    return e
+
+
+def _write_script(code: str, workdir: Path) -> Path:
+    script = workdir / "rank_script.py"
+    script.write_text(textwrap.dedent(code))
+    return script
+
+
+def _report(results: list[tuple[int, int | None, str, str]], timeout: float, what: str) -> list[str]:
+    failed = [(r, rc, out, err) for r, rc, out, err in results if rc != 0]
+    if failed:
+        lines = [f"{what}: {len(failed)} of {len(results)} ranks failed"]
+        for r, rc, out, err in failed:
+            why = f"timed out after {timeout:.0f}s" if rc is None else f"exit code {rc}"
+            tail = "\n".join((err or out).strip().splitlines()[-25:])
+            lines.append(f"--- rank {r}: {why}\n{tail}")
+        raise AssertionError("\n".join(lines))
+    return [out for _, _, out, _ in results]
+
+
+def run_mpi(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = None,
+            args: list[str] | tuple = (), mpirun_args: list[str] | tuple = ()) -> list[str]:
+    """Run ``code`` under ``mpirun -np nprocs``; return each rank's stdout."""
+    if not mpirun_available():
+        import pytest
+
+        pytest.skip("mpirun not found: install Open MPI (make setup does)")
+    with tempfile.TemporaryDirectory(prefix="commopt-mpi-") as tmp:
+        workdir = Path(tmp)
+        script = _write_script(code, workdir)
+        outdir = workdir / "out"
+        cmd = [
+            "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs),
+            "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
+            "--mca", "oob_tcp_if_include", "lo", "--bind-to", "none",
+            "--output-filename", str(outdir), *mpirun_args, PYTHON, str(script), *args,
+        ]
+        proc = subprocess.Popen(cmd, env=_base_env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                cwd=str(REPO))
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        results = []
+        for r in range(nprocs):
+            rdir = outdir / "1" / f"rank.{r}"
+            rout = (rdir / "stdout").read_text() if (rdir / "stdout").exists() else ""
+            rerr = (rdir / "stderr").read_text() if (rdir / "stderr").exists() else ""
+            if timed_out:
+                rc = None
+            elif proc.returncode == 0:
+                rc = 0
+            else:  # mpirun failed: blame the ranks that printed a Python error
+                rc = proc.returncode if ("Traceback" in rerr or "Error" in rerr) else 0
+            results.append((r, rc, rout, rerr))
+        if proc.returncode != 0 and not timed_out and all(rc == 0 for _, rc, _, _ in results):
+            # No rank printed an error: mpirun itself (or a rank killed by a signal) failed.
+            results[0] = (0, proc.returncode, out, err + results[0][3])
+        return _report(results, timeout, f"mpirun -np {nprocs}")
+
+
+def run_torch(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = None,
+              args: list[str] | tuple = ()) -> list[str]:
+    """Run ``code`` as ``nprocs`` processes with torch.distributed's env vars; return stdouts."""
+    with tempfile.TemporaryDirectory(prefix="commopt-torch-") as tmp:
+        script = _write_script(code, Path(tmp))
+        port = free_port()
+        procs = []
+        for r in range(nprocs):
+            e = _base_env(env)
+            e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                     WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
+                     GLOO_SOCKET_IFNAME=e.get("GLOO_SOCKET_IFNAME", "lo"))
+            procs.append(subprocess.Popen([PYTHON, str(script), *args], env=e, cwd=str(REPO),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, start_new_session=True))
+        import time
+
+        deadline = time.monotonic() + timeout
+        results = []
+        for r, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                results.append((r, p.returncode, out, err))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
+                results.append((r, None, out, err))
+        # A rank that failed makes its peers time out or error: report the root cause first.
+        return _report(results, timeout, f"torch.distributed x{nprocs}")
