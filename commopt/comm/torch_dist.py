@@ -111,17 +111,20 @@ class TorchCommunicator(Communicator):
     name = "torch"
 
     def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, group=None,
-                 backend: str | None = None, timeout_s: float = 600):
+                 backend: str | None = None, timeout_s: float = 600, _order: list[int] | None = None):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         if group is None:
             init_default_group(backend, timeout_s)
         self.group = group
         self.backend = dist.get_backend(group)
-        self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        # Global ranks of this group's members, for broadcast's src argument.
-        self._global = [dist.get_global_rank(group, r) if group is not None else r
-                        for r in range(self.size)]
+        # torch numbers a group's members by global rank; split() may ask for another order
+        # (by key). _order[i] is the group rank of our rank i; identity in the common case.
+        self._order = list(range(self.size)) if _order is None else list(_order)
+        self._identity = self._order == list(range(self.size))
+        self.rank = self._order.index(dist.get_rank(group))
+        # Global rank of each of our ranks, for src arguments.
+        self._global = [dist.get_global_rank(group, g) if group is not None else g for g in self._order]
         self._init_topology()
 
     # gloo (torch >= 2.1) and nccl (>= 2.10) both sum fp16 and bf16 in C++/CUDA.
@@ -141,15 +144,24 @@ class TorchCommunicator(Communicator):
             recv.copy_(send)
             return _DONE
         s, r = _as_bytes(send), _as_bytes(recv)
-        return _TorchWork(dist.all_to_all_single(r, s, group=self.group, async_op=True))
+        if self._identity:
+            return _TorchWork(dist.all_to_all_single(r, s, group=self.group, async_op=True))
+        # Reorder chunks from our rank order to the group's, and back on arrival.
+        s_chunks, r_chunks = s.view(self.size, -1), r.view(self.size, -1)
+        perm = torch.tensor(self._group_to_ours())
+        s_group = s_chunks[perm].contiguous().view(-1)
+        r_group = torch.empty_like(s_group)
+        return _TorchWork(dist.all_to_all_single(r_group, s_group, group=self.group, async_op=True),
+                          after=lambda: r_chunks.index_copy_(0, perm, r_group.view(self.size, -1)))
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         s, r = _as_bytes(send), _as_bytes(recv)
         if s.numel() == 0:
             return _DONE
-        # Views of recv's chunks: all_gather writes straight into them, no copy.
-        return _TorchWork(dist.all_gather(list(r.view(self.size, -1).unbind(0)), s,
-                                          group=self.group, async_op=True))
+        # Views of recv's chunks, in the group's order: all_gather writes straight into them.
+        chunks = r.view(self.size, -1).unbind(0)
+        outputs = [chunks[ours] for ours in self._group_to_ours()]
+        return _TorchWork(dist.all_gather(outputs, s, group=self.group, async_op=True))
 
     def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
         b = _as_bytes(buf)
@@ -168,18 +180,26 @@ class TorchCommunicator(Communicator):
     def _allgather_obj(self, obj: Any) -> list:
         out: list = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return [out[g] for g in self._order]
 
     def _split(self, color: int, key: int) -> "TorchCommunicator":
         # new_group must be called by every rank of the parent for every new group.
         triples = self._allgather_obj((color, key, self.rank))
-        mine = None
+        mine, order = None, None
         for c in sorted({t[0] for t in triples}):
-            members = [self._global[r] for _, _, r in sorted(t for t in triples if t[0] == c)]
-            g = dist.new_group(members, backend=self.backend)
+            by_key = [self._global[r] for _, _, r in sorted(t for t in triples if t[0] == c)]
+            g = dist.new_group(sorted(by_key), backend=self.backend)
             if c == color:
                 mine = g
-        return TorchCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine)
+                order = [sorted(by_key).index(glob) for glob in by_key]
+        return TorchCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine, _order=order)
+
+    def _group_to_ours(self) -> list[int]:
+        """Our rank of each group rank."""
+        inverse = [0] * self.size
+        for ours, g in enumerate(self._order):
+            inverse[g] = ours
+        return inverse
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
