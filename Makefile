@@ -20,5 +20,9 @@ test-unit: setup
 test-distributed: setup
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
 
+# Horovod 0.28.1 from source against the pinned torch (the wheel is kept in .horovod/).
+horovod: setup
+	bash scripts/build_horovod.sh $(VENV)
+
 clean:
 	rm -rf build *.egg-info commopt_ext/*.so .pytest_cache
