@@ -84,6 +84,23 @@ class Codec(ABC):
     def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
         """Write (``accumulate=False``) or add (``True``) the decoded values into fp32 ``out``."""
 
+    def decode_scaled(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
+        """Like ``decode`` but writes/adds ``alpha * decoded`` (error feedback uses ``-1``).
+
+        Codecs with fused kernels override this; the default decodes into a temporary.
+        """
+        if alpha == 1.0:
+            self.decode(wire, out, accumulate=accumulate)
+            return
+        tmp = torch.empty_like(out)
+        self.decode(wire, tmp, accumulate=False)
+        if accumulate:
+            out.add_(tmp, alpha=alpha)
+        else:
+            torch.mul(tmp, alpha, out=out)
+
     def wire_numel(self, numel: int) -> int:
         """Number of ``wire_dtype`` elements of the wire (linear codecs only)."""
         if self.wire_dtype is None:

@@ -41,6 +41,7 @@ DATA_IFNAME = "data0"
 CTL_IFNAME = "ctl0"
 MAX_SLOTS = 250
 MAX_HOSTS = 253
+ETC_NETNS = Path("/etc/netns")
 _LOCK_DIRS = ("/run/commopt-testbed", os.path.join(tempfile.gettempdir(), "commopt-testbed"))
 
 
@@ -154,8 +155,11 @@ def teardown(cluster: EmulatedCluster) -> None:
 def cleanup_stale() -> list[str]:
     """Remove namespaces of runs that died without cleaning up; return their names."""
     removed = []
+    existing = list_namespaces()
+    if ETC_NETNS.is_dir():  # a run killed between writing these and creating namespaces
+        existing += [p.name for p in ETC_NETNS.iterdir() if p.name not in existing]
     for slot in range(MAX_SLOTS):
-        names = _slot_namespaces(slot)
+        names = _slot_namespaces(slot, existing)
         if not names:
             continue
         fd = _try_lock(slot)
@@ -208,7 +212,10 @@ def _try_lock(slot: int) -> int | None:
 
 
 def _slot_namespaces(slot: int, names: list[str] | None = None) -> list[str]:
-    names = list_namespaces() if names is None else names
+    if names is None:
+        names = list_namespaces()
+        if ETC_NETNS.is_dir():
+            names += [p.name for p in ETC_NETNS.iterdir() if p.name not in names]
     return [n for n in names if n.startswith(f"{PREFIX}{slot}-")]
 
 
@@ -236,6 +243,7 @@ def _allocate(n_hosts: int, rate_bits: int | None) -> EmulatedCluster:
 
 
 def _build(c: EmulatedCluster) -> None:
+    _write_hosts_files(c)
     _run(["ip", "-batch", "-"], input="".join(f"netns add {ns}\n" for ns in c.namespaces))
     sw = ["link set lo up",
           "link add brdata type bridge", "link set brdata addrgenmode none", "link set brdata up",
@@ -266,7 +274,22 @@ def _build(c: EmulatedCluster) -> None:
                  input=tbf_command(DATA_IFNAME, c.rate_bits) + "\n")
 
 
+def _write_hosts_files(c: EmulatedCluster) -> None:
+    # `ip netns exec NS` shows /etc/netns/NS/hosts as /etc/hosts: the hosts resolve each
+    # other's names to data addresses, as a cluster's DNS would (and gloo or c10d can look
+    # up the peers they see).
+    lines = ["127.0.0.1 localhost"] + [f"{h.data_ip} {h.name}" for h in c.hosts]
+    for ns in c.namespaces:
+        d = ETC_NETNS / ns
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "hosts").write_text("\n".join(lines) + "\n")
+
+
 def _remove_namespaces(names: list[str]) -> None:
+    for n in names:
+        shutil.rmtree(ETC_NETNS / n, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        ETC_NETNS.rmdir()  # only if empty: other tools (and other runs) may use it
     existing = set(list_namespaces())
     names = [n for n in names if n in existing]
     if not names:

@@ -349,6 +349,6 @@ def test_doctor_command_report_json_and_profile(capsys, monkeypatch):
     assert main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["snapshot"]["env"]["NCCL_SOCKET_NTHREADS"] == "16"
-    assert [f["code"] for f in data["findings"]] == ["nccl-socket-limit"]
+    assert "nccl-socket-limit" in [f["code"] for f in data["findings"]]
     assert main(["doctor", "--profile", "tcp"]) == 0
     assert "export NCCL_SOCKET_IFNAME=" in capsys.readouterr().out

@@ -1,0 +1,195 @@
+"""Codec kernel throughput: native vs plain-torch reference, against memcpy of the same buffer.
+
+Measures, in one run and on one buffer of float32 gradients, the encode and decode
+throughput (GB/s of float32 input) of every codec's kernels, next to the memcpy bandwidth
+of that buffer (``dst.copy_(src)``, the physical limit the issue's targets are stated in),
+on one core (``--threads 1``, the default) or more. Also prints the wire size of each codec
+relative to float32. With a CUDA device (and CuPy) it measures the CUDA kernels against a
+device-to-device copy of the same buffer.
+
+    python benchmarks/codec_perf.py                 # 64 MiB buffer, one core
+    python benchmarks/codec_perf.py --mib 16 --threads 2 --json out.json
+
+Targets (issue 3): QSGD 4-bit/128 wire <= 0.14 of fp32; native QSGD encode and decode each
+>= 10x the reference and >= 15% of memcpy on one core; CUDA encode >= 60% of device memory
+bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from commopt import kernels
+from commopt.codecs import get_codec
+
+QSGD_CASES = [  # (label, bits, bucket, norm, stochastic)
+    ("qsgd4 b128 max stochastic", 4, 128, "max", True),
+    ("qsgd2 b128 max stochastic", 2, 128, "max", True),
+    ("qsgd8 b128 max stochastic", 8, 128, "max", True),
+    ("qsgd4 b128 l2 stochastic", 4, 128, "l2", True),
+    ("qsgd4 b128 max nearest", 4, 128, "max", False),
+]
+CAST_CASES = [("fp16", torch.float16), ("bf16", torch.bfloat16)]
+
+
+def best_seconds(fn, reps: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_cpu(numel: int, threads: int, reps: int, ref_reps: int) -> dict:
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    gb = numel * 4 / 1e9
+    dst = torch.empty_like(x)
+    memcpy = gb / best_seconds(lambda: dst.copy_(x), reps)
+    rows = []
+    for label, bits, bucket, norm, stochastic in QSGD_CASES:
+        lv = 2 ** (bits - 1) - 1
+        wire = torch.empty(kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket), dtype=torch.uint8)
+        out = torch.zeros(numel)
+        row = {"codec": label, "wire_ratio": wire.numel() / (numel * 4)}
+        for impl in ("native", "reference"):
+            if impl == "native" and not kernels.native_available():
+                continue
+            extra = {"threads": threads} if impl == "native" else {}
+            n_reps = reps if impl == "native" else ref_reps
+            enc = best_seconds(lambda: kernels.qsgd_encode(
+                x, wire, bits=bits, levels=lv, bucket_size=bucket, key=(1, 2), norm=norm,
+                stochastic=stochastic, impl=impl, **extra), n_reps)
+            dec = best_seconds(lambda: kernels.qsgd_decode(
+                wire, out, bits=bits, levels=lv, bucket_size=bucket, accumulate=True, impl=impl,
+                **extra), n_reps)
+            row[f"{impl}_encode"] = gb / enc
+            row[f"{impl}_decode"] = gb / dec
+        rows.append(row)
+    for label, dtype in CAST_CASES:
+        wire = torch.empty(numel, dtype=dtype)
+        out = torch.zeros(numel)
+        row = {"codec": label, "wire_ratio": wire.element_size() / 4}
+        for impl in ("native", "reference"):
+            if impl == "native" and not kernels.native_available():
+                continue
+            extra = {"threads": threads} if impl == "native" else {}
+            row[f"{impl}_encode"] = gb / best_seconds(
+                lambda: kernels.cast_encode(x, wire, scale=0.125, impl=impl, **extra), reps)
+            row[f"{impl}_decode"] = gb / best_seconds(
+                lambda: kernels.cast_decode(wire, out, accumulate=True, impl=impl, **extra), reps)
+        rows.append(row)
+    return {"device": cpu_model(), "threads": threads, "numel": numel, "memcpy": memcpy, "rows": rows}
+
+
+def run_cuda(numel: int, reps: int) -> dict | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return {"skipped": "CuPy not installed (pip install cupy-cuda12x)"}
+    x = torch.randn(numel, device="cuda")
+    gb = numel * 4 / 1e9
+    dst = torch.empty_like(x)
+    sync = torch.cuda.synchronize
+    # a copy reads and writes every byte: device bandwidth = 2 * bytes / time
+    copy_s = best_seconds(lambda: dst.copy_(x), reps, sync)
+    rows = []
+    for label, bits, bucket, norm, stochastic in QSGD_CASES:
+        lv = 2 ** (bits - 1) - 1
+        wire = torch.empty(kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket), dtype=torch.uint8,
+                           device="cuda")
+        out = torch.zeros(numel, device="cuda")
+        enc = best_seconds(lambda: kernels.qsgd_encode(x, wire, bits=bits, levels=lv, bucket_size=bucket,
+                                                       key=(1, 2), norm=norm, stochastic=stochastic), reps, sync)
+        dec = best_seconds(lambda: kernels.qsgd_decode(wire, out, bits=bits, levels=lv, bucket_size=bucket,
+                                                       accumulate=True), reps, sync)
+        # bytes the encode must move: read x, write the wire
+        rows.append({"codec": label, "encode": gb / enc, "decode": gb / dec,
+                     "encode_bytes_moved_GBps": (numel * 4 + wire.numel()) / enc / 1e9})
+    return {"device": torch.cuda.get_device_name(), "numel": numel,
+            "device_bandwidth_GBps": 2 * gb / copy_s, "rows": rows}
+
+
+def render(cpu: dict, cuda: dict | None) -> str:
+    mc = cpu["memcpy"]
+    lines = [
+        f"CPU: {cpu['device']}, threads={cpu['threads']}, buffer {cpu['numel'] * 4 / 2**20:.0f} MiB fp32",
+        f"memcpy of the same buffer: {mc:.2f} GB/s",
+        "",
+        "| codec | wire / fp32 | native enc GB/s | ref enc GB/s | enc x ref | enc / memcpy "
+        "| native dec GB/s | ref dec GB/s | dec x ref | dec / memcpy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in cpu["rows"]:
+        ne, re_, nd, rd = (r.get(k, float("nan")) for k in
+                           ("native_encode", "reference_encode", "native_decode", "reference_decode"))
+        lines.append(f"| {r['codec']} | {r['wire_ratio']:.4f} | {ne:.2f} | {re_:.3f} | {ne / re_:.0f}x | "
+                     f"{ne / mc:.0%} | {nd:.2f} | {rd:.3f} | {nd / rd:.0f}x | {nd / mc:.0%} |")
+    q4 = cpu["rows"][0]
+    checks = [
+        ("QSGD 4-bit/128 wire <= 0.14 of fp32", q4["wire_ratio"] <= 0.14),
+        ("native QSGD4 encode >= 10x reference", q4.get("native_encode", 0) >= 10 * q4["reference_encode"]),
+        ("native QSGD4 decode >= 10x reference", q4.get("native_decode", 0) >= 10 * q4["reference_decode"]),
+        ("native QSGD4 encode >= 15% of memcpy", q4.get("native_encode", 0) >= 0.15 * mc),
+        ("native QSGD4 decode >= 15% of memcpy", q4.get("native_decode", 0) >= 0.15 * mc),
+    ]
+    lines.append("")
+    lines += [f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in checks]
+    lines.append("")
+    if cuda is None:
+        lines.append("CUDA: no GPU on this machine; CUDA throughput not measured.")
+    elif "skipped" in cuda:
+        lines.append(f"CUDA: {cuda['skipped']}")
+    else:
+        bw = cuda["device_bandwidth_GBps"]
+        lines.append(f"CUDA: {cuda['device']}, device copy bandwidth {bw:.0f} GB/s")
+        lines.append("| codec | encode GB/s | encode / bandwidth | decode GB/s |")
+        lines.append("|---|---|---|---|")
+        for r in cuda["rows"]:
+            lines.append(f"| {r['codec']} | {r['encode']:.0f} | {r['encode'] / bw:.0%} | {r['decode']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=float, default=64, help="buffer size in MiB of float32 (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one core)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions, best kept (native, memcpy)")
+    parser.add_argument("--ref-reps", type=int, default=2, help="repetitions of the slow reference")
+    parser.add_argument("--json", help="also write the raw numbers here")
+    args = parser.parse_args(argv)
+    numel = int(args.mib * 2**20) // 4
+    cpu = run_cpu(numel, args.threads, args.reps, args.ref_reps)
+    cuda = run_cuda(numel, args.reps)
+    print(render(cpu, cuda))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"cpu": cpu, "cuda": cuda, "codecs": {n: get_codec(n).encoded_nbytes(numel) / (4 * numel)
+                                                            for n in ("none", "fp16", "qsgd2", "qsgd4", "qsgd8")}},
+                      fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""ctypes binding of the C++ kernels in ``commopt_ext/cpu_kernels.cpp`` (``commopt_ext._cpu``).
+
+Called through :mod:`commopt.kernels`, which validates arguments first; these functions
+trust their inputs (contiguous CPU tensors of the right dtype and size).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+
+import torch
+
+#: must match commopt_abi_version() in cpu_kernels.cpp.
+ABI_VERSION = 2
+
+_lib = None
+_load_error: str | None = None
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _find_library() -> Path | None:
+    spec = importlib.util.find_spec("commopt_ext")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = Path(folder) / f"_cpu{suffix}"
+            if path.exists():
+                return path
+    return None
+
+
+def load():
+    """The loaded library, or None when it is missing or from another ABI version."""
+    global _lib, _load_error
+    if _lib is not None or _load_error is not None:
+        return _lib
+    path = _find_library()
+    if path is None:
+        _load_error = "commopt_ext._cpu not found"
+        return None
+    lib = ctypes.CDLL(str(path))
+    version = lib.commopt_abi_version() if hasattr(lib, "commopt_abi_version") else 0
+    if version != ABI_VERSION:
+        _load_error = f"{path} has ABI {version}, expected {ABI_VERSION}: rebuild it"
+        return None
+    vp, i64, i32, u32, f32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32,
+                              ctypes.c_float)
+    lib.commopt_qsgd_encode.argtypes = [vp, vp, i64, i32, i32, i64, i32, i32, u32, u32, f32,
+                                        i32, i32]
+    lib.commopt_qsgd_encode.restype = i32
+    lib.commopt_qsgd_decode.argtypes = [vp, vp, i64, i32, i32, i64, i32, i32, f32, i32]
+    lib.commopt_qsgd_decode.restype = i32
+    lib.commopt_cast_encode.argtypes = [vp, vp, i64, i32, f32, i32]
+    lib.commopt_cast_encode.restype = i32
+    lib.commopt_cast_decode.argtypes = [vp, vp, i64, i32, i32, f32, i32]
+    lib.commopt_cast_decode.restype = i32
+    _lib = lib
+    return _lib
+
+
+def load_error() -> str | None:
+    load()
+    return _load_error
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, int(threads) if threads else torch.get_num_threads())
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native {what} failed with code {rc} (invalid arguments)")
+
+
+def qsgd_encode(x, out, *, bits, levels, bucket_size, key, norm, stochastic, scale,
+                scale_bytes, threads=None) -> None:
+    rc = load().commopt_qsgd_encode(
+        x.data_ptr(), out.data_ptr(), x.numel(), bits, levels, bucket_size,
+        1 if norm == "l2" else 0, 1 if stochastic else 0, key[0], key[1], scale, scale_bytes,
+        _threads(threads))
+    _check(rc, "qsgd_encode")
+
+
+def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scale_bytes,
+                threads=None) -> None:
+    rc = load().commopt_qsgd_decode(
+        wire.data_ptr(), out.data_ptr(), out.numel(), bits, levels, bucket_size, scale_bytes,
+        1 if accumulate else 0, alpha, _threads(threads))
+    _check(rc, "qsgd_decode")
+
+
+def cast_encode(x, out, *, scale, threads=None) -> None:
+    rc = load().commopt_cast_encode(x.data_ptr(), out.data_ptr(), x.numel(),
+                                    _DTYPE_CODE[out.dtype], scale, _threads(threads))
+    _check(rc, "cast_encode")
+
+
+def cast_decode(wire, out, *, accumulate, alpha, threads=None) -> None:
+    rc = load().commopt_cast_decode(wire.data_ptr(), out.data_ptr(), out.numel(),
+                                    _DTYPE_CODE[wire.dtype], 1 if accumulate else 0, alpha,
+                                    _threads(threads))
+    _check(rc, "cast_decode")

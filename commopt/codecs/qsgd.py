@@ -1,0 +1,121 @@
+"""QSGD: per-bucket scale plus a stochastically rounded sign+level code per element.
+
+Each bucket of ``bucket_size`` consecutive elements (one tensor's elements only: the
+reducer aligns tensors to ``alignment``) gets a level spacing ``step = norm / levels``
+(``norm`` the max-abs or the l2 norm of the bucket, the quotient rounded up so that
+``levels * step >= norm``). Element ``v`` becomes ``sign(v) * q`` with ``q`` in
+``[0, levels]`` chosen between ``floor(|v| / step)`` and the level above by unbiased
+stochastic rounding (or round to nearest with ``stochastic=False``); decoding gives
+``sign * q * step``. Wire: the scales (float32, or float16 rounded up), then the codes
+packed ``bits`` bits each, little-endian, zero padded to a multiple of 4 bytes. See
+docs/codecs.md for the error bound and the random numbers.
+
+    >>> import torch
+    >>> from commopt.codecs import QSGD, RngKey
+    >>> codec = QSGD(bits=4, bucket_size=128)
+    >>> codec.encoded_nbytes(1024) / (1024 * 4)    # vs float32
+    0.1328125
+    >>> x = torch.randn(1000)
+    >>> wire = torch.empty(codec.encoded_nbytes(1000), dtype=torch.uint8)
+    >>> codec.encode(x, wire, rng=RngKey(seed=0, rank=0, step=0))
+    >>> out = torch.zeros(1000)
+    >>> codec.decode(wire, out)
+    >>> bool(((out - x).abs() <= x.abs().max() / 7 * 1.0001).all())
+    True
+
+NaN or Inf in a bucket makes its scale non-finite, so every value decoded from that bucket
+is NaN: a non-finite gradient is never hidden, and the optimizer's check reports it.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from commopt import kernels
+from commopt.codecs._wire import check_values, check_wire
+from commopt.codecs.base import Codec, RngKey
+
+
+class QSGD(Codec):
+    """Stochastic quantisation with ``bits`` bits per element (2, 4 or 8)."""
+
+    linear = False
+    wire_dtype = None
+
+    def __init__(
+        self,
+        bits: int = 4,
+        bucket_size: int = 128,
+        scale: str = "max",
+        stochastic: bool = True,
+        *,
+        levels: int | None = None,
+        scale_dtype: torch.dtype = torch.float32,
+    ):
+        if bits not in kernels.QSGD_BITS:
+            raise ValueError(f"QSGD bits must be one of {kernels.QSGD_BITS}, got {bits}")
+        max_levels = 2 ** (bits - 1) - 1
+        levels = max_levels if levels is None else int(levels)
+        if not 1 <= levels <= max_levels:
+            raise ValueError(f"QSGD levels must be in [1, {max_levels}] for {bits} bits, got {levels}")
+        if int(bucket_size) < 1:
+            raise ValueError(f"QSGD bucket_size must be >= 1, got {bucket_size}")
+        if scale not in kernels.NORMS:
+            raise ValueError(f"QSGD scale must be one of {kernels.NORMS}, got {scale!r}")
+        if scale_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"QSGD scale_dtype must be torch.float32 or torch.float16, got {scale_dtype}")
+        self.bits = bits
+        self.levels = levels
+        self.bucket_size = int(bucket_size)
+        self.norm = scale
+        self.stochastic = bool(stochastic)
+        self.scale_dtype = scale_dtype
+        self.alignment = self.bucket_size
+        self._scale_bytes = 4 if scale_dtype == torch.float32 else 2
+        self.name = f"qsgd{bits}"
+
+    def _params(self) -> dict:
+        return dict(bits=self.bits, levels=self.levels, bucket_size=self.bucket_size,
+                    scale_bytes=self._scale_bytes)
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return kernels.qsgd_nbytes(int(numel), bits=self.bits, bucket_size=self.bucket_size,
+                                   scale_bytes=self._scale_bytes)
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        rng: RngKey | None = None,
+        key: Hashable | None = None,
+    ) -> None:
+        flat = check_values(self, x, "x")
+        check_wire(self, out, flat.numel(), "output")
+        if rng is None:
+            # Without a key the draw is not reproducible; the reducer always passes one.
+            words = tuple(int(w) for w in torch.randint(0, 2**32, (2,), dtype=torch.int64))
+        else:
+            words = kernels.rng_words(rng.seed, rng.rank, rng.step, rng.stream)
+        kernels.qsgd_encode(flat, out, key=words, norm=self.norm, stochastic=self.stochastic,
+                            scale=scale, **self._params())
+
+    def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
+        self.decode_scaled(wire, out, accumulate=accumulate)
+
+    def decode_scaled(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False,
+                      alpha: float = 1.0) -> None:
+        """``decode`` writing ``alpha * decoded`` (error feedback uses ``alpha=-1``)."""
+        flat = check_values(self, out, "out")
+        check_wire(self, wire, flat.numel(), "wire")
+        kernels.qsgd_decode(wire, flat, accumulate=accumulate, alpha=alpha, **self._params())
+
+    def __repr__(self) -> str:
+        extra = "" if self.stochastic else ", stochastic=False"
+        if self.levels != 2 ** (self.bits - 1) - 1:
+            extra += f", levels={self.levels}"
+        if self.scale_dtype != torch.float32:
+            extra += ", scale_dtype=torch.float16"
+        return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, scale={self.norm!r}{extra})"

@@ -1,0 +1,56 @@
+"""``get_codec``: codecs by name.
+
+    >>> get_codec("qsgd4+ef")
+    ErrorFeedback(QSGD(bits=4, bucket_size=128, scale='max'))
+    >>> get_codec("fp16").name
+    'fp16'
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from commopt.codecs.base import Codec
+from commopt.codecs.cast import CastCodec, NoneCodec
+from commopt.codecs.error_feedback import ErrorFeedback
+from commopt.codecs.qsgd import QSGD
+
+_FACTORIES: dict[str, Callable[[], Codec]] = {
+    "none": NoneCodec,
+    "fp32": NoneCodec,
+    "fp16": lambda: CastCodec(torch.float16),
+    "bf16": lambda: CastCodec(torch.bfloat16),
+    "qsgd2": lambda: QSGD(bits=2, bucket_size=128),
+    "qsgd4": lambda: QSGD(bits=4, bucket_size=128),
+    "qsgd8": lambda: QSGD(bits=8, bucket_size=128),
+}
+EF_SUFFIX = "+ef"
+
+
+def codec_names() -> list[str]:
+    """Every name ``get_codec`` accepts (each also with the ``+ef`` suffix)."""
+    return list(_FACTORIES)
+
+
+def get_codec(spec: str | Codec | None) -> Codec:
+    """A codec from a name (``"none"``, ``"fp16"``, ``"qsgd4+ef"``...) or a Codec (returned as is)."""
+    if spec is None:
+        return NoneCodec()
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"codec spec must be a name or a Codec, got {type(spec).__name__}")
+    name = spec.strip().lower()
+    ef = name.endswith(EF_SUFFIX)
+    if ef:
+        name = name[: -len(EF_SUFFIX)]
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        valid = ", ".join(codec_names())
+        raise ValueError(
+            f"unknown codec {spec!r}; valid names: {valid} (append '+ef' for error feedback), "
+            "or pass a Codec instance such as commopt.codecs.QSGD(bits=4, bucket_size=128)"
+        )
+    codec = factory()
+    return ErrorFeedback(codec) if ef else codec

@@ -1,0 +1,390 @@
+"""Allreduce algorithms over a Communicator, for flat fp32 buffers and any Codec.
+
+``allreduce(comm, flat, codec)`` leaves in ``flat`` the mean (or the sum) over all ranks,
+as every rank sees it bit for bit the same:
+
+    >>> import torch, commopt
+    >>> from commopt import collectives
+    >>> comm = commopt.create_communicator("local")
+    >>> x = torch.tensor([1.0, 2.0, 3.0])
+    >>> collectives.allreduce(comm, x, None, algorithm="scatter_reduce").wait()
+    >>> x.tolist()
+    [1.0, 2.0, 3.0]
+
+Algorithms (``algorithm=``):
+
+``native``
+    the transport sums the encoded buffer itself. Only for linear codecs whose wire dtype
+    the transport sums (``comm.supports_sum(codec.wire_dtype)``), or no codec at all.
+``scatter_reduce``
+    encode each peer's chunk, alltoall, decode-and-add in fp32, re-encode the reduced
+    chunk, allgather, decode. Works for every codec (the published QSGD/CGX scheme); chunk
+    boundaries fall on multiples of ``codec.alignment`` so chunking never changes how a
+    quantization bucket is encoded.
+``hierarchical``
+    with several ranks per node: reduce-scatter inside the node in fp32 (uncompressed),
+    the compressed algorithm across nodes on each shard, allgather inside the node.
+    The intra/inter communicators are built once per communicator (``comm.split``).
+``auto`` (default)
+    identity for a world of one, hierarchical when there are several nodes with the same
+    number (> 1) of ranks each, else native when possible, else scatter_reduce.
+
+Averaging (``average=True``) divides by the world size *before* encoding, so a 16-bit sum
+cannot overflow where the mean would not.
+
+Asynchrony: ``async_op=True`` encodes the first stage on the calling thread and returns a
+:class:`~commopt.comm.base.Work` at once; the rest (transfers, decode, re-encode) runs on
+one worker thread per communicator, in issue order, so every rank issues the transport's
+collectives in the same order while the caller encodes the next buffer. Do not call the
+communicator's own collectives while an asynchronous allreduce is in flight: wait first.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from commopt.codecs.base import Codec, RngKey
+from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
+
+__all__ = [
+    "ALGORITHMS", "allreduce", "choose_algorithm", "chunk_bounds", "hierarchy", "drain", "then",
+]
+
+ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
+
+# RNG stream layout: the caller's stream, then the phase, then the chunk index.
+_PHASE_SCATTER = 0
+_PHASE_GATHER = 1
+_CHUNK_BITS = 15
+
+
+# -- the worker that runs the later stages ------------------------------------------------
+class _Driver:
+    """One thread per communicator that runs collective stages in issue order."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commopt-collectives")
+        self._lock = threading.Lock()
+        self._last: FutureWork | None = None
+
+    def submit(self, fn: Callable[[], None]) -> FutureWork:
+        with self._lock:
+            work = FutureWork(self._pool.submit(fn))
+            self._last = work
+            return work
+
+    def drain(self) -> None:
+        """Wait for everything submitted so far (re-raises the last job's error)."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            last.wait()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_DRIVERS: "weakref.WeakKeyDictionary[Communicator, _Driver]" = weakref.WeakKeyDictionary()
+_DRIVERS_LOCK = threading.Lock()
+_DONE = CompletedWork()
+
+
+def _driver(comm: Communicator) -> _Driver:
+    with _DRIVERS_LOCK:
+        drv = _DRIVERS.get(comm)
+        if drv is None:
+            drv = _DRIVERS[comm] = _Driver()
+            # The thread must not outlive the communicator's resources.
+            weakref.finalize(comm, drv.shutdown)
+        return drv
+
+
+def then(comm: Communicator, fn: Callable[[], None]) -> Work:
+    """Run ``fn`` after every asynchronous allreduce issued on ``comm`` so far, in order.
+
+    ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
+    the allreduces run, so every rank still issues them in the same order.
+    """
+    if comm.size == 1 and _DRIVERS.get(comm) is None:
+        fn()
+        return _DONE
+    return _driver(comm).submit(fn)
+
+
+def drain(comm: Communicator) -> None:
+    """Wait until every asynchronous allreduce issued on ``comm`` has finished."""
+    drv = _DRIVERS.get(comm)
+    if drv is not None:
+        drv.drain()
+
+
+# -- a codec for "no codec": the buffer's own dtype, exact ------------------------------------
+class _Exact(Codec):
+    """Identity codec over any dtype (used when ``codec`` is None)."""
+
+    name = "exact"
+    linear = True
+
+    def __init__(self, dtype: torch.dtype):
+        self.wire_dtype = dtype
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return numel * self._itemsize
+
+    def encode(self, x, out, *, scale=1.0, rng=None, key=None) -> None:
+        dst = out.view(self.wire_dtype)[: x.numel()]
+        if scale == 1.0:
+            dst.copy_(x)
+        else:
+            torch.mul(x, scale, out=dst)
+
+    def decode(self, wire, out, *, accumulate=False) -> None:
+        src = wire.view(self.wire_dtype)[: out.numel()]
+        if accumulate:
+            out.add_(src)
+        else:
+            out.copy_(src)
+
+
+# -- geometry -------------------------------------------------------------------------------
+def chunk_bounds(numel: int, parts: int, alignment: int = 1) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``parts`` chunks starting at multiples of ``alignment``.
+
+    All chunks but the trailing ones have the same length; trailing chunks may be shorter
+    or empty.
+
+        >>> chunk_bounds(10, 3, 4)
+        [(0, 4), (4, 8), (8, 10)]
+        >>> chunk_bounds(5, 4, 4)
+        [(0, 4), (4, 5), (5, 5), (5, 5)]
+    """
+    alignment = max(1, int(alignment))
+    units = math.ceil(numel / alignment)
+    step = math.ceil(units / parts) * alignment if units else 0
+    return [(min(i * step, numel), min((i + 1) * step, numel)) for i in range(parts)]
+
+
+def _chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:
+    if rng is None:
+        return None
+    stream = (rng.stream << (_CHUNK_BITS + 1)) | (phase << _CHUNK_BITS) | index
+    return RngKey(rng.seed, rng.rank, rng.step, stream)
+
+
+def _sub_key(key, suffix: str):
+    return None if key is None else f"{key}/{suffix}"
+
+
+# -- algorithm choice ---------------------------------------------------------------------------
+def _uniform_nodes(comm: Communicator) -> bool:
+    names = getattr(comm, "node_names", None)
+    if not names or len(names) != comm.size:
+        return False
+    counts: dict[str, int] = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    return len(set(counts.values())) == 1
+
+
+def _native_ok(comm: Communicator, codec: Codec) -> bool:
+    return bool(codec.linear) and codec.wire_dtype is not None and comm.supports_sum(codec.wire_dtype)
+
+
+def choose_algorithm(comm: Communicator, codec: Codec | None) -> str:
+    """The algorithm ``algorithm="auto"`` picks for this communicator and codec."""
+    if comm.size == 1:
+        return "identity"
+    if comm.inter_size > 1 and comm.intra_size > 1 and _uniform_nodes(comm):
+        return "hierarchical"
+    if codec is None or _native_ok(comm, codec):
+        return "native"
+    return "scatter_reduce"
+
+
+def _check(comm: Communicator, flat: torch.Tensor, codec: Codec | None, algorithm: str) -> None:
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError("allreduce needs a contiguous 1-D tensor (flatten it first)")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if codec is not None:
+        if not isinstance(codec, Codec):
+            raise TypeError(f"codec must be a commopt Codec or None, got {type(codec).__name__}")
+        if flat.dtype != torch.float32:
+            raise TypeError(f"codecs encode float32 buffers; got {flat.dtype} (use codec=None)")
+    if algorithm == "native" and codec is not None and not _native_ok(comm, codec):
+        raise ValueError(
+            f"algorithm='native' needs a linear codec whose wire dtype the transport sums; "
+            f"codec {codec.name} (linear={codec.linear}, wire {codec.wire_dtype}) on "
+            f"{type(comm).__name__}: use algorithm='scatter_reduce' or 'auto'"
+        )
+    if algorithm == "hierarchical" and not _uniform_nodes(comm):
+        raise ValueError(
+            "algorithm='hierarchical' needs the same number of ranks on every node; "
+            f"nodes here: {getattr(comm, 'node_names', '?')}. Use algorithm='auto'."
+        )
+
+
+# -- public entry ---------------------------------------------------------------------------
+def allreduce(
+    comm: Communicator,
+    flat: torch.Tensor,
+    codec: Codec | None = None,
+    *,
+    average: bool = True,
+    algorithm: str = "auto",
+    async_op: bool = False,
+    scale: float = 1.0,
+    rng: RngKey | None = None,
+    key: str | None = None,
+) -> Work:
+    """Reduce ``flat`` over all ranks of ``comm`` through ``codec``, in place.
+
+    ``codec=None`` reduces exactly in ``flat``'s own dtype. ``scale`` multiplies the
+    result (applied before encoding, with the 1/size of ``average``). ``rng`` keys the
+    random numbers of stochastic codecs (each chunk gets its own stream); ``key`` names the
+    buffer for stateful codecs (error feedback keeps one residual per key and chunk).
+    Returns a Work; with ``async_op=False`` it is already complete.
+    """
+    _check(comm, flat, codec, algorithm)
+    if algorithm == "auto":
+        algorithm = choose_algorithm(comm, codec)
+    factor = float(scale) / comm.size if average else float(scale)
+    if flat.numel() == 0:
+        return _DONE
+    if algorithm == "identity":
+        if comm.size != 1:
+            raise ValueError("algorithm='identity' is only valid for a world of one")
+        if factor != 1.0:
+            flat.mul_(factor)
+        return _DONE
+    plan = _PLANS[algorithm](comm, flat, codec or _Exact(flat.dtype), factor, rng, key)
+    if comm.size == 1 and _DRIVERS.get(comm) is None:
+        plan()  # a world of one completes at once, on the caller's thread
+        return _DONE
+    work = _driver(comm).submit(plan)
+    if not async_op:
+        work.wait()
+    return work
+
+
+# Each plan runs its first stage on the caller's thread and returns the rest as a callable
+# (run on the driver thread, or at once).
+def _plan_native(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
+    if codec.wire_dtype == flat.dtype:
+        # A cast to the buffer's own dtype is the identity: reduce the buffer in place.
+        if factor != 1.0:
+            flat.mul_(factor)
+        return lambda: comm.allreduce(flat)
+    wire = torch.empty(codec.encoded_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
+    codec.encode(flat, wire, scale=factor, rng=rng, key=key)
+
+    def finish() -> None:
+        comm.allreduce(wire.view(codec.wire_dtype))
+        codec.decode(wire, flat, accumulate=False)
+
+    return finish
+
+
+def _plan_scatter_reduce(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
+    size, rank = comm.size, comm.rank
+    bounds = chunk_bounds(flat.numel(), size, codec.alignment)
+    slot = codec.encoded_nbytes(bounds[0][1] - bounds[0][0])
+    send = torch.empty(size * slot, dtype=torch.uint8, device=flat.device)
+    for j, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            codec.encode(flat[lo:hi], send[j * slot: j * slot + codec.encoded_nbytes(hi - lo)],
+                         scale=factor, rng=_chunk_rng(rng, _PHASE_SCATTER, j),
+                         key=_sub_key(key, f"rs{j}"))
+
+    def finish() -> None:
+        recv = torch.empty_like(send)
+        comm.alltoall(send, recv)
+        lo, hi = bounds[rank]
+        n = hi - lo
+        mine = flat[lo:hi]
+        if n:
+            nbytes = codec.encoded_nbytes(n)
+            # Fixed rank order: the owner's sum does not depend on arrival order.
+            for i in range(size):
+                codec.decode(recv[i * slot: i * slot + nbytes], mine, accumulate=i > 0)
+            # recv's own slot is consumed: it becomes the allgather input.
+            codec.encode(mine, recv[rank * slot: rank * slot + nbytes], scale=1.0,
+                         rng=_chunk_rng(rng, _PHASE_GATHER, 0), key=_sub_key(key, "ag"))
+        # send is free once the alltoall is done: it receives everyone's reduced chunk.
+        comm.allgather(recv[rank * slot: (rank + 1) * slot], send)
+        # Every rank, the owner included, decodes the same bytes: identical results.
+        for j, (clo, chi) in enumerate(bounds):
+            if chi > clo:
+                codec.decode(send[j * slot: j * slot + codec.encoded_nbytes(chi - clo)],
+                             flat[clo:chi], accumulate=False)
+
+    return finish
+
+
+def _plan_hierarchical(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
+    def finish() -> None:
+        intra, inter = hierarchy(comm)
+        n = flat.numel()
+        bounds = chunk_bounds(n, intra.size, codec.alignment)
+        shard_len = bounds[0][1] - bounds[0][0]
+        padded_len = shard_len * intra.size
+        if padded_len == n:
+            padded = flat
+        else:
+            padded = torch.zeros(padded_len, dtype=flat.dtype, device=flat.device)
+            padded[:n].copy_(flat)
+        # 1. reduce-scatter inside the node, uncompressed (fp32, fast links).
+        recv = torch.empty_like(padded)
+        intra.alltoall(padded, recv)
+        pieces = recv.view(intra.size, shard_len)
+        shard = pieces[0].clone()
+        for i in range(1, intra.size):
+            shard.add_(pieces[i])
+        # 2. the compressed algorithm across nodes, on this rank's shard.
+        if inter.size > 1:
+            inner = choose_algorithm(inter, codec)
+            _PLANS[inner](inter, shard, codec, factor, rng, _sub_key(key, "x"))()
+        elif factor != 1.0:
+            shard.mul_(factor)
+        # 3. allgather inside the node.
+        intra.allgather(shard, padded)
+        if padded is not flat:
+            flat.copy_(padded[:n])
+
+    return finish
+
+
+_PLANS = {
+    "native": _plan_native,
+    "scatter_reduce": _plan_scatter_reduce,
+    "hierarchical": _plan_hierarchical,
+}
+
+
+# -- intra/inter communicators ------------------------------------------------------------------
+_HIERARCHY: "weakref.WeakKeyDictionary[Communicator, tuple[Communicator, Communicator]]" = (
+    weakref.WeakKeyDictionary()
+)
+_HIERARCHY_LOCK = threading.Lock()
+
+
+def hierarchy(comm: Communicator) -> tuple[Communicator, Communicator]:
+    """(intra-node, inter-node) communicators of ``comm``, built once and cached.
+
+    A collective call on first use: every rank must reach it in the same order (the
+    collectives call it from their worker thread, in issue order).
+    """
+    with _HIERARCHY_LOCK:
+        pair = _HIERARCHY.get(comm)
+        if pair is None:
+            # Both splits are collective over ``comm``: same order on every rank.
+            intra = comm.split(comm.inter_rank, comm.intra_rank)
+            inter = comm.split(comm.intra_rank, comm.inter_rank)
+            pair = _HIERARCHY[comm] = (intra, inter)
+        return pair

@@ -1,0 +1,242 @@
+"""Horovod transport over ``horovod.torch`` (``make horovod`` builds it for this machine).
+
+    $ mpirun -np 2 python -c "
+    import torch, commopt
+    comm = commopt.create_communicator('horovod')
+    t = torch.full((4,), float(comm.rank)); comm.allreduce(t); print(comm.rank, t.tolist())"
+
+It also runs under ``horovodrun -np 2 python train.py``. Horovod's background thread
+carries every operation; the asynchronous forms return a Work around Horovod's handle
+(``wait`` is ``hvd.synchronize``, ``is_completed`` is ``hvd.poll``).
+
+Names: every operation gets a name from its communicator and a per-communicator counter, so
+Horovod matches the same call on every rank even when sub-communicators (process sets) run
+different numbers of operations.
+
+Data types: Horovod 0.28 sums fp32, fp64, fp16, int32 and int64. It has no bfloat16, so a
+bf16 ``allreduce`` is summed in fp32 and rounded once at the end (twice the bytes on the
+wire; ``supports_sum(torch.bfloat16)`` is False so commopt's collectives move bf16 wires
+with alltoall/allgather and accumulate in fp32 themselves). Data movement (alltoall,
+allgather, broadcast) of bf16 travels as raw 16-bit words.
+
+``split`` registers Horovod process sets, which every rank of the job must do together:
+split the top-level communicator (all ranks call it), not a communicator made by split.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from commopt.comm.base import CompletedWork, Communicator, Work, dumps, loads
+
+_DONE = CompletedWork()
+_OWNS_INIT = False  # True when this module called hvd.init() (and so may shut it down)
+_PROCESS_SETS: dict[tuple[int, ...], Any] = {}  # ranks -> hvd.ProcessSet, registered once
+
+
+def _hvd():
+    """Import horovod.torch lazily and initialise it; a missing build says how to get one."""
+    global _OWNS_INIT
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the 'horovod' communicator needs Horovod built with PyTorch support: run "
+            "'make horovod' (builds horovod 0.28.1 over MPI for this torch), or pip install "
+            f"'commopt[horovod]' with HOROVOD_WITH_PYTORCH=1 ({exc})"
+        ) from exc
+    if not hvd.is_initialized():
+        # Process sets for split() need this before init.
+        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        hvd.init()
+        _OWNS_INIT = True
+    return hvd
+
+
+class HandleWork(Work):
+    """A Work over a Horovod handle; ``finalize`` receives the operation's output."""
+
+    def __init__(self, hvd, handle, finalize: Callable[[Any], None] | None = None):
+        self._hvd, self._handle, self._finalize = hvd, handle, finalize
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        output = self._hvd.synchronize(self._handle)
+        self._done = True
+        if self._finalize is not None:
+            self._finalize(output)
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._hvd.poll(self._handle))
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """A view Horovod can move: bf16 travels as its raw 16-bit words."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+class HorovodCommunicator(Communicator):
+    """Communicator over Horovod's global process set (or one made by ``split``).
+
+    Ranks follow Horovod's; ``intra_*``/``inter_*`` come from node names as for every
+    communicator (``COMMOPT_NODE_NAME`` may fake nodes).
+    """
+
+    name = "horovod"
+
+    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, _process_set=None,
+                 _order: list[int] | None = None, _tag: str = "w"):
+        super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
+        hvd = self._hvd = _hvd()
+        self._ps = hvd.global_process_set if _process_set is None else _process_set
+        is_world = self._ps is hvd.global_process_set
+        members = list(range(hvd.size())) if is_world else sorted(self._ps.ranks)
+        # _order[i] = Horovod set-rank of this communicator's rank i (split may reorder by key).
+        self._order = _order if _order is not None else list(range(len(members)))
+        self._members = members
+        self.size = len(members)
+        self.rank = self._order.index(members.index(hvd.rank()))
+        self._tag = _tag
+        self._count = 0
+        self._init_topology()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _name(self, op: str) -> str:
+        self._count += 1
+        return f"commopt.{self._tag}.{op}.{self._count}"
+
+    def _reordered(self) -> bool:
+        return self._order != sorted(self._order)
+
+    def _to_set_order(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Rows indexed by our ranks -> rows indexed by Horovod set-ranks."""
+        out = torch.empty_like(chunks)
+        out[self._order] = chunks
+        return out
+
+    def _from_set_order(self, chunks: torch.Tensor) -> torch.Tensor:
+        return chunks[self._order]
+
+    # -- primitives --------------------------------------------------------------------------------
+    def _allreduce(self, buf: torch.Tensor) -> Work:
+        hvd = self._hvd
+        if buf.numel() == 0 or self.size == 1:
+            return _DONE
+        if buf.dtype == torch.bfloat16:  # no bf16 in Horovod: sum in fp32, round once
+            wide = buf.float()
+            handle = hvd.allreduce_async_(wide, op=hvd.Sum, name=self._name("allreduce"),
+                                          process_set=self._ps)
+            return HandleWork(hvd, handle, lambda _out: buf.copy_(wide))
+        handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=self._name("allreduce"),
+                                      process_set=self._ps)
+        return HandleWork(hvd, handle)
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        hvd = self._hvd
+        if send.numel() == 0:
+            return _DONE
+        rows = _movable(send).reshape(self.size, -1)
+        if self._reordered():
+            rows = self._to_set_order(rows)
+        handle = hvd.alltoall_async(rows.contiguous(), name=self._name("alltoall"),
+                                    process_set=self._ps)
+
+        def finish(output):
+            got = output[0] if isinstance(output, tuple) else output
+            got = got.reshape(self.size, -1)
+            if self._reordered():
+                got = self._from_set_order(got)
+            _movable(recv).view(self.size, -1).copy_(got)
+
+        return HandleWork(hvd, handle, finish)
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        hvd = self._hvd
+        if send.numel() == 0:
+            return _DONE
+        handle = hvd.allgather_async(_movable(send).reshape(-1), name=self._name("allgather"),
+                                     process_set=self._ps)
+
+        def finish(output):
+            got = output.reshape(self.size, -1)
+            if self._reordered():
+                got = self._from_set_order(got)
+            _movable(recv).view(self.size, -1).copy_(got)
+
+        return HandleWork(hvd, handle, finish)
+
+    def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
+        hvd = self._hvd
+        if buf.numel() == 0 or self.size == 1:
+            return _DONE
+        handle = hvd.broadcast_async_(_movable(buf).reshape(-1), root_rank=self._order[root],
+                                      name=self._name("broadcast"), process_set=self._ps)
+        return HandleWork(hvd, handle)
+
+    def _barrier(self) -> None:
+        self._hvd.barrier(process_set=self._ps)
+
+    # Horovod's broadcast_object/allgather_object compare global ranks and have no process set
+    # in 0.28, so objects travel as pickled bytes over this communicator's own collectives.
+    def _bcast_obj(self, obj: Any, root: int) -> Any:
+        data = torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8) if self.rank == root else None
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        self._broadcast(size, root).wait()
+        if self.rank != root:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(data, root).wait()
+        return obj if self.rank == root else loads(data.numpy().tobytes())
+
+    def _allgather_obj(self, obj: Any) -> list:
+        mine = torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.size, dtype=torch.int64)
+        self._allgather(torch.tensor([mine.numel()], dtype=torch.int64), sizes).wait()
+        width = int(sizes.max().item())
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        everyone = torch.empty(width * self.size, dtype=torch.uint8)
+        self._allgather(padded, everyone).wait()
+        rows = everyone.view(self.size, width)
+        return [loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
+
+    def _split(self, color: int, key: int) -> "HorovodCommunicator":
+        if self._ps is not self._hvd.global_process_set:
+            raise NotImplementedError(
+                "a Horovod communicator made by split() cannot be split again: Horovod process "
+                "sets are registered by all ranks together. Split the top-level communicator."
+            )
+        hvd = self._hvd
+        everyone = self.allgather_obj((color, key, self.rank))
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for c, k, r in everyone:
+            groups.setdefault(c, []).append((k, r))
+        # Every rank registers every group, in the same order (a collective over all ranks).
+        mine = None
+        for c in sorted(groups):
+            ranks = tuple(sorted(r for _, r in groups[c]))
+            if ranks not in _PROCESS_SETS:
+                _PROCESS_SETS[ranks] = (hvd.global_process_set if len(ranks) == hvd.size()
+                                        else hvd.add_process_set(list(ranks)))
+            if c == color:
+                mine = (c, ranks)
+        c, ranks = mine
+        by_key = [r for _, r in sorted(groups[c])]  # our new rank order: by key, then old rank
+        order = [ranks.index(r) for r in by_key]
+        return HorovodCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype,
+                                   _process_set=_PROCESS_SETS[ranks], _order=order,
+                                   _tag=f"{self._tag}.s{c}")
+
+    def supports_sum(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64)
+
+    def finalize(self) -> None:
+        """Shut Horovod down if this module started it (top-level communicator only)."""
+        global _OWNS_INIT
+        if _OWNS_INIT and self._ps is self._hvd.global_process_set and self._hvd.is_initialized():
+            self._hvd.shutdown()
+            _OWNS_INIT = False
+            _PROCESS_SETS.clear()

@@ -1,0 +1,150 @@
+"""`commopt simulate`: predict step time, throughput and parallel efficiency.
+
+    $ commopt simulate --machine v100-nvlink-25g --model resnet50 --gpus 32 --codec fp16 --overlap double-buffering
+    $ commopt simulate --model bert-large --sweep gpus=8..1024 --plot scaling.png
+    $ commopt simulate --profile-model resnet50 --machine testbed-1gbit --gpus 2
+    $ commopt simulate --machine testbed-1gbit --gpus 2 --compute-time 0.8 --grad-bytes 102760448 --measured-step 1.7
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "predict step time, throughput and parallel efficiency for 1 to 4096 workers"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("what to simulate")
+    g.add_argument("--machine", default="v100-nvlink-25g", help="preset name or machine JSON file (see --list)")
+    g.add_argument("--model", default="resnet50", help="built-in profile name or profile JSON file (see --list)")
+    g.add_argument("--gpus", type=int, default=None, help="number of workers (default: one node)")
+    g.add_argument("--sweep", default=None, metavar="AXIS=VALUES",
+                   help="sweep one axis: gpus=8..1024 (doubling), inter_gbps=25,100,400, bucket_mb=..., "
+                        "batch=..., intra_GBps=..., codec=none,fp16,qsgd4, overlap=..., algorithm=...")
+    p = parser.add_argument_group("communication plan")
+    p.add_argument("--algorithm", default="auto", choices=("auto", "ring", "tree", "hierarchical", "sra"),
+                   help="auto: the fastest suitable algorithm for each bucket")
+    p.add_argument("--codec", default="none", help="none, fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>")
+    p.add_argument("--codec-bench", default=None, metavar="FILE",
+                   help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
+    p.add_argument("--overlap", default="backward", choices=("none", "backward", "double-buffering"))
+    o = parser.add_argument_group("overrides")
+    o.add_argument("--inter-gbps", type=float, default=None, help="inter-node line rate in Gbit/s")
+    o.add_argument("--intra-GBps", type=float, default=None, help="intra-node per-GPU bandwidth in GB/s")
+    o.add_argument("--gpus-per-node", type=int, default=None)
+    o.add_argument("--batch", type=float, default=None, help="samples per GPU per step")
+    o.add_argument("--throughput", type=float, default=None, help="single-GPU samples/s on this machine's GPU")
+    o.add_argument("--step-time", type=float, default=None, help="single-GPU step time in seconds")
+    o.add_argument("--grad-dtype", choices=("fp32", "fp16"), default=None, help="gradient width")
+    m = parser.add_argument_group("measured inputs")
+    m.add_argument("--profile-model", default=None, metavar="NAME",
+                   help="profile a real run of NAME (resnet50) on this CPU and simulate with it")
+    m.add_argument("--profile-out", default=None, help="where to write the profile (default NAME.profile.json)")
+    m.add_argument("--profile-batch", type=int, default=1)
+    m.add_argument("--profile-image-size", type=int, default=64)
+    m.add_argument("--profile-iters", type=int, default=2)
+    m.add_argument("--compute-time", type=float, default=None,
+                   help="measured compute seconds per step (with --grad-bytes: a synthetic profile)")
+    m.add_argument("--grad-bytes", type=float, default=None, help="gradient bytes per step (float32)")
+    m.add_argument("--measured-step", type=float, default=None,
+                   help="measured step seconds to compare the prediction with")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument("--plot", default=None, metavar="PNG", help="write a plot (needs matplotlib)")
+    out.add_argument("--list", action="store_true", help="list machines, models and codecs, then exit")
+
+
+def _list() -> int:
+    from commopt.sim import get_machine, list_codecs, list_machines, list_profiles, load_profile
+
+    print("machines:")
+    for name in list_machines():
+        print(f"  {name:18s} {get_machine(name).description}")
+    print("models:")
+    for name in list_profiles():
+        print(f"  {name:20s} {load_profile(name).description}")
+    print("codecs:", ", ".join(list_codecs()))
+    return 0
+
+
+def _profile(args, machine):
+    from commopt.sim.profiler import profile_named_model
+    from commopt.sim.profiles import list_profiles, load_profile
+
+    prof = profile_named_model(args.profile_model, batch=args.profile_batch,
+                               image_size=args.profile_image_size, iterations=args.profile_iters)
+    path = args.profile_out or f"{args.profile_model}.profile.json"
+    prof.save(path)
+    print(f"profiled {args.profile_model} on this CPU: {prof.sources['measured']}; wrote {path}", file=sys.stderr)
+    if machine.gpu not in prof.throughput and args.profile_model in list_profiles():
+        # Measured layer timings, published speed of the machine's GPU.
+        from dataclasses import replace
+
+        builtin = load_profile(args.profile_model)
+        if machine.gpu in builtin.throughput:
+            print(f"using the measured per-layer backward shares with the built-in {machine.gpu} "
+                  "throughput and batch", file=sys.stderr)
+            prof = replace(prof, batch_per_gpu=builtin.batch_per_gpu, throughput=builtin.throughput,
+                           grad_bytes_per_param=builtin.grad_bytes_per_param)
+    return prof
+
+
+def run(args) -> int:
+    from commopt.sim import Plan, from_benchmark, get_machine, load_profile, parse_sweep, run_sweep
+    from commopt.sim.report import format_table, to_json
+    from commopt.sim.validation import synthetic_profile
+
+    if args.list:
+        return _list()
+    try:
+        machine = get_machine(args.machine).with_overrides(
+            inter_gbps=args.inter_gbps, intra_GBps=args.intra_GBps, gpus_per_node=args.gpus_per_node)
+        if (args.compute_time is None) != (args.grad_bytes is None):
+            raise ValueError("--compute-time and --grad-bytes go together (a profile from two measured numbers)")
+        if args.compute_time is not None:
+            profile = synthetic_profile(args.compute_time, args.grad_bytes, device=machine.gpu)
+        elif args.profile_model:
+            profile = _profile(args, machine)
+        else:
+            profile = load_profile(args.model)
+        profile = profile.with_overrides(
+            batch_per_gpu=args.batch, gpu=machine.gpu, throughput=args.throughput, step_time=args.step_time,
+            grad_bytes_per_param={"fp32": 4, "fp16": 2, None: None}[args.grad_dtype])
+        codec = args.codec
+        if args.codec_bench:
+            codec = from_benchmark(args.codec_bench, codec)
+        plan = Plan(args.algorithm, codec, args.bucket_mb, args.overlap)
+        if args.sweep:
+            axis, values = parse_sweep(args.sweep)
+        else:
+            axis, values = "gpus", [args.gpus if args.gpus is not None else machine.gpus_per_node]
+        rows = run_sweep(profile, machine, plan, args.gpus, axis, values)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"commopt simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        doc = to_json(rows, axis=axis, machine=machine, model=profile, plan=plan)
+        if args.measured_step is not None:
+            doc["measured_step_s"] = args.measured_step
+            doc["error_vs_measured"] = rows[-1][1].step_s / args.measured_step - 1
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"{profile.name} on {machine.name} ({machine.description}); {plan.describe()}")
+        print(format_table(rows, axis))
+        if args.measured_step is not None:
+            pred = rows[-1][1].step_s
+            print(f"measured step {args.measured_step * 1e3:.1f} ms, predicted {pred * 1e3:.1f} ms, "
+                  f"error {pred / args.measured_step - 1:+.1%}")
+    if args.plot:
+        try:
+            from commopt.sim.plot import plot_sweep
+
+            plot_sweep(rows, axis, args.plot, title=f"{profile.name} on {machine.name}: {plan.describe()}")
+        except ImportError as exc:
+            print(f"commopt simulate: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,251 @@
+"""Codec kernels as pure functions, and the choice of implementation per tensor.
+
+Three implementations produce bit-identical wires for the same inputs and key:
+
+* ``"native"``: C++ in ``commopt_ext/cpu_kernels.cpp`` (built by ``pip install``), for CPU
+  tensors; multi-threaded with ``threads`` (default ``torch.get_num_threads()``).
+* ``"cuda"``: ``commopt_ext/*.cu`` compiled at run time through CuPy, for CUDA tensors.
+* ``"reference"``: plain torch (``commopt._reference_kernels``), any device; the spec.
+
+``impl=None`` picks native for CPU tensors (reference, with one warning, when the library
+is not built) and CUDA for CUDA tensors.
+
+    >>> import torch
+    >>> from commopt import kernels
+    >>> key = kernels.rng_words(seed=0, rank=0, step=1, stream=0)
+    >>> x = torch.linspace(-1, 1, 300)
+    >>> wire = torch.empty(kernels.qsgd_nbytes(300, bits=4, bucket_size=128), dtype=torch.uint8)
+    >>> kernels.qsgd_encode(x, wire, bits=4, levels=7, bucket_size=128, key=key)
+    >>> ref = torch.empty_like(wire)
+    >>> kernels.qsgd_encode(x, ref, bits=4, levels=7, bucket_size=128, key=key, impl="reference")
+    >>> torch.equal(wire, ref)
+    True
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from commopt import _reference_kernels as _ref
+
+IMPLS = ("native", "cuda", "reference")
+NORMS = ("max", "l2")
+QSGD_BITS = (2, 4, 8)
+CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: one encode numbers its elements with 32-bit counters.
+MAX_ENCODE_NUMEL = 2**32 - 1
+
+qsgd_nbytes = _ref.qsgd_nbytes
+
+_M64 = (1 << 64) - 1
+_warned_no_native = False
+
+
+def _mix64(z: int) -> int:
+    # splitmix64 finaliser: a bijection of 64-bit words with full avalanche.
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def rng_words(seed: int, rank: int, step: int, stream: int = 0) -> tuple[int, int]:
+    """The two 32-bit key words of the counter-based generator for one encode.
+
+    Every element ``i`` of the encode then draws ``H(H(i + k0) ^ k1)`` (``H`` the 32-bit
+    finaliser in ``_reference_kernels``), so the numbers depend only on the key and the
+    index: not on threads, kernels or devices.
+    """
+    state = 0x243F6A8885A308D3
+    for value in (seed, rank, step, stream):
+        state = _mix64((state + 0x9E3779B97F4A7C15 + (int(value) & _M64)) & _M64)
+    return state & 0xFFFFFFFF, state >> 32
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _native():
+    from commopt import _native_kernels
+
+    return _native_kernels
+
+
+def native_available() -> bool:
+    """True when the C++ library ``commopt_ext._cpu`` is built and loads."""
+    try:
+        return _native().load() is not None
+    except OSError:
+        return False
+
+
+def _pick(impl: str | None, *tensors: torch.Tensor) -> str:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if impl is None:
+        if device.type == "cuda":
+            return "cuda"
+        if device.type == "cpu":
+            if native_available():
+                return "native"
+            global _warned_no_native
+            if not _warned_no_native:
+                _warned_no_native = True
+                warnings.warn(
+                    "commopt native CPU kernels are not built; using the slow torch reference. "
+                    "Rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    if impl == "native" and device.type != "cpu":
+        raise ValueError(f"impl='native' needs CPU tensors, got {device}")
+    if impl == "cuda" and device.type != "cuda":
+        raise ValueError(f"impl='cuda' needs CUDA tensors, got {device}")
+    if impl == "native" and not native_available():
+        raise RuntimeError(
+            "impl='native' requested but commopt_ext._cpu is not built; run "
+            "`python setup.py build_ext --inplace` (or `pip install -e .`)"
+        )
+    return impl
+
+
+def _backend(impl: str):
+    if impl == "native":
+        return _native()
+    if impl == "cuda":
+        from commopt import _cuda_kernels
+
+        return _cuda_kernels
+    return _ref
+
+
+def _check_flat(name: str, t: torch.Tensor, dtype: torch.dtype | tuple, numel: int | None = None):
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+
+
+def _check_qsgd(bits: int, levels: int, bucket_size: int, norm: str, scale_bytes: int) -> None:
+    if bits not in QSGD_BITS:
+        raise ValueError(f"bits must be one of {QSGD_BITS}, got {bits}")
+    if not 1 <= levels <= 2 ** (bits - 1) - 1:
+        raise ValueError(f"levels must be in [1, {2 ** (bits - 1) - 1}] for {bits} bits, got {levels}")
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if scale_bytes not in (2, 4):
+        raise ValueError(f"scale_bytes must be 4 (float32 scales) or 2 (float16), got {scale_bytes}")
+
+
+def _scale32(scale: float) -> float:
+    # Every implementation multiplies by the same float32 value.
+    return torch.tensor(float(scale), dtype=torch.float32).item()
+
+
+def qsgd_encode(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    key: tuple[int, int],
+    norm: str = "max",
+    stochastic: bool = True,
+    scale: float = 1.0,
+    scale_bytes: int = 4,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Quantise ``x * scale`` (float32, contiguous) into the uint8 wire ``out``.
+
+    Wire: ``ceil(n / bucket_size)`` scales (level spacing, float32 or float16), then one
+    ``bits``-bit sign+magnitude code per element packed little-endian, zero padding to a
+    multiple of 4 bytes. ``key`` comes from :func:`rng_words`.
+    """
+    _check_qsgd(bits, levels, bucket_size, norm, scale_bytes)
+    _check_flat("x", x, torch.float32)
+    if x.numel() > MAX_ENCODE_NUMEL:
+        raise ValueError(f"one encode takes at most {MAX_ENCODE_NUMEL} elements; split the buffer")
+    nbytes = qsgd_nbytes(x.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
+    _check_flat("out", out, torch.uint8, nbytes)
+    k0, k1 = (int(k) & 0xFFFFFFFF for k in key)
+    which = _pick(impl, x, out)
+    kwargs = dict(bits=bits, levels=levels, bucket_size=bucket_size, key=(k0, k1), norm=norm,
+                  stochastic=stochastic, scale=_scale32(scale), scale_bytes=scale_bytes)
+    if which == "native":
+        kwargs["threads"] = threads
+    _backend(which).qsgd_encode(x, out, **kwargs)
+
+
+def qsgd_decode(
+    wire: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    scale_bytes: int = 4,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Write (or, with ``accumulate``, add) ``alpha * decode(wire)`` into float32 ``out``."""
+    _check_qsgd(bits, levels, bucket_size, "max", scale_bytes)
+    _check_flat("out", out, torch.float32)
+    nbytes = qsgd_nbytes(out.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
+    _check_flat("wire", wire, torch.uint8, nbytes)
+    which = _pick(impl, wire, out)
+    kwargs = dict(bits=bits, levels=levels, bucket_size=bucket_size, accumulate=accumulate,
+                  alpha=_scale32(alpha), scale_bytes=scale_bytes)
+    if which == "native":
+        kwargs["threads"] = threads
+    _backend(which).qsgd_decode(wire, out, **kwargs)
+
+
+def cast_encode(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Write ``x * scale`` into ``out`` (float32, float16 or bfloat16; round to nearest even)."""
+    _check_flat("x", x, torch.float32)
+    _check_flat("out", out, CAST_DTYPES, x.numel())
+    which = _pick(impl, x, out)
+    kwargs = dict(scale=_scale32(scale))
+    if which == "native":
+        kwargs["threads"] = threads
+    _backend(which).cast_encode(x, out, **kwargs)
+
+
+def cast_decode(
+    wire: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Write (or add) ``alpha * float32(wire)`` into float32 ``out``."""
+    _check_flat("wire", wire, CAST_DTYPES)
+    _check_flat("out", out, torch.float32, wire.numel())
+    which = _pick(impl, wire, out)
+    kwargs = dict(accumulate=accumulate, alpha=_scale32(alpha))
+    if which == "native":
+        kwargs["threads"] = threads
+    _backend(which).cast_decode(wire, out, **kwargs)

@@ -1,0 +1,26 @@
+"""Scaling simulator: step time, throughput and parallel efficiency from 1 to 4096 workers.
+
+Inputs are a model profile (per-layer gradient sizes and backward timings), a machine (links
+per level, GPUs per node) and a communication plan (algorithm, codec, buckets, overlap).
+
+    >>> from commopt.sim import simulate, Plan
+    >>> p = simulate("transformer-xl-base", "v100-nvlink-25g", Plan(), gpus=8)
+    >>> round(p.throughput, -3)           # published: 259k tokens/s
+    255000.0
+
+See docs/scaling.md for the model, its validation and its limits.
+"""
+from commopt.sim.codec_costs import CodecCost, from_benchmark, get_codec, list_codecs
+from commopt.sim.comm_model import allreduce_time
+from commopt.sim.costs import Link
+from commopt.sim.machines import Machine, get_machine, list_machines
+from commopt.sim.plan import Plan
+from commopt.sim.profiles import Layer, ModelProfile, list_profiles, load_profile
+from commopt.sim.step import Prediction, simulate
+from commopt.sim.sweep import parse_sweep, run_sweep
+
+__all__ = [
+    "simulate", "Plan", "Prediction", "Machine", "Link", "ModelProfile", "Layer", "CodecCost",
+    "get_machine", "list_machines", "load_profile", "list_profiles", "get_codec", "list_codecs",
+    "from_benchmark", "allreduce_time", "parse_sweep", "run_sweep",
+]

@@ -1,0 +1,125 @@
+"""One training step: compute, buckets of gradients, their all-reduces, and the overlap.
+
+Overlap modes:
+- ``none``: backward, then every bucket's all-reduce, then the update.
+- ``backward`` (DDP-style buckets): a bucket's all-reduce starts once the backward pass has
+  produced all its gradients and the previous bucket's all-reduce is done; the step ends
+  when the last one finishes.
+- ``double-buffering`` (ChainerMN): the all-reduce of step t runs during the forward and
+  backward of step t+1 and the update uses the previous step's gradients, so the steady-state
+  step is the longer of compute and communication.
+
+In every mode the step is at least max(compute, communication).
+
+    >>> from commopt.sim import simulate, Plan
+    >>> p = simulate("resnet50", "v100-nvlink-25g", Plan(codec="fp16", overlap="double-buffering"), gpus=32)
+    >>> p.nodes, p.efficiency > 0.9
+    (4, True)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from commopt.sim.comm_model import allreduce_time
+from commopt.sim.machines import Machine, get_machine
+from commopt.sim.plan import Plan
+from commopt.sim.profiles import ModelProfile, load_profile
+
+
+@dataclass(frozen=True)
+class Bucket:
+    numel: int
+    ready_s: float         # since the start of the step
+    comm_s: float
+    wire_bytes: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    gpus: int
+    nodes: int
+    algorithm: str
+    step_s: float
+    compute_s: float
+    comm_s: float            # all buckets' all-reduce time, codec included
+    exposed_comm_s: float    # step - compute
+    throughput: float        # samples/s over all GPUs
+    single_gpu_throughput: float
+    efficiency: float        # throughput / (gpus * single-GPU throughput)
+    unit: str
+    wire_bytes_per_step: float
+    buckets: int
+
+    @property
+    def speedup(self) -> float:
+        return self.throughput / self.single_gpu_throughput
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["speedup"] = self.speedup
+        return d
+
+
+def make_buckets(profile: ModelProfile, bucket_bytes: float, forward_s: float, backward_s: float):
+    """Buckets in backward order: (numel, ready time). A layer's gradients are ready when the
+    backward pass has gone through it; a bucket closes once it holds ``bucket_bytes``."""
+    total_w = sum(lay.backward_weight for lay in profile.layers)
+    t = forward_s
+    out, numel = [], 0
+    for lay in reversed(profile.layers):
+        t += backward_s * lay.backward_weight / total_w
+        numel += lay.numel
+        if numel and numel * profile.grad_bytes_per_param >= bucket_bytes:
+            out.append((numel, t))
+            numel = 0
+    if numel:
+        out.append((numel, forward_s + backward_s))
+    return out
+
+
+def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | None = None,
+             gpus: int | None = None) -> Prediction:
+    """Predict one step of data-parallel training of ``model`` on ``gpus`` GPUs of ``machine``."""
+    profile = load_profile(model)
+    machine = get_machine(machine)
+    plan = plan or Plan()
+    gpus = machine.gpus_per_node if gpus is None else gpus
+    nodes, _ = machine.layout(gpus)
+
+    step1 = profile.step_time(machine.gpu)
+    forward = step1 * profile.forward_fraction
+    update = step1 * profile.update_fraction
+    backward = step1 - forward - update
+    compute = step1
+
+    buckets, used = [], []
+    for numel, ready in make_buckets(profile, plan.bucket_mb * 2**20, forward, backward):
+        algorithm, c = min(
+            ((a, allreduce_time(machine, gpus, numel=numel, grad_bytes=profile.grad_bytes_per_param,
+                                algorithm=a, codec=plan.codec)) for a in plan.candidates()),
+            key=lambda ac: ac[1].total_s)
+        used.append(algorithm)
+        buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes))
+    algorithm = "+".join(sorted(set(used), key=used.index))
+    comm = sum(b.comm_s for b in buckets)
+
+    if gpus == 1:
+        step = compute
+    elif plan.overlap == "none":
+        step = compute + comm
+    elif plan.overlap == "backward":
+        t = 0.0
+        for b in buckets:
+            t = max(t, b.ready_s) + b.comm_s
+        step = max(forward + backward, t) + update
+    else:  # double-buffering
+        step = max(compute, comm)
+
+    single = profile.batch_per_gpu / compute
+    throughput = gpus * profile.batch_per_gpu / step
+    return Prediction(
+        gpus=gpus, nodes=nodes, algorithm=algorithm if gpus > 1 else "-", step_s=step,
+        compute_s=compute, comm_s=comm if gpus > 1 else 0.0, exposed_comm_s=step - compute,
+        throughput=throughput, single_gpu_throughput=single, efficiency=throughput / (gpus * single),
+        unit=profile.sample_unit, wire_bytes_per_step=sum(b.wire_bytes for b in buckets),
+        buckets=len(buckets))

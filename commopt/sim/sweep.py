@@ -1,0 +1,81 @@
+"""Sweeping one axis: ``gpus=8..1024`` (doubling), ``inter_gbps=25,100,400``, ``codec=none,fp16``.
+
+    >>> parse_sweep("gpus=8..64")
+    ('gpus', [8, 16, 32, 64])
+    >>> parse_sweep("codec=none,qsgd4")
+    ('codec', ['none', 'qsgd4'])
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from commopt.sim.machines import Machine, get_machine
+from commopt.sim.plan import Plan
+from commopt.sim.profiles import ModelProfile, load_profile
+from commopt.sim.step import Prediction, simulate
+
+NUMERIC = {"gpus": int, "inter_gbps": float, "intra_GBps": float, "bucket_mb": float, "batch": float}
+CATEGORICAL = ("codec", "overlap", "algorithm")
+AXES = tuple(NUMERIC) + CATEGORICAL
+
+
+def parse_sweep(spec: str) -> tuple[str, list]:
+    """``AXIS=A..B`` (powers of two times A up to B) or ``AXIS=V1,V2,...``."""
+    if "=" not in spec:
+        raise ValueError(f"--sweep wants AXIS=VALUES (e.g. gpus=8..1024), got {spec!r}")
+    axis, values = (s.strip() for s in spec.split("=", 1))
+    if axis not in AXES:
+        raise ValueError(f"cannot sweep {axis!r}; axes: {', '.join(AXES)}")
+    if axis in CATEGORICAL:
+        out = [v.strip() for v in values.split(",") if v.strip()]
+    else:
+        kind = NUMERIC[axis]
+        try:
+            if ".." in values:
+                lo, hi = (kind(v) for v in values.split(".."))
+                if not 0 < lo <= hi:
+                    raise ValueError
+                out, v = [], lo
+                while v <= hi:
+                    out.append(v)
+                    v = kind(v * 2)
+            else:
+                out = [kind(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--sweep {axis}: expected A..B with 0 < A <= B or a comma list of "
+                             f"numbers, got {values!r}") from None
+    if not out:
+        raise ValueError(f"--sweep {axis}: no values in {values!r}")
+    return axis, out
+
+
+def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpus: int | None,
+              axis: str, values: list) -> list[tuple[object, Prediction]]:
+    """One prediction per value of ``axis``, everything else as given."""
+    profile = load_profile(model)
+    machine = get_machine(machine)
+    rows = []
+    for v in values:
+        m, p, pl, n = machine, profile, plan, gpus
+        if axis == "gpus":
+            n = v
+        elif axis == "inter_gbps":
+            m = machine.with_overrides(inter_gbps=v)
+        elif axis == "intra_GBps":
+            m = machine.with_overrides(intra_GBps=v)
+        elif axis == "batch":
+            p = profile.with_overrides(batch_per_gpu=v)
+        elif axis == "bucket_mb":
+            pl = Plan(plan.algorithm, plan.codec, v, plan.overlap)
+        elif axis == "codec":
+            algorithm = plan.algorithm
+            pl = Plan(algorithm, v, plan.bucket_mb, plan.overlap)
+        elif axis == "overlap":
+            pl = Plan(plan.algorithm, plan.codec, plan.bucket_mb, v)
+        elif axis == "algorithm":
+            pl = Plan(v, plan.codec, plan.bucket_mb, plan.overlap)
+        rows.append((v, simulate(p, m, pl, n)))
+    return rows
+
+
+__all__ = ["parse_sweep", "run_sweep", "AXES", "replace"]

@@ -1,0 +1,231 @@
+"""The simulator against published numbers and against this project's testbed.
+
+Published rows (shared/reference/published-results.md) are predicted with the presets as they
+are: no parameter is fitted to these rows. A row that the model cannot match within 15% with
+defensible parameters carries ``known_miss``: the reason, stated rather than tuned away.
+
+    >>> rows = published_comparison()
+    >>> all(abs(r.error) <= 0.15 for r in rows if r.known_miss is None)
+    True
+    >>> round(physical_allreduce_s(64 * 2**20, 2, 1.0), 4)   # 64 MiB on 1 Gbit/s, 2 hosts
+    0.5369
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from commopt.sim.codec_costs import get_codec
+from commopt.sim.comm_model import allreduce_time
+from commopt.sim.costs import GBIT
+from commopt.sim.machines import get_machine
+from commopt.sim.plan import Plan
+from commopt.sim.profiles import Layer, ModelProfile, load_profile
+from commopt.sim.step import Prediction, simulate
+
+TOLERANCE = 0.15
+DDP = Plan()   # PyTorch DDP + NCCL: 25 MB buckets overlapped with the backward pass
+
+_TXL_3090_4 = (
+    "the published 4-GPU Transformer-XL row on the 3090 server implies about 1.5x the staged "
+    "bandwidth that its own 2- and 8-GPU rows and all BERT rows on that server imply (the BERT "
+    "4-GPU row is matched within 8%); no single uplink bandwidth fits both, and we keep the "
+    "measured 6.1 GB/s instead of fitting this row")
+
+
+_BERT_3090_BATCH = (
+    "matched only under the assumed per-GPU batch (4 x 384 tokens; none is published): with 2 or 8 "
+    "sequences the 2/4/8-GPU predictions move by -38/-53/-55% or +93/+72/+65%, so these rows are "
+    "consistent with the model, not a test of it (the V100 BERT rows move by less than 4%)")
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    model: str
+    machine: str
+    gpus: int
+    published: float
+    unit: str
+    plan: Plan = DDP
+    known_miss: str | None = None     # outside 15% with defensible parameters: why
+    caveat: str | None = None         # within 15%, but only under an unpublished assumption
+    source: str = "CGX scaling table (PyTorch + NCCL, no compression)"
+    batch_per_gpu: float | None = None    # other workload than the profile's default
+    single_gpu: float | None = None
+
+
+def _rows() -> list[PublishedRow]:
+    table = {
+        ("transformer-xl-base", "rtx3090-pcie"): [38e3, 48e3, 68e3, 105e3],
+        ("transformer-xl-base", "v100-nvlink-25g"): [37e3, 63e3, 131e3, 259e3],
+        ("bert-large", "rtx3090-pcie"): [5820, 5052, 4744, 8606],
+        ("bert-large", "v100-nvlink-25g"): [3830, 7034, 14407, 27915],
+    }
+    out = []
+    for (model, machine), values in table.items():
+        unit = "tokens/s" if model.startswith("transformer") else "samples/s"
+        for gpus, value in zip((1, 2, 4, 8), values):
+            miss = _TXL_3090_4 if (model, machine, gpus) == ("transformer-xl-base", "rtx3090-pcie", 4) else None
+            caveat = _BERT_3090_BATCH if (model, machine) == ("bert-large", "rtx3090-pcie") and gpus > 1 else None
+            out.append(PublishedRow(model, machine, gpus, value, unit, known_miss=miss, caveat=caveat))
+    # The same Transformer-XL base at half the batch (16 x 192 tokens per GPU) on a DGX-1 with 8x
+    # V100 16 GB: NVIDIA DeepLearningExamples' Transformer-XL README, mixed precision.
+    for gpus, value in zip((1, 2, 4, 8), (26639, 45299, 92618, 170532)):
+        out.append(PublishedRow("transformer-xl-base", "v100-nvlink-25g", gpus, value, "tokens/s",
+                                source="NVIDIA DeepLearningExamples Transformer-XL README (DGX-1, batch 16)",
+                                batch_per_gpu=16 * 192, single_gpu=26639))
+    return out
+
+
+PUBLISHED_ROWS = _rows()
+
+
+@dataclass(frozen=True)
+class ComparedRow:
+    row: PublishedRow
+    prediction: Prediction
+
+    @property
+    def predicted(self) -> float:
+        return self.prediction.throughput
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.row.published - 1
+
+    @property
+    def known_miss(self) -> str | None:
+        return self.row.known_miss
+
+
+    @property
+    def caveat(self) -> str | None:
+        return self.row.caveat
+
+
+def _predict(r: PublishedRow) -> Prediction:
+    profile = load_profile(r.model)
+    if r.batch_per_gpu is not None or r.single_gpu is not None:
+        profile = profile.with_overrides(batch_per_gpu=r.batch_per_gpu, gpu=get_machine(r.machine).gpu,
+                                         throughput=r.single_gpu)
+    return simulate(profile, r.machine, r.plan, r.gpus)
+
+
+def published_comparison() -> list[ComparedRow]:
+    """Every published scaling row with its prediction (1-GPU rows are the anchors)."""
+    return [ComparedRow(r, _predict(r)) for r in PUBLISHED_ROWS]
+
+
+@dataclass(frozen=True)
+class Effect:
+    name: str
+    published: str            # the published statement, as a number where there is one
+    published_value: float
+    predicted_value: float
+    baseline_value: float     # the same prediction without the feature
+    detail: str = ""
+
+    @property
+    def error(self) -> float:
+        return self.predicted_value / self.published_value - 1
+
+
+def chainermn_effect() -> Effect:
+    """ResNet-50 8 -> 32 GPUs on AWS (p3.16xlarge, 25 Gbit/s), double buffering + FP16: 96%."""
+    def efficiency(plan):
+        eight = simulate("resnet50", "v100-nvlink-25g", plan, 8)
+        many = simulate("resnet50", "v100-nvlink-25g", plan, 32)
+        return many.throughput / (4 * eight.throughput)
+    with_features = efficiency(Plan("ring", "fp16", 25, "double-buffering"))
+    without = efficiency(Plan("ring", "none", 25, "none"))
+    return Effect("ChainerMN: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s",
+                  "96% parallel efficiency (8 -> 32 GPUs)", 0.96, with_features, without,
+                  "baseline: FP32 all-reduce after the backward pass (ChainerMN's default)")
+
+
+def cgx_effect(model: str = "transformer-xl-base") -> Effect:
+    """4-bit QSGD on the 3090 server vs the V100 server's published 8-GPU scaling."""
+    v100 = {"transformer-xl-base": (259e3, 37e3), "bert-large": (27915, 3830)}[model]
+    v100_eff = v100[0] / (8 * v100[1])
+    compressed = simulate(model, "rtx3090-pcie", Plan(codec="qsgd4"), 8).efficiency
+    plain = simulate(model, "rtx3090-pcie", DDP, 8).efficiency
+    return Effect(f"CGX: 4-bit QSGD (bucket 128) on 8x RTX 3090, {model}",
+                  f"about the V100 server's scaling ({v100_eff:.1%} at 8 GPUs)", v100_eff, compressed, plain,
+                  "baseline: the same server without compression")
+
+
+# --- this project's testbed ---------------------------------------------------------------
+
+def physical_allreduce_s(nbytes: float, hosts: int, gbps: float) -> float:
+    """The bandwidth floor of an all-reduce: 2(n-1)/n * bytes / line rate."""
+    return 2 * (hosts - 1) / hosts * nbytes / (gbps * GBIT)
+
+
+def predict_testbed_allreduce(nbytes: float = 64 * 2**20, hosts: int = 2, codec: str = "none",
+                                 machine: str = "testbed-1gbit") -> float:
+    """Predicted seconds for one all-reduce of ``nbytes`` float32 bytes on the testbed."""
+    return allreduce_time(get_machine(machine), hosts, numel=nbytes / 4, grad_bytes=4, algorithm="ring",
+                          codec=get_codec(codec)).total_s
+
+
+def synthetic_profile(compute_s: float, grad_bytes: float, *, batch: float = 1.0, layers: int = 16,
+                      forward_fraction: float = 1 / 3, device: str = "cpu", name: str = "measured") -> ModelProfile:
+    """A profile from two measured numbers: compute time per step and gradient bytes (float32),
+    spread evenly over ``layers`` layers."""
+    if not compute_s > 0 or not grad_bytes > 0:
+        raise ValueError(f"compute time and gradient bytes must be > 0, got {compute_s} s and {grad_bytes} B")
+    numel = int(round(grad_bytes / 4))
+    per, extra = divmod(numel, layers)
+    return ModelProfile(
+        name=name, sample_unit="samples", batch_per_gpu=batch, grad_bytes_per_param=4,
+        forward_fraction=forward_fraction, throughput={device: batch / compute_s},
+        layers=tuple(Layer(f"layer{i}", per + (1 if i < extra else 0), 1.0) for i in range(layers)),
+        description=f"synthetic: {compute_s} s compute, {grad_bytes:.0f} gradient bytes")
+
+
+def compare_measured(*, measured_step_s: float, compute_s: float, grad_bytes: float, gpus: int = 2,
+                     plan: Plan | None = None, machine: str = "testbed-1gbit") -> dict:
+    """Predicted vs measured step time for a testbed run."""
+    plan = plan or Plan("ring", "none", 25, "none")
+    pred = simulate(synthetic_profile(compute_s, grad_bytes, device=get_machine(machine).gpu), machine, plan, gpus)
+    return {"gpus": gpus, "plan": plan.describe(), "predicted_step_s": pred.step_s,
+            "measured_step_s": measured_step_s, "error": pred.step_s / measured_step_s - 1,
+            "comm_s": pred.comm_s}
+
+
+@dataclass
+class Measurement:
+    """One testbed measurement (fill from docs/benchmarks.md): the command that produced it,
+    the measured compute time per step, gradient bytes, and the measured step time."""
+    what: str
+    command: str
+    gpus: int
+    compute_s: float
+    grad_bytes: float
+    measured_step_s: float
+    plan: dict = field(default_factory=lambda: {"algorithm": "ring", "codec": "none", "overlap": "none"})
+
+
+def load_measurements(path: str) -> list[Measurement]:
+    """Testbed measurements from a JSON list of :class:`Measurement` fields."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"measurement file {path!r} does not exist")
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        return [Measurement(**e) for e in data]
+    except TypeError as exc:
+        raise ValueError(f"{path}: each entry needs what, command, gpus, compute_s, grad_bytes, "
+                         f"measured_step_s (and optional plan): {exc}") from exc
+
+
+def compare_testbed_measurements(measurements: list[Measurement]) -> list[dict]:
+    out = []
+    for m in measurements:
+        plan = Plan(m.plan.get("algorithm", "ring"), m.plan.get("codec", "none"),
+                    m.plan.get("bucket_mb", 25), m.plan.get("overlap", "none"))
+        out.append({"what": m.what, "command": m.command,
+                    **compare_measured(measured_step_s=m.measured_step_s, compute_s=m.compute_s,
+                                       grad_bytes=m.grad_bytes, gpus=m.gpus, plan=plan)})
+    return out

@@ -1,0 +1,182 @@
+"""Pieces every recipe shares: launcher-aware communicator choice, the device, the commopt
+command-line options, machine-readable logs and a progress display.
+
+    >>> communicator_for_launcher("torchrun"), communicator_for_launcher("openmpi")
+    ('torch', 'mpi')
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+COMMUNICATORS = ("auto", "mpi", "torch", "pure_nccl", "local")
+
+
+class RecipeError(ValueError):
+    """Bad command-line input: the message says what to do."""
+
+
+def communicator_for_launcher(launcher: str) -> str:
+    """The communicator that fits how the ranks were started."""
+    if launcher == "torchrun":
+        return "torch"
+    if launcher in ("openmpi", "mpich", "slurm"):
+        return "mpi"
+    return "local"
+
+
+def launch_info():
+    from commopt.comm.launcher import detect_launcher
+
+    return detect_launcher()
+
+
+def add_commopt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The commopt options every recipe takes."""
+    g = parser.add_argument_group("communication (commopt)")
+    g.add_argument("--communicator", default="auto", choices=COMMUNICATORS,
+                   help="auto: torch under torchrun, mpi under mpirun/srun, local for one process")
+    g.add_argument("--allreduce-grad-dtype", default=None,
+                   choices=("float32", "float16", "bfloat16"),
+                   help="dtype gradients travel in (ChainerMN's FP16 allreduce: float16)")
+    g.add_argument("--compression", default=None, metavar="CODEC",
+                   help="gradient codec: fp16, bf16, qsgd4, qsgd8, qsgd4+ef (error feedback)")
+    g.add_argument("--double-buffering", action="store_true",
+                   help="overlap step t's allreduce with step t+1's compute (update uses t-1)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="reduce after backward instead of during it")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size")
+
+
+def check_commopt_arguments(args: argparse.Namespace) -> None:
+    if args.compression is not None:
+        try:
+            from commopt.codecs.registry import get_codec
+        except ImportError:
+            return  # the codecs are not built yet: the optimizer reports it
+        try:
+            get_codec(args.compression)
+        except (ValueError, TypeError) as exc:
+            raise RecipeError(f"--compression {args.compression}: {exc}") from None
+    if args.bucket_cap_mb <= 0:
+        raise RecipeError(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+
+
+def create_comm(name: str):
+    """The communicator ``name`` ("auto" picks from the launcher)."""
+    import commopt
+
+    if name == "auto":
+        name = communicator_for_launcher(launch_info().name)
+    return commopt.create_communicator(name)
+
+
+def pick_device(choice: str = "auto") -> torch.device:
+    """cuda:<local rank> when CUDA is there (or asked for), else cpu. Call before the comm."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RecipeError("--device cuda: no CUDA device visible to this process")
+    local = launch_info().local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=None, seed=None):
+    """``commopt.create_multi_node_optimizer`` with the recipe's command-line options."""
+    import commopt
+
+    return commopt.create_multi_node_optimizer(
+        optimizer, comm, double_buffering=args.double_buffering,
+        allreduce_grad_dtype=args.allreduce_grad_dtype, compression=args.compression,
+        overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb, model=model, seed=seed)
+
+
+def config_label(args: argparse.Namespace) -> str:
+    """A short name of the communication configuration, e.g. ``qsgd4+db``."""
+    parts = [args.compression or args.allreduce_grad_dtype or "fp32"]
+    if args.double_buffering:
+        parts.append("db")
+    if args.no_overlap:
+        parts.append("no-overlap")
+    return "+".join(parts)
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """SHA-256 over parameters and buffers: equal digests mean bit-identical models."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                 if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+class JsonLines:
+    """Rank 0 appends one JSON object a line to ``path`` (other ranks and path=None: no-op)."""
+
+    def __init__(self, path: str | None, enabled: bool):
+        self.file = None
+        if path and enabled:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)
+
+    def write(self, **record) -> None:
+        if self.file is not None:
+            record.setdefault("time", round(time.time(), 3))
+            self.file.write(json.dumps(record, sort_keys=False) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class Progress:
+    """Rank 0's view: a tqdm bar on a terminal, else one plain line per update."""
+
+    def __init__(self, total: int, initial: int, mode: str, enabled: bool):
+        self.bar = None
+        self.enabled = enabled and mode != "none"
+        if self.enabled and (mode == "bar" or (mode == "auto" and sys.stderr.isatty())):
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the bar is optional; text lines still show progress
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, n: int, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix_str(text, refresh=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary name, then rename: a crash never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,77 @@
+"""The per-layer policy, bucket alignment, and get_codec."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, aligned_offsets, codec_names, get_codec
+
+
+def test_default_policy_follows_the_published_rule():
+    p = CompressionPolicy()
+    assert p.min_compress_numel == 1024 and not p.compress_1d
+    assert p.should_compress("conv1.weight", (64, 3, 7, 7))      # 9408 elements, 4-D
+    assert not p.should_compress("fc.bias", (1000,))             # dim <= 1
+    assert not p.should_compress("small.weight", (16, 63))       # 1008 < 1024
+    assert p.should_compress("small.weight", (16, 64))           # exactly 1024
+    assert not p.should_compress("layer1.0.bn1.weight", (64, 64))  # excluded by name
+    assert not p.should_compress("encoder.layer_norm.weight", (1024, 2))
+    assert p.should_compress("attn.in_proj_weight", (3072, 1024))
+
+
+def test_policy_is_configurable_and_validates():
+    p = CompressionPolicy(min_compress_numel=0, exclude=(r"^embed",), compress_1d=True)
+    assert p.should_compress("fc.bias", (10,)) and not p.should_compress("embed.weight", (100, 8))
+    assert p.should_compress("", ())  # a scalar with compress_1d and no minimum
+    with pytest.raises(ValueError, match="regex"):
+        CompressionPolicy(exclude=("(",))
+    with pytest.raises(TypeError, match="sequence"):
+        CompressionPolicy(exclude="bias")
+    with pytest.raises(ValueError, match=">= 0"):
+        CompressionPolicy(min_compress_numel=-1)
+    with pytest.raises(ValueError, match="uncompressed"):
+        CompressionPolicy(uncompressed="int8")
+
+
+def test_codec_for_falls_back_to_the_uncompressed_codec():
+    codec = QSGD()
+    p = CompressionPolicy(uncompressed="fp16")
+    assert p.codec_for("w", (128, 128), codec) is codec
+    assert p.codec_for("b", (128,), codec).name == "fp16"
+    assert CompressionPolicy().codec_for("b", (128,), codec).name == "none"
+
+
+def test_aligned_offsets_keep_buckets_inside_one_tensor():
+    numels = [300, 5, 128, 1, 0, 129]
+    offsets, total = aligned_offsets(numels, 128)
+    assert offsets == [0, 384, 512, 640, 768, 768] and total == 1024
+    # every bucket of 128 holds elements of one tensor only
+    owner = torch.full((total,), -1)
+    for i, (o, n) in enumerate(zip(offsets, numels)):
+        owner[o:o + n] = i
+    for b in owner.view(-1, 128):
+        assert len(set(b[b >= 0].tolist())) <= 1
+    with pytest.raises(ValueError):
+        aligned_offsets([1], 0)
+
+
+def test_get_codec_names():
+    assert set(codec_names()) >= {"none", "fp32", "fp16", "bf16", "qsgd2", "qsgd4", "qsgd8"}
+    q = get_codec("qsgd8")
+    assert (q.bits, q.bucket_size, q.norm, q.stochastic, q.levels) == (8, 128, "max", True, 127)
+    ef = get_codec("QSGD4+EF")
+    assert isinstance(ef, ErrorFeedback) and ef.inner.bits == 4
+    assert get_codec(q) is q and get_codec(None).name == "none"
+    with pytest.raises(ValueError, match="valid names: none, fp32, fp16, bf16, qsgd2, qsgd4, qsgd8"):
+        get_codec("qsgd3")
+    with pytest.raises(TypeError):
+        get_codec(4)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bits": 3}, "bits"), ({"levels": 8}, "levels"), ({"bucket_size": 0}, "bucket_size"),
+    ({"scale": "l1"}, "scale"), ({"scale_dtype": torch.bfloat16}, "scale_dtype"),
+])
+def test_qsgd_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QSGD(**kwargs)
