@@ -1,0 +1,164 @@
+"""A DDP communication hook that runs commopt's codecs and collectives on DDP's own buckets.
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from commopt.integrations.ddp import CommoptHookState, commopt_hook
+
+    model = DDP(net)
+    state = CommoptHookState(compression="qsgd4+ef", model=net)
+    model.register_comm_hook(state, commopt_hook)
+    ...
+    torch.save({"model": model.state_dict(), "hook": state.state_dict()}, path)
+
+Each DDP bucket is reduced with the per-layer policy of commopt.codecs (small and 1-D
+tensors uncompressed, quantization buckets never straddling two tensors), through
+commopt.collectives over DDP's process group: native allreduce for linear codecs,
+scatter-reduce/allgather for QSGD, hierarchical across nodes when that applies. The hook
+returns at once; the reduction runs on commopt's collective thread, so DDP still overlaps
+it with the rest of the backward pass.
+
+The state holds no process group when pickled or saved: ``state_dict()`` is plain tensors
+and numbers (error-feedback residuals, the step counter, the seed), and the communicator
+is rebuilt lazily from the process group given at construction (or the default group).
+"""
+# No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commopt import collectives
+from commopt.codecs import Codec, CompressionPolicy, get_codec
+from commopt.reducer import GradientReducer
+
+__all__ = ["CommoptHookState", "commopt_hook"]
+
+
+class _GradView:
+    """Looks like a parameter to the reducer; its ``grad`` is a view into DDP's bucket."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
+
+    shape = property(lambda self: self.grad.shape)
+    dtype = property(lambda self: self.grad.dtype)
+    device = property(lambda self: self.grad.device)
+
+    def numel(self) -> int:
+        return self.grad.numel()
+
+    def is_floating_point(self) -> bool:
+        return self.grad.is_floating_point()
+
+
+class CommoptHookState:
+    """Configuration and checkpointable state of :func:`commopt_hook`.
+
+    ``compression``: a codec or its name ("none", "fp16", "bf16", "qsgd4", "qsgd4+ef", ...).
+    ``model``: the module wrapped by DDP, to name parameters for the policy's exclusion
+    patterns (without it, the policy's size and dimension rules still apply).
+    ``process_group``: DDP's group (default: the default group). ``algorithm``: as in
+    :func:`commopt.collectives.allreduce`. ``seed``: for stochastic rounding.
+    """
+
+    def __init__(self, compression: str | Codec = "fp16", *, model: torch.nn.Module | None = None,
+                 process_group=None, policy: CompressionPolicy | None = None,
+                 algorithm: str = "auto", seed: int = 0):
+        self.compression = compression
+        get_codec(compression)  # a bad name fails here, not inside backward
+        self.policy = policy if policy is not None else CompressionPolicy()
+        self.process_group = process_group
+        self.algorithm = algorithm
+        self.seed = int(seed)
+        self.step = 0
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._comm = None
+        self._reducers: dict[int, tuple[tuple, GradientReducer]] = {}
+        self._pending_codec_state: dict[str, Any] = {}
+
+    # -- the communicator, made on first use and never pickled ------------------------
+    @property
+    def comm(self):
+        if self._comm is None:
+            from commopt.comm.torch_dist import TorchCommunicator
+
+            self._comm = TorchCommunicator(group=self.process_group)
+        return self._comm
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(_comm=None, process_group=None, _reducers={}, _names={},
+                     _pending_codec_state=self.state_dict()["codecs"])
+        return state
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        codecs = dict(self._pending_codec_state)
+        for index, (_, reducer) in self._reducers.items():
+            codecs[str(index)] = reducer.codec_states()
+        return {"step": self.step, "seed": self.seed, "codecs": codecs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
+        # Residuals are restored into each bucket's reducer when DDP first calls the hook.
+        self._pending_codec_state = dict(state.get("codecs", {}))
+        for index, (_, reducer) in self._reducers.items():
+            if str(index) in self._pending_codec_state:
+                reducer.load_codec_states(self._pending_codec_state.pop(str(index)))
+
+    # -- one reducer per DDP bucket ----------------------------------------------------------
+    def _reducer(self, bucket: dist.GradBucket) -> GradientReducer:
+        index = bucket.index()
+        grads = bucket.gradients()
+        params = bucket.parameters()
+        signature = tuple((tuple(g.shape), g.dtype) for g in grads)
+        cached = self._reducers.get(index)
+        if cached is None or cached[0] != signature:
+            # DDP rebuilds its buckets once after the first iteration: a new layout gets a
+            # new reducer (and starts its error-feedback residuals from zero).
+            spec = self.compression
+            codec = copy.deepcopy(spec) if isinstance(spec, Codec) else get_codec(spec)
+            names = [self._names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)]
+            reducer = GradientReducer(
+                self.comm, [_GradView(g) for g in grads], names,
+                codec=None if codec.name in ("none", "fp32") else codec,
+                plain_codec=None, policy=self.policy, bucket_cap_mb=1e9,  # DDP sized the bucket
+                algorithm=self.algorithm, seed=self.seed)
+            if str(index) in self._pending_codec_state:
+                reducer.load_codec_states(self._pending_codec_state.pop(str(index)))
+            self._reducers[index] = (signature, reducer)
+            return reducer
+        reducer = cached[1]
+        for view, g in zip(reducer.params, grads):
+            view.grad = g  # DDP may hand out new views of the same layout
+        return reducer
+
+
+def commopt_hook(state: CommoptHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average ``bucket`` over DDP's group through commopt's codec."""
+    reducer = state._reducer(bucket)
+    comm = reducer.comm
+    future: torch.futures.Future = torch.futures.Future()
+    flats = reducer.buffers[0]
+    present = [True] * len(reducer.params)
+    for b in reducer.buckets:
+        reducer.pack(b, flats[b.index], present)
+        reducer.reduce(b, flats[b.index], state.step, 1.0)
+    step_done = bucket.is_last()
+
+    def finish() -> None:
+        try:
+            for b in reducer.buckets:
+                reducer.unpack(b, flats[b.index], present)
+            future.set_result(bucket.buffer())
+        except Exception as exc:  # surface transport errors in DDP's backward
+            future.set_exception(exc)
+
+    collectives.then(comm, finish)
+    if step_done:
+        state.step += 1
+    return future
