@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--profile-batch", type=int, default=1)
     m.add_argument("--profile-image-size", type=int, default=64)
     m.add_argument("--profile-iters", type=int, default=2)
+    m.add_argument("--profile-threads", type=int, default=1, help="torch threads while profiling (default 1)")
     m.add_argument("--compute-time", type=float, default=None,
                    help="measured compute seconds per step (with --grad-bytes: a synthetic profile)")
     m.add_argument("--grad-bytes", type=float, default=None, help="gradient bytes per step (float32)")
@@ -73,8 +74,8 @@ def _profile(args, machine):
     from commopt.sim.profiler import profile_named_model
     from commopt.sim.profiles import list_profiles, load_profile
 
-    prof = profile_named_model(args.profile_model, batch=args.profile_batch,
-                               image_size=args.profile_image_size, iterations=args.profile_iters)
+    prof = profile_named_model(args.profile_model, batch=args.profile_batch, image_size=args.profile_image_size,
+                               iterations=args.profile_iters, threads=args.profile_threads)
     path = args.profile_out or f"{args.profile_model}.profile.json"
     prof.save(path)
     print(f"profiled {args.profile_model} on this CPU: {prof.sources['measured']}; wrote {path}", file=sys.stderr)

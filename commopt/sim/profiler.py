@@ -82,8 +82,11 @@ def profile_module(model, make_inputs: Callable[[], tuple], *, name: str, batch:
 
 
 def profile_named_model(name: str, *, batch: int = 1, image_size: int = 64,
-                        iterations: int = 2) -> ModelProfile:
-    """Profile a model by name on the CPU (``resnet50``: random images, cross-entropy)."""
+                        iterations: int = 2, threads: int | None = 1) -> ModelProfile:
+    """Profile a model by name on the CPU (``resnet50``: random images, cross-entropy).
+
+    ``threads`` (default 1; None keeps torch's setting): one thread keeps the timing steady on a
+    shared machine, where intra-op threads waiting on each other can be ten times slower."""
     import torch
 
     if name != "resnet50":
@@ -99,9 +102,17 @@ def profile_named_model(name: str, *, batch: int = 1, image_size: int = 64,
     torch.manual_seed(0)
     model = resnet50()
     labels = torch.randint(0, 1000, (batch,))
-    prof = profile_module(
-        model, lambda: (torch.randn(batch, 3, image_size, image_size),), name=name, batch=batch,
-        iterations=iterations, sample_unit="images",
-        loss_fn=lambda out: torch.nn.functional.cross_entropy(out, labels))
+    saved = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        prof = profile_module(
+            model, lambda: (torch.randn(batch, 3, image_size, image_size),), name=name, batch=batch,
+            iterations=iterations, sample_unit="images",
+            loss_fn=lambda out: torch.nn.functional.cross_entropy(out, labels))
+    finally:
+        torch.set_num_threads(saved)
     return replace(prof, description=f"{name} measured on this CPU: batch {batch} of "
                                      f"{image_size}x{image_size} images, best of {iterations}")

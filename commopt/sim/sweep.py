@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.plan import Plan
 from commopt.sim.profiles import ModelProfile, load_profile
@@ -68,8 +66,7 @@ def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpu
         elif axis == "bucket_mb":
             pl = Plan(plan.algorithm, plan.codec, v, plan.overlap)
         elif axis == "codec":
-            algorithm = plan.algorithm
-            pl = Plan(algorithm, v, plan.bucket_mb, plan.overlap)
+            pl = Plan(plan.algorithm, v, plan.bucket_mb, plan.overlap)
         elif axis == "overlap":
             pl = Plan(plan.algorithm, plan.codec, plan.bucket_mb, v)
         elif axis == "algorithm":
@@ -77,5 +74,3 @@ def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpu
         rows.append((v, simulate(p, m, pl, n)))
     return rows
 
-
-__all__ = ["parse_sweep", "run_sweep", "AXES", "replace"]

@@ -30,11 +30,11 @@ def test_the_issue_example_prints_a_table():
     assert "double-buffering" in lines[0]
 
 
-def test_sweep_writes_json_and_a_plot(tmp_path):
+def test_sweep_writes_json_and_a_plot(tmp_path, capsys):
+    # In-process (the subprocess path is covered above): the same parser and run().
     png = tmp_path / "scaling.png"
-    r = simulate_cli("--model", "bert-large", "--sweep", "gpus=8..1024", "--json", "--plot", str(png))
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
+    assert main(["simulate", "--model", "bert-large", "--sweep", "gpus=8..1024", "--json", "--plot", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
     gpus = [row["gpus"] for row in doc["rows"]]
     assert gpus == [8, 16, 32, 64, 128, 256, 512, 1024]
     assert all(0 < row["efficiency"] <= 1 for row in doc["rows"])
