@@ -32,33 +32,34 @@ def qsgd_nbytes(numel: int, *, bits: int, bucket_size: int, scale_bytes: int = 4
     return (raw + 3) // 4 * 4
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
     # (x * c) mod 2^32 for 0 <= x < 2^32 without int64 overflow (which torch leaves
     # undefined): split c in 16-bit halves so every product stays below 2^48.
+    # Consumes x (in-place ops keep the reference from allocating per step).
     lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
+    return x.mul_(c >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(lo).bitwise_and_(_M32)
 
 
-def _lowbias32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, _MUL_A)
-    x = x ^ (x >> 15)
-    x = _mul32(x, _MUL_B)
-    return x ^ (x >> 16)
+def _lowbias32_(x: torch.Tensor) -> torch.Tensor:
+    x.bitwise_xor_(x >> 16)
+    x = _mul32_(x, _MUL_A)
+    x.bitwise_xor_(x >> 15)
+    x = _mul32_(x, _MUL_B)
+    return x.bitwise_xor_(x >> 16)
 
 
 def uniform_bits(index: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
     """The 32-bit random word of each element index (int64 tensor of values in [0, 2^32))."""
     k0, k1 = key
-    return _lowbias32(_lowbias32((index + k0) & _M32) ^ k1)
+    x = _lowbias32_((index + k0).bitwise_and_(_M32))
+    return _lowbias32_(x.bitwise_xor_(k1))
 
 
 def _uniform24(n: int, key: tuple[int, int], device) -> torch.Tensor:
     idx = torch.arange(n, dtype=torch.int64, device=device)
     u = uniform_bits(idx, key)
     # 24 random bits -> float32 in [0, 1), exactly representable.
-    return (u >> 8).to(torch.float32) * (2.0**-24)
+    return u.bitwise_right_shift_(8).to(torch.float32).mul_(2.0**-24)
 
 
 def _bucket_norm(y: torch.Tensor, norm: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ is not built) and CUDA for CUDA tensors.
 """
 from __future__ import annotations
 
+import struct
 import warnings
 
 import torch
@@ -66,17 +67,30 @@ def rng_words(seed: int, rank: int, step: int, stream: int = 0) -> tuple[int, in
 
 
 def _native():
-    from commopt import _native_kernels
+    from commopt import _native_kernels  # noqa: PLC0415 - cheap after the first import
 
     return _native_kernels
 
 
+_native_loaded: bool | None = None
+
+
+def _native_reason() -> str:
+    try:
+        return _native().load_error() or "not loaded"
+    except OSError as err:
+        return str(err)
+
+
 def native_available() -> bool:
     """True when the C++ library ``commopt_ext._cpu`` is built and loads."""
-    try:
-        return _native().load() is not None
-    except OSError:
-        return False
+    global _native_loaded
+    if _native_loaded is None:
+        try:
+            _native_loaded = _native().load() is not None
+        except OSError:
+            _native_loaded = False
+    return _native_loaded
 
 
 def _pick(impl: str | None, *tensors: torch.Tensor) -> str:
@@ -94,8 +108,9 @@ def _pick(impl: str | None, *tensors: torch.Tensor) -> str:
             if not _warned_no_native:
                 _warned_no_native = True
                 warnings.warn(
-                    "commopt native CPU kernels are not built; using the slow torch reference. "
-                    "Rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`).",
+                    f"commopt native CPU kernels unavailable ({_native_reason()}); using the slow "
+                    "torch reference. Rebuild with `pip install -e .` (or `python setup.py "
+                    "build_ext --inplace`).",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -149,7 +164,7 @@ def _check_qsgd(bits: int, levels: int, bucket_size: int, norm: str, scale_bytes
 
 def _scale32(scale: float) -> float:
     # Every implementation multiplies by the same float32 value.
-    return torch.tensor(float(scale), dtype=torch.float32).item()
+    return struct.unpack("f", struct.pack("f", float(scale)))[0]
 
 
 def qsgd_encode(

@@ -16,7 +16,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(COMMOPT_NO_CLONES)
 #define COMMOPT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
