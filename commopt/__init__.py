@@ -7,18 +7,21 @@
 """
 __version__ = "0.1.0"
 
-from commopt.comm import create_communicator  # noqa: E402
-
-__all__ = ["create_communicator", "__version__"]
+__all__ = ["create_communicator", "create_multi_node_optimizer", "__version__"]
 
 
 def __getattr__(name):
-    # Heavier parts load on first use so `import commopt` stays cheap.
+    # Everything loads on first use: `import commopt` (and so every `commopt launch`) must
+    # not pay for importing torch.
+    if name == "create_communicator":
+        from commopt.comm import create_communicator
+
+        return create_communicator
     if name == "create_multi_node_optimizer":
         from commopt.optim.multi_node import create_multi_node_optimizer
 
         return create_multi_node_optimizer
-    if name in ("codecs", "collectives", "optim", "kernels", "sim", "integrations"):
+    if name in ("comm", "codecs", "collectives", "optim", "kernels", "sim", "integrations", "reducer"):
         import importlib
 
         return importlib.import_module(f"commopt.{name}")

@@ -16,6 +16,7 @@ fp16 and bf16 themselves).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any
@@ -64,6 +65,17 @@ def init_default_group(backend: str | None = None, timeout_s: float = 600) -> No
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, rank=info.rank, world_size=info.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    # A group left alive at interpreter exit can abort the process in torch's destructors
+    # ("terminate called without an active exception"): destroy the one we created.
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
 
 
 def _free_port() -> int:

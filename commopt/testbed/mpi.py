@@ -97,9 +97,16 @@ def mpirun_cluster_argv(cluster: EmulatedCluster, nprocs: int, ranks_per_host: i
 
 
 def cluster_env(cluster: EmulatedCluster) -> dict[str, str]:
-    """Variables every rank on an emulated cluster gets (COMMOPT_NODE_NAME comes per host)."""
-    return {
+    """Variables every rank on an emulated cluster gets (COMMOPT_NODE_NAME comes per host).
+
+    COMMOPT_LINK_BITS tells benchmarks the link rate, so they can print the limit beside
+    what they measure.
+    """
+    env = {
         "COMMOPT_DATA_IFNAME": cluster.data_ifname,
         "GLOO_SOCKET_IFNAME": cluster.data_ifname,
         "NCCL_SOCKET_IFNAME": cluster.data_ifname,
     }
+    if cluster.rate_bits is not None:
+        env["COMMOPT_LINK_BITS"] = str(cluster.rate_bits)
+    return env

@@ -148,7 +148,7 @@ def teardown(cluster: EmulatedCluster) -> None:
         _remove_namespaces(cluster.namespaces)
         shutil.rmtree(cluster.workdir, ignore_errors=True)
         if cluster._lock_fd is not None:
-            os.close(cluster._lock_fd)
+            _unlock(cluster.slot, cluster._lock_fd)
             cluster._lock_fd = None
 
 
@@ -160,7 +160,7 @@ def cleanup_stale() -> list[str]:
         existing += [p.name for p in ETC_NETNS.iterdir() if p.name not in existing]
     for slot in range(MAX_SLOTS):
         names = _slot_namespaces(slot, existing)
-        if not names:
+        if not names and not _lock_path(slot).exists():
             continue
         fd = _try_lock(slot)
         if fd is None:
@@ -169,7 +169,7 @@ def cleanup_stale() -> list[str]:
             _remove_namespaces(names)
             removed += names
         finally:
-            os.close(fd)
+            _unlock(slot, fd)  # also drops lock files of old runs
     return removed
 
 
@@ -199,8 +199,13 @@ def _lock_dir() -> Path:
     raise TestbedUnavailable(f"no writable directory for run locks among {_LOCK_DIRS}")
 
 
+def _lock_path(slot: int) -> Path:
+    return _lock_dir() / f"slot-{slot}.lock"
+
+
 def _try_lock(slot: int) -> int | None:
-    fd = os.open(_lock_dir() / f"slot-{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    path = _lock_path(slot)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -208,7 +213,22 @@ def _try_lock(slot: int) -> int | None:
         if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
             return None
         raise
+    # The holder before us unlinks the file as it lets go: a lock on an unlinked file
+    # guards nothing, so it only counts if the path still names the file we locked.
+    try:
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return None
     return fd
+
+
+def _unlock(slot: int, fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_lock_path(slot))  # while still holding it, so nobody else is mid-claim
+    os.close(fd)
 
 
 def _slot_namespaces(slot: int, names: list[str] | None = None) -> list[str]:

@@ -186,3 +186,15 @@ def test_success_and_signals():
 
 def test_missing_program_is_named():
     assert run_processes([["/nonexistent/prog"]]) == 127
+
+
+def test_emulated_cluster_refuses_clearly_without_root(launch, monkeypatch):
+    from commopt.testbed import TestbedUnavailable, emulated_cluster, unavailable_reason
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in unavailable_reason()
+    with pytest.raises(TestbedUnavailable, match="needs root"):
+        with emulated_cluster(2, "1gbit"):
+            pass
+    code, _, err = launch("-n", "2", "--link", "1gbit", "--launcher", "torch", "--", "true")
+    assert code == 2 and "cannot emulate a cluster here" in err and "root" in err
