@@ -20,6 +20,9 @@ command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin libopenmpi-dev)
   || command -v mpicc >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
+# A C++ compiler for the native kernels, cmake for Horovod's build.
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]} (apt-get)"
   as_root apt-get update -qq

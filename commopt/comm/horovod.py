@@ -25,6 +25,7 @@ split the top-level communicator (all ranks call it), not a communicator made by
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable
 
 import torch
@@ -102,12 +103,14 @@ class HorovodCommunicator(Communicator):
         self.rank = self._order.index(members.index(hvd.rank()))
         self._tag = _tag
         self._count = 0
+        self._lock = threading.Lock()
         self._init_topology()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _name(self, op: str) -> str:
-        self._count += 1
-        return f"commopt.{self._tag}.{op}.{self._count}"
+        with self._lock:  # one counter value per operation, even with several threads
+            self._count += 1
+            return f"commopt.{self._tag}.{op}.{self._count}"
 
     def _reordered(self) -> bool:
         return self._order != sorted(self._order)
@@ -137,7 +140,9 @@ class HorovodCommunicator(Communicator):
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         hvd = self._hvd
-        if send.numel() == 0:
+        if send.numel() == 0 or self.size == 1:
+            if self.size == 1 and recv.data_ptr() != send.data_ptr():
+                recv.copy_(send)
             return _DONE
         rows = _movable(send).reshape(self.size, -1)
         if self._reordered():
@@ -156,7 +161,9 @@ class HorovodCommunicator(Communicator):
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         hvd = self._hvd
-        if send.numel() == 0:
+        if send.numel() == 0 or self.size == 1:
+            if self.size == 1 and recv.data_ptr() != send.data_ptr():
+                recv.copy_(send)
             return _DONE
         handle = hvd.allgather_async(_movable(send).reshape(-1), name=self._name("allgather"),
                                      process_set=self._ps)

@@ -1,7 +1,7 @@
 """Which launcher started this process, and the rank layout it gives.
 
 Recognises Open MPI's mpirun, MPICH/Hydra's mpiexec, torchrun (and anything that sets
-torch.distributed's RANK/WORLD_SIZE), and Slurm's srun.
+torch.distributed's RANK/WORLD_SIZE), horovodrun's gloo mode, and Slurm's srun.
 
     >>> from commopt.comm.launcher import detect_launcher
     >>> info = detect_launcher({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
@@ -18,7 +18,7 @@ from typing import Mapping
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    name: str  # "openmpi" | "mpich" | "torchrun" | "slurm" | "none"
+    name: str  # "openmpi" | "mpich" | "torchrun" | "horovodrun" | "slurm" | "none"
     rank: int
     size: int
     local_rank: int
@@ -33,6 +33,7 @@ class LaunchInfo:
 # torchrun first (it may run inside an allocation that also sets Slurm's variables).
 _LAYOUTS = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),

@@ -12,6 +12,7 @@ messages, the table is printed and the best setting is written as an env file to
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 
@@ -37,11 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Lower-case names are Open MPI MCA parameters; A+B=... moves two "
                              "together; values take K/M/G suffixes; '|' separates values with commas")
     parser.add_argument("--bench-args", default=None, metavar="ARGS",
-                        help="extra arguments for `commopt bench allreduce` (quoted string)")
+                        help="extra arguments for `commopt bench allreduce`, e.g. "
+                             "\"-b 1M -e 64M -n 5 --codec fp16\" (one codec)")
     parser.add_argument("--large-from", default="1M", metavar="SIZE",
                         help="rank by mean busbw over messages of at least SIZE (default 1M)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not run the defaults (no variables set) as the first point")
+    parser.add_argument("--repeats", type=int, default=1, metavar="R",
+                        help="run each point R times, round-robin, and rank by the median "
+                             "busbw at each size (default 1; use 3 or more on a noisy network)")
     parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                         help="stop a point after SECONDS (default 300)")
     parser.add_argument("--out", default="commopt-tune.env", metavar="FILE",
@@ -62,7 +67,8 @@ def _transport(args) -> str:
 
 def bench_argv(transport: str, extra: str | None) -> list[str]:
     """The benchmark each point runs."""
-    argv = [sys.executable, "-m", "commopt", "bench", "allreduce", "--json",
+    # -c 0: no error check (an extra allreduce per size); later --bench-args override these.
+    argv = [sys.executable, "-m", "commopt", "bench", "allreduce", "--json", "-c", "0",
             "--comm", "pure_nccl" if transport == "nccl" else "mpi"]
     return argv + (shlex.split(extra) if extra else [])
 
@@ -70,8 +76,9 @@ def bench_argv(transport: str, extra: str | None) -> list[str]:
 def runner_argv(args) -> list[str]:
     if args.runner:
         return shlex.split(args.runner)
+    # launch's own timeout stops a hung point cleanly; tune's (a little later) is the backstop.
     argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
-            "--launcher", args.launcher]
+            "--launcher", args.launcher, "--timeout", f"{args.timeout:g}"]
     if args.link:
         argv += ["--link", args.link]
     if args.ranks_per_host:
@@ -89,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"commopt tune: {exc}", file=sys.stderr)
         return 2
+    if args.bench_args and re.search(r"--codec[ =]\S*,", args.bench_args):
+        print("commopt tune: rank one codec at a time: --bench-args '--codec NAME'", file=sys.stderr)
+        return 2
     runnable = []
     for p in points:
         reason = tune.skip_reason(p)
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     argv = runner_argv(args) + bench_argv(transport, args.bench_args)
     command = shlex.join(argv)
-    print(f"{len(runnable)} points, each: {command}")
+    print(f"{len(runnable)} points x {args.repeats} run(s), each: {command}")
     if args.dry_run:
         for p in runnable:
             print(f"  {tune.describe(p)}")
@@ -113,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
         status = f"{res.score(large_from):.4g} GB/s" if res.rows and not res.error else f"FAILED: {res.error}"
         print(f"[{i}/{total}] {tune.describe(res.point)}: {status} ({res.seconds:.1f}s)", flush=True)
 
-    results = tune.sweep(runnable, argv, timeout=args.timeout, progress=progress)
+    if args.repeats < 1:
+        print("commopt tune: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    results = tune.sweep(runnable, argv, timeout=args.timeout + 30, repeats=args.repeats,
+                         progress=progress, large_from=large_from)
     ranked = tune.rank(results, large_from)
     print()
     print(tune.format_table(ranked, large_from))

@@ -264,11 +264,22 @@ def _command_version(cmd: list[str], pattern: str) -> str | None:
 
 
 def _mpi_version() -> str | None:
-    out = _command_version(["mpirun", "--version"], r"^(.*\d+\.\d+[.\d]*)")
-    if out and "Open MPI" in out:
-        m = re.search(r"Open MPI\)? ([\d.]+)", out)
-        return f"Open MPI {m.group(1)}" if m else out
-    return out
+    """'Open MPI 4.1.4' or 'MPICH 4.0' (from `mpirun --version`), else None."""
+    if shutil.which("mpirun") is None:
+        return None
+    try:
+        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Open MPI\)? ([\d.]+\w*)", out)
+    if m:
+        return f"Open MPI {m.group(1)}"
+    m = re.search(r"Version:\s*([\d.]+\w*)", out)  # MPICH's Hydra
+    if m:
+        return f"MPICH {m.group(1)}"
+    first = out.strip().splitlines()[:1]
+    return first[0] if first else None
 
 
 def _driver_version() -> str | None:

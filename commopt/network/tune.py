@@ -32,9 +32,11 @@ from commopt.network.doctor import NCCL_MAX_SOCKET_THREADS, NCCL_MAX_SOCKETS
 # The default sweeps. NCCL over sockets: threads x sockets per thread (64 sockets at most).
 # Open MPI over TCP: TCP connections per peer, and the eager/rendezvous switch-over size
 # (the first fragment of a large message is at most the eager limit, so they move together).
+# btl_tcp_links stops at 4: with 8, Open MPI 4.1.4 hung in the first large allreduce here
+# (2 ranks, loopback and the emulated link alike).
 DEFAULT_GRIDS = {
     "nccl": ["NCCL_SOCKET_NTHREADS=1,2,4,8", "NCCL_NSOCKS_PERTHREAD=1,2,4,8"],
-    "mpi": ["btl_tcp_links=1,2,4,8",
+    "mpi": ["btl_tcp_links=1,2,4",
             "btl_tcp_eager_limit+btl_tcp_rndv_eager_limit=64K,256K,1M"],
 }
 _SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -139,6 +141,9 @@ def parse_bench_output(text: str) -> list[BenchRow]:
     if not isinstance(rows, list) or not rows:
         raise ValueError("benchmark output has no rows (expected a JSON list, or an object with "
                          f"'results'); got: {text[-300:]!r}")
+    codecs = list(dict.fromkeys(row.get("codec") for row in rows if isinstance(row, dict)))
+    if len(codecs) > 1:
+        raise ValueError(f"benchmark output mixes codecs {codecs}: rank one codec at a time")
     out = []
     for row in rows:
         size = next((row[k] for k in _SIZE_KEYS if k in row), None)
@@ -177,6 +182,7 @@ class PointResult:
     rows: list[BenchRow] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    run_scores: list[float] = field(default_factory=list)  # one per repeat (merge_runs)
 
     def score(self, large_from: int = DEFAULT_LARGE_FROM) -> float:
         """Mean bus bandwidth (GB/s) over messages >= large_from (the largest one if none)."""
@@ -209,7 +215,9 @@ def format_table(ranked: list[PointResult], large_from: int = DEFAULT_LARGE_FROM
     sizes = sorted({r.nbytes for res in ranked for r in res.rows if r.nbytes >= large_from}) or \
         sorted({res.rows[-1].nbytes for res in ranked if res.rows})
     base = next((r for r in ranked if not r.point and r.rows), None)
-    head = ["#", "setting", "score GB/s", "vs defaults"] + [f"{_size(s)} GB/s" for s in sizes]
+    spread = any(len(r.run_scores) > 1 for r in ranked)
+    head = ["#", "setting", "score GB/s"] + (["runs min-max"] if spread else []) + \
+        ["vs defaults"] + [f"{_size(s)} GB/s" for s in sizes]
     body = []
     for i, res in enumerate(ranked, 1):
         if res.error or not res.rows:
@@ -218,7 +226,9 @@ def format_table(ranked: list[PointResult], large_from: int = DEFAULT_LARGE_FROM
         by = {r.nbytes: r.busbw for r in res.rows}
         ratio = f"{res.score(large_from) / base.score(large_from):.2f}x" if base and \
             base.score(large_from) > 0 else ""
-        body.append([str(i), describe(res.point), f"{res.score(large_from):.4g}", ratio]
+        runs = ([f"{min(res.run_scores):.3g}-{max(res.run_scores):.3g}" if res.run_scores else ""]
+                if spread else [])
+        body.append([str(i), describe(res.point), f"{res.score(large_from):.4g}", *runs, ratio]
                     + [f"{by[s]:.4g}" if s in by else "" for s in sizes])
     ncols = max(len(row) for row in [head] + body)
     rows = [row + [""] * (ncols - len(row)) for row in [head] + body]
@@ -259,8 +269,7 @@ def run_point(point: dict[str, str], argv: list[str], *, timeout: float,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _stop(proc)
         return PointResult(point, error=f"timed out after {timeout:.0f}s",
                            seconds=time.monotonic() - start)
     seconds = time.monotonic() - start
@@ -274,14 +283,64 @@ def run_point(point: dict[str, str], argv: list[str], *, timeout: float,
         return PointResult(point, error=str(exc), seconds=seconds)
 
 
+def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Interrupt the launcher's whole process group (so it can clean up, e.g. the emulated
+    cluster's namespaces), then kill what is left after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.communicate(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def merge_runs(runs: list[PointResult], large_from: int = DEFAULT_LARGE_FROM) -> PointResult:
+    """One result from repeated runs of a point: the median busbw at each size.
+
+    A failed run fails the point (a setting that sometimes hangs is not a good setting).
+    """
+    point = runs[0].point
+    seconds = sum(r.seconds for r in runs)
+    errors = [r.error for r in runs if r.error or not r.rows]
+    if errors:
+        return PointResult(point, error=f"{len(errors)} of {len(runs)} runs failed: {errors[0]}",
+                           seconds=seconds)
+    sizes = sorted({row.nbytes for r in runs for row in r.rows})
+    rows = []
+    for n in sizes:
+        values = sorted(row.busbw for r in runs for row in r.rows if row.nbytes == n)
+        mid = len(values) // 2
+        median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        rows.append(BenchRow(n, median))
+    return PointResult(point, rows=rows, seconds=seconds,
+                       run_scores=[r.score(large_from) for r in runs])
+
+
 def sweep(points: list[dict[str, str]], argv: list[str], *, timeout: float = 300,
-          progress=None) -> list[PointResult]:
-    """Run every point in order; ``progress(i, total, result)`` after each."""
-    results = []
-    for i, point in enumerate(points, 1):
-        res = run_point(point, argv, timeout=timeout)
-        results.append(res)
-        if progress is not None:
-            progress(i, len(points), res)
-    return results
+          repeats: int = 1, progress=None,
+          large_from: int = DEFAULT_LARGE_FROM) -> list[PointResult]:
+    """Run every point ``repeats`` times; ``progress(i, total, result)`` after each run.
+
+    Repeats go round-robin over the points (all points, then all again), so a slow drift of
+    the machine or the network spreads over every point instead of favouring some.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    runs: list[list[PointResult]] = [[] for _ in points]
+    total, done = len(points) * repeats, 0
+    for _ in range(repeats):
+        for i, point in enumerate(points):
+            if any(r.error for r in runs[i]):
+                total -= 1  # a point that failed once is not run again
+                continue
+            res = run_point(point, argv, timeout=timeout)
+            runs[i].append(res)
+            done += 1
+            if progress is not None:
+                progress(done, total, res)
+    return [merge_runs(r, large_from) for r in runs]
 

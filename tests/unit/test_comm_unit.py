@@ -58,6 +58,8 @@ def test_unsupported_allreduce_dtype():
     ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, ("torchrun", 5, 8, 1, 4)),
     ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4(x2)"},
      ("slurm", 6, 8, 2, 4)),
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"},
+     ("horovodrun", 1, 2, 1, 2)),
     ({}, ("none", 0, 1, 0, 1)),
 ])
 def test_detect_launcher(env, expected):
