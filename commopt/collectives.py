@@ -86,12 +86,36 @@ class _Driver:
             last.wait()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        # Not wait=True: the last reference may drop on the worker thread itself.
+        self._pool.shutdown(wait=False)
 
 
 _DRIVERS: "weakref.WeakKeyDictionary[Communicator, _Driver]" = weakref.WeakKeyDictionary()
 _DRIVERS_LOCK = threading.Lock()
 _DONE = CompletedWork()
+
+
+def _drain_all_at_exit() -> None:
+    """Let reductions still in flight (double buffering) finish before the thread pools stop.
+
+    Without this, interpreter shutdown refuses the transport's next submission on one rank
+    while its peers already entered the collective: they would wait forever.
+    """
+    for drv in list(_DRIVERS.values()):
+        try:
+            drv.drain()
+        except Exception:  # noqa: BLE001 - reported by whoever waits; nothing to do at exit
+            pass
+
+
+# Runs before concurrent.futures' own exit hook (these hooks run in reverse order).
+_register_exit = getattr(threading, "_register_atexit", None)
+if _register_exit is not None:
+    _register_exit(_drain_all_at_exit)
+else:  # pragma: no cover - CPython < 3.9
+    import atexit
+
+    atexit.register(_drain_all_at_exit)
 
 
 def _driver(comm: Communicator) -> _Driver:
@@ -104,15 +128,18 @@ def _driver(comm: Communicator) -> _Driver:
         return drv
 
 
-def then(comm: Communicator, fn: Callable[[], None]) -> Work:
+def then(comm: Communicator, fn: Callable[[], None], device=None) -> Work:
     """Run ``fn`` after every asynchronous allreduce issued on ``comm`` so far, in order.
 
     ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
-    the allreduces run, so every rank still issues them in the same order.
+    the allreduces run, so every rank still issues them in the same order. ``device``:
+    the CUDA device ``fn`` works on, made current on the worker thread.
     """
     if comm.size == 1 and _DRIVERS.get(comm) is None:
         fn()
         return _DONE
+    if device is not None:
+        fn = _on_device(torch.device(device), fn)
     return _driver(comm).submit(fn)
 
 
@@ -267,10 +294,22 @@ def allreduce(
     if comm.size == 1 and _DRIVERS.get(comm) is None:
         plan()  # a world of one completes at once, on the caller's thread
         return _DONE
-    work = _driver(comm).submit(plan)
+    work = _driver(comm).submit(_on_device(flat.device, plan))
     if not async_op:
         work.wait()
     return work
+
+
+def _on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run with ``device`` current (the CUDA device is per thread; the worker's is 0)."""
+    if device.type != "cuda":
+        return fn
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            fn()
+
+    return run
 
 
 # Each plan runs its first stage on the caller's thread and returns the rest as a callable

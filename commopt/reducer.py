@@ -14,7 +14,8 @@ carries one codec. In a compressed bucket every tensor starts at a multiple of t
     >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 2.0)
     >>> reducer = GradientReducer(comm, [w], ["w"])
     >>> step = reducer.start(step=0)
-    >>> step.finish(); result = step.wait(); step.unpack(zero_fill=True)
+    >>> step.finish()
+    >>> result = step.unpack(zero_fill=True)   # waits, then writes param.grad
     >>> w.grad.tolist(), result.nonfinite
     ([2.0, 2.0, 2.0], False)
 
@@ -297,20 +298,23 @@ class StepReduction:
             return
         while self.issued < len(self.reducer.buckets):
             self._issue(self.issued)
-        self._trailer = collectives.then(self.reducer.comm, self._agree)
+        device = self.flats[0].device if self.flats else None
+        self._trailer = collectives.then(self.reducer.comm, self._agree, device=device)
         self.finished = True
 
     def _agree(self) -> None:
         """On the collectives' thread, after every bucket: agree on NaN/Inf and presence."""
         n = len(self.flats)
-        flags = torch.zeros(n + len(self.present), dtype=torch.float32)
-        for i, flat in enumerate(self.flats):
-            bad = bool(self._bad[i]) or not bool(torch.isfinite(flat.sum()))
-            flags[i] = 1.0 if bad else 0.0
-        flags[n:] = torch.tensor(self.present, dtype=torch.float32)
+        local = [float(bool(self._bad[i]) or not bool(torch.isfinite(flat.sum())))
+                 for i, flat in enumerate(self.flats)]
+        local += [float(p) for p in self.present]
+        # On the buckets' device: a GPU transport (NCCL) reduces device memory only.
+        device = self.flats[0].device if self.flats else torch.device("cpu")
+        flags = torch.tensor(local, dtype=torch.float32, device=device)
         self.reducer.comm.allreduce(flags)
-        bad = [i for i in range(n) if flags[i] > 0]
-        self._result = StepResult(bool(bad), bad, (flags[n:] > 0).tolist())
+        agreed = (flags > 0).tolist()
+        bad = [i for i in range(n) if agreed[i]]
+        self._result = StepResult(bool(bad), bad, agreed[n:])
 
     @classmethod
     def restored(cls, reducer: GradientReducer, step: int, buffer: int,

@@ -178,6 +178,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._db_exchanged: StepResult | None | bool = False
         seed0 = int(torch.initial_seed()) & (2**63 - 1) if seed is None else int(seed)
         self.seed = int(comm.bcast_obj(seed0, root=0))
+        # Gradients travel on a private duplicate of ``comm``: reductions in flight (double
+        # buffering keeps one in flight between steps) never interleave with collectives
+        # the application, or another wrapper, issues on ``comm`` meanwhile.
+        self._data_comm = comm.split(0, comm.rank) if comm.size > 1 else comm
         self._rebuild(broadcast=True)
 
     # -- torch.optim.Optimizer surface ------------------------------------------------------
@@ -247,14 +251,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         return [p for g in self._inner.param_groups for p in g["params"]]
 
     def _names(self, params: list[torch.Tensor]) -> list[str]:
+        """The model's parameter names (what the compression policy matches), else positions."""
         model = self._model_ref() if self._model_ref is not None else None
         by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         names, k = [], 0
         for gi, g in enumerate(self._inner.param_groups):
             for pi, _ in enumerate(g["params"]):
-                p = params[k]
-                where = f"param_groups[{gi}]['params'][{pi}]"
-                names.append(f"{by_id[id(p)]!s} ({where})" if id(p) in by_id else where)
+                names.append(by_id.get(id(params[k]), f"param_groups[{gi}]['params'][{pi}]"))
                 k += 1
         return names
 
@@ -275,7 +278,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 h.remove()
             self._hooks = []
             self._reducer = GradientReducer(
-                self.comm, [params[i] for i in trainable], [names[i] for i in trainable],
+                self._data_comm, [params[i] for i in trainable], [names[i] for i in trainable],
                 codec=self.codec, plain_codec=self.plain_codec, policy=self.policy,
                 bucket_cap_mb=self.bucket_cap_mb, algorithm=self.algorithm,
                 num_buffers=2 if self.double_buffering else 1, seed=self.seed,
@@ -307,8 +310,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 if a != b:
                     what = "shape" if a[1] != b[1] else "dtype" if a[2] != b[2] else \
                         "requires_grad" if a[3] != b[3] else "name"
+                    alias = f" (rank 0 calls it {a[0]!r})" if a[0] != b[0] and what != "name" else ""
                     problems.append(f"rank {r}: parameter {b[0]!r} has {what} "
-                                    f"{_field(b, what)} but rank 0 has {_field(a, what)} ({a[0]!r})")
+                                    f"{_field(b, what)} but rank 0 has {_field(a, what)}{alias}")
                     break
         if problems:
             raise ModelMismatchError(
@@ -402,8 +406,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._internal -= 1
 
     def _drain(self) -> None:
-        """Wait until nothing is in flight (before collectives issued from this thread)."""
-        collectives.drain(self.comm)
+        """Wait until none of this optimizer's reductions is in flight."""
+        collectives.drain(self._data_comm)
 
     # -- step -----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
@@ -606,6 +610,17 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def buckets(self):
         """The gradient buckets (read-only view, for inspection and tests)."""
         return list(self._reducer.buckets)
+
+    def close(self) -> None:
+        """Wait for reductions in flight, detach the hooks, release the private communicator.
+
+        Pending double-buffered gradients are dropped (call ``flush()`` first to apply them).
+        """
+        self._drain()
+        self.remove_hooks()
+        self._pending = self._current = self._reduced = None
+        if self._data_comm is not self.comm:
+            self._data_comm.finalize()
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""

@@ -45,19 +45,25 @@ def _mix(*parts: int) -> int:
 class SyntheticImages(Dataset):
     """Learnable synthetic classification data: a smooth per-class pattern plus noise.
 
-    Sample ``i`` has label ``i % num_classes`` and pixels drawn from ``(seed, i)`` only.
+    Sample ``i`` has label ``i % num_classes`` and pixels drawn from ``(seed, i)`` only; the
+    class patterns come from ``pattern_seed`` (default ``seed``), so a validation set with
+    another ``seed`` and the same ``pattern_seed`` holds new samples of the same classes.
     """
 
     def __init__(self, num_samples: int, num_classes: int, image_size: int, seed: int = 0,
-                 noise: float = 3.0):
+                 noise: float = 3.0, pattern_seed: int | None = None):
         if num_samples <= 0 or num_classes <= 0 or image_size <= 0:
             raise ValueError("SyntheticImages: num_samples, num_classes and image_size must be > 0")
         self.num_samples, self.num_classes, self.image_size = num_samples, num_classes, image_size
         self.seed, self.noise = seed, noise
-        gen = torch.Generator().manual_seed(_mix(seed, 0xC1A55))
-        coarse = torch.randn(num_classes, 3, 4, 4, generator=gen)
-        self.prototypes = torch.nn.functional.interpolate(coarse, size=(image_size, image_size),
-                                                          mode="bilinear", align_corners=False)
+        self.pattern_seed = seed if pattern_seed is None else pattern_seed
+
+    def prototype(self, label: int) -> torch.Tensor:
+        """Class ``label``'s pattern: 4x4 random values per channel, smoothly upsampled."""
+        gen = torch.Generator().manual_seed(_mix(self.pattern_seed, 0xC1A55, label))
+        coarse = torch.randn(1, 3, 4, 4, generator=gen)
+        return torch.nn.functional.interpolate(coarse, size=(self.image_size, self.image_size),
+                                               mode="bilinear", align_corners=False)[0]
 
     def set_epoch(self, epoch: int) -> None:  # no augmentation: same pixels every epoch
         pass
@@ -68,8 +74,8 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index: int):
         label = index % self.num_classes
         gen = torch.Generator().manual_seed(_mix(self.seed, index))
-        x = self.prototypes[label] + self.noise * torch.randn(3, self.image_size, self.image_size,
-                                                              generator=gen)
+        x = self.prototype(label) + self.noise * torch.randn(3, self.image_size, self.image_size,
+                                                             generator=gen)
         return x, label
 
 
@@ -211,8 +217,8 @@ def make_datasets(kind: str, *, data_dir: str | None, image_size: int, num_class
     """(train, val) data sets; ``kind`` is "synthetic" or "folder" (``data_dir/train``, ``/val``)."""
     if kind == "synthetic":
         train = SyntheticImages(train_size, num_classes, image_size, seed=seed)
-        val = SyntheticImages(val_size, num_classes, image_size, seed=seed + 1)
-        val.prototypes = train.prototypes  # same classes, fresh noise
+        # same classes, fresh noise
+        val = SyntheticImages(val_size, num_classes, image_size, seed=seed + 1, pattern_seed=seed)
         return train, val
     if kind != "folder":
         raise ValueError(f"unknown data kind {kind!r}: use 'synthetic' or 'folder'")

@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 from commopt.optim.schedules import CHAINERMN_MILESTONES
 
+# ImageNet-1k's sizes: --synthetic on an ImageNet preset keeps the epoch length (and schedule).
+IMAGENET_TRAIN, IMAGENET_VAL = 1_281_167, 50_000
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -30,7 +33,7 @@ class Preset:
     # (epoch, global batch) changes, e.g. ChainerMN's 64 -> 128 images per GPU at epoch 30.
     batch_schedule: tuple = ()
     zero_init_residual: bool = True
-    synthetic_train_size: int = 0
+    synthetic_train_size: int = 0   # images of --synthetic data (0: the preset reads a folder)
     synthetic_val_size: int = 0
     workers: int = 0
     log_every: int = 10
@@ -57,6 +60,7 @@ PRESETS: dict[str, Preset] = {
                         "momentum SGD, 5-epoch warm-up, x0.2 at 30, x0.1 at 60 and 80, 90 epochs",
             data="folder", image_size=224, num_classes=1000, global_batch=32 * 64, epochs=90,
             optimizer="sgd", batch_schedule=((30, 32 * 128),), workers=8, log_every=50,
+            synthetic_train_size=IMAGENET_TRAIN, synthetic_val_size=IMAGENET_VAL,
         ),
         Preset(
             name="imagenet-lars-32k",
@@ -64,6 +68,7 @@ PRESETS: dict[str, Preset] = {
                         "1e-4, base LR and warm-up from the MLPerf table, label smoothing 0.1",
             data="folder", image_size=224, num_classes=1000, global_batch=32 * 1024, epochs=90,
             optimizer="lars", workers=8, log_every=10,
+            synthetic_train_size=IMAGENET_TRAIN, synthetic_val_size=IMAGENET_VAL,
         ),
     ]
 }

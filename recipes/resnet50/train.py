@@ -39,6 +39,7 @@ from recipes.common import (
     launch_info,
     multi_node_optimizer,
     pick_device,
+    quiesce,
     state_digest,
 )
 from recipes.resnet50.data import DataError, EpochBatches, eval_shard, make_datasets, make_loader
@@ -83,11 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, help="torch CPU threads per rank")
     e = p.add_argument_group("evaluation, checkpoints and logs")
     e.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (and at the end)")
+    e.add_argument("--eval-every-steps", type=int, default=0, metavar="N",
+                   help="also evaluate every N steps (for time-to-accuracy curves)")
     e.add_argument("--no-eval", action="store_true", help="skip evaluation")
     e.add_argument("--checkpoint-dir", metavar="DIR")
     e.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                    help="also checkpoint every N steps (always at each epoch end and at the stop)")
-    e.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    e.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
+                   help="continue from the latest checkpoint in --checkpoint-dir, or from the "
+                        "one named (e.g. step-00000100)")
     e.add_argument("--log-jsonl", metavar="FILE", help="rank 0 appends JSON records here")
     e.add_argument("--log-every", type=int, help="steps between train records")
     e.add_argument("--progress", choices=("auto", "bar", "text", "none"), default="auto")
@@ -219,6 +224,7 @@ def resolve(args: argparse.Namespace) -> Config:
         (cfg.log_every > 0, f"--log-every must be > 0, got {cfg.log_every}"),
         (args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
+        (args.eval_every_steps >= 0, f"--eval-every-steps must be >= 0, got {args.eval_every_steps}"),
         (not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR"),
     ]
     if kind == "synthetic":
@@ -247,23 +253,30 @@ def check_world(cfg: Config, world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# checkpoints: one file per rank (error-feedback residuals differ between ranks)
+# checkpoints: the replicated state once (rank 0 writes it), each rank's own state beside it.
+# Parameters, the inner optimizer's state and the pending double-buffered gradients are the
+# same on every rank; opt.state_dict() gathers every rank's error-feedback residuals into it.
+# What differs per rank (BN running statistics, RNG states) goes into small per-rank files.
+# The folder must be visible to every rank (a shared file system on a cluster).
 
 def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, cfg: Config) -> Path:
     step_dir = directory / f"step-{position['global_step']:08d}"
+    optimizer_state = opt.state_dict()  # a collective call: every rank, same order
+    quiesce(comm)
     if comm.rank == 0:
         step_dir.mkdir(parents=True, exist_ok=True)
+        atomic_save({
+            "format": CHECKPOINT_FORMAT, "world_size": comm.size, "position": dict(position),
+            "config": cfg.fingerprint(), "model": model.state_dict(), "optimizer": optimizer_state,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }, step_dir / "shared.pt")
     comm.barrier()
-    step_dir.mkdir(parents=True, exist_ok=True)  # a node-local file system: each makes its own
-    state = {
-        "format": CHECKPOINT_FORMAT, "world_size": comm.size, "rank": comm.rank,
-        "position": dict(position), "config": cfg.fingerprint(),
-        "model": model.state_dict(), "optimizer": opt.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
+    atomic_save({
+        "rank": comm.rank,
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-    atomic_save(state, step_dir / f"rank-{comm.rank}.pt")
+    }, step_dir / f"rank-{comm.rank}.pt")
     comm.barrier()
     if comm.rank == 0:
         (directory / "latest.tmp").write_text(step_dir.name + "\n")
@@ -274,28 +287,36 @@ def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, c
     return step_dir
 
 
-def load_checkpoint(directory: Path, comm, cfg: Config, device) -> dict:
-    latest = directory / "latest"
-    if not latest.is_file():
-        raise RecipeError(f"--resume: no checkpoint in {directory} (no 'latest' file); "
-                          "run without --resume first, with --checkpoint-dir")
-    path = directory / latest.read_text().strip() / f"rank-{comm.rank}.pt"
-    if not path.is_file():
-        raise RecipeError(f"--resume: {path} is missing; was the checkpoint written by "
-                          f"{comm.size} ranks?")
-    state = torch.load(path, map_location=device, weights_only=False)
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise RecipeError(f"--resume: {path} is not a checkpoint of this recipe")
-    if state["world_size"] != comm.size:
-        raise RecipeError(f"--resume: the checkpoint was written by {state['world_size']} ranks; "
+def load_checkpoint(directory: Path, comm, cfg: Config, device, which: str = "latest") -> tuple[dict, dict]:
+    """(shared state, this rank's state) of checkpoint ``which``, checked against ``cfg``."""
+    if which == "latest":
+        latest = directory / "latest"
+        if not latest.is_file():
+            raise RecipeError(f"--resume: no checkpoint in {directory} (no 'latest' file); "
+                              "run without --resume first, with --checkpoint-dir")
+        which = latest.read_text().strip()
+    if not (directory / which).is_dir():
+        found = ", ".join(sorted(p.name for p in directory.glob("step-*"))) or "none"
+        raise RecipeError(f"--resume {which}: no such checkpoint in {directory} (found: {found})")
+    shared_path, own_path = directory / which / "shared.pt", directory / which / f"rank-{comm.rank}.pt"
+    for path in (shared_path, own_path):
+        if not path.is_file():
+            raise RecipeError(f"--resume: {path} is missing; was the checkpoint written by "
+                              f"{comm.size} ranks, on a folder every rank can read?")
+    shared = torch.load(shared_path, map_location=device, weights_only=False)
+    if shared.get("format") != CHECKPOINT_FORMAT:
+        raise RecipeError(f"--resume: {shared_path} is not a checkpoint of this recipe")
+    if shared["world_size"] != comm.size:
+        raise RecipeError(f"--resume: the checkpoint was written by {shared['world_size']} ranks; "
                           f"resume with the same number (now {comm.size})")
-    diff = {k: (v, cfg.fingerprint().get(k)) for k, v in state["config"].items()
-            if cfg.fingerprint().get(k) != v}
+    now = cfg.fingerprint()
+    diff = {k: (v, now.get(k)) for k, v in shared["config"].items() if now.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise RecipeError(f"--resume: settings differ from the checkpoint's run ({detail}); "
                           "use the same options to resume exactly")
-    return state
+    own = torch.load(own_path, map_location=device, weights_only=False)
+    return shared, own
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +327,7 @@ def average_bn_statistics(model, comm) -> None:
     bufs = [b for name, b in model.named_buffers() if b.is_floating_point()]
     if comm.size == 1 or not bufs:
         return
+    quiesce(comm)
     flat = torch.cat([b.reshape(-1).float() for b in bufs])
     comm.allreduce(flat)
     flat /= comm.size
@@ -331,6 +353,7 @@ def evaluate(model, dataset, cfg: Config, comm, device, amp: bool) -> dict:
         totals[0] += criterion(out.float(), y).double()
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += y.numel()
+    quiesce(comm)
     comm.allreduce(totals)
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -371,16 +394,19 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
     position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.resume:
-        state = load_checkpoint(ckpt_dir, comm, cfg, device)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if scaler is not None and state["scaler"] is not None:
-            scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["torch_rng"].cpu())
-        if state["cuda_rng"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"].cpu())
-        position = dict(state["position"])
-        del state
+        shared, own = load_checkpoint(ckpt_dir, comm, cfg, device, args.resume)
+        model.load_state_dict(shared["model"])
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                buf.copy_(own["buffers"][name])
+        opt.load_state_dict(shared["optimizer"])
+        if scaler is not None and shared["scaler"] is not None:
+            scaler.load_state_dict(shared["scaler"])
+        torch.set_rng_state(own["torch_rng"].cpu())
+        if own["cuda_rng"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(own["cuda_rng"].cpu())
+        position = dict(shared["position"])
+        del shared, own
     log.write(event="config", world_size=comm.size, device=str(device), amp=amp,
               label=config_label(args), resumed_at=position["global_step"], **asdict(cfg))
     progress = Progress(total_steps, position["global_step"], args.progress, rank0)
@@ -389,14 +415,34 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
                        f"{cfg.global_batch}, {cfg.optimizer} lr {cfg.lr:g}, comm {config_label(args)}"
                        + (f", resumed at step {position['global_step']}" if position["global_step"] else ""))
 
+    clock = {"paused": 0.0}  # seconds spent in evaluation and checkpoints: not training
+
+    def paused(fn):
+        """Run ``fn`` and book its time as paused, so throughput counts training only."""
+        t0 = time.perf_counter()
+        result = fn()
+        clock["paused"] += time.perf_counter() - t0
+        return result
+
     def checkpoint():
         if ckpt_dir is not None:
-            path = save_checkpoint(ckpt_dir, comm, position, model, opt, scaler, cfg)
+            path = paused(lambda: save_checkpoint(ckpt_dir, comm, position, model, opt, scaler, cfg))
             log.write(event="checkpoint", step=position["global_step"], path=str(path))
+
+    def run_eval(final: bool = False):
+        result = paused(lambda: evaluate(model, val_set, cfg, comm, device, amp))
+        now = time.perf_counter()
+        log.write(event="eval", step=position["global_step"], epoch=position["epoch"],
+                  elapsed_s=round(now - run_start, 3),
+                  train_s=round(now - run_start - clock["paused"], 3), final=final, **result)
+        what = "final eval" if final else f"eval at step {position['global_step']}"
+        progress.write(f"{what}: top1 {result['top1']:.4f} loss {result['loss']:.4f}")
+        return result
 
     metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     last_log_time, last_log_step = time.perf_counter(), position["global_step"]
-    timed_from = None  # (time, images) after the first step: start-up is not throughput
+    paused_at_log = 0.0
+    timed_from = None  # (time, images, paused) after the first step: start-up is not throughput
     images_done = 0
     run_start, first_step = time.perf_counter(), position["global_step"]
     last_eval = None
@@ -437,14 +483,16 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             if step == first_step + 1:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                timed_from = (time.perf_counter(), images_done)
+                timed_from = (time.perf_counter(), images_done, clock["paused"])
             epoch_done = position["step_in_epoch"] >= steps_per_epoch[epoch]
             stop = step >= total_steps
             if step % cfg.log_every == 0 or epoch_done or stop:
+                quiesce(comm)
                 comm.allreduce(metrics)  # the one host synchronisation of a log interval
                 loss_sum, correct, count = metrics.tolist()
                 now = time.perf_counter()
-                ips = (step - last_log_step) * batch / max(now - last_log_time, 1e-9)
+                busy = now - last_log_time - (clock["paused"] - paused_at_log)
+                ips = (step - last_log_step) * batch / max(busy, 1e-9)
                 record = dict(step=step, epoch=round(epoch + position["step_in_epoch"] / steps_per_epoch[epoch], 4),
                               lr=lr, loss=loss_sum / count, top1=correct / count,
                               images_per_s=round(ips, 2), elapsed_s=round(now - run_start, 3))
@@ -453,17 +501,14 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
                                 f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
                                 f"top1 {record['top1']:.3f} {ips:.1f} img/s lr {lr:.4g}")
                 metrics.zero_()
-                last_log_time, last_log_step = now, step
+                last_log_time, last_log_step, paused_at_log = now, step, clock["paused"]
             if epoch_done:
                 position["epoch"] += 1
                 position["step_in_epoch"] = 0
-                if (not args.no_eval and args.eval_every and not stop
-                        and position["epoch"] % args.eval_every == 0):
-                    last_eval = evaluate(model, val_set, cfg, comm, device, amp)
-                    log.write(event="eval", step=step, epoch=position["epoch"],
-                              elapsed_s=round(time.perf_counter() - run_start, 3), **last_eval)
-                    progress.write(f"eval after epoch {position['epoch']}: top1 {last_eval['top1']:.4f} "
-                                   f"loss {last_eval['loss']:.4f}")
+            if not args.no_eval and not stop and (
+                    (epoch_done and args.eval_every and position["epoch"] % args.eval_every == 0)
+                    or (args.eval_every_steps and step % args.eval_every_steps == 0)):
+                last_eval = run_eval()
             if epoch_done or stop or (args.checkpoint_every and step % args.checkpoint_every == 0):
                 checkpoint()
             if stop:
@@ -471,18 +516,16 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
     # With double buffering the last step's gradients are still pending: apply them.
     if hasattr(opt, "flush"):
         opt.flush()
-    end = time.perf_counter()
+    end, paused_at_end = time.perf_counter(), clock["paused"]
     if not args.no_eval:
-        last_eval = evaluate(model, val_set, cfg, comm, device, amp)
-        log.write(event="eval", step=position["global_step"], epoch=position["epoch"],
-                  elapsed_s=round(time.perf_counter() - run_start, 3), final=True, **last_eval)
-        progress.write(f"final eval: top1 {last_eval['top1']:.4f} loss {last_eval['loss']:.4f}")
+        last_eval = run_eval(final=True)
     progress.close()
     summary = {"steps": position["global_step"] - first_step, "global_step": position["global_step"],
                "world_size": comm.size, "label": config_label(args),
                "elapsed_s": round(end - run_start, 3), "digest": state_digest(model)}
     if timed_from is not None and images_done > timed_from[1]:
-        summary["images_per_s"] = round((images_done - timed_from[1]) / (end - timed_from[0]), 2)
+        busy = end - timed_from[0] - (paused_at_end - timed_from[2])
+        summary["images_per_s"] = round((images_done - timed_from[1]) / busy, 2)
     if last_eval is not None:
         summary["top1"] = last_eval["top1"]
     log.write(event="done", **summary)

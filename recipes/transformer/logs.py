@@ -6,7 +6,8 @@ Every record is one JSON object per line with an ``event`` ("config", "train", "
     >>> import io, json
     >>> out = io.StringIO()
     >>> log = RunLog(rank=0, json_stream=out, progress=False, total=10)
-    >>> log.event("train", update=1, loss=2.5)
+    >>> log.event("train", update=1, loss=2.5)  # doctest: +ELLIPSIS
+    [train] wall ... | update 1 | loss 2.5
     >>> json.loads(out.getvalue())["loss"]
     2.5
 """
@@ -21,7 +22,7 @@ import time
 
 def _clean(value):
     if isinstance(value, float):
-        return None if not math.isfinite(value) else round(value, 6)
+        return None if not math.isfinite(value) else float(f"{value:.6g}")  # 6 significant digits
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     if isinstance(value, dict):

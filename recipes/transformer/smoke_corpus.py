@@ -6,7 +6,7 @@ translation model has something to learn beyond word substitution:
 
 * **lexicon**: every source word has one target word (tables below);
 * **word order**: the target is subject-object-verb with the adverb first
-  (``the big dog sees a cat today`` -> ``tomura doma mira el kasuk veni``) and
+  (``the big dog sees a cat today`` -> ``veni tomu doma el kasuk mira``) and
   prepositions become postpositions after their noun phrase;
 * **agreement**: nouns take ``-ra`` when plural, adjectives take ``-n`` after a plural
   noun, the object noun takes the case ending ``-k``; the verb takes ``-ta`` in the

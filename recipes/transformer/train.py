@@ -138,8 +138,8 @@ def seed_update(seed: int, rank: int, num_updates: int) -> None:
 # -- the trainer --------------------------------------------------------------------------
 @dataclasses.dataclass
 class Stats:
-    loss: float = 0.0  # label-smoothed, summed over target tokens, nats
-    nll: float = 0.0
+    loss: float | torch.Tensor = 0.0  # label-smoothed, summed over target tokens, nats
+    nll: float | torch.Tensor = 0.0
     ntokens: int = 0
     nsentences: int = 0
     updates: int = 0
@@ -147,6 +147,9 @@ class Stats:
     def add(self, other: "Stats") -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_floats(self) -> "Stats":
+        return Stats(float(self.loss), float(self.nll), self.ntokens, self.nsentences, self.updates)
 
 
 class Trainer:
@@ -207,7 +210,8 @@ class Trainer:
                 # per-token mean over this rank's update; the optimizer averages over ranks
                 scaled = loss / local_tokens
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            stats.add(Stats(loss=float(loss.detach()), nll=float(nll.detach()),
+            # tensors, not floats: reading them would wait for the GPU at every batch
+            stats.add(Stats(loss=loss.detach(), nll=nll.detach(),
                             ntokens=sample["ntokens"], nsentences=sample["nsentences"]))
         clip, double_buffered = args.clip_norm > 0, args.double_buffering
         if self.scaler is not None and (clip or not double_buffered):
@@ -245,11 +249,10 @@ class Trainer:
                 with autocast_context(self.args, self.device):
                     logits = self.model(sample["src_tokens"], sample["prev_output_tokens"])
                 loss, nll = label_smoothed_nll_loss(logits, sample["target"], self.args.label_smoothing)
-                total.add(Stats(loss=float(loss), nll=float(nll), ntokens=sample["ntokens"],
-                                nsentences=sample["nsentences"]))
+                total.add(Stats(loss=loss, nll=nll, ntokens=sample["ntokens"], nsentences=sample["nsentences"]))
         self.model.train()
         everyone = Stats()
-        for s in self.comm.allgather_obj(total):
+        for s in self.comm.allgather_obj(total.as_floats()):
             everyone.add(s)
         return {"loss": everyone.loss / everyone.ntokens / LN2, "nll_loss": everyone.nll / everyone.ntokens / LN2,
                 "ppl": 2 ** (everyone.nll / everyone.ntokens / LN2)}
@@ -347,11 +350,13 @@ class Trainer:
                 stats = self.train_update(batches)
                 self.train_time += time.time() - t0
                 window.add(stats)
-                log.progress(1, loss=round(stats.loss / max(stats.ntokens, 1) / LN2, 3), epoch=epoch)
                 at_end = self.done()
                 if self.num_updates % a.log_interval == 0 or at_end:
-                    self._log_train(window, time.time() - window_start, epoch)
+                    shown = self._log_train(window, time.time() - window_start, epoch)
                     window, window_start = Stats(), time.time()
+                    log.progress(1, loss=round(shown, 3), epoch=epoch)
+                else:
+                    log.progress(1)
                 if at_end:
                     break
                 if a.validate_interval_updates and self.num_updates % a.validate_interval_updates == 0:
@@ -377,10 +382,11 @@ class Trainer:
         if last_saved != self.num_updates:
             self.save()
 
-    def _log_train(self, window: Stats, seconds: float, epoch: int) -> None:
+    def _log_train(self, window: Stats, seconds: float, epoch: int) -> float:
+        """Log the window's statistics summed over the ranks; returns the loss (bits/token)."""
         self.quiesce()
         everyone = Stats()
-        for s in self.comm.allgather_obj(window):
+        for s in self.comm.allgather_obj(window.as_floats()):
             everyone.add(s)
         n = max(everyone.ntokens, 1)
         updates = max(window.updates, 1)
@@ -392,6 +398,7 @@ class Trainer:
             bsz=everyone.nsentences / updates,
             loss_scale=self.scaler.get_scale() if self.scaler else None, train_time=self.train_time,
         )
+        return everyone.loss / n / LN2
 
     def final_evaluation(self) -> float | None:
         """BLEU of the average of the last ``--average-last`` checkpoints (or the model as is)."""

@@ -184,7 +184,8 @@ def _expect(out, backend, n):
 def test_mpi_collectives(nprocs):
     # 4 ranks as 2 fake nodes x 2 ranks: the hierarchical path runs too.
     per_node = 2 if nprocs == 4 else 1
-    out = run_mpi(RANK_SCRIPT, nprocs, args=["mpi", str(per_node)], timeout=240)
+    out = run_mpi(RANK_SCRIPT, nprocs, args=["mpi", str(per_node)], timeout=240,
+                  mpirun_args=["--mca", "mpi_yield_when_idle", "1"])  # more ranks than cores
     _expect(out, "mpi", nprocs)
 
 

@@ -175,7 +175,8 @@ def test_incremental_decoding_matches_full_forward():
 
 
 def test_architectures_match_fairseq_sizes():
-    big = Transformer(architecture("transformer_vaswani_wmt_en_de_big"), 32768)
+    with torch.device("meta"):  # sizes only: no memory, no initialisation time
+        big = Transformer(architecture("transformer_vaswani_wmt_en_de_big"), 32768)
     # Ott et al.'s big model with a 32k joint vocabulary: about 210M parameters (published order)
     n = sum(p.numel() for p in big.parameters())
     assert 200e6 < n < 225e6, n
@@ -283,34 +284,46 @@ def test_max_tokens_below_the_longest_pair_is_rejected():
                              max_sentences=None, max_positions=100)
 
 
-def test_unknown_compression_is_rejected(tmp_path, smoke_dir):
-    r = _run_train(["--compression", "qsgd77", "--max-update", "1"], smoke_dir, tmp_path / "c")
-    assert r.returncode == 2 and "qsgd77" in r.stderr, r.stderr[-2000:]
+def _train_args(extra, data, save_dir):
+    return ["--preset", "smoke", "--data", str(data), "--save-dir", str(save_dir), "--max-tokens", "300",
+            "--no-progress-bar", "--final-eval", "none", "--log-interval", "1", "--threads", "1",
+            "--vocab-size", "300", *extra]
+
+
+@pytest.fixture
+def in_process_training():
+    """Run train.run() in this process, restoring the global torch state it changes."""
+    from recipes.transformer import train
+
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    yield train.run
+    torch.set_num_threads(threads)
+    torch.set_rng_state(rng)
+
+
+def test_unknown_compression_is_rejected(tmp_path, smoke_dir, in_process_training, capsys):
+    with pytest.raises(SystemExit) as exc:
+        in_process_training(_train_args(["--compression", "qsgd77", "--max-update", "1"], smoke_dir, tmp_path))
+    assert exc.value.code == 2
+    assert "qsgd77" in capsys.readouterr().err
 
 
 # -- exact resume across processes --------------------------------------------------------------------
-def _run_train(extra, data, save_dir, timeout=120):
-    cmd = [sys.executable, "-m", "recipes.transformer.train", "--preset", "smoke", "--data", str(data),
-           "--save-dir", str(save_dir), "--max-tokens", "300", "--no-progress-bar", "--final-eval", "none",
-           "--log-interval", "1", "--threads", "1", "--vocab-size", "300", *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _train_losses(save_dir):
     records = [json.loads(line) for line in open(os.path.join(save_dir, "log.jsonl"))]
     return [(r["update"], r["loss"]) for r in records if r["event"] == "train"]
 
 
-def test_resume_is_exact_on_cpu(tmp_path, smoke_dir):
-    """3+3 updates in one run equal 3, a new process resuming from the checkpoint, 3 more."""
+def test_resume_is_exact_on_cpu(tmp_path, smoke_dir, in_process_training):
+    """3+3 updates in one run equal 3 updates, then a new process resuming for 3 more."""
     common = ["--dropout", "0.1", "--save-interval-updates", "0", "--validate-interval-updates", "0"]
     a, b = tmp_path / "straight", tmp_path / "resumed"
-    r = _run_train(common + ["--max-update", "6"], smoke_dir, a)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = _run_train(common + ["--max-update", "3"], smoke_dir, b)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = _run_train(common + ["--max-update", "6"], smoke_dir, b)
+    in_process_training(_train_args(common + ["--max-update", "6"], smoke_dir, a))
+    in_process_training(_train_args(common + ["--max-update", "3"], smoke_dir, b))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "recipes.transformer.train",
+                        *_train_args(common + ["--max-update", "6"], smoke_dir, b)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     sa, sb = ckpt.load_checkpoint(str(a / ckpt.LAST)), ckpt.load_checkpoint(str(b / ckpt.LAST))
     assert sa["num_updates"] == sb["num_updates"] == 6

@@ -1,0 +1,142 @@
+"""Accuracy parity of commopt's gradient compression on the smoke Transformer, 2 ranks.
+
+Trains the ``smoke`` preset of recipes/transformer (300 updates, 2 x 2000 tokens per
+update, test BLEU with greedy decoding) under ``mpirun -np 2`` once per configuration and
+seed, and compares each configuration's mean test BLEU over the seeds with fp32's:
+
+    fp32       exact fp32 allreduce (the baseline)
+    fp16       --allreduce-grad-dtype float16 (fp32 compute, half the bytes on the wire)
+    qsgd4      --compression qsgd4 (4 bits, buckets of 128, stochastic rounding)
+    qsgd4+ef   --compression qsgd4+ef (the same with error feedback)
+    db         --double-buffering (updates use one-step-old averaged gradients)
+
+Target (issue 6): every configuration's mean BLEU within 1 point of fp32's.
+
+    python benchmarks/parity_transformer.py                          # 5 configs x 3 seeds
+    python benchmarks/parity_transformer.py --seeds 1 --configs fp32 qsgd4 --json out.json
+
+One mpirun job per seed runs the configurations one after another (the ranks start once);
+each run's JSON log stays in ``--work-dir``. BLEU near 100 is the ceiling of this task: the
+physical limit beside the numbers is the fp32 run itself, so the table also shows the final
+valid NLL, which keeps moving after BLEU saturates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "fp32": [],
+    "fp16": ["--allreduce-grad-dtype", "float16"],
+    "qsgd4": ["--compression", "qsgd4"],
+    "qsgd4+ef": ["--compression", "qsgd4+ef"],
+    "db": ["--double-buffering"],
+}
+TOLERANCE_BLEU = 1.0
+
+
+def _worker(runs: list[list[str]]) -> None:
+    """Inside each rank: run the trainings one after another."""
+    sys.path.insert(0, str(REPO))
+    from recipes.transformer import train
+
+    for argv in runs:
+        train.run(argv)
+
+
+def _run_seed(seed: int, configs: list[str], work: Path, data: Path, extra: list[str], timeout: float) -> None:
+    runs = []
+    for name in configs:
+        save = work / f"{name}-seed{seed}"
+        shutil.rmtree(save, ignore_errors=True)
+        runs.append(["--preset", "smoke", "--data", str(data), "--save-dir", str(save), "--seed", str(seed),
+                     "--no-progress-bar", "--no-save", *CONFIGS[name], *extra])
+    spec = work / f"runs-seed{seed}.json"
+    spec.write_text(json.dumps(runs))
+    cmd = ["mpirun", "--allow-run-as-root", "-np", "2", "--bind-to", "none",
+           "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
+           "--mca", "oob_tcp_if_include", "lo", "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONPATH",
+           sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, timeout=timeout,
+                   stdout=subprocess.DEVNULL if not os.environ.get("PARITY_VERBOSE") else None)
+
+
+def _read(save: Path) -> dict:
+    events = [json.loads(line) for line in open(save / "log.jsonl")]
+    final = [e for e in events if e["event"] == "final"][-1]
+    valid = [e for e in events if e["event"] == "valid"][-1]
+    return {"bleu": final["bleu"], "valid_nll": valid["nll_loss"], "train_time": final["train_time"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--work-dir", help="where the runs write (default: a temporary folder)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per mpirun job")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("extra", nargs="*", help="more train.py options after --, e.g. -- --max-update 200")
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(Path(args.worker).read_text()))
+        return 0
+    if "fp32" not in args.configs:
+        p.error("the fp32 baseline must be among --configs")
+    if shutil.which("mpirun") is None:
+        p.error("mpirun not found: install Open MPI (make setup does)")
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="parity-transformer-"))
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data"
+    sys.path.insert(0, str(REPO))
+    from recipes.transformer.smoke_corpus import write_smoke_corpus
+
+    if not (data / "test.tgt").exists():
+        write_smoke_corpus(str(data), src_lang="src", tgt_lang="tgt")
+    started = time.time()
+    for seed in args.seeds:
+        t0 = time.time()
+        _run_seed(seed, args.configs, work, data, args.extra, args.timeout)
+        print(f"seed {seed}: {len(args.configs)} runs in {time.time() - t0:.0f} s", flush=True)
+
+    results = {name: [_read(work / f"{name}-seed{s}") for s in args.seeds] for name in args.configs}
+    base = statistics.mean(r["bleu"] for r in results["fp32"])
+    rows, ok = [], True
+    for name in args.configs:
+        bleus = [r["bleu"] for r in results[name]]
+        mean = statistics.mean(bleus)
+        delta = mean - base
+        passed = name == "fp32" or abs(delta) <= TOLERANCE_BLEU
+        ok &= passed
+        rows.append({
+            "config": name, "flags": " ".join(CONFIGS[name]) or "(none)", "bleu_per_seed": bleus,
+            "bleu_mean": round(mean, 2), "delta_vs_fp32": round(delta, 2),
+            "valid_nll_mean": round(statistics.mean(r["valid_nll"] for r in results[name]), 4),
+            "train_s_mean": round(statistics.mean(r["train_time"] for r in results[name]), 1),
+            "within_1_bleu": passed,
+        })
+    print("| config | flags | test BLEU per seed | mean | vs fp32 | valid NLL (bits) | train s/run | within 1 BLEU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        seeds = ", ".join(f"{b:.2f}" for b in r["bleu_per_seed"])
+        print(f"| {r['config']} | `{r['flags']}` | {seeds} | {r['bleu_mean']:.2f} | {r['delta_vs_fp32']:+.2f} | "
+              f"{r['valid_nll_mean']:.4f} | {r['train_s_mean']:.0f} | {'yes' if r['within_1_bleu'] else 'NO'} |")
+    print(f"total {time.time() - started:.0f} s; runs in {work}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seeds": args.seeds, "rows": rows, "extra": args.extra}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

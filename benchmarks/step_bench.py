@@ -1,0 +1,738 @@
+"""Training steps side by side: PyTorch DDP and commopt on the same model, batch and link.
+
+    commopt bench step                                   # both models, every configuration
+    commopt bench step --models mlp --configs ddp-fp32,commopt-qsgd4-db --steps 5
+    python benchmarks/step_bench.py --models tiny --no-link --steps 3 --warmup 1
+
+Each configuration runs as a fresh job of ``-n`` ranks under ``commopt launch`` (on an
+emulated cluster of hosts joined by ``--link`` links, one rank per host; on plain loopback,
+said so, where network namespaces are unavailable), one after the other, so that every
+ratio in the table is measured in the same run. A 1-rank job without communication
+(``single``) gives the compute-only step time. Rank 0 of every job writes its timings as
+JSON; the driver prints one table per model:
+
+- step time: the median of the timed steps after warm-up;
+- samples/s: n x per-rank batch / step time;
+- speed-up: DDP fp32's step time / this step time;
+- efficiency: e = t / (t0 * n), t this job's samples/s, t0 the 1-rank job's;
+- comm wait: (step time - compute-only step time) / step time, the share of a step spent
+  beyond compute: waiting for the network and the CPU work of sending (copies, codecs);
+- link limit: the time the link needs for this configuration's gradient allreduce,
+  2(n-1)/n x wire bytes / rate, the physical limit beside the measured time;
+- fwd+bwd: the median time from a step's start to the end of backward (DDP waits for its
+  last buckets inside backward; commopt encodes buckets there and waits in ``step()``);
+- final loss: cross-entropy on a fixed held-out batch after the last step.
+
+Configurations: ``single``; DDP fp32 (gloo), DDP with ``fp16_compress_hook``, DDP with the
+PowerSGD hook at rank 1 and 4 (one bucket: see ``POWERSGD_BUCKET_MB``); commopt with fp32,
+fp16, qsgd4 and qsgd4 + error feedback, each with overlap (reduction during backward) and
+with double buffering (``-db``: reduction during the next step).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def _load_sibling(name: str):
+    """Import benchmarks/<name>.py whether this file runs as a script or is loaded by path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+step_models = _load_sibling("step_models")
+MODELS = step_models.MODELS
+
+#: DDP bucket size for the PowerSGD hook: larger than any model here, so one bucket. On gloo
+#: PowerSGD with the default 25 MB buckets fails at its first compressed step (a collective
+#: size mismatch abort, or a hang until the gloo timeout).
+POWERSGD_BUCKET_MB = 4096
+#: PowerSGD runs plain allreduce for its first iterations; 2 is the smallest it accepts with
+#: error feedback and warm start. Warm-up steps cover them.
+POWERSGD_START_ITER = 2
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """One column of the comparison."""
+
+    name: str
+    kind: str            # "single" (1 rank, no communication), "ddp" or "commopt"
+    wire: str            # "fp32", "fp16", "powersgd", "qsgd4", "qsgd4+ef"
+    label: str
+    powersgd_rank: int = 0
+    double_buffering: bool = False
+
+
+def _configs() -> dict[str, StepConfig]:
+    out = [
+        StepConfig("single", "single", "none", "1 rank, no communication"),
+        StepConfig("ddp-fp32", "ddp", "fp32", "DDP fp32"),
+        StepConfig("ddp-fp16", "ddp", "fp16", "DDP fp16_compress_hook"),
+        StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
+        StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
+    ]
+    for db in (False, True):
+        for wire, label in (("fp32", "fp32"), ("fp16", "fp16"), ("qsgd4", "qsgd4"),
+                            ("qsgd4+ef", "qsgd4+EF")):
+            mode = "double buffering" if db else "overlap"
+            out.append(StepConfig(f"commopt-{wire}{'-db' if db else ''}", "commopt", wire,
+                                  f"commopt {label}, {mode}", double_buffering=db))
+    return {c.name: c for c in out}
+
+
+CONFIGS: dict[str, StepConfig] = _configs()
+#: What `commopt demo` runs: DDP fp32 against commopt's fp16, qsgd4 and double buffering.
+DEMO_CONFIGS = ("single", "ddp-fp32", "commopt-fp16", "commopt-qsgd4", "commopt-fp16-db",
+                "commopt-qsgd4+ef-db")
+
+
+# ---------------------------------------------------------------------------------------------
+# arithmetic (pure: tested in tests/unit/test_step_bench.py)
+
+def parse_rate(text: str) -> float:
+    """Bits per second from tc-style text: ``1gbit``, ``100mbit``, ``2.5gbit``, ``1000000``."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    t = text.strip().lower()
+    for suffix, factor in units.items():
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * factor
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"cannot read the link rate {text!r}: write it like 1gbit or 100mbit") from None
+
+
+def allreduce_limit_s(nbytes: float, n: int, rate_bits: float | None) -> float | None:
+    """Least time a bandwidth-optimal allreduce of ``nbytes`` needs: 2(n-1)/n x bytes / rate."""
+    if rate_bits is None or rate_bits <= 0:
+        return None
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes * 8 / rate_bits
+
+
+def powersgd_wire_bytes(shapes, rank: int, min_compression_rate: float = 2) -> int:
+    """Bytes one PowerSGD step allreduces (fp32): P and Q of each compressed matrix, the rest whole.
+
+    Follows torch's hook: a tensor of ndim > 1 is viewed as (shape[0], rest) and compressed
+    when (rows + cols) x rank x min_compression_rate < rows x cols.
+    """
+    elems = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) > 1:
+            rows, cols = shape[0], numel // shape[0]
+            compressed = (rows + cols) * rank
+            if compressed * min_compression_rate < rows * cols:
+                elems += compressed
+                continue
+        elems += numel
+    return 4 * elems
+
+
+def ddp_wire_bytes(config: StepConfig, shapes) -> int:
+    numel = sum(math.prod(s) for s in shapes)
+    if config.wire == "fp32":
+        return 4 * numel
+    if config.wire == "fp16":
+        return 2 * numel
+    if config.wire == "powersgd":
+        return powersgd_wire_bytes(shapes, config.powersgd_rank)
+    raise ValueError(f"DDP has no wire format {config.wire!r}")
+
+
+def efficiency(step_s: float, single_step_s: float) -> float:
+    """e = t / (t0 n) with t = n B / step_s and t0 = B / single_step_s: single_step_s / step_s."""
+    return single_step_s / step_s
+
+
+def comm_wait_share(step_s: float, compute_s: float) -> float:
+    """Share of a step spent beyond compute-only time (waiting for the network), in [0, 1)."""
+    return max(0.0, step_s - compute_s) / step_s
+
+
+@dataclass
+class Row:
+    """One configuration's measured and derived figures."""
+
+    config: str
+    label: str
+    kind: str
+    step_s: float | None = None
+    samples_per_s: float | None = None
+    speedup: float | None = None
+    efficiency: float | None = None
+    comm_wait: float | None = None
+    limit_s: float | None = None
+    wire_bytes: int | None = None
+    final_loss: float | None = None
+    backward_s: float | None = None
+    ranks_agree: bool | None = None
+    error: str | None = None
+
+
+def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list[Row]:
+    """Rows in the order of ``results`` (config name -> rank 0's JSON, or {"error": ...}).
+
+    Speed-up is against ``ddp-fp32``, efficiency and comm wait against ``single``, when
+    those ran; otherwise those columns stay empty.
+    """
+    def median(r, key):
+        return statistics.median(r[key]) if r.get(key) else None
+
+    base = results.get("ddp-fp32", {})
+    base_step = median(base, "step_times") if "error" not in base else None
+    single = results.get("single", {})
+    single_step = median(single, "step_times") if "error" not in single else None
+    rows = []
+    for name, r in results.items():
+        cfg = CONFIGS[name]
+        row = Row(name, cfg.label, cfg.kind)
+        if "error" in r:
+            row.error = r["error"]
+            rows.append(row)
+            continue
+        size = r.get("size", 1)
+        row.step_s = median(r, "step_times")
+        row.backward_s = median(r, "backward_times")
+        row.samples_per_s = size * r["batch"] / row.step_s
+        row.final_loss = r.get("eval_loss")
+        row.wire_bytes = r.get("wire_bytes")
+        row.ranks_agree = r.get("ranks_agree")
+        if cfg.kind != "single":
+            if base_step is not None:
+                row.speedup = base_step / row.step_s
+            if row.wire_bytes is not None:
+                row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
+        if single_step is not None:
+            row.efficiency = efficiency(row.step_s, single_step)
+            row.comm_wait = comm_wait_share(row.step_s, single_step)
+        rows.append(row)
+    return rows
+
+
+def check_targets(role: str, rows: list[Row]) -> list[str]:
+    """The issue's targets for a model of ``role`` ("communication" or "compute"), met or not."""
+    ok = [r for r in rows if r.step_s is not None]
+    commopt = [r for r in ok if r.kind == "commopt"]
+    if not commopt:
+        return []
+    lines = []
+    if role == "communication":
+        best = min(commopt, key=lambda r: r.step_s)
+        if best.speedup is not None:
+            lines.append(f"best commopt ({best.config}) is {best.speedup:.2f}x faster per step "
+                         f"than DDP fp32 (target >= 5x: {'met' if best.speedup >= 5 else 'NOT met'})")
+        hooks = [r for r in ok if r.kind == "ddp" and r.config != "ddp-fp32"]
+        if hooks:
+            hook = min(hooks, key=lambda r: r.step_s)
+            ratio = hook.step_s / best.step_s
+            lines.append(f"best commopt is {ratio:.2f}x faster than the best DDP hook "
+                         f"({hook.config}, {hook.step_s * 1e3:.0f} ms) "
+                         f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
+    elif role == "compute":
+        eff = [r for r in commopt if r.efficiency is not None]
+        if eff:
+            best = max(eff, key=lambda r: r.efficiency)
+            lines.append(f"best commopt scaling efficiency {best.efficiency:.0%} ({best.config}) "
+                         f"(target >= 90%: {'met' if best.efficiency >= 0.9 else 'NOT met'})")
+    return lines
+
+
+def _fmt(value, spec, empty="-"):
+    return empty if value is None else format(value, spec)
+
+
+TABLE_COLUMNS = ("configuration", "step ms", "link limit ms", "fwd+bwd ms", "samples/s",
+                 "speed-up", "efficiency", "comm wait", "final loss")
+
+
+def table_cells(row: Row) -> list[str]:
+    if row.error:
+        return [row.config, "failed: " + row.error.splitlines()[0][:60]] + [""] * (len(TABLE_COLUMNS) - 2)
+    limit = _fmt(row.limit_s * 1e3 if row.limit_s is not None else None, ".0f")
+    backward = _fmt(row.backward_s * 1e3 if row.backward_s is not None else None, ".0f")
+    return [row.config, _fmt(row.step_s * 1e3, ".0f"), limit, backward, _fmt(row.samples_per_s, ".1f"),
+            _fmt(row.speedup, ".2f", "-") + ("x" if row.speedup is not None else ""),
+            _fmt(row.efficiency * 100 if row.efficiency is not None else None, ".0f") +
+            ("%" if row.efficiency is not None else ""),
+            _fmt(row.comm_wait * 100 if row.comm_wait is not None else None, ".0f") +
+            ("%" if row.comm_wait is not None else ""),
+            _fmt(row.final_loss, ".4f")]
+
+
+def format_table(rows: list[Row]) -> str:
+    """A plain-text table, columns aligned."""
+    cells = [list(TABLE_COLUMNS)] + [table_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_COLUMNS))]
+    lines = []
+    for k, c in enumerate(cells):
+        lines.append("  ".join(s.ljust(w) if i == 0 else s.rjust(w)
+                               for i, (s, w) in enumerate(zip(c, widths))).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    head = "| " + " | ".join(TABLE_COLUMNS) + " |"
+    sep = "|" + "|".join(["---"] + ["---:"] * (len(TABLE_COLUMNS) - 1)) + "|"
+    body = ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+# ---------------------------------------------------------------------------------------------
+# worker: one configuration on this rank
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    cfg = CONFIGS[args.worker]
+    spec = MODELS[args.model]
+    torch.set_num_threads(args.threads)
+    batch = args.batch or spec.batch_size
+    comm = None
+    rank, size = 0, 1
+    if cfg.kind != "single":
+        import commopt
+
+        if cfg.kind == "commopt" and args.comm == "mpi":
+            comm = commopt.create_communicator("mpi")
+        else:  # DDP and commopt-over-gloo share torch.distributed's default group
+            comm = commopt.create_communicator("torch", timeout_s=args.timeout)
+        rank, size = comm.rank, comm.size
+
+    torch.manual_seed(args.seed)
+    model = spec.build()
+    shapes = step_models.param_shapes(model)
+    inner = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+    net, opt, wire_bytes = model, inner, 0
+    if cfg.kind == "ddp":
+        net, wire_bytes = _wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
+    elif cfg.kind == "commopt":
+        opt = _wrap_commopt(inner, comm, model, cfg)
+        wire_bytes = _commopt_wire_bytes(opt)
+
+    total = args.warmup + args.steps
+    batches = [spec.batch(step=i, rank=rank, size=batch) for i in range(total)]
+    step_times, backward_times, losses = [], [], []
+    for i, (x, y) in enumerate(batches):
+        if i == args.warmup and comm is not None:
+            comm.allgather_obj(None)  # every rank starts the timed steps together
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        after_backward = time.perf_counter()
+        opt.step()
+        end = time.perf_counter()
+        losses.append(float(loss.detach()))
+        if i >= args.warmup:
+            step_times.append(end - start)
+            backward_times.append(after_backward - start)
+    if cfg.kind == "commopt":
+        opt.flush()  # double buffering: apply the last averaged gradients (untimed)
+
+    with torch.no_grad():
+        ex, ey = spec.eval_batch()
+        eval_loss = float(F.cross_entropy(model(ex), ey))
+        checksum = float(sum(p.double().sum() for p in model.parameters()))
+    result = {
+        "config": cfg.name, "model": spec.name, "rank": rank, "size": size, "batch": batch,
+        "warmup": args.warmup, "steps": args.steps, "threads": args.threads,
+        "step_times": step_times, "backward_times": backward_times, "losses": losses,
+        "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
+        "params": sum(math.prod(s) for s in shapes), "comm": args.comm if cfg.kind == "commopt" else (
+            "gloo" if cfg.kind == "ddp" else None),
+        "node": os.environ.get("COMMOPT_NODE_NAME"), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+    }
+    Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
+    if cfg.kind == "commopt":
+        opt.close()
+    if comm is not None:
+        import torch.distributed as dist
+
+        comm.allgather_obj(None)  # nobody tears down while a peer still reads
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _wrap_ddp(model, cfg: StepConfig):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if cfg.wire == "fp32":
+        return DDP(model)
+    if cfg.wire == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    # One bucket: on gloo, PowerSGD over DDP's default 25 MB buckets breaks at its first
+    # compressed step (the buckets' collectives interleave differently on each rank: a
+    # collective size mismatch abort, or here a hang until the gloo timeout).
+    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                                   start_powerSGD_iter=POWERSGD_START_ITER)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    return ddp
+
+
+def _wrap_commopt(inner, comm, model, cfg: StepConfig):
+    import commopt
+
+    kwargs = {}
+    if cfg.wire == "fp16":
+        kwargs["allreduce_grad_dtype"] = "float16"   # every gradient in 16 bits, as DDP's hook
+    elif cfg.wire.startswith("qsgd"):
+        kwargs["compression"] = cfg.wire
+    return commopt.create_multi_node_optimizer(inner, comm, double_buffering=cfg.double_buffering,
+                                               overlap=True, model=model, **kwargs)
+
+
+def _commopt_wire_bytes(opt) -> int:
+    return int(sum(b.codec.encoded_nbytes(b.numel) if b.codec is not None else 4 * b.numel
+                   for b in opt.buckets))
+
+
+# ---------------------------------------------------------------------------------------------
+# driver: every configuration in turn
+
+@dataclass
+class LinkPlan:
+    rate_bits: float | None   # None: unshaped loopback
+    link_arg: str | None      # what goes to `commopt launch --link`
+    description: str
+
+
+def plan_link(link: str | None) -> LinkPlan:
+    """Emulated hosts joined by ``link`` if namespaces work here, else plain loopback, said so."""
+    if link is None:
+        return LinkPlan(None, None, "plain loopback (unshaped: --no-link)")
+    rate = parse_rate(link)
+    from commopt.testbed import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        return LinkPlan(None, None, f"plain loopback, unshaped: no emulated {link} link here "
+                                    f"because {reason}")
+    return LinkPlan(rate, link, f"emulated hosts joined by {link} links (tc tbf, network namespaces)")
+
+
+def _worker_argv(args, config: str, model: str, result: Path, threads: int) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", config, "--model", model,
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads),
+            "--seed", str(args.seed), "--comm", args.comm, "--timeout", str(args.timeout),
+            "--result", str(result)]
+    if args.batch:
+        argv += ["--batch", str(args.batch)]
+    return argv
+
+
+def _job_argv(args, plan: LinkPlan, config: str, worker: list[str]) -> list[str]:
+    if CONFIGS[config].kind == "single":
+        return worker
+    argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
+            "--launcher", args.launcher, "--timeout", str(args.timeout)]
+    if plan.link_arg:
+        argv += ["--link", plan.link_arg]
+    return argv + ["--", *worker]
+
+
+def run_job(args, plan: LinkPlan, config: str, model: str, workdir: Path, threads: int) -> dict:
+    """Run one configuration; rank 0's result with ``ranks_agree``, or {"error": ...}."""
+    result = workdir / f"{model}-{config}.json"
+    argv = _job_argv(args, plan, config, _worker_argv(args, config, model, result, threads))
+    log = workdir / f"{model}-{config}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    with open(log, "w") as out:
+        try:
+            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                timeout=args.timeout + 60).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    n = 1 if CONFIGS[config].kind == "single" else args.nprocs
+    files = [Path(f"{result}.rank{r}") for r in range(n)]
+    if rc != 0 or not all(f.exists() for f in files):
+        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+        why = "timed out" if rc == 124 else f"exit code {rc}"
+        return {"error": f"{why}; log {log}:\n" + "\n".join(tail)}
+    per_rank = [json.loads(f.read_text()) for f in files]
+    first = per_rank[0]
+    first["ranks_agree"] = all(r["checksum"] == first["checksum"] for r in per_rank)
+    first["rank_step_medians"] = [statistics.median(r["step_times"]) for r in per_rank]
+    return first
+
+
+def _threads_per_rank(nprocs: int) -> int:
+    # Ranks of the emulated hosts share this machine's cores; the 1-rank baseline gets the
+    # same share, so efficiency compares like with like.
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def run_driver(args: argparse.Namespace) -> dict:
+    """Run every (model, configuration); return the report dict (also printed)."""
+    import torch
+
+    models = _split(args.models, MODELS, "model")
+    configs = _split(args.configs, CONFIGS, "configuration")
+    if args.nprocs < 2:
+        raise SystemExit("step_bench: -n must be at least 2 (the 1-rank baseline runs by itself)")
+    plan = plan_link(None if args.no_link else args.link)
+    threads = args.threads or _threads_per_rank(args.nprocs)
+    command = _command_line(args)
+    report = {
+        "command": command, "link": plan.description, "link_rate": plan.link_arg,
+        "rate_bits": plan.rate_bits,
+        "nprocs": args.nprocs, "threads_per_rank": threads, "launcher": args.launcher,
+        "commopt_comm": args.comm, "machine": _machine(), "torch": torch.__version__,
+        "load_average_start": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
+        "steps": args.steps, "warmup": args.warmup, "models": {},
+    }
+    print(f"step benchmark: {args.nprocs} ranks, {plan.description}; {threads} thread(s) per "
+          f"rank; {args.warmup} warm-up + {args.steps} timed steps per configuration", flush=True)
+    keep = Path(args.workdir) if args.workdir else None
+    with tempfile.TemporaryDirectory(prefix="commopt-step-") as tmp:
+        workdir = keep or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        total, k = len(models) * len(configs), 0
+        for model in models:
+            spec = MODELS[model]
+            results: dict[str, dict] = {}
+            for config in configs:
+                k += 1
+                began = time.monotonic()
+                r = run_job(args, plan, config, model, workdir, threads)
+                results[config] = r
+                took = time.monotonic() - began
+                if "error" in r:
+                    print(f"[{k}/{total}] {model} {config}: FAILED ({took:.0f}s)\n{r['error']}",
+                          flush=True)
+                else:
+                    print(f"[{k}/{total}] {model} {config}: "
+                          f"{statistics.median(r['step_times']) * 1e3:.0f} ms/step, final loss "
+                          f"{r['eval_loss']:.3f} ({took:.0f}s)", flush=True)
+            rows = summarize(results, args.nprocs, plan.rate_bits)
+            params = next((r["params"] for r in results.values() if "params" in r), None)
+            fp32_limit = allreduce_limit_s(4 * params, args.nprocs, plan.rate_bits) if params else None
+            report["models"][model] = {
+                "description": spec.description, "role": _role(model), "params": params,
+                "batch_per_rank": args.batch or spec.batch_size, "fp32_allreduce_limit_s": fp32_limit,
+                "rows": [vars(r) for r in rows], "raw": results,
+                "targets": check_targets(_role(model), rows),
+            }
+            _print_model(model, report["models"][model], rows, args.nprocs, plan)
+    report["load_average_end"] = os.getloadavg()[0]
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_report(report))
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        plot_step_times(report, args.plot)
+        print(f"wrote {args.plot}")
+    return report
+
+
+def _command_line(args) -> str:
+    """How this run was started, for the record."""
+    if getattr(args, "command_line", None):  # set by a caller such as `commopt demo`
+        return args.command_line
+    if getattr(args, "argv", None) is not None:  # run as a script
+        return " ".join(["python", "benchmarks/step_bench.py", *map(shlex.quote, args.argv)])
+    argv = sys.argv[1:]
+    if argv[:2] == ["bench", "step"]:
+        return " ".join(["commopt", *map(shlex.quote, argv)])
+    return "commopt bench step (from " + " ".join(map(shlex.quote, sys.argv)) + ")"
+
+
+def _role(model: str) -> str:
+    return {"mlp": "communication", "cnn": "compute"}.get(model, "test")
+
+
+def _split(text: str, valid: dict, what: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in valid]
+    if bad or not names:
+        raise SystemExit(f"step_bench: unknown {what} {', '.join(bad) or '(none given)'}; "
+                         f"choose from {', '.join(valid)}")
+    return names
+
+
+def _print_model(model: str, info: dict, rows: list[Row], n: int, plan: LinkPlan) -> None:
+    print(f"\n{model}: {info['description']}; batch {info['batch_per_rank']} per rank, {n} ranks")
+    print(format_table(rows))
+    if info["fp32_allreduce_limit_s"] is not None:
+        print(f"physical limit: the fp32 gradient ({info['params'] * 4 / 1e6:.1f} MB) needs "
+              f"{info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per allreduce on this link "
+              f"(2(n-1)/n x bytes / rate)")
+    else:
+        print(f"link: {plan.description}; no physical limit to compare with")
+    for row in rows:
+        if row.ranks_agree is False:
+            print(f"warning: {row.config}: the ranks' parameters differ after training")
+    for line in info["targets"]:
+        print("target: " + line)
+    print(flush=True)
+
+
+def markdown_report(report: dict) -> str:
+    """The results as markdown: the command, the link, one table per model, the targets."""
+    out = [f"Command: `{report['command']}`", "",
+           f"Link: {report['link']}; {report['nprocs']} ranks, one per host; "
+           f"{report['threads_per_rank']} thread(s) per rank; machine: {report['machine']}; "
+           f"torch {report['torch']}; load average {report['load_average_start']:.1f} at the "
+           f"start, {report['load_average_end']:.1f} at the end; {report['date']}.", ""]
+    for model, info in report["models"].items():
+        rows = [Row(**r) for r in info["rows"]]
+        out += [f"### {model}: {info['description']}", "",
+                f"Batch {info['batch_per_rank']} per rank; {report['warmup']} warm-up and "
+                f"{report['steps']} timed steps (median).", "", markdown_table(rows), ""]
+        if info["fp32_allreduce_limit_s"] is not None:
+            out += [f"Physical limit: the fp32 gradient ({info['params'] * 4 / 1e6:.1f} MB) "
+                    f"needs {info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per allreduce on this "
+                    f"link.", ""]
+        out += [f"- target: {t}" for t in info["targets"]] + [""]
+    return "\n".join(out)
+
+
+def plot_step_times(report: dict, path: str) -> None:
+    """Bar chart of step time per configuration, one panel per model."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the step-time plot needs matplotlib: pip install matplotlib "
+                          "(or commopt[plot])") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(report["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
+    colors = {"single": "#999999", "ddp": "#d95f02", "commopt": "#1b9e77"}
+    for ax, model in zip(axes[0], models):
+        info = report["models"][model]
+        rows = [r for r in info["rows"] if r["step_s"] is not None]
+        names = [r["config"] for r in rows][::-1]
+        times = [r["step_s"] * 1e3 for r in rows][::-1]
+        ax.barh(names, times, color=[colors[r["kind"]] for r in rows][::-1])
+        for y, r in enumerate(rows[::-1]):
+            if r["speedup"] is not None:
+                ax.annotate(f"{r['speedup']:.1f}x", (r["step_s"] * 1e3, y), xytext=(3, -3),
+                            textcoords="offset points", fontsize=8)
+        if info["fp32_allreduce_limit_s"]:
+            ax.axvline(info["fp32_allreduce_limit_s"] * 1e3, ls="--", color="k", lw=1,
+                       label="fp32 allreduce, link limit")
+        single = next((r for r in rows if r["config"] == "single"), None)
+        if single:
+            ax.axvline(single["step_s"] * 1e3, ls=":", color="#555555", lw=1,
+                       label="compute only (1 rank)")
+        ax.set_xlabel("step time, ms (median)")
+        ax.set_title(f"{model}: {info['params'] / 1e6:.2f}M params, batch "
+                     f"{info['batch_per_rank']}/rank", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{report['nprocs']} ranks, {report['link']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `commopt bench step` (and of this script)."""
+    parser.add_argument("--models", default="mlp,cnn",
+                        help=f"comma-separated, from {', '.join(MODELS)} (default mlp,cnn)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated configurations (default: all): " + ", ".join(CONFIGS))
+    parser.add_argument("-n", "--nprocs", type=int, default=2, help="ranks, one per host (default 2)")
+    parser.add_argument("--link", default="1gbit",
+                        help="rate of the emulated links between hosts (default 1gbit; needs root "
+                             "and network namespaces, else plain loopback, said so)")
+    parser.add_argument("--no-link", action="store_true", help="run on plain loopback, unshaped")
+    parser.add_argument("--launcher", choices=("torch", "mpi"), default="torch",
+                        help="how `commopt launch` starts the ranks (default torch)")
+    parser.add_argument("--comm", choices=("torch", "mpi"), default="torch",
+                        help="commopt's communicator: torch (gloo, DDP's transport; default) or mpi "
+                             "(needs --launcher mpi)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help=f"untimed steps first (default 3; PowerSGD compresses from step "
+                             f"{POWERSGD_START_ITER})")
+    parser.add_argument("--batch", type=int, help="per-rank batch (default: the model's)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads per rank (default cores / ranks)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    parser.add_argument("--json", metavar="PATH", help="write every figure and raw timing as JSON")
+    parser.add_argument("--markdown", metavar="PATH", help="write the tables as markdown")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time per configuration")
+    parser.add_argument("--workdir", help="keep each job's log and JSON here")
+    # Internal: run one configuration as one rank (the driver starts these).
+    parser.add_argument("--worker", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark (or, with --worker, one rank of one configuration)."""
+    if args.worker:
+        return _worker(args)
+    if args.comm == "mpi" and args.launcher != "mpi":
+        raise SystemExit("step_bench: --comm mpi needs --launcher mpi")
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("step_bench: need --steps >= 1 and --warmup >= 0")
+    report = run_driver(args)
+    failed = [f"{m}/{r['config']}" for m, info in report["models"].items()
+              for r in info["rows"] if r["error"]]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    _args = _parser.parse_args()
+    _args.argv = sys.argv[1:]
+    raise SystemExit(main(_args))

@@ -1,0 +1,282 @@
+"""Scaling runs: a recipe at 1, 2 and 4 ranks for each communication configuration.
+
+For every (ranks, configuration) pair this runs the ResNet-50 recipe for a fixed number of
+steps with a fixed batch per rank (weak scaling, as ChainerMN measured), then writes:
+
+* ``results.json``: every run's throughput, final top-1 and time to the target accuracy;
+* ``scaling.md``: the table, with parallel efficiency ``e = t / (t0 * n)`` (published
+  definition; ``t0`` = the 1-rank fp32 throughput, ``t`` = the throughput on ``n`` ranks);
+* ``scaling.png``: throughput against ranks, with the ideal line (needs matplotlib).
+
+    python -m recipes.scaling --out scaling-out                       # emulated 1 Gbit/s links
+    python -m recipes.scaling --ranks 1,2 --configs fp32,qsgd4 --steps 10 --launcher mpirun
+    python -m recipes.scaling --dry-run                               # print the commands only
+
+``--launcher commopt`` (the default, with ``--link 1gbit``) starts each run with
+``commopt launch -n N --link RATE``, one emulated host per rank; where that emulated
+cluster cannot be made (no root, no network namespaces) the script says so and falls back
+to ``mpirun`` on loopback. Anything after ``--`` goes to the recipe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")
+MPIRUN_LOCAL = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
+                "--mca", "oob_tcp_if_include", "lo"]
+
+
+def config_flags(label: str) -> list[str]:
+    """Recipe flags of a configuration: ``fp32``, ``fp16``, ``CODEC``, each with ``+db``.
+
+        >>> config_flags("fp16+db")
+        ['--allreduce-grad-dtype', 'float16', '--double-buffering']
+        >>> config_flags("qsgd4")
+        ['--compression', 'qsgd4']
+    """
+    name = label.strip().lower()
+    flags: list[str] = []
+    if name.endswith("+db"):
+        name = name[:-3]
+        flags_db = ["--double-buffering"]
+    else:
+        flags_db = []
+    if name in ("fp32", ""):
+        pass
+    elif name == "fp16":
+        flags += ["--allreduce-grad-dtype", "float16"]
+    elif name == "bf16":
+        flags += ["--allreduce-grad-dtype", "bfloat16"]
+    else:
+        flags += ["--compression", name]
+    return flags + flags_db
+
+
+def recipe_command(args, n: int, label: str, log_path: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "recipes.resnet50.train", "--preset", args.preset,
+           "--batch-size", str(args.per_rank_batch * n), "--max-steps", str(args.steps),
+           "--eval-every-steps", str(args.eval_every_steps), "--progress", "none",
+           "--log-jsonl", str(log_path), "--log-every", "1", "--seed", str(args.seed)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return cmd + config_flags(label) + list(args.recipe_args)
+
+
+def emulated_link_available(link: str) -> tuple[bool, str]:
+    """Can ``commopt launch --link`` make a 2-host cluster here? (ok, reason)."""
+    probe = [sys.executable, "-m", "commopt", "launch", "-n", "2", "--link", link,
+             "--timeout", "60", "--", sys.executable, "-c", "pass"]
+    try:
+        res = subprocess.run(probe, capture_output=True, text=True, timeout=90)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"probe failed: {exc}"
+    if res.returncode == 0:
+        return True, "ok"
+    lines = (res.stderr or res.stdout).strip().splitlines()
+    return False, lines[-1] if lines else f"exit code {res.returncode}"
+
+
+def launch_prefix(launcher: str, n: int, link: str | None) -> list[str]:
+    if launcher == "commopt":
+        prefix = [sys.executable, "-m", "commopt", "launch", "-n", str(n)]
+        return prefix + (["--link", link] if link else []) + ["--"]
+    return MPIRUN_LOCAL + ["-np", str(n), "-x", "PYTHONPATH"]
+
+
+def read_run(log_path: Path, target: float) -> dict:
+    """Throughput, final top-1 and time to ``target`` top-1 from a run's JSON lines."""
+    if not log_path.is_file():
+        return {}
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    done = next((r for r in reversed(records) if r.get("event") == "done"), {})
+    evals = [r for r in records if r.get("event") == "eval"]
+    reached = next((r for r in evals if r["top1"] >= target), None)
+    return {
+        "images_per_s": done.get("images_per_s"),
+        "top1": done.get("top1"),
+        "steps": done.get("steps"),
+        "time_to_target_s": reached["train_s"] if reached else None,
+        "step_at_target": reached["step"] if reached else None,
+    }
+
+
+def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) -> list[dict]:
+    """Adds ``efficiency`` = t / (t0 * n), t0 the 1-rank fp32 throughput."""
+    t0 = next((r["images_per_s"] for r in results
+               if r["ranks"] == 1 and r["config"] == "fp32" and r.get("images_per_s")), None)
+    for r in results:
+        t = r.get("images_per_s")
+        r["efficiency"] = round(t / (t0 * r["ranks"]), 3) if (t and t0) else None
+    return results
+
+
+def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: dict) -> str:
+    head = ["| configuration | " + " | ".join(f"{n} rank{'s' * (n > 1)}: img/s (e)" for n in ranks)
+            + f" | time to top-1 {meta['target']:g} at {max(ranks)} ranks (s) |",
+            "|---|" + "---|" * (len(ranks) + 1)]
+    rows = []
+    for c in configs:
+        cells = []
+        for n in ranks:
+            r = next((x for x in results if x["ranks"] == n and x["config"] == c), None)
+            if not r or not r.get("images_per_s"):
+                cells.append("failed" if r else "-")
+            else:
+                e = f" ({r['efficiency']:.2f})" if r.get("efficiency") is not None else ""
+                cells.append(f"{r['images_per_s']:.1f}{e}")
+        top = next((x for x in results if x["ranks"] == max(ranks) and x["config"] == c), {})
+        ttt = top.get("time_to_target_s")
+        rows.append(f"| {c} | " + " | ".join(cells) + f" | {'not reached' if ttt is None else f'{ttt:.1f}'} |")
+    notes = [f"\nLink: {meta['link_note']}. {meta['steps']} steps, {meta['per_rank_batch']} images "
+             f"per rank per step, preset {meta['preset']}; e = t / (t0 * n) with t0 the 1-rank fp32 "
+             "throughput. Physical limit here: the ranks share this machine's "
+             f"{os.cpu_count()} cores, so compute alone caps n-rank throughput at about "
+             f"min(n, {os.cpu_count()}) x t0."]
+    return "\n".join(head + rows + notes)
+
+
+def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("scaling: matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    t0 = next((r["images_per_s"] for r in results
+               if r["ranks"] == 1 and r["config"] == "fp32" and r.get("images_per_s")), None)
+    for c in configs:
+        pts = [(r["ranks"], r["images_per_s"]) for r in results
+               if r["config"] == c and r.get("images_per_s")]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=c)
+    if t0:
+        ax.plot(ranks, [t0 * n for n in ranks], "k--", label="ideal (n x t0)")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("images/s")
+    ax.set_xticks(ranks)
+    ax.set_title("ResNet-50 data-parallel throughput")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recipes.scaling", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="fp32, fp16, bf16 or a codec (qsgd4, qsgd4+ef...), each optionally +db")
+    p.add_argument("--launcher", choices=("commopt", "mpirun"), default="commopt",
+                   help="commopt: `commopt launch -n N --link RATE`; mpirun: loopback")
+    p.add_argument("--link", default="1gbit", help="emulated link rate for --launcher commopt "
+                   "('none': commopt launch without shaping)")
+    p.add_argument("--preset", default="smoke")
+    p.add_argument("--steps", type=int, default=20, help="steps per run")
+    p.add_argument("--per-rank-batch", type=int, default=16)
+    p.add_argument("--eval-every-steps", type=int, default=5)
+    p.add_argument("--target-top1", type=float, default=0.5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--out", default="scaling-out", help="output folder")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: more recipe options")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.recipe_args = [a for a in args.recipe_args if a != "--"]
+    try:
+        ranks = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
+    except ValueError:
+        print(f"scaling: error: --ranks {args.ranks}: give integers like 1,2,4", file=sys.stderr)
+        return 2
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not ranks or min(ranks) < 1 or not configs or args.steps < 2:
+        print("scaling: error: need ranks >= 1, at least one configuration and --steps >= 2",
+              file=sys.stderr)
+        return 2
+    if args.launcher == "mpirun" and shutil.which("mpirun") is None:
+        print("scaling: error: mpirun not found: install Open MPI (apt-get install openmpi-bin)",
+              file=sys.stderr)
+        return 2
+    link = None if args.link in ("none", "") else args.link
+    launcher, link_note = args.launcher, "loopback (mpirun, no shaping)"
+    if launcher == "commopt":
+        link_note = f"emulated {link} links, one host per rank (commopt launch)" if link else \
+            "commopt launch, no shaping"
+        if link and not args.dry_run:
+            ok, why = emulated_link_available(link)
+            if not ok:
+                print(f"scaling: the emulated {link} cluster is not available here ({why}); "
+                      "falling back to mpirun on loopback: the numbers show this machine's "
+                      "loopback, not a slow link", file=sys.stderr)
+                launcher, link_note = "mpirun", f"loopback (mpirun; emulated {link} unavailable: {why})"
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    results = []
+    for label in configs:
+        for n in ranks:
+            log_path = (out / "runs" / f"{label}-n{n}.jsonl").resolve()
+            cmd = launch_prefix(launcher, n, link) + recipe_command(args, n, label, log_path)
+            if args.dry_run:
+                print(shlex.join(cmd))
+                continue
+            log_path.unlink(missing_ok=True)
+            print(f"scaling: {label} on {n} rank(s) ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
+                                      timeout=args.timeout)
+                code, tail = proc.returncode, (proc.stderr or "")[-2000:]
+            except subprocess.TimeoutExpired:
+                code, tail = 124, f"timed out after {args.timeout:.0f}s"
+            (out / "runs" / f"{label}-n{n}.stderr").write_text(tail)
+            row = {"config": label, "ranks": n, "exit_code": code,
+                   "wall_s": round(time.perf_counter() - t0, 1), "command": shlex.join(cmd),
+                   **read_run(log_path, args.target_top1)}
+            if code != 0:
+                print(f"scaling: {label} on {n} rank(s) failed (exit {code}); see "
+                      f"{out / 'runs' / f'{label}-n{n}.stderr'}", file=sys.stderr)
+            else:
+                print(f"scaling: {label} on {n} rank(s): {row.get('images_per_s')} img/s",
+                      file=sys.stderr, flush=True)
+            results.append(row)
+    if args.dry_run:
+        return 0
+    efficiency_table(results, ranks, configs)
+    meta = {"link_note": link_note, "launcher": launcher, "steps": args.steps,
+            "per_rank_batch": args.per_rank_batch, "preset": args.preset,
+            "target": args.target_top1, "cores": os.cpu_count(),
+            "command": shlex.join([sys.executable, "-m", "recipes.scaling", *(argv or sys.argv[1:])])}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+    table = markdown(results, ranks, configs, meta)
+    (out / "scaling.md").write_text(table + "\n")
+    plotted = plot(results, ranks, configs, out / "scaling.png")
+    print(table)
+    print(f"\nwrote {out / 'results.json'}, {out / 'scaling.md'}"
+          + (f", {out / 'scaling.png'}" if plotted else ""))
+    return 0 if all(r["exit_code"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The step benchmark's arithmetic and tables (benchmarks/step_bench.py), in one process."""
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sb = _load("step_bench")
+models = sys.modules["step_models"]
+
+
+def test_allreduce_limit_is_two_n_minus_one_over_n_bytes_over_rate():
+    mb100 = 100e6
+    assert sb.allreduce_limit_s(mb100, 2, 1e9) == pytest.approx(0.8)      # 2*(1/2)*800 Mbit / 1 Gbit/s
+    assert sb.allreduce_limit_s(mb100, 4, 1e9) == pytest.approx(1.2)      # 2*(3/4)
+    assert sb.allreduce_limit_s(mb100, 1, 1e9) == 0.0
+    assert sb.allreduce_limit_s(mb100, 2, None) is None                    # loopback: no limit
+
+
+def test_parse_rate_reads_tc_units_and_refuses_nonsense():
+    assert sb.parse_rate("1gbit") == 1e9
+    assert sb.parse_rate("100mbit") == 1e8
+    assert sb.parse_rate("2.5Gbit") == 2.5e9
+    with pytest.raises(ValueError, match="1gbit"):
+        sb.parse_rate("fast")
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096), (16, 1024), (3, 3), (64, 3, 3, 3),
+                                   (10, 128), (1024,)])
+@pytest.mark.parametrize("rank", [1, 4])
+def test_powersgd_bytes_follow_torchs_compression_rule(shape, rank):
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    numel = math.prod(shape)
+    expected = numel
+    if len(shape) > 1:
+        compress, _, compressed = _should_compress(shape[0], numel // shape[0], rank, 2)
+        expected = compressed if compress else numel
+    assert sb.powersgd_wire_bytes([shape], rank) == 4 * expected
+
+
+def test_ddp_wire_bytes_of_each_hook():
+    shapes = [(4096, 1024), (4096,)]
+    numel = 4096 * 1024 + 4096
+    assert sb.ddp_wire_bytes(sb.CONFIGS["ddp-fp32"], shapes) == 4 * numel
+    assert sb.ddp_wire_bytes(sb.CONFIGS["ddp-fp16"], shapes) == 2 * numel
+    assert sb.ddp_wire_bytes(sb.CONFIGS["ddp-powersgd1"], shapes) == 4 * ((4096 + 1024) + 4096)
+
+
+def test_efficiency_is_throughput_ratio_over_n():
+    # e = t / (t0 n): 2 ranks of batch 8 at 0.5 s/step vs 1 rank of batch 8 at 0.4 s/step.
+    t, t0, n = 2 * 8 / 0.5, 8 / 0.4, 2
+    assert sb.efficiency(0.5, 0.4) == pytest.approx(t / (t0 * n)) == pytest.approx(0.8)
+
+
+def test_comm_wait_share_never_negative():
+    assert sb.comm_wait_share(1.0, 0.25) == pytest.approx(0.75)
+    assert sb.comm_wait_share(0.2, 0.25) == 0.0   # faster than the 1-rank run: no wait
+
+
+def _result(step, size=2, batch=8, loss=1.0, wire=1000):
+    return {"step_times": [step * 1.1, step, step * 0.9], "backward_times": [step / 2] * 3,
+            "size": size, "batch": batch, "eval_loss": loss, "wire_bytes": wire, "ranks_agree": True}
+
+
+def test_summarize_derives_every_column_side_by_side():
+    results = {
+        "single": _result(0.1, size=1, wire=0),
+        "ddp-fp32": _result(1.0, wire=100_000_000),
+        "commopt-qsgd4-db": _result(0.2, wire=13_000_000),
+        "ddp-fp16": {"error": "exit code 1; log x\nboom"},
+    }
+    rows = {r.config: r for r in sb.summarize(results, n=2, rate_bits=1e9)}
+    q = rows["commopt-qsgd4-db"]
+    assert q.step_s == pytest.approx(0.2)                     # the median
+    assert q.samples_per_s == pytest.approx(2 * 8 / 0.2)
+    assert q.speedup == pytest.approx(5.0)
+    assert q.efficiency == pytest.approx(0.5)
+    assert q.comm_wait == pytest.approx(0.5)
+    assert q.limit_s == pytest.approx(0.104)
+    assert rows["ddp-fp32"].speedup == pytest.approx(1.0)
+    assert rows["ddp-fp32"].limit_s == pytest.approx(0.8)
+    assert rows["single"].limit_s is None and rows["single"].efficiency == pytest.approx(1.0)
+    assert rows["ddp-fp16"].error.startswith("exit code 1") and rows["ddp-fp16"].step_s is None
+
+
+def test_summarize_without_baselines_leaves_ratios_empty():
+    rows = sb.summarize({"commopt-fp16": _result(0.3)}, n=2, rate_bits=None)
+    assert rows[0].speedup is None and rows[0].efficiency is None and rows[0].limit_s is None
+
+
+def test_targets_say_met_or_not():
+    results = {"single": _result(0.1, size=1), "ddp-fp32": _result(1.0), "ddp-powersgd1": _result(0.3),
+               "commopt-qsgd4": _result(0.2)}
+    lines = sb.check_targets("communication", sb.summarize(results, 2, 1e9))
+    assert "5.00x faster per step than DDP fp32 (target >= 5x: met)" in lines[0]
+    assert "1.50x faster than the best DDP hook (ddp-powersgd1" in lines[1] and "met" in lines[1]
+    results["ddp-powersgd1"] = _result(0.25)
+    lines = sb.check_targets("communication", sb.summarize(results, 2, 1e9))
+    assert "NOT met" in lines[1]
+    lines = sb.check_targets("compute", sb.summarize({"single": _result(0.1, size=1),
+                                                      "commopt-fp32": _result(0.105)}, 2, 1e9))
+    assert "95%" in lines[0] and "(target >= 90%: met)" in lines[0]
+
+
+def test_tables_have_one_line_per_configuration():
+    results = {"single": _result(0.1, size=1), "ddp-fp32": _result(1.0, wire=100_000_000),
+               "commopt-qsgd4": {"error": "timed out; log x"}}
+    rows = sb.summarize(results, 2, 1e9)
+    text = sb.format_table(rows).splitlines()
+    assert len(text) == 2 + 3 and text[0].startswith("configuration")
+    assert "failed: timed out" in text[-1]
+    md = sb.markdown_table(rows).splitlines()
+    assert len(md) == 2 + 3 and all(line.count("|") == len(sb.TABLE_COLUMNS) + 1 for line in md)
+    assert "| ddp-fp32 | 1000 | 800 | 500 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
+
+
+def test_configs_cover_the_issue():
+    names = set(sb.CONFIGS)
+    assert {"single", "ddp-fp32", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"} <= names
+    for wire in ("fp32", "fp16", "qsgd4", "qsgd4+ef"):
+        assert f"commopt-{wire}" in names and f"commopt-{wire}-db" in names
+    assert set(sb.DEMO_CONFIGS) <= names
+
+
+def test_models_sizes_and_data_are_deterministic():
+    torch.manual_seed(0)
+    mlp = models.MODELS["mlp"].build()
+    n = sum(p.numel() for p in mlp.parameters())
+    assert 24e6 < n < 26e6
+    cnn = models.MODELS["cnn"].build()
+    assert sum(p.numel() for p in cnn.parameters()) < 1e6
+    spec = models.MODELS["tiny"]
+    x0, y0 = spec.batch(step=3, rank=0, size=4)
+    x0b, _ = spec.batch(step=3, rank=0, size=4)
+    x1, _ = spec.batch(step=3, rank=1, size=4)
+    assert torch.equal(x0, x0b) and not torch.equal(x0, x1)
+    ex, ey = spec.eval_batch(8)
+    assert ex.shape == (8, 32) and ey.shape == (8,)
+
+
+def test_plan_link_without_link_is_loopback_and_says_so():
+    plan = sb.plan_link(None)
+    assert plan.rate_bits is None and plan.link_arg is None and "loopback" in plan.description
+
+
+def test_markdown_report_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"single": _result(0.1, size=1), "ddp-fp32": _result(1.0), "commopt-fp16-db": _result(0.5)}
+    rows = sb.summarize(results, 2, 1e9)
+    report = {"command": "commopt bench step --models mlp", "link": "emulated 1gbit", "nprocs": 2,
+              "threads_per_rank": 1, "machine": "cpu", "torch": "x", "load_average_start": 1.0,
+              "load_average_end": 2.0, "date": "today", "warmup": 3, "steps": 10,
+              "models": {"mlp": {"description": "wide MLP", "params": 25_000_000, "batch_per_rank": 8,
+                                 "fp32_allreduce_limit_s": 0.8, "rows": [vars(r) for r in rows],
+                                 "targets": sb.check_targets("communication", rows)}}}
+    md = sb.markdown_report(json.loads(json.dumps(report)))
+    assert "Command: `commopt bench step --models mlp`" in md and "needs 800 ms" in md
+    png = tmp_path / "steps.png"
+    sb.plot_step_times(report, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_script_refuses_unknown_configuration():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_bench.py"),
+                           "--configs", "ddp-fp64", "--no-link"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "unknown configuration ddp-fp64" in proc.stderr and "ddp-fp32" in proc.stderr
