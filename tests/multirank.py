@@ -82,6 +82,8 @@ def run_mpi(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = 
             "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs),
             "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
             "--mca", "oob_tcp_if_include", "lo", "--bind-to", "none",
+            # Ranks outnumber cores: busy-polling ranks would starve each other.
+            "--mca", "mpi_yield_when_idle", "1",
             "--output-filename", str(outdir), *mpirun_args, PYTHON, str(script), *args,
         ]
         proc = subprocess.Popen(cmd, env=_base_env(env), stdout=subprocess.PIPE,
