@@ -1,29 +1,44 @@
 """Training steps side by side: PyTorch DDP and commopt on the same model, batch and link.
 
     commopt bench step                                   # both models, every configuration
-    commopt bench step --models mlp --configs ddp-fp32,commopt-qsgd4-db --steps 5
+    commopt bench step --models mlp --configs ddp-fp32,commopt-qsgd4-db --rounds 1
     python benchmarks/step_bench.py --models tiny --no-link --steps 3 --warmup 1
 
-Each configuration runs as a fresh job of ``-n`` ranks under ``commopt launch`` (on an
-emulated cluster of hosts joined by ``--link`` links, one rank per host; on plain loopback,
-said so, where network namespaces are unavailable), one after the other, so that every
-ratio in the table is measured in the same run. A 1-rank job without communication
-(``single``) gives the compute-only step time. Rank 0 of every job writes its timings as
-JSON; the driver prints one table per model:
+One job of ``-n`` ranks per model runs under ``commopt launch``: on an emulated cluster of
+hosts joined by ``--link`` links, one rank per host, or on plain loopback, said so, where
+network namespaces are unavailable. Inside the job every configuration gets, in turn, a
+fresh model (same seed: same initial weights and batches), a fresh DDP or commopt wrapper
+and optimizer, its warm-up and timed steps, and is torn down before the next. The whole
+list runs ``--rounds`` times, configuration after configuration, so a change in the load
+of the machine during the run hits every configuration alike; each figure is the median
+over rounds of a round's median step. A job that fails (a configuration that crashes or
+hangs past ``--collective-timeout``) is restarted without that configuration.
 
-- step time: the median of the timed steps after warm-up;
+Compute-only time is measured beside every configuration: each rank also trains a twin
+of the model with the plain optimizer and no communication, every rank at once, for half
+the timed steps just before the distributed steps and half just after. That is one rank's
+throughput alone, at the same moment and under the same sharing of this machine's cores as
+the distributed steps (the emulated hosts share the real CPUs, and other jobs' load comes
+and goes), so efficiency and comm wait are paired measurements.
+
+Columns of the table (one per model):
+
+- step time: median time of a training step (forward, backward, optimizer step);
+- compute: median time of the twin's step (the same work without communication);
+- link limit: the time the link needs for this configuration's gradient allreduce,
+  2(n-1)/n x wire bytes / rate: the physical limit beside the measured time;
 - samples/s: n x per-rank batch / step time;
 - speed-up: DDP fp32's step time / this step time;
-- efficiency: e = t / (t0 * n), t this job's samples/s, t0 the 1-rank job's;
-- comm wait: (step time - compute-only step time) / step time, the share of a step spent
-  beyond compute: waiting for the network and the CPU work of sending (copies, codecs);
-- link limit: the time the link needs for this configuration's gradient allreduce,
-  2(n-1)/n x wire bytes / rate, the physical limit beside the measured time;
-- fwd+bwd: the median time from a step's start to the end of backward (DDP waits for its
-  last buckets inside backward; commopt encodes buckets there and waits in ``step()``);
-- final loss: cross-entropy on a fixed held-out batch after the last step.
+- efficiency: e = t / (t0 n), t the samples/s of the n ranks, t0 that of one rank alone
+  (the twin): compute / step time;
+- comm wait: (step time - compute) / step time, the share of a step spent beyond compute:
+  waiting for the network and the CPU work of sending (copies, codecs);
+- final loss: cross-entropy on a fixed held-out batch after the last step (first round).
 
-Configurations: ``single``; DDP fp32 (gloo), DDP with ``fp16_compress_hook``, DDP with the
+The JSON (``--json``) also holds every step time, the time to the end of backward (DDP waits
+for its last buckets inside backward, commopt in ``step()``), each rank's medians and losses.
+
+Configurations: DDP fp32 (gloo), DDP with ``fp16_compress_hook``, DDP with the
 PowerSGD hook at rank 1 and 4 (one bucket: see ``POWERSGD_BUCKET_MB``); commopt with fp32,
 fp16, qsgd4 and qsgd4 + error feedback, each with overlap (reduction during backward) and
 with double buffering (``-db``: reduction during the next step).
@@ -31,6 +46,7 @@ with double buffering (``-db``: reduction during the next step).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -64,12 +80,17 @@ step_models = _load_sibling("step_models")
 MODELS = step_models.MODELS
 
 #: DDP bucket size for the PowerSGD hook: larger than any model here, so one bucket. On gloo
-#: PowerSGD with the default 25 MB buckets fails at its first compressed step (a collective
-#: size mismatch abort, or a hang until the gloo timeout).
+#: PowerSGD over DDP's default 25 MB buckets fails at its first compressed step (the
+#: buckets' collectives interleave differently on each rank: a collective size mismatch
+#: abort, or here a hang until the gloo timeout).
 POWERSGD_BUCKET_MB = 4096
 #: PowerSGD runs plain allreduce for its first iterations; 2 is the smallest it accepts with
 #: error feedback and warm start. Warm-up steps cover them.
 POWERSGD_START_ITER = 2
+#: Lines a worker prints for the driver to pass on (progress); everything else goes to the log.
+PROGRESS = "@step_bench "
+#: Names a configuration whose last rank raises at start: tests the driver's restart.
+FAIL_ENV = "COMMOPT_STEP_BENCH_FAIL"
 
 
 @dataclass(frozen=True)
@@ -77,7 +98,7 @@ class StepConfig:
     """One column of the comparison."""
 
     name: str
-    kind: str            # "single" (1 rank, no communication), "ddp" or "commopt"
+    kind: str            # "ddp" or "commopt"
     wire: str            # "fp32", "fp16", "powersgd", "qsgd4", "qsgd4+ef"
     label: str
     powersgd_rank: int = 0
@@ -86,7 +107,6 @@ class StepConfig:
 
 def _configs() -> dict[str, StepConfig]:
     out = [
-        StepConfig("single", "single", "none", "1 rank, no communication"),
         StepConfig("ddp-fp32", "ddp", "fp32", "DDP fp32"),
         StepConfig("ddp-fp16", "ddp", "fp16", "DDP fp16_compress_hook"),
         StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
@@ -103,7 +123,7 @@ def _configs() -> dict[str, StepConfig]:
 
 CONFIGS: dict[str, StepConfig] = _configs()
 #: What `commopt demo` runs: DDP fp32 against commopt's fp16, qsgd4 and double buffering.
-DEMO_CONFIGS = ("single", "ddp-fp32", "commopt-fp16", "commopt-qsgd4", "commopt-fp16-db",
+DEMO_CONFIGS = ("ddp-fp32", "commopt-fp16", "commopt-qsgd4", "commopt-fp16-db",
                 "commopt-qsgd4+ef-db")
 
 
@@ -116,9 +136,12 @@ def parse_rate(text: str) -> float:
     t = text.strip().lower()
     for suffix, factor in units.items():
         if t.endswith(suffix):
-            return float(t[: -len(suffix)]) * factor
+            t = t[: -len(suffix)]
+            break
+    else:
+        factor = 1.0
     try:
-        return float(t)
+        return float(t) * factor
     except ValueError:
         raise ValueError(f"cannot read the link rate {text!r}: write it like 1gbit or 100mbit") from None
 
@@ -162,14 +185,20 @@ def ddp_wire_bytes(config: StepConfig, shapes) -> int:
     raise ValueError(f"DDP has no wire format {config.wire!r}")
 
 
-def efficiency(step_s: float, single_step_s: float) -> float:
-    """e = t / (t0 n) with t = n B / step_s and t0 = B / single_step_s: single_step_s / step_s."""
-    return single_step_s / step_s
+def efficiency(step_s: float, compute_s: float) -> float:
+    """e = t / (t0 n) with t = n B / step_s and t0 = B / compute_s: compute_s / step_s."""
+    return compute_s / step_s
 
 
 def comm_wait_share(step_s: float, compute_s: float) -> float:
     """Share of a step spent beyond compute-only time (waiting for the network), in [0, 1)."""
     return max(0.0, step_s - compute_s) / step_s
+
+
+def robust_step(rounds: list[dict], key: str = "step_times") -> float | None:
+    """Median over rounds of each round's median: one slow round cannot move it far."""
+    medians = [statistics.median(r[key]) for r in rounds if r.get(key)]
+    return statistics.median(medians) if medians else None
 
 
 @dataclass
@@ -180,6 +209,7 @@ class Row:
     label: str
     kind: str
     step_s: float | None = None
+    compute_s: float | None = None
     samples_per_s: float | None = None
     speedup: float | None = None
     efficiency: float | None = None
@@ -193,18 +223,15 @@ class Row:
 
 
 def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list[Row]:
-    """Rows in the order of ``results`` (config name -> rank 0's JSON, or {"error": ...}).
+    """Rows in the order of ``results`` (config name -> merged result, or {"error": ...}).
 
-    Speed-up is against ``ddp-fp32``, efficiency and comm wait against ``single``, when
-    those ran; otherwise those columns stay empty.
+    A merged result has ``rounds`` (each with ``step_times``, ``compute_times``,
+    ``backward_times``, ``eval_loss``), ``batch``, ``wire_bytes``, ``ranks_agree``. Speed-up
+    is against ``ddp-fp32`` when it ran (else empty); efficiency and comm wait against the
+    configuration's own compute-only time.
     """
-    def median(r, key):
-        return statistics.median(r[key]) if r.get(key) else None
-
-    base = results.get("ddp-fp32", {})
-    base_step = median(base, "step_times") if "error" not in base else None
-    single = results.get("single", {})
-    single_step = median(single, "step_times") if "error" not in single else None
+    base = results.get("ddp-fp32")
+    base_step = robust_step(base["rounds"]) if base and "error" not in base else None
     rows = []
     for name, r in results.items():
         cfg = CONFIGS[name]
@@ -213,21 +240,20 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.error = r["error"]
             rows.append(row)
             continue
-        size = r.get("size", 1)
-        row.step_s = median(r, "step_times")
-        row.backward_s = median(r, "backward_times")
-        row.samples_per_s = size * r["batch"] / row.step_s
-        row.final_loss = r.get("eval_loss")
+        row.step_s = robust_step(r["rounds"])
+        row.compute_s = robust_step(r["rounds"], "compute_times")
+        row.backward_s = robust_step(r["rounds"], "backward_times")
+        row.samples_per_s = n * r["batch"] / row.step_s
+        row.final_loss = r["rounds"][0].get("eval_loss")
         row.wire_bytes = r.get("wire_bytes")
         row.ranks_agree = r.get("ranks_agree")
-        if cfg.kind != "single":
-            if base_step is not None:
-                row.speedup = base_step / row.step_s
-            if row.wire_bytes is not None:
-                row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
-        if single_step is not None:
-            row.efficiency = efficiency(row.step_s, single_step)
-            row.comm_wait = comm_wait_share(row.step_s, single_step)
+        if base_step is not None:
+            row.speedup = base_step / row.step_s
+        if row.wire_bytes is not None:
+            row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
+        if row.compute_s is not None:
+            row.efficiency = efficiency(row.step_s, row.compute_s)
+            row.comm_wait = comm_wait_share(row.step_s, row.compute_s)
         rows.append(row)
     return rows
 
@@ -260,26 +286,24 @@ def check_targets(role: str, rows: list[Row]) -> list[str]:
     return lines
 
 
-def _fmt(value, spec, empty="-"):
-    return empty if value is None else format(value, spec)
+def _fmt(value, spec, unit=""):
+    return "-" if value is None else format(value, spec) + unit
 
 
-TABLE_COLUMNS = ("configuration", "step ms", "link limit ms", "fwd+bwd ms", "samples/s",
+TABLE_COLUMNS = ("configuration", "step ms", "compute ms", "link limit ms", "samples/s",
                  "speed-up", "efficiency", "comm wait", "final loss")
 
 
 def table_cells(row: Row) -> list[str]:
     if row.error:
-        return [row.config, "failed: " + row.error.splitlines()[0][:60]] + [""] * (len(TABLE_COLUMNS) - 2)
-    limit = _fmt(row.limit_s * 1e3 if row.limit_s is not None else None, ".0f")
-    backward = _fmt(row.backward_s * 1e3 if row.backward_s is not None else None, ".0f")
-    return [row.config, _fmt(row.step_s * 1e3, ".0f"), limit, backward, _fmt(row.samples_per_s, ".1f"),
-            _fmt(row.speedup, ".2f", "-") + ("x" if row.speedup is not None else ""),
-            _fmt(row.efficiency * 100 if row.efficiency is not None else None, ".0f") +
-            ("%" if row.efficiency is not None else ""),
-            _fmt(row.comm_wait * 100 if row.comm_wait is not None else None, ".0f") +
-            ("%" if row.comm_wait is not None else ""),
-            _fmt(row.final_loss, ".4f")]
+        why = row.error.splitlines()[0][:60]
+        return [row.config, "failed: " + why] + [""] * (len(TABLE_COLUMNS) - 2)
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    pct = lambda v: None if v is None else v * 100  # noqa: E731
+    return [row.config, _fmt(ms(row.step_s), ".0f"), _fmt(ms(row.compute_s), ".0f"),
+            _fmt(ms(row.limit_s), ".0f"), _fmt(row.samples_per_s, ".1f"),
+            _fmt(row.speedup, ".2f", "x"), _fmt(pct(row.efficiency), ".0f", "%"),
+            _fmt(pct(row.comm_wait), ".0f", "%"), _fmt(row.final_loss, ".4f")]
 
 
 def format_table(rows: list[Row]) -> str:
@@ -302,28 +326,79 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join([head, sep, *body])
 
 
+def merge_rounds(entries: list[dict]) -> dict:
+    """One configuration's runs (every rank, every round) -> the merged result ``summarize`` reads.
+
+    ``entries`` are the worker's records: config, round, rank, size, batch, step_times,
+    compute_times, backward_times, losses, eval_loss, checksum, wire_bytes, params.
+    """
+    by_round: dict[int, dict[int, dict]] = {}
+    for e in entries:
+        by_round.setdefault(e["round"], {})[e["rank"]] = e
+    rounds, agree = [], True
+    for k in sorted(by_round):
+        ranks = by_round[k]
+        first = ranks[min(ranks)]
+        rounds.append({key: first[key] for key in ("step_times", "compute_times",
+                                                   "backward_times", "losses", "eval_loss")})
+        rounds[-1]["rank_step_medians"] = [statistics.median(ranks[r]["step_times"])
+                                           for r in sorted(ranks)]
+        agree = agree and len({ranks[r]["checksum"] for r in ranks}) == 1
+    first = entries[0]
+    return {"rounds": rounds, "batch": first["batch"], "size": first["size"],
+            "wire_bytes": first["wire_bytes"], "params": first["params"], "ranks_agree": agree}
+
+
 # ---------------------------------------------------------------------------------------------
-# worker: one configuration on this rank
+# worker: one rank of a job that runs a schedule of configurations
 
 def _worker(args: argparse.Namespace) -> int:
     import torch
+
+    import commopt
+
+    torch.set_num_threads(args.threads)
+    if args.comm == "mpi":
+        comm = commopt.create_communicator("mpi")
+        # DDP needs torch.distributed too; under mpirun it finds its peers through MPI.
+        gloo = commopt.create_communicator("torch", timeout_s=args.collective_timeout)
+    else:
+        comm = gloo = commopt.create_communicator("torch", timeout_s=args.collective_timeout)
+    spec = MODELS[args.model]
+    schedule = args.worker.split(",")
+    rounds_seen: dict[str, int] = {}
+    records: list[dict] = []
+    out = Path(f"{args.result}.rank{comm.rank}")
+    for index, name in enumerate(schedule):
+        cfg = CONFIGS[name]
+        round_ = rounds_seen[name] = rounds_seen.get(name, -1) + 1
+        if comm.rank == 0:
+            print(f"{PROGRESS}start {index} {name}", flush=True)
+        rec = _run_config(cfg, spec, comm, gloo, args)
+        rec.update(index=index, round=round_, config=name, kind=cfg.kind, rank=comm.rank,
+                   size=comm.size)
+        records.append(rec)
+        out.write_text(json.dumps(records))  # after each one: a later failure keeps these
+        if comm.rank == 0:
+            print(f"{PROGRESS}done {index} {name} {statistics.median(rec['step_times']):.6f} "
+                  f"{rec['eval_loss']:.6f}", flush=True)
+    gloo.allgather_obj(None)  # nobody tears down while a peer still reads
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
+    """Build, warm up, time and tear down one configuration on this rank."""
+    import torch
     import torch.nn.functional as F
 
-    cfg = CONFIGS[args.worker]
-    spec = MODELS[args.model]
-    torch.set_num_threads(args.threads)
+    rank = comm.rank
+    if os.environ.get(FAIL_ENV) == cfg.name and rank == comm.size - 1:
+        raise RuntimeError(f"failure injected into {cfg.name} (${FAIL_ENV})")
     batch = args.batch or spec.batch_size
-    comm = None
-    rank, size = 0, 1
-    if cfg.kind != "single":
-        import commopt
-
-        if cfg.kind == "commopt" and args.comm == "mpi":
-            comm = commopt.create_communicator("mpi")
-        else:  # DDP and commopt-over-gloo share torch.distributed's default group
-            comm = commopt.create_communicator("torch", timeout_s=args.timeout)
-        rank, size = comm.rank, comm.size
-
     torch.manual_seed(args.seed)
     model = spec.build()
     shapes = step_models.param_shapes(model)
@@ -334,13 +409,32 @@ def _worker(args: argparse.Namespace) -> int:
     elif cfg.kind == "commopt":
         opt = _wrap_commopt(inner, comm, model, cfg)
         wire_bytes = _commopt_wire_bytes(opt)
+    # The compute-only twin: the same model and optimizer, no communication.
+    torch.manual_seed(args.seed)
+    twin = spec.build()
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=spec.lr, momentum=0.9)
 
-    total = args.warmup + args.steps
-    batches = [spec.batch(step=i, rank=rank, size=batch) for i in range(total)]
+    def twin_steps(count: int) -> list[float]:
+        gloo.allgather_obj(None)  # every rank computes at once, as in the distributed steps
+        times = []
+        for j in range(count):
+            x, y = batches[args.warmup + j % steps]
+            start = time.perf_counter()
+            twin_opt.zero_grad(set_to_none=True)
+            F.cross_entropy(twin(x), y).backward()
+            twin_opt.step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    steps = args.steps or spec.steps
+    batches = [spec.batch(step=i, rank=rank, size=batch) for i in range(args.warmup + steps)]
     step_times, backward_times, losses = [], [], []
+    compute_times = []
     for i, (x, y) in enumerate(batches):
-        if i == args.warmup and comm is not None:
-            comm.allgather_obj(None)  # every rank starts the timed steps together
+        if i == args.warmup:
+            twin_steps(1)  # its warm-up
+            compute_times += twin_steps((steps + 1) // 2)
+            gloo.allgather_obj(None)  # every rank starts the timed steps together
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(x), y)
@@ -354,30 +448,19 @@ def _worker(args: argparse.Namespace) -> int:
             backward_times.append(after_backward - start)
     if cfg.kind == "commopt":
         opt.flush()  # double buffering: apply the last averaged gradients (untimed)
-
+    compute_times += twin_steps(steps // 2)  # nothing in flight any more
     with torch.no_grad():
         ex, ey = spec.eval_batch()
         eval_loss = float(F.cross_entropy(model(ex), ey))
         checksum = float(sum(p.double().sum() for p in model.parameters()))
-    result = {
-        "config": cfg.name, "model": spec.name, "rank": rank, "size": size, "batch": batch,
-        "warmup": args.warmup, "steps": args.steps, "threads": args.threads,
-        "step_times": step_times, "backward_times": backward_times, "losses": losses,
-        "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
-        "params": sum(math.prod(s) for s in shapes), "comm": args.comm if cfg.kind == "commopt" else (
-            "gloo" if cfg.kind == "ddp" else None),
-        "node": os.environ.get("COMMOPT_NODE_NAME"), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-    }
-    Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
     if cfg.kind == "commopt":
         opt.close()
-    if comm is not None:
-        import torch.distributed as dist
-
-        comm.allgather_obj(None)  # nobody tears down while a peer still reads
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    del net, opt, inner, model, twin, twin_opt
+    gc.collect()
+    gloo.allgather_obj(None)  # the next configuration starts on every rank together
+    return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
+            "backward_times": backward_times, "losses": losses, "eval_loss": eval_loss, "checksum": checksum,
+            "wire_bytes": wire_bytes, "params": sum(math.prod(s) for s in shapes)}
 
 
 def _wrap_ddp(model, cfg: StepConfig):
@@ -393,10 +476,7 @@ def _wrap_ddp(model, cfg: StepConfig):
         return ddp
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-    # One bucket: on gloo, PowerSGD over DDP's default 25 MB buckets breaks at its first
-    # compressed step (the buckets' collectives interleave differently on each rank: a
-    # collective size mismatch abort, or here a hang until the gloo timeout).
-    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)
+    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)  # one bucket: see POWERSGD_BUCKET_MB
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                    start_powerSGD_iter=POWERSGD_START_ITER)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
@@ -421,7 +501,7 @@ def _commopt_wire_bytes(opt) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# driver: every configuration in turn
+# driver: one job per model; restarted without a configuration that fails
 
 @dataclass
 class LinkPlan:
@@ -444,19 +524,16 @@ def plan_link(link: str | None) -> LinkPlan:
     return LinkPlan(rate, link, f"emulated hosts joined by {link} links (tc tbf, network namespaces)")
 
 
-def _worker_argv(args, config: str, model: str, result: Path, threads: int) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", config, "--model", model,
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads),
-            "--seed", str(args.seed), "--comm", args.comm, "--timeout", str(args.timeout),
-            "--result", str(result)]
+def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Path,
+              threads: int) -> list[str]:
+    worker = [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(schedule),
+              "--model", model, "--warmup", str(args.warmup), "--threads", str(threads),
+              "--seed", str(args.seed), "--comm", args.comm,
+              "--collective-timeout", str(args.collective_timeout), "--result", str(result)]
+    if args.steps:
+        worker += ["--steps", str(args.steps)]
     if args.batch:
-        argv += ["--batch", str(args.batch)]
-    return argv
-
-
-def _job_argv(args, plan: LinkPlan, config: str, worker: list[str]) -> list[str]:
-    if CONFIGS[config].kind == "single":
-        return worker
+        worker += ["--batch", str(args.batch)]
     argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
             "--launcher", args.launcher, "--timeout", str(args.timeout)]
     if plan.link_arg:
@@ -464,35 +541,85 @@ def _job_argv(args, plan: LinkPlan, config: str, worker: list[str]) -> list[str]
     return argv + ["--", *worker]
 
 
-def run_job(args, plan: LinkPlan, config: str, model: str, workdir: Path, threads: int) -> dict:
-    """Run one configuration; rank 0's result with ``ranks_agree``, or {"error": ...}."""
-    result = workdir / f"{model}-{config}.json"
-    argv = _job_argv(args, plan, config, _worker_argv(args, config, model, result, threads))
-    log = workdir / f"{model}-{config}.log"
+def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: int,
+             report_line) -> tuple[list[dict], int | None, str | None]:
+    """Run ``schedule`` in one job: (records of every rank, index that failed, why)."""
+    result = workdir / f"{model}-{attempt}.json"
+    log = workdir / f"{model}-{attempt}.log"
+    argv = _job_argv(args, plan, model, schedule, result, threads)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    current = None
     with open(log, "w") as out:
-        try:
-            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                timeout=args.timeout + 60).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    n = 1 if CONFIGS[config].kind == "single" else args.nprocs
-    files = [Path(f"{result}.rank{r}") for r in range(n)]
-    if rc != 0 or not all(f.exists() for f in files):
-        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-        why = "timed out" if rc == 124 else f"exit code {rc}"
-        return {"error": f"{why}; log {log}:\n" + "\n".join(tail)}
-    per_rank = [json.loads(f.read_text()) for f in files]
-    first = per_rank[0]
-    first["ranks_agree"] = all(r["checksum"] == first["checksum"] for r in per_rank)
-    first["rank_step_medians"] = [statistics.median(r["step_times"]) for r in per_rank]
-    return first
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                text=True, errors="replace")
+        for line in proc.stdout:
+            out.write(line)
+            if line.startswith(PROGRESS):
+                word, index, name, *rest = line[len(PROGRESS):].split()
+                current = int(index) if word == "start" else None
+                if word == "done":
+                    report_line(int(index), name, float(rest[0]), float(rest[1]))
+        rc = proc.wait()
+    records = []
+    for r in range(args.nprocs):
+        path = Path(f"{result}.rank{r}")
+        if path.exists():
+            records += json.loads(path.read_text())
+    if rc == 0:
+        return records, None, None
+    done = {e["index"] for e in records if e["rank"] == 0}
+    failed = current if current is not None else next(
+        (i for i in range(len(schedule)) if i not in done), 0)
+    tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-12:])
+    why = "timed out" if rc == 124 else f"exit code {rc}"
+    return records, failed, f"{why} (log {log}):\n{tail}"
+
+
+def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Path,
+              threads: int) -> dict[str, dict]:
+    """Every configuration of ``model``, ``args.rounds`` times: config -> merged result."""
+    schedule = [c for _ in range(args.rounds) for c in configs]
+    records: list[dict] = []
+    errors: dict[str, str] = {}
+    pending = list(range(len(schedule)))  # indices into ``schedule`` not run yet
+    attempt = 0
+    total = len(schedule)
+
+    def report_line(local, name, step_s, loss):
+        k = pending_at_start[local]
+        print(f"[{k + 1}/{total}] {model} {name}: {step_s * 1e3:.0f} ms/step, "
+              f"final loss {loss:.4f}", flush=True)
+
+    while pending:
+        pending_at_start = list(pending)
+        got, failed, why = _run_job(args, plan, model, [schedule[i] for i in pending], workdir,
+                                    attempt, threads, report_line)
+        for e in got:
+            e["index"] = pending_at_start[e["index"]]
+        records += got
+        if failed is None:
+            break
+        bad = schedule[pending_at_start[failed]]
+        errors[bad] = why
+        print(f"{model} {bad}: FAILED, {why}\n(restarting the job without {bad})", flush=True)
+        done = {e["index"] for e in got if e["rank"] == 0}
+        pending = [i for i in pending_at_start if i not in done and schedule[i] != bad]
+        attempt += 1
+    results = {}
+    for name in configs:
+        mine = [e for e in records if e["config"] == name]
+        if name in errors:
+            results[name] = {"error": errors[name]}
+        elif mine:
+            results[name] = merge_rounds(mine)
+        else:
+            results[name] = {"error": "did not run"}
+    return results
 
 
 def _threads_per_rank(nprocs: int) -> int:
-    # Ranks of the emulated hosts share this machine's cores; the 1-rank baseline gets the
-    # same share, so efficiency compares like with like.
+    # The emulated hosts share this machine's cores: one share each.
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
@@ -509,55 +636,38 @@ def _machine() -> str:
 
 
 def run_driver(args: argparse.Namespace) -> dict:
-    """Run every (model, configuration); return the report dict (also printed)."""
+    """Run every (model, configuration); print and return the report."""
     import torch
 
     models = _split(args.models, MODELS, "model")
     configs = _split(args.configs, CONFIGS, "configuration")
-    if args.nprocs < 2:
-        raise SystemExit("step_bench: -n must be at least 2 (the 1-rank baseline runs by itself)")
     plan = plan_link(None if args.no_link else args.link)
     threads = args.threads or _threads_per_rank(args.nprocs)
-    command = _command_line(args)
     report = {
-        "command": command, "link": plan.description, "link_rate": plan.link_arg,
-        "rate_bits": plan.rate_bits,
-        "nprocs": args.nprocs, "threads_per_rank": threads, "launcher": args.launcher,
-        "commopt_comm": args.comm, "machine": _machine(), "torch": torch.__version__,
-        "load_average_start": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
-        "steps": args.steps, "warmup": args.warmup, "models": {},
+        "command": _command_line(args), "link": plan.description, "link_rate": plan.link_arg,
+        "rate_bits": plan.rate_bits, "nprocs": args.nprocs, "threads_per_rank": threads,
+        "launcher": args.launcher, "commopt_comm": args.comm, "machine": _machine(),
+        "torch": torch.__version__, "load_average_start": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M"), "warmup": args.warmup, "rounds": args.rounds,
+        "models": {},
     }
     print(f"step benchmark: {args.nprocs} ranks, {plan.description}; {threads} thread(s) per "
-          f"rank; {args.warmup} warm-up + {args.steps} timed steps per configuration", flush=True)
-    keep = Path(args.workdir) if args.workdir else None
+          f"rank; {args.rounds} round(s) of every configuration, {args.warmup} warm-up steps "
+          f"each", flush=True)
     with tempfile.TemporaryDirectory(prefix="commopt-step-") as tmp:
-        workdir = keep or Path(tmp)
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        total, k = len(models) * len(configs), 0
         for model in models:
             spec = MODELS[model]
-            results: dict[str, dict] = {}
-            for config in configs:
-                k += 1
-                began = time.monotonic()
-                r = run_job(args, plan, config, model, workdir, threads)
-                results[config] = r
-                took = time.monotonic() - began
-                if "error" in r:
-                    print(f"[{k}/{total}] {model} {config}: FAILED ({took:.0f}s)\n{r['error']}",
-                          flush=True)
-                else:
-                    print(f"[{k}/{total}] {model} {config}: "
-                          f"{statistics.median(r['step_times']) * 1e3:.0f} ms/step, final loss "
-                          f"{r['eval_loss']:.3f} ({took:.0f}s)", flush=True)
+            results = run_model(args, plan, model, configs, workdir, threads)
             rows = summarize(results, args.nprocs, plan.rate_bits)
             params = next((r["params"] for r in results.values() if "params" in r), None)
             fp32_limit = allreduce_limit_s(4 * params, args.nprocs, plan.rate_bits) if params else None
             report["models"][model] = {
-                "description": spec.description, "role": _role(model), "params": params,
-                "batch_per_rank": args.batch or spec.batch_size, "fp32_allreduce_limit_s": fp32_limit,
-                "rows": [vars(r) for r in rows], "raw": results,
-                "targets": check_targets(_role(model), rows),
+                "description": spec.description, "role": spec.role, "params": params,
+                "batch_per_rank": args.batch or spec.batch_size, "steps": args.steps or spec.steps,
+                "fp32_allreduce_limit_s": fp32_limit, "rows": [vars(r) for r in rows],
+                "raw": results, "targets": check_targets(spec.role, rows),
             }
             _print_model(model, report["models"][model], rows, args.nprocs, plan)
     report["load_average_end"] = os.getloadavg()[0]
@@ -585,16 +695,14 @@ def _command_line(args) -> str:
     return "commopt bench step (from " + " ".join(map(shlex.quote, sys.argv)) + ")"
 
 
-def _role(model: str) -> str:
-    return {"mlp": "communication", "cnn": "compute"}.get(model, "test")
-
-
 def _split(text: str, valid: dict, what: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in valid]
     if bad or not names:
         raise SystemExit(f"step_bench: unknown {what} {', '.join(bad) or '(none given)'}; "
                          f"choose from {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"step_bench: a {what} is named twice in {text!r}")
     return names
 
 
@@ -625,8 +733,9 @@ def markdown_report(report: dict) -> str:
     for model, info in report["models"].items():
         rows = [Row(**r) for r in info["rows"]]
         out += [f"### {model}: {info['description']}", "",
-                f"Batch {info['batch_per_rank']} per rank; {report['warmup']} warm-up and "
-                f"{report['steps']} timed steps (median).", "", markdown_table(rows), ""]
+                f"Batch {info['batch_per_rank']} per rank; {report['rounds']} round(s), each "
+                f"{report['warmup']} warm-up and {info['steps']} timed steps per configuration; "
+                f"median over rounds of each round's median.", "", markdown_table(rows), ""]
         if info["fp32_allreduce_limit_s"] is not None:
             out += [f"Physical limit: the fp32 gradient ({info['params'] * 4 / 1e6:.1f} MB) "
                     f"needs {info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per allreduce on this "
@@ -647,27 +756,24 @@ def plot_step_times(report: dict, path: str) -> None:
 
     models = list(report["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
-    colors = {"single": "#999999", "ddp": "#d95f02", "commopt": "#1b9e77"}
+    colors = {"ddp": "#d95f02", "commopt": "#1b9e77"}
     for ax, model in zip(axes[0], models):
         info = report["models"][model]
-        rows = [r for r in info["rows"] if r["step_s"] is not None]
-        names = [r["config"] for r in rows][::-1]
-        times = [r["step_s"] * 1e3 for r in rows][::-1]
-        ax.barh(names, times, color=[colors[r["kind"]] for r in rows][::-1])
-        for y, r in enumerate(rows[::-1]):
+        rows = [r for r in info["rows"] if r["step_s"] is not None][::-1]
+        names = [r["config"] for r in rows]
+        ax.barh(names, [r["step_s"] * 1e3 for r in rows], color=[colors[r["kind"]] for r in rows])
+        ax.barh(names, [(r["compute_s"] or 0) * 1e3 for r in rows], height=0.3, color="#333333",
+                label="compute only (same moment, no communication)")
+        for y, r in enumerate(rows):
             if r["speedup"] is not None:
                 ax.annotate(f"{r['speedup']:.1f}x", (r["step_s"] * 1e3, y), xytext=(3, -3),
                             textcoords="offset points", fontsize=8)
         if info["fp32_allreduce_limit_s"]:
             ax.axvline(info["fp32_allreduce_limit_s"] * 1e3, ls="--", color="k", lw=1,
                        label="fp32 allreduce, link limit")
-        single = next((r for r in rows if r["config"] == "single"), None)
-        if single:
-            ax.axvline(single["step_s"] * 1e3, ls=":", color="#555555", lw=1,
-                       label="compute only (1 rank)")
-        ax.set_xlabel("step time, ms (median)")
-        ax.set_title(f"{model}: {info['params'] / 1e6:.2f}M params, batch "
-                     f"{info['batch_per_rank']}/rank", fontsize=10)
+        ax.set_xlabel("step time, ms (median; label: speed-up over ddp-fp32)")
+        params = f"{info['params'] / 1e6:.2f}M params, " if info.get("params") else ""
+        ax.set_title(f"{model}: {params}batch {info['batch_per_rank']}/rank", fontsize=10)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"{report['nprocs']} ranks, {report['link']}", fontsize=9)
     fig.tight_layout()
@@ -694,7 +800,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm", choices=("torch", "mpi"), default="torch",
                         help="commopt's communicator: torch (gloo, DDP's transport; default) or mpi "
                              "(needs --launcher mpi)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times the whole list of configurations runs, in turn (default 3)")
+    parser.add_argument("--steps", type=int,
+                        help="timed steps per configuration and round (default: the model's: "
+                             + ", ".join(f"{m} {s.steps}" for m, s in MODELS.items()) + ")")
     parser.add_argument("--warmup", type=int, default=3,
                         help=f"untimed steps first (default 3; PowerSGD compresses from step "
                              f"{POWERSGD_START_ITER})")
@@ -702,25 +812,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int,
                         help="torch threads per rank (default cores / ranks)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds one model's job may take (default 3600)")
+    parser.add_argument("--collective-timeout", type=float, default=300,
+                        help="seconds a rank waits in one collective before the job fails and "
+                             "restarts without that configuration (default 300)")
     parser.add_argument("--json", metavar="PATH", help="write every figure and raw timing as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time per configuration")
     parser.add_argument("--workdir", help="keep each job's log and JSON here")
-    # Internal: run one configuration as one rank (the driver starts these).
-    parser.add_argument("--worker", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
+    # Internal: one rank of a job running a schedule of configurations (the driver starts them).
+    parser.add_argument("--worker", metavar="SCHEDULE", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark (or, with --worker, one rank of one configuration)."""
+    """Run the benchmark (or, with --worker, one rank of one job)."""
     if args.worker:
         return _worker(args)
     if args.comm == "mpi" and args.launcher != "mpi":
         raise SystemExit("step_bench: --comm mpi needs --launcher mpi")
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit("step_bench: need --steps >= 1 and --warmup >= 0")
+    if args.nprocs < 2:
+        raise SystemExit("step_bench: -n must be at least 2 (every configuration measures its "
+                         "own 1-rank compute time)")
+    if (args.steps is not None and args.steps < 1) or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit("step_bench: need --steps >= 1, --warmup >= 0 and --rounds >= 1")
     report = run_driver(args)
     failed = [f"{m}/{r['config']}" for m, info in report["models"].items()
               for r in info["rows"] if r["error"]]

@@ -12,7 +12,7 @@ Two kinds of model, chosen for where their step time goes on a 1 Gbit/s link:
   (101 MB) takes 0.8 s to allreduce between 2 hosts at 1 Gbit/s, several times one step's
   compute: communication-bound.
 - ``cnn``: a small convolutional network (0.24M parameters, 1 MB of gradient, 8 ms on the
-  link) at batch 32 of 32x32 images: compute-bound.
+  link) at batch 64 of 32x32 images: compute-bound.
 - ``tiny``: a few thousand parameters, for tests.
 
 Every task is a classification with a known answer (class means plus noise), so the loss
@@ -52,6 +52,8 @@ class ModelSpec:
     classes: int
     input_shape: tuple[int, ...]
     signal: float  # scale of the class means against unit noise
+    steps: int     # timed steps per round in the step benchmark
+    role: str      # what bounds its step on a slow link: "communication", "compute" or "test"
     factory: Callable[[], nn.Module]
 
     def build(self) -> nn.Module:
@@ -105,13 +107,13 @@ def _tiny_mlp() -> nn.Module:
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", "wide MLP 1024-4096-4096-1024-16 (25.2M params), communication-bound",
                      batch_size=8, lr=0.05, classes=16, input_shape=(1024,), signal=0.3,
-                     factory=_wide_mlp),
+                     steps=5, role="communication", factory=_wide_mlp),
     "cnn": ModelSpec("cnn", "small CNN, 4 conv layers (0.24M params) on 3x32x32, compute-bound",
-                     batch_size=32, lr=0.2, classes=10, input_shape=(3, 32, 32), signal=1.0,
-                     factory=_small_cnn),
+                     batch_size=64, lr=0.2, classes=10, input_shape=(3, 32, 32), signal=1.0,
+                     steps=12, role="compute", factory=_small_cnn),
     "tiny": ModelSpec("tiny", "MLP 32-64-64-4 (6.5k params), for tests",
                       batch_size=16, lr=0.1, classes=4, input_shape=(32,), signal=0.5,
-                      factory=_tiny_mlp),
+                      steps=3, role="test", factory=_tiny_mlp),
 }
 
 

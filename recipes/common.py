@@ -99,15 +99,6 @@ def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=Non
         overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb, model=model, seed=seed)
 
 
-def quiesce(comm) -> None:
-    """Wait for the optimizer's in-flight gradient reductions (double buffering leaves one
-    running between steps) before the recipe issues its own collective on ``comm``: two
-    collectives from two threads at once would interleave on the wire."""
-    from commopt.collectives import drain
-
-    drain(comm)
-
-
 def config_label(args: argparse.Namespace) -> str:
     """A short name of the communication configuration, e.g. ``qsgd4+db``."""
     parts = [args.compression or args.allreduce_grad_dtype or "fp32"]

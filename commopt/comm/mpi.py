@@ -17,13 +17,27 @@ fp16 and bf16 sums use a user-defined reduction that adds in fp32 and rounds to 
 even once per pairwise addition: the wire still carries 16 bits. CUDA tensors are staged
 through pinned host memory unless the MPI library reports CUDA support.
 
+Large buffers between nodes: allreduce, alltoall and allgather of at least
+``pipeline_min_bytes`` bytes, on a communicator whose ranks span several nodes, run as
+pipelined point-to-point transfers of segments no larger than the transport's eager limit
+(a segmented ring reduce-scatter + allgather for allreduce; direct pairwise exchanges for
+alltoall and allgather). Open MPI's TCP transport (4.1) otherwise carries the two
+directions of a large exchange one after the other: a rendezvous handshake waits behind the
+other direction's bulk data on the same connection, so a 2-rank allreduce took twice the
+link's time (docs/benchmarks-allreduce.md). Eager-sized segments need no handshake, and
+keeping many in flight fills both directions at once. Turn it off with ``pipeline="off"``
+or ``COMMOPT_MPI_PIPELINE=off``.
+
 A Python exception that escapes on any rank aborts the whole job (MPI_Abort) after its
 traceback is printed, so the other ranks do not wait forever in a collective.
 """
 from __future__ import annotations
 
+import math
+import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -123,17 +137,256 @@ def _numpy_view(t: torch.Tensor, as_bytes: bool = False) -> np.ndarray:
     return flat.numpy()
 
 
+# -- pipelined transfers for large buffers between nodes --------------------------------------
+PIPELINE_ENV = "COMMOPT_MPI_PIPELINE"                  # auto (default), on, off
+SEGMENT_ENV = "COMMOPT_MPI_SEGMENT_BYTES"              # default: from the eager limit
+PIPELINE_MIN_ENV = "COMMOPT_MPI_PIPELINE_MIN_BYTES"    # default: DEFAULT_PIPELINE_MIN_BYTES
+#: Open MPI's TCP eager limit (bytes, header included) when nothing else says otherwise.
+OMPI_TCP_EAGER_DEFAULT = 64 * 1024
+#: Below this a buffer goes to MPI's own collective: few segments, nothing to pipeline.
+DEFAULT_PIPELINE_MIN_BYTES = 256 * 1024
+_HEADER_SLACK = 1024  # room for the PML/BTL headers, which count against the eager limit
+# Tag bases: each pipelined operation uses its own range of point-to-point tags (MPI keeps
+# them apart from the collectives' traffic on the same communicator).
+_TAG_ALLTOALL, _TAG_ALLGATHER, _TAG_RING = 1, 2, 16  # the ring uses _TAG_RING + step
+_PIPELINE_MODES = {"auto": "auto", "on": "on", "1": "on", "true": "on", "yes": "on",
+                   "off": "off", "0": "off", "false": "off", "no": "off"}
+
+
+def _parse_bytes(text, what: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, KeyError):
+        value = -1
+    if value < 0:
+        raise ValueError(f"{what}={text!r}: give a number of bytes, e.g. 65536, 60K or 1M")
+    return value
+
+
+def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
+                      environ=None) -> tuple[str, int, int]:
+    """(mode, segment bytes, smallest pipelined buffer) from the options, else the environment.
+
+        >>> pipeline_settings("on", "1M", 0, environ={})
+        ('on', 1048576, 0)
+        >>> pipeline_settings(environ={"COMMOPT_MPI_PIPELINE": "off"})[0]
+        'off'
+    """
+    environ = os.environ if environ is None else environ
+    if pipeline is None:
+        pipeline = environ.get(PIPELINE_ENV, "auto")
+    if isinstance(pipeline, bool):
+        pipeline = "on" if pipeline else "off"
+    mode = _PIPELINE_MODES.get(str(pipeline).strip().lower())
+    if mode is None:
+        raise ValueError(f"pipeline={pipeline!r}: use 'auto', 'on' or 'off' (option or "
+                         f"{PIPELINE_ENV})")
+    if segment_bytes is None:
+        segment_bytes = environ.get(SEGMENT_ENV) or default_segment_bytes(environ)
+    if min_bytes is None:
+        min_bytes = environ.get(PIPELINE_MIN_ENV) or DEFAULT_PIPELINE_MIN_BYTES
+    seg = _parse_bytes(segment_bytes, "segment_bytes")
+    if seg < 8:
+        raise ValueError(f"segment_bytes={segment_bytes!r} is too small: give at least 8 bytes "
+                         f"(just under the transport's eager limit is best, e.g. 60K)")
+    return mode, seg, _parse_bytes(min_bytes, "pipeline_min_bytes")
+
+
+def pipeline_chosen(mode: str, nbytes: int, *, size: int, inter_size: int, min_bytes: int) -> bool:
+    """Whether a transfer of ``nbytes`` takes the pipelined path (the same answer on every rank).
+
+        >>> pipeline_chosen("auto", 64 << 20, size=2, inter_size=2, min_bytes=256 << 10)
+        True
+        >>> pipeline_chosen("auto", 64 << 20, size=2, inter_size=1, min_bytes=256 << 10)
+        False
+    """
+    if mode == "off" or size == 1 or nbytes < max(1, min_bytes):
+        return False
+    # "auto": only between nodes, where TCP carries the bytes; within a node MPI's shared
+    # memory transport has no such problem and its own collectives are faster.
+    return mode == "on" or inter_size > 1
+
+
+def default_segment_bytes(environ=None) -> int:
+    """Segment size for pipelined transfers: just under the TCP eager limit.
+
+    mpirun passes ``--mca btl_tcp_eager_limit`` to the ranks as
+    ``OMPI_MCA_btl_tcp_eager_limit`` (``commopt launch`` sets 1 MiB); without it, Open MPI's
+    default (64 KiB) applies.
+
+        >>> default_segment_bytes({})
+        61440
+        >>> default_segment_bytes({"OMPI_MCA_btl_tcp_eager_limit": "1048576"})
+        1044480
+    """
+    environ = os.environ if environ is None else environ
+    limit = environ.get("OMPI_MCA_btl_tcp_eager_limit")
+    limit = _parse_bytes(limit, "OMPI_MCA_btl_tcp_eager_limit") if limit else OMPI_TCP_EAGER_DEFAULT
+    return max(4096, (limit - _HEADER_SLACK) // 4096 * 4096)
+
+
+#: How long a pipelined transfer sleeps between polls of a request it waits on. Waiting in
+#: MPI_Wait spins a core; on a busy host a spinning rank loses its turn, and while it spins
+#: it takes the core from the training thread it should overlap with. The kernel's socket
+#: buffers (megabytes, tens of ms at 1 Gbit/s) keep the link busy across a short sleep.
+_POLL_SLEEP_S = float(os.environ.get("COMMOPT_MPI_POLL_SLEEP_US", "200")) * 1e-6
+
+
+def _wait(req) -> None:
+    """Complete ``req``, polling with short sleeps instead of spinning in MPI_Wait."""
+    if _POLL_SLEEP_S <= 0:
+        req.Wait()
+        return
+    while not req.Test():
+        time.sleep(_POLL_SLEEP_S)
+
+
+def _block_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive blocks of equal length; the trailing ones may be shorter or empty."""
+    step = math.ceil(numel / parts)
+    return [(min(i * step, numel), min((i + 1) * step, numel)) for i in range(parts)]
+
+
+def _segments(lo: int, hi: int, seg: int):
+    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
+
+
+def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
+                   scratch: torch.Tensor | None = None) -> None:
+    """Sum the contiguous CPU tensor ``buf`` over ``mpi_comm`` in place: segmented ring.
+
+    Reduce-scatter then allgather around the ring (rank r sends to r+1), 2(n-1) steps, each
+    moving one block of numel/n elements, cut into segments of ``seg_elems``. Every segment of
+    a step is posted at once (Isend/Irecv), and segment k moves on to the next step as soon
+    as it has arrived and been added, while later segments are still on the wire: reduction
+    overlaps transfer and both directions of every link stay busy. Each block is summed once,
+    by its owner, in ring order, and then copied to everyone: the result is bit-identical on
+    every rank. ``scratch``: a uint8 CPU tensor of at least numel/n elements' bytes to hold
+    incoming partial sums (allocated here if None).
+    """
+    n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    if n == 1 or buf.numel() == 0:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    arr = _numpy_view(buf)
+    blocks = _block_bounds(buf.numel(), n)
+    block_len = blocks[0][1] - blocks[0][0]
+    nbytes = block_len * buf.element_size()
+    if scratch is None or scratch.numel() < nbytes:
+        scratch = torch.empty(nbytes, dtype=torch.uint8)
+    tmp = scratch[:nbytes].view(buf.dtype)  # incoming partial sums, one block
+    tmp_arr = _numpy_view(tmp)
+    steps = 2 * (n - 1)
+
+    def blocks_of(t: int) -> tuple[int, int]:
+        # Reduce-scatter step t sends block r-t-1 (summed at step t-1) and receives block
+        # r-t-2; after n-1 steps rank r owns the full sum of block r. Allgather step s sends
+        # block r-s and receives block r-s-1.
+        if t < n - 1:
+            return (r - t - 1) % n, (r - t - 2) % n
+        s = t - (n - 1)
+        return (r - s) % n, (r - s - 1) % n
+
+    plan = []  # per step: (send segments, recv segments, recv block's start)
+    for t in range(steps):
+        sb, rb = blocks_of(t)
+        plan.append((_segments(*blocks[sb], seg_elems), _segments(*blocks[rb], seg_elems),
+                     blocks[rb][0]))
+    pending: list[dict[int, tuple]] = [dict() for _ in range(steps)]
+
+    def post(t: int, k: int) -> None:
+        sends, recvs, start = plan[t]
+        rreq = None
+        if k < len(recvs):
+            lo, hi = recvs[k]
+            if t < n - 1:  # partial sums land aside, then get added
+                rreq = mpi_comm.Irecv(tmp_arr[lo - start: hi - start], left, _TAG_RING + t)
+            else:          # finished sums land in place
+                rreq = mpi_comm.Irecv(arr[lo:hi], left, _TAG_RING + t)
+        sreq = None
+        if k < len(sends):
+            lo, hi = sends[k]
+            sreq = mpi_comm.Isend(arr[lo:hi], right, _TAG_RING + t)
+        pending[t][k] = (rreq, sreq)
+
+    width = max(max(len(sends), len(recvs)) for sends, recvs, _ in plan)
+    for k in range(width):
+        post(0, k)
+    for t in range(steps):
+        _, recvs, start = plan[t]
+        for k in range(width):
+            rreq, sreq = pending[t].pop(k)
+            if rreq is not None:
+                _wait(rreq)
+                if t < n - 1:
+                    lo, hi = recvs[k]
+                    buf[lo:hi].add_(tmp[lo - start: hi - start])
+            if sreq is not None:
+                # The next step may receive into the memory this segment was sent from.
+                _wait(sreq)
+            if t + 1 < steps:
+                post(t + 1, k)
+
+
+def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
+    """MPI_Alltoall of equal byte chunks as segmented Isend/Irecv to and from every peer."""
+    n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    chunk = send.size // n
+    recv[r * chunk:(r + 1) * chunk] = send[r * chunk:(r + 1) * chunk]
+    reqs = []
+    for i in range(1, n):
+        src = (r - i) % n
+        for lo, hi in _segments(src * chunk, (src + 1) * chunk, seg_bytes):
+            reqs.append(mpi_comm.Irecv(recv[lo:hi], src, _TAG_ALLTOALL))
+    for i in range(1, n):
+        dst = (r + i) % n
+        for lo, hi in _segments(dst * chunk, (dst + 1) * chunk, seg_bytes):
+            reqs.append(mpi_comm.Isend(send[lo:hi], dst, _TAG_ALLTOALL))
+    for req in reqs:  # receives first, in the order they arrive
+        _wait(req)
+
+
+def direct_allgather(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
+    """MPI_Allgather as segmented Isend/Irecv of this rank's bytes to and from every peer."""
+    n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    chunk = send.size
+    recv[r * chunk:(r + 1) * chunk] = send
+    reqs = []
+    for i in range(1, n):
+        src = (r - i) % n
+        for lo, hi in _segments(src * chunk, (src + 1) * chunk, seg_bytes):
+            reqs.append(mpi_comm.Irecv(recv[lo:hi], src, _TAG_ALLGATHER))
+    for i in range(1, n):
+        dst = (r + i) % n
+        for lo, hi in _segments(0, chunk, seg_bytes):
+            reqs.append(mpi_comm.Isend(send[lo:hi], dst, _TAG_ALLGATHER))
+    for req in reqs:
+        _wait(req)
+
+
 class MPICommunicator(Communicator):
     """Communicator over an mpi4py communicator (a duplicate of COMM_WORLD by default).
 
     Options: ``mpi_comm`` (an mpi4py communicator to duplicate), ``cuda_aware`` (force
-    the CUDA-aware path on or off; by default asked from the MPI library).
+    the CUDA-aware path on or off; by default asked from the MPI library), ``pipeline``
+    (``"auto"``: pipelined segment transfers for buffers of at least ``pipeline_min_bytes``
+    when the ranks span several nodes; ``"on"``: for every buffer of at least that size;
+    ``"off"``: always MPI's own collectives), ``segment_bytes`` (default: just under the
+    TCP eager limit), ``pipeline_min_bytes``. Environment: COMMOPT_MPI_PIPELINE,
+    COMMOPT_MPI_SEGMENT_BYTES, COMMOPT_MPI_PIPELINE_MIN_BYTES (the options win). Every rank
+    must use the same settings; the constructor checks.
+
+        >>> comm = MPICommunicator(pipeline="off")          # doctest: +SKIP
     """
 
     name = "mpi"
 
     def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, mpi_comm=None,
-                 cuda_aware: bool | None = None, _dup: bool = True):
+                 cuda_aware: bool | None = None, pipeline: str | bool | None = None,
+                 segment_bytes: int | str | None = None,
+                 pipeline_min_bytes: int | str | None = None, _dup: bool = True):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -145,10 +398,31 @@ class MPICommunicator(Communicator):
             query = getattr(MPI, "Query_cuda_support", None)
             cuda_aware = bool(query()) if query is not None else False
         self.cuda_aware = cuda_aware
+        self.pipeline, self.segment_bytes, self.pipeline_min_bytes = pipeline_settings(
+            pipeline, segment_bytes, pipeline_min_bytes)
+        self._scratch_buf: torch.Tensor | None = None
         self._thread_prefix = f"commopt-mpi-{id(self):x}"
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_prefix)
         self._lock = threading.Lock()
         self._init_topology()
+        settings = (self.pipeline, self.segment_bytes, self.pipeline_min_bytes)
+        everyone = self.allgather_obj(settings) if self.size > 1 else [settings]
+        if any(x != settings for x in everyone):
+            raise ValueError(
+                f"rank {self.rank}: the ranks disagree on the MPI pipeline settings "
+                f"(pipeline, segment_bytes, pipeline_min_bytes): {everyone}. Give every rank "
+                f"the same {PIPELINE_ENV}, {SEGMENT_ENV}, {PIPELINE_MIN_ENV} and eager limit.")
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A reusable byte buffer for the worker thread (fresh pages cost a fault each)."""
+        if self._scratch_buf is None or self._scratch_buf.numel() < nbytes:
+            self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch_buf
+
+    def _pipelined(self, nbytes: int) -> bool:
+        """Whether a transfer of ``nbytes`` (the same on every rank) takes the pipelined path."""
+        return pipeline_chosen(self.pipeline, nbytes, size=self.size, inter_size=self.inter_size,
+                               min_bytes=self.pipeline_min_bytes)
 
     # -- running on the worker -------------------------------------------------------
     def _submit(self, fn: Callable[[], Any], finalize: Callable[[], None] | None = None) -> FutureWork:
@@ -184,10 +458,18 @@ class MPICommunicator(Communicator):
         ready = self._cuda_ready(buf)
         op = _user_op(buf.dtype) if buf.dtype in (torch.float16, torch.bfloat16) else MPI.SUM
 
+        pipelined = self._pipelined(buf.numel() * buf.element_size())
+        seg_elems = max(1, self.segment_bytes // buf.element_size())
+
         def run():
             ready()
             host, back = self._host(buf, fill=True)
-            self.mpi_comm.Allreduce(MPI.IN_PLACE, [_numpy_view(host), _mpi_type(buf.dtype)], op=op)
+            if pipelined:
+                block = math.ceil(host.numel() / self.size) * host.element_size()
+                ring_allreduce(self.mpi_comm, host.reshape(-1), seg_elems, self._scratch(block))
+            else:
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, [_numpy_view(host), _mpi_type(buf.dtype)],
+                                        op=op)
             if back:
                 back()
 
@@ -195,12 +477,17 @@ class MPICommunicator(Communicator):
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         ready = self._cuda_ready(send)
+        pipelined = self._pipelined(send.numel() * send.element_size())
 
         def run():
             ready()
             s, _ = self._host(send, fill=True)
             r, back = self._host(recv, fill=False)
-            self.mpi_comm.Alltoall(_numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True))
+            sv, rv = _numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True)
+            if pipelined:
+                pairwise_alltoall(self.mpi_comm, sv, rv, self.segment_bytes)
+            else:
+                self.mpi_comm.Alltoall(sv, rv)
             if back:
                 back()
 
@@ -208,12 +495,17 @@ class MPICommunicator(Communicator):
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         ready = self._cuda_ready(send)
+        pipelined = self._pipelined(recv.numel() * recv.element_size())
 
         def run():
             ready()
             s, _ = self._host(send, fill=True)
             r, back = self._host(recv, fill=False)
-            self.mpi_comm.Allgather(_numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True))
+            sv, rv = _numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True)
+            if pipelined:
+                direct_allgather(self.mpi_comm, sv, rv, self.segment_bytes)
+            else:
+                self.mpi_comm.Allgather(sv, rv)
             if back:
                 back()
 
@@ -243,7 +535,9 @@ class MPICommunicator(Communicator):
     def _split(self, color: int, key: int) -> "MPICommunicator":
         sub = self._call(lambda: self.mpi_comm.Split(color, key))
         return MPICommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, mpi_comm=sub,
-                               cuda_aware=self.cuda_aware, _dup=False)
+                               cuda_aware=self.cuda_aware, pipeline=self.pipeline,
+                               segment_bytes=self.segment_bytes,
+                               pipeline_min_bytes=self.pipeline_min_bytes, _dup=False)
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
         # fp16/bf16 sums are correct but run a Python reduction: better done in fp32 by

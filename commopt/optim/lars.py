@@ -28,6 +28,8 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
 """
 from __future__ import annotations
 
+import sys
+import types
 from collections import OrderedDict
 from typing import Callable, Iterable
 
@@ -311,3 +313,15 @@ def lars(optimizer: Optimizer, trust_coefficient: float = 0.001, clip: bool = Fa
         >>> opt.step()
     """
     return LayerwiseAdaptation(optimizer, trust_coefficient, clip, eps, exclude)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this submodule binds the name ``lars`` on ``commopt.optim`` to the module,
+    which hides the function of the same name; a callable module makes
+    ``from commopt.optim import lars; lars(opt, 0.001)`` work whichever one a caller gets."""
+
+    def __call__(self, *args, **kwargs):
+        return lars(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

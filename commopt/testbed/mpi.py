@@ -37,6 +37,40 @@ def _common_flags(nprocs: int, *, is_root: bool, ncpus: int) -> list[str]:
     return flags
 
 
+#: Open MPI's TCP eager limit commopt launch passes (bytes, header included): messages up to
+#: about 1 MiB go without a rendezvous handshake. Open MPI 4.1's TCP transport queues a
+#: handshake reply behind any bulk data already on the same connection, so when both ends of
+#: a link send large messages at once (every 2-rank allreduce, alltoall, allgather), one
+#: direction waits for the other and the exchange takes twice the link's time. Messages
+#: under the eager limit need no reply; the mpi communicator cuts large transfers into
+#: segments just under it (commopt/comm/mpi.py, docs/benchmarks-allreduce.md). The default
+#: 64 KiB also works, with 16x more segments and more per-segment overhead.
+TCP_EAGER_LIMIT = 1 << 20
+
+
+def tcp_mca_defaults(environ=None) -> dict[str, str]:
+    """MCA settings for Open MPI's TCP transport, unless the environment chooses its own.
+
+        >>> tcp_mca_defaults({})
+        {'btl_tcp_eager_limit': '1048576', 'btl_tcp_rndv_eager_limit': '1048576'}
+        >>> tcp_mca_defaults({"OMPI_MCA_btl_tcp_eager_limit": "65536"})
+        {}
+    """
+    environ = os.environ if environ is None else environ
+    names = ("btl_tcp_eager_limit", "btl_tcp_rndv_eager_limit")
+    # Both or neither: the rendezvous limit must not exceed the eager limit.
+    if any(f"OMPI_MCA_{name}" in environ for name in names):
+        return {}
+    return {name: str(TCP_EAGER_LIMIT) for name in names}
+
+
+def _mca_flags(settings: dict[str, str]) -> list[str]:
+    flags: list[str] = []
+    for key, value in settings.items():
+        flags += ["--mca", key, value]
+    return flags
+
+
 def _loopback_only() -> list[str]:
     # Every rank is on this machine: its TCP traffic, if any, belongs on loopback.
     return ["--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
@@ -52,7 +86,8 @@ def mpirun_local_argv(nprocs: int, command: list[str], *, ranks_per_node: int | 
     """
     is_root = os.geteuid() == 0 if is_root is None else is_root
     ncpus = (os.cpu_count() or 1) if ncpus is None else ncpus
-    flags = _common_flags(nprocs, is_root=is_root, ncpus=ncpus) + _loopback_only()
+    flags = (_common_flags(nprocs, is_root=is_root, ncpus=ncpus) + _loopback_only()
+             + _mca_flags(tcp_mca_defaults()))
     if ranks_per_node is None or ranks_per_node >= nprocs:
         return ["mpirun", "-n", str(nprocs), *flags, *command]
     contexts: list[str] = []
@@ -86,11 +121,10 @@ def mpirun_cluster_argv(cluster: EmulatedCluster, nprocs: int, ranks_per_host: i
         "btl": "self,vader,tcp",
         "btl_tcp_if_include": cluster.data_cidr,
         "osc": "^ucx",
+        **tcp_mca_defaults(),
     }
     argv = [mpirun_path(), "-n", str(nprocs), "--hostfile", str(hostfile), "--map-by", "slot",
-            *flags]
-    for key, value in mca.items():
-        argv += ["--mca", key, value]
+            *flags, *_mca_flags(mca)]
     for var, value in cluster_env(cluster).items():
         argv += ["-x", f"{var}={value}"]
     return argv + list(command)

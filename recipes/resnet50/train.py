@@ -39,7 +39,6 @@ from recipes.common import (
     launch_info,
     multi_node_optimizer,
     pick_device,
-    quiesce,
     state_digest,
 )
 from recipes.resnet50.data import DataError, EpochBatches, eval_shard, make_datasets, make_loader
@@ -262,7 +261,6 @@ def check_world(cfg: Config, world_size: int) -> None:
 def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, cfg: Config) -> Path:
     step_dir = directory / f"step-{position['global_step']:08d}"
     optimizer_state = opt.state_dict()  # a collective call: every rank, same order
-    quiesce(comm)
     if comm.rank == 0:
         step_dir.mkdir(parents=True, exist_ok=True)
         atomic_save({
@@ -327,7 +325,6 @@ def average_bn_statistics(model, comm) -> None:
     bufs = [b for name, b in model.named_buffers() if b.is_floating_point()]
     if comm.size == 1 or not bufs:
         return
-    quiesce(comm)
     flat = torch.cat([b.reshape(-1).float() for b in bufs])
     comm.allreduce(flat)
     flat /= comm.size
@@ -353,7 +350,6 @@ def evaluate(model, dataset, cfg: Config, comm, device, amp: bool) -> dict:
         totals[0] += criterion(out.float(), y).double()
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += y.numel()
-    quiesce(comm)
     comm.allreduce(totals)
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -487,7 +483,6 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             epoch_done = position["step_in_epoch"] >= steps_per_epoch[epoch]
             stop = step >= total_steps
             if step % cfg.log_every == 0 or epoch_done or stop:
-                quiesce(comm)
                 comm.allreduce(metrics)  # the one host synchronisation of a log interval
                 loss_sum, correct, count = metrics.tolist()
                 now = time.perf_counter()

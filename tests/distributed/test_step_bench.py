@@ -1,9 +1,11 @@
-"""`commopt bench step` end to end: real 2-rank jobs (DDP and commopt), one after the other.
+"""`commopt bench step` end to end: real 2-rank jobs running DDP and commopt in turn.
 
 A short run on plain loopback (the emulated link needs root and is exercised by the
-benchmark itself): the 1-rank baseline, DDP fp32 and commopt 4-bit QSGD with error feedback
-and double buffering on a tiny model. Checks the table's figures come from real timings
-(positive, consistent with one another) and that the ranks ended with the same parameters.
+benchmark itself) on a tiny model: each rank alone (``single``), DDP fp32, commopt fp16 and
+commopt 4-bit QSGD with error feedback and double buffering, two rounds. commopt fp16 has a
+failure injected on its last rank: the driver must report it and finish the others in a
+restarted job. Checks that the table's figures come from real timings and agree with one
+another, and that the ranks ended with the same parameters.
 """
 import importlib
 import json
@@ -16,8 +18,9 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
-ARGS = ["--models", "tiny", "--configs", "single,ddp-fp32,commopt-qsgd4+ef-db", "--no-link",
-        "--steps", "3", "--warmup", "2", "--timeout", "150"]
+CONFIGS = ["single", "ddp-fp32", "commopt-fp16", "commopt-qsgd4+ef-db"]
+ARGS = ["--models", "tiny", "--configs", ",".join(CONFIGS), "--no-link", "--rounds", "2",
+        "--steps", "3", "--warmup", "2", "--timeout", "300", "--collective-timeout", "60"]
 
 
 def _cli_has_step() -> bool:
@@ -43,27 +46,40 @@ def test_bench_step_runs_ddp_and_commopt_side_by_side(tmp_path):
         cmd = [sys.executable, "-m", "commopt", "bench", "step", *ARGS, "--json", str(out)]
     else:  # until `commopt bench step` is wired in commopt/commands/bench.py: the same code
         cmd = [sys.executable, str(REPO / "benchmarks" / "step_bench.py"), *ARGS, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(REPO))
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "plain loopback" in proc.stdout  # says what link it ran on
+    env = {**__import__("os").environ, "COMMOPT_STEP_BENCH_FAIL": "commopt-fp16"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(REPO), env=env)
+    log = f"{' '.join(cmd)}:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    # The injected failure makes the run fail, after every other configuration finished.
+    assert proc.returncode == 1, log
+    assert "failed: tiny/commopt-fp16" in proc.stderr, log
+    assert "plain loopback" in proc.stdout, log  # says what link it ran on
     report = json.loads(out.read_text())
     info = report["models"]["tiny"]
     rows = {r["config"]: r for r in info["rows"]}
-    assert list(rows) == ["single", "ddp-fp32", "commopt-qsgd4+ef-db"]
-    for name, row in rows.items():
+    assert list(rows) == CONFIGS
+    assert "failure injected into commopt-fp16" in rows["commopt-fp16"]["error"]
+    for name in ("single", "ddp-fp32", "commopt-qsgd4+ef-db"):
+        row = rows[name]
         assert row["error"] is None, (name, row["error"])
         assert row["step_s"] > 0 and row["samples_per_s"] > 0, name
         assert row["final_loss"] == row["final_loss"] and row["final_loss"] < 5, name  # finite
+        assert len(info["raw"][name]["rounds"]) == 2, name  # both rounds, across the restart
     assert rows["ddp-fp32"]["speedup"] == pytest.approx(1.0)
     assert rows["single"]["efficiency"] == pytest.approx(1.0)
     q = rows["commopt-qsgd4+ef-db"]
     assert q["speedup"] == pytest.approx(rows["ddp-fp32"]["step_s"] / q["step_s"])
     assert q["efficiency"] == pytest.approx(rows["single"]["step_s"] / q["step_s"])
-    # Both ranks trained the same parameters; they ran on their own ranks of a 2-rank job.
+    assert q["samples_per_s"] == pytest.approx(2 * 16 / q["step_s"])
+    # Both ranks trained the same parameters, each as its own rank of a 2-rank job.
     for name in ("ddp-fp32", "commopt-qsgd4+ef-db"):
         raw = info["raw"][name]
         assert raw["size"] == 2 and raw["ranks_agree"] is True, name
-        assert len(raw["step_times"]) == 3 and len(raw["losses"]) == 5, name
+        for rnd in raw["rounds"]:
+            assert len(rnd["step_times"]) == 3 and len(rnd["losses"]) == 5, name
+            assert len(rnd["rank_step_medians"]) == 2, name
+    # The same seed and data every round: DDP's training is the same each time.
+    d = info["raw"]["ddp-fp32"]["rounds"]
+    assert d[0]["losses"] == pytest.approx(d[1]["losses"], rel=1e-5)
     # 4-bit QSGD puts far fewer bytes on the wire than fp32 (wire sizes from the buckets).
     assert q["wire_bytes"] < 0.5 * rows["ddp-fp32"]["wire_bytes"]
-    assert "ddp-fp32" in proc.stdout and "speed-up" in proc.stdout
+    assert "speed-up" in proc.stdout and "restarting the job without commopt-fp16" in proc.stdout

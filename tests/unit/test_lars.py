@@ -227,3 +227,12 @@ def test_wrapper_works_with_adam_lr_scheduler_grad_scaler_and_checkpoints():
     assert len(state["state"]) == 4 and "exp_avg" in state["state"][0]
     opt.load_state_dict(state)
     assert "lars(" in repr(opt)
+
+
+def test_lars_is_callable_from_the_package():
+    import commopt.optim
+    from commopt.optim import lars as from_package
+
+    opt = from_package(torch.optim.SGD([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1), 0.01)
+    assert type(opt).__name__ == "LayerwiseAdaptation"
+    assert isinstance(commopt.optim.LARS([torch.nn.Parameter(torch.ones(2))], lr=0.1), LARS)

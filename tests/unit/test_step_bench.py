@@ -30,6 +30,7 @@ def test_allreduce_limit_is_two_n_minus_one_over_n_bytes_over_rate():
     assert sb.allreduce_limit_s(mb100, 4, 1e9) == pytest.approx(1.2)      # 2*(3/4)
     assert sb.allreduce_limit_s(mb100, 1, 1e9) == 0.0
     assert sb.allreduce_limit_s(mb100, 2, None) is None                    # loopback: no limit
+    assert sb.allreduce_limit_s(mb100, 2, sb.parse_rate("100mbit")) == pytest.approx(8.0)
 
 
 def test_parse_rate_reads_tc_units_and_refuses_nonsense():
@@ -73,66 +74,93 @@ def test_comm_wait_share_never_negative():
     assert sb.comm_wait_share(0.2, 0.25) == 0.0   # faster than the 1-rank run: no wait
 
 
-def _result(step, size=2, batch=8, loss=1.0, wire=1000):
-    return {"step_times": [step * 1.1, step, step * 0.9], "backward_times": [step / 2] * 3,
-            "size": size, "batch": batch, "eval_loss": loss, "wire_bytes": wire, "ranks_agree": True}
+def _result(step, size=2, batch=8, loss=1.0, wire=1000, compute=None):
+    """A merged result of 3 rounds whose medians are step * (0.8, 1, 1.3)."""
+    rounds = [{"step_times": [s * 1.1, s, s * 0.9], "compute_times": [compute or step] * 2,
+               "backward_times": [s / 2] * 3, "eval_loss": loss}
+              for s in (step * 0.8, step, step * 1.3)]
+    return {"rounds": rounds, "size": size, "batch": batch, "wire_bytes": wire, "ranks_agree": True}
+
+
+def test_robust_step_is_the_median_of_round_medians():
+    rounds = [{"step_times": [1.0, 9.0, 2.0]}, {"step_times": [3.0]}, {"step_times": [50.0, 60.0, 70.0]}]
+    assert sb.robust_step(rounds) == 3.0        # medians 2, 3, 60
+    assert sb.robust_step([]) is None
+
+
+def test_merge_rounds_groups_by_round_and_checks_the_ranks_agree():
+    def rec(round_, rank, checksum, kind="commopt"):
+        return {"config": "c", "kind": kind, "round": round_, "rank": rank, "size": 2, "batch": 8,
+                "step_times": [0.1 * (round_ + 1) + 0.01 * rank], "backward_times": [0.05],
+                "compute_times": [0.04, 0.06],
+                "losses": [2.0], "eval_loss": 1.5 + round_, "checksum": checksum,
+                "wire_bytes": 10, "params": 5}
+    merged = sb.merge_rounds([rec(0, 0, 1.0), rec(0, 1, 1.0), rec(1, 1, 2.0), rec(1, 0, 2.0)])
+    assert [r["step_times"] for r in merged["rounds"]] == [[0.1], [0.2]]   # rank 0's, by round
+    assert merged["rounds"][1]["rank_step_medians"] == pytest.approx([0.2, 0.21])
+    assert merged["ranks_agree"] is True and merged["wire_bytes"] == 10
+    assert merged["rounds"][0]["compute_times"] == [0.04, 0.06]
+    assert sb.merge_rounds([rec(0, 0, 1.0), rec(0, 1, 1.5)])["ranks_agree"] is False
 
 
 def test_summarize_derives_every_column_side_by_side():
     results = {
-        "single": _result(0.1, size=1, wire=0),
-        "ddp-fp32": _result(1.0, wire=100_000_000),
-        "commopt-qsgd4-db": _result(0.2, wire=13_000_000),
+        "ddp-fp32": _result(1.0, wire=100_000_000, compute=0.1),
+        "commopt-qsgd4-db": _result(0.2, wire=13_000_000, compute=0.1),
         "ddp-fp16": {"error": "exit code 1; log x\nboom"},
     }
     rows = {r.config: r for r in sb.summarize(results, n=2, rate_bits=1e9)}
     q = rows["commopt-qsgd4-db"]
-    assert q.step_s == pytest.approx(0.2)                     # the median
+    assert q.step_s == pytest.approx(0.2)                     # the median of round medians
+    assert q.compute_s == pytest.approx(0.1)
     assert q.samples_per_s == pytest.approx(2 * 8 / 0.2)
     assert q.speedup == pytest.approx(5.0)
-    assert q.efficiency == pytest.approx(0.5)
+    assert q.efficiency == pytest.approx(0.5)                 # its own compute time / its step
     assert q.comm_wait == pytest.approx(0.5)
     assert q.limit_s == pytest.approx(0.104)
     assert rows["ddp-fp32"].speedup == pytest.approx(1.0)
     assert rows["ddp-fp32"].limit_s == pytest.approx(0.8)
-    assert rows["single"].limit_s is None and rows["single"].efficiency == pytest.approx(1.0)
+    assert rows["ddp-fp32"].efficiency == pytest.approx(0.1)
     assert rows["ddp-fp16"].error.startswith("exit code 1") and rows["ddp-fp16"].step_s is None
 
 
-def test_summarize_without_baselines_leaves_ratios_empty():
-    rows = sb.summarize({"commopt-fp16": _result(0.3)}, n=2, rate_bits=None)
-    assert rows[0].speedup is None and rows[0].efficiency is None and rows[0].limit_s is None
+def test_summarize_without_baseline_or_link_leaves_those_columns_empty():
+    rows = sb.summarize({"commopt-fp16": _result(0.3, compute=0.15)}, n=2, rate_bits=None)
+    assert rows[0].speedup is None and rows[0].limit_s is None
+    assert rows[0].efficiency == pytest.approx(0.5)
 
 
 def test_targets_say_met_or_not():
-    results = {"single": _result(0.1, size=1), "ddp-fp32": _result(1.0), "ddp-powersgd1": _result(0.3),
-               "commopt-qsgd4": _result(0.2)}
+    results = {"ddp-fp32": _result(1.0), "ddp-powersgd1": _result(0.3), "commopt-qsgd4": _result(0.2)}
     lines = sb.check_targets("communication", sb.summarize(results, 2, 1e9))
     assert "5.00x faster per step than DDP fp32 (target >= 5x: met)" in lines[0]
     assert "1.50x faster than the best DDP hook (ddp-powersgd1" in lines[1] and "met" in lines[1]
     results["ddp-powersgd1"] = _result(0.25)
     lines = sb.check_targets("communication", sb.summarize(results, 2, 1e9))
     assert "NOT met" in lines[1]
-    lines = sb.check_targets("compute", sb.summarize({"single": _result(0.1, size=1),
-                                                      "commopt-fp32": _result(0.105)}, 2, 1e9))
-    assert "95%" in lines[0] and "(target >= 90%: met)" in lines[0]
+    lines = sb.check_targets("compute", sb.summarize({"commopt-fp32": _result(0.105, compute=0.1),
+                                                      "commopt-fp32-db": _result(0.2, compute=0.1)},
+                                                     2, 1e9))
+    assert "95%" in lines[0] and "commopt-fp32)" in lines[0] and "(target >= 90%: met)" in lines[0]
+    lines = sb.check_targets("compute", sb.summarize({"commopt-fp32": _result(0.2, compute=0.1)}, 2, 1e9))
+    assert "50%" in lines[0] and "NOT met" in lines[0]
 
 
 def test_tables_have_one_line_per_configuration():
-    results = {"single": _result(0.1, size=1), "ddp-fp32": _result(1.0, wire=100_000_000),
+    results = {"ddp-fp32": _result(1.0, wire=100_000_000, compute=0.1),
                "commopt-qsgd4": {"error": "timed out; log x"}}
     rows = sb.summarize(results, 2, 1e9)
     text = sb.format_table(rows).splitlines()
-    assert len(text) == 2 + 3 and text[0].startswith("configuration")
+    assert len(text) == 2 + 2 and text[0].startswith("configuration")
     assert "failed: timed out" in text[-1]
     md = sb.markdown_table(rows).splitlines()
-    assert len(md) == 2 + 3 and all(line.count("|") == len(sb.TABLE_COLUMNS) + 1 for line in md)
-    assert "| ddp-fp32 | 1000 | 800 | 500 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
+    assert len(md) == 2 + 2 and all(line.count("|") == len(sb.TABLE_COLUMNS) + 1 for line in md)
+    assert "| ddp-fp32 | 1000 | 100 | 800 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
 
 
 def test_configs_cover_the_issue():
     names = set(sb.CONFIGS)
-    assert {"single", "ddp-fp32", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"} <= names
+    assert {"ddp-fp32", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"} <= names
     for wire in ("fp32", "fp16", "qsgd4", "qsgd4+ef"):
         assert f"commopt-{wire}" in names and f"commopt-{wire}-db" in names
     assert set(sb.DEMO_CONFIGS) <= names
@@ -161,16 +189,18 @@ def test_plan_link_without_link_is_loopback_and_says_so():
 
 def test_markdown_report_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    results = {"single": _result(0.1, size=1), "ddp-fp32": _result(1.0), "commopt-fp16-db": _result(0.5)}
+    results = {"ddp-fp32": _result(1.0, compute=0.4), "commopt-fp16-db": _result(0.5, compute=0.4)}
     rows = sb.summarize(results, 2, 1e9)
     report = {"command": "commopt bench step --models mlp", "link": "emulated 1gbit", "nprocs": 2,
               "threads_per_rank": 1, "machine": "cpu", "torch": "x", "load_average_start": 1.0,
-              "load_average_end": 2.0, "date": "today", "warmup": 3, "steps": 10,
+              "load_average_end": 2.0, "date": "today", "warmup": 3, "rounds": 3,
               "models": {"mlp": {"description": "wide MLP", "params": 25_000_000, "batch_per_rank": 8,
+                                 "steps": 5,
                                  "fp32_allreduce_limit_s": 0.8, "rows": [vars(r) for r in rows],
                                  "targets": sb.check_targets("communication", rows)}}}
     md = sb.markdown_report(json.loads(json.dumps(report)))
     assert "Command: `commopt bench step --models mlp`" in md and "needs 800 ms" in md
+    assert "3 round(s), each 3 warm-up and 5 timed steps" in md
     png = tmp_path / "steps.png"
     sb.plot_step_times(report, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

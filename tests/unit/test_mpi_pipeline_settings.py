@@ -1,0 +1,60 @@
+"""Choosing and sizing the mpi communicator's pipelined transfers (no MPI started here)."""
+import pytest
+
+pytest.importorskip("mpi4py")
+
+from commopt.comm.mpi import (  # noqa: E402
+    DEFAULT_PIPELINE_MIN_BYTES, _block_bounds, _segments, default_segment_bytes,
+    pipeline_chosen, pipeline_settings,
+)
+from commopt.testbed.mpi import TCP_EAGER_LIMIT, mpirun_local_argv, tcp_mca_defaults  # noqa: E402
+
+
+def test_segments_fit_under_the_eager_limit_mpirun_passes():
+    assert default_segment_bytes({}) == 60 * 1024  # Open MPI's default limit is 64 KiB
+    seg = default_segment_bytes({"OMPI_MCA_btl_tcp_eager_limit": str(TCP_EAGER_LIMIT)})
+    assert TCP_EAGER_LIMIT - 4096 <= seg < TCP_EAGER_LIMIT and seg % 4096 == 0
+    with pytest.raises(ValueError, match="number of bytes"):
+        default_segment_bytes({"OMPI_MCA_btl_tcp_eager_limit": "lots"})
+
+
+def test_settings_from_options_then_environment():
+    env = {"COMMOPT_MPI_PIPELINE": "0", "COMMOPT_MPI_SEGMENT_BYTES": "128K",
+           "COMMOPT_MPI_PIPELINE_MIN_BYTES": "2M"}
+    assert pipeline_settings(environ=env) == ("off", 128 * 1024, 2 << 20)
+    assert pipeline_settings(True, 4096, 0, environ=env) == ("on", 4096, 0)
+    assert pipeline_settings(environ={})[0] == "auto"
+    assert pipeline_settings(environ={})[2] == DEFAULT_PIPELINE_MIN_BYTES
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        pipeline_settings("sometimes", environ={})
+    with pytest.raises(ValueError, match="too small"):
+        pipeline_settings("on", 4, environ={})
+
+
+def test_auto_pipelines_large_buffers_between_nodes_only():
+    big, small = 64 << 20, 1024
+    kw = dict(min_bytes=256 << 10)
+    assert pipeline_chosen("auto", big, size=2, inter_size=2, **kw)
+    assert not pipeline_chosen("auto", big, size=2, inter_size=1, **kw)   # one node
+    assert not pipeline_chosen("auto", small, size=2, inter_size=2, **kw)  # below the minimum
+    assert pipeline_chosen("on", big, size=2, inter_size=1, **kw)
+    assert not pipeline_chosen("off", big, size=2, inter_size=2, **kw)
+    assert not pipeline_chosen("on", big, size=1, inter_size=1, **kw)     # a world of one
+
+
+def test_blocks_and_segments_cover_every_element_once():
+    for numel, parts, seg in ((10, 3, 2), (1, 4, 5), (1031, 4, 7), (8, 2, 8)):
+        covered = [i for lo, hi in _block_bounds(numel, parts) for a, b in _segments(lo, hi, seg)
+                   for i in range(a, b)]
+        assert covered == list(range(numel))
+        assert all(b - a <= seg for lo, hi in _block_bounds(numel, parts)
+                   for a, b in _segments(lo, hi, seg))
+
+
+def test_launch_passes_the_eager_limit_unless_the_environment_sets_one():
+    argv = mpirun_local_argv(2, ["python", "t.py"], is_root=False, ncpus=2)
+    i = argv.index("btl_tcp_eager_limit")
+    assert argv[i + 1] == str(TCP_EAGER_LIMIT)
+    j = argv.index("btl_tcp_rndv_eager_limit")
+    assert argv[j + 1] == str(TCP_EAGER_LIMIT)
+    assert tcp_mca_defaults({"OMPI_MCA_btl_tcp_rndv_eager_limit": "4096"}) == {}
