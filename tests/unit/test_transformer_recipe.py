@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from recipes.transformer.model import (Transformer, architecture,  # noqa: E402
                                        label_smoothed_nll_loss)
 from recipes.transformer.options import parse_args  # noqa: E402
 from recipes.transformer.schedule import inverse_sqrt_lr  # noqa: E402
-from recipes.transformer.smoke_corpus import generate_corpus_lines, sentence_pair, write_smoke_corpus  # noqa: E402
+from recipes.transformer.smoke_corpus import generate_corpus_lines, write_smoke_corpus  # noqa: E402
 from recipes.transformer.tokenizer import EOS, PAD, PretokenizedTokenizer, SentencePieceTokenizer  # noqa: E402
 
 
