@@ -50,7 +50,7 @@ PRESETS: dict[str, Preset] = {
             name="smoke",
             description="synthetic 10-class 32x32 images, a few minutes on 2 CPU cores",
             data="synthetic", image_size=32, num_classes=10, global_batch=32, epochs=3,
-            optimizer="sgd", lr=0.1, weight_decay=5e-5, warmup_epochs=1,
+            optimizer="sgd", lr=0.025, weight_decay=5e-5, warmup_epochs=1,
             milestones=((2, 0.2),), synthetic_train_size=1024, synthetic_val_size=256,
             log_every=4,
         ),
