@@ -136,13 +136,13 @@ def validate(args: argparse.Namespace, *, given: set[str], world_size: int | Non
     if args.arch not in ARCHITECTURES:
         raise ValueError(f"unknown --arch {args.arch!r}; choose one of: {', '.join(ARCHITECTURES)}")
     if args.data is None:
-        raise ValueError(f"the {args.preset} preset needs --data DIR (see docs/recipes-transformer.md "
+        raise ValueError(f"the {args.preset} preset needs --data DIR (see docs/recipes.md "
                          f"for preparing it)")
     if not os.path.isdir(args.data) and ("data" in given or not args.generate_smoke_corpus):
         hint = ("leave --data out to let the smoke preset generate its corpus, or run "
                 f"`python -m recipes.transformer.smoke_corpus {args.data}`"
                 if args.generate_smoke_corpus else
-                "see docs/recipes-transformer.md for downloading and preparing it")
+                "see docs/recipes.md for downloading and preparing it")
         raise ValueError(f"data folder {args.data!r} does not exist; {hint}")
     if "batch_size" in given and "max_tokens" in given:
         raise ValueError("give --max-tokens or --batch-size, not both")

@@ -40,7 +40,7 @@ PRESETS: dict[str, dict] = {
     },
     "wmt16-en-de": {
         **COMMON,
-        "data": None,  # required: see docs/recipes-transformer.md for preparing it
+        "data": None,  # required: see docs/recipes.md for preparing it
         "generate_smoke_corpus": False,
         "arch": "transformer_vaswani_wmt_en_de_big", "vocab_size": 32000,
         "max_tokens": 3584, "max_positions": 1024,

@@ -1,7 +1,7 @@
 """Accuracy parity on load_digits (real data), short: 2 ranks, one seed, a looser bound.
 
 The full benchmark (3 seeds, 1 point) is `recipes/digits_parity.py`; its results are in
-docs/recipes-resnet50.md."""
+docs/recipes.md."""
 from __future__ import annotations
 
 import json
