@@ -83,7 +83,7 @@ def run_mpi(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = 
             "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
             "--mca", "oob_tcp_if_include", "lo", "--bind-to", "none",
             # Ranks outnumber cores: busy-polling ranks would starve each other.
-            "--mca", "mpi_yield_when_idle", "1",
+            *(() if "mpi_yield_when_idle" in mpirun_args else ("--mca", "mpi_yield_when_idle", "1")),
             "--output-filename", str(outdir), *mpirun_args, PYTHON, str(script), *args,
         ]
         proc = subprocess.Popen(cmd, env=_base_env(env), stdout=subprocess.PIPE,
