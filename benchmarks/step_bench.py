@@ -15,24 +15,27 @@ over rounds of a round's median step. A job that fails (a configuration that cra
 hangs past ``--collective-timeout``) is restarted without that configuration.
 
 Compute-only time is measured beside every configuration: each rank also trains a twin
-of the model with the plain optimizer and no communication, every rank at once, for half
-the timed steps just before the distributed steps and half just after. That is one rank's
-throughput alone, at the same moment and under the same sharing of this machine's cores as
-the distributed steps (the emulated hosts share the real CPUs, and other jobs' load comes
-and goes), so efficiency and comm wait are paired measurements.
+of the model with the plain optimizer and no communication, every rank at once, right after
+each block of ``--block`` timed distributed steps (commopt's double-buffering pipeline is
+drained by ``flush()`` before, and restarted by one untimed step after, which every
+configuration takes so that all train the same steps). That is one
+rank's throughput alone, at the same moment and under the same sharing of this machine's
+cores as the distributed steps (the emulated hosts share the real CPUs, and other jobs'
+load comes and goes), so efficiency and comm wait are paired measurements.
 
 Columns of the table (one per model):
 
-- step time: median time of a training step (forward, backward, optimizer step);
+- step time: median time of a training step (forward, backward, optimizer step), and in
+  brackets the lowest and highest of the rounds' medians: how much the load moved it;
 - compute: median time of the twin's step (the same work without communication);
 - link limit: the time the link needs for this configuration's gradient allreduce,
   2(n-1)/n x wire bytes / rate: the physical limit beside the measured time;
 - samples/s: n x per-rank batch / step time;
 - speed-up: DDP fp32's step time / this step time;
 - efficiency: e = t / (t0 n), t the samples/s of the n ranks, t0 that of one rank alone
-  (the twin): compute / step time;
-- comm wait: (step time - compute) / step time, the share of a step spent beyond compute:
-  waiting for the network and the CPU work of sending (copies, codecs);
+  (the twin): compute / step time, per block, median over blocks and rounds;
+- comm wait: 1 - efficiency, the share of a step spent beyond compute: waiting for the
+  network and the CPU work of sending (copies, codecs);
 - final loss: cross-entropy on a fixed held-out batch after the last step (first round).
 
 The JSON (``--json``) also holds every step time, the time to the end of backward (DDP waits
@@ -209,6 +212,7 @@ class Row:
     label: str
     kind: str
     step_s: float | None = None
+    step_rounds: list[float] | None = None  # each round's median step time
     compute_s: float | None = None
     samples_per_s: float | None = None
     speedup: float | None = None
@@ -241,6 +245,7 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             rows.append(row)
             continue
         row.step_s = robust_step(r["rounds"])
+        row.step_rounds = [statistics.median(rd["step_times"]) for rd in r["rounds"]]
         row.compute_s = robust_step(r["rounds"], "compute_times")
         row.backward_s = robust_step(r["rounds"], "backward_times")
         row.samples_per_s = n * r["batch"] / row.step_s
@@ -251,7 +256,11 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.speedup = base_step / row.step_s
         if row.wire_bytes is not None:
             row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
-        if row.compute_s is not None:
+        paired = [e for rd in r["rounds"] for e in (rd.get("block_efficiency") or [])]
+        if paired:  # each block against the compute-only steps right after it
+            row.efficiency = statistics.median(paired)
+            row.comm_wait = max(0.0, 1.0 - row.efficiency)
+        elif row.compute_s is not None:
             row.efficiency = efficiency(row.step_s, row.compute_s)
             row.comm_wait = comm_wait_share(row.step_s, row.compute_s)
         rows.append(row)
@@ -290,17 +299,21 @@ def _fmt(value, spec, unit=""):
     return "-" if value is None else format(value, spec) + unit
 
 
-TABLE_COLUMNS = ("configuration", "step ms", "compute ms", "link limit ms", "samples/s",
+TABLE_COLUMNS = ("configuration", "step ms (rounds)", "compute ms", "link limit ms", "samples/s",
                  "speed-up", "efficiency", "comm wait", "final loss")
 
 
 def table_cells(row: Row) -> list[str]:
     if row.error:
-        why = row.error.splitlines()[0][:60]
+        lines = [ln for ln in row.error.splitlines() if ln.strip()]
+        why = lines[-1].split("]:", 1)[-1].strip()[:70]  # the exception, not the log path
         return [row.config, "failed: " + why] + [""] * (len(TABLE_COLUMNS) - 2)
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     pct = lambda v: None if v is None else v * 100  # noqa: E731
-    return [row.config, _fmt(ms(row.step_s), ".0f"), _fmt(ms(row.compute_s), ".0f"),
+    step = _fmt(ms(row.step_s), ".0f")
+    if row.step_rounds and len(row.step_rounds) > 1:
+        step += f" ({min(row.step_rounds) * 1e3:.0f}-{max(row.step_rounds) * 1e3:.0f})"
+    return [row.config, step, _fmt(ms(row.compute_s), ".0f"),
             _fmt(ms(row.limit_s), ".0f"), _fmt(row.samples_per_s, ".1f"),
             _fmt(row.speedup, ".2f", "x"), _fmt(pct(row.efficiency), ".0f", "%"),
             _fmt(pct(row.comm_wait), ".0f", "%"), _fmt(row.final_loss, ".4f")]
@@ -339,8 +352,9 @@ def merge_rounds(entries: list[dict]) -> dict:
     for k in sorted(by_round):
         ranks = by_round[k]
         first = ranks[min(ranks)]
-        rounds.append({key: first[key] for key in ("step_times", "compute_times",
-                                                   "backward_times", "losses", "eval_loss")})
+        rounds.append({key: first.get(key) for key in ("step_times", "compute_times",
+                                                       "block_efficiency", "backward_times",
+                                                       "losses", "eval_loss")})
         rounds[-1]["rank_step_medians"] = [statistics.median(ranks[r]["step_times"])
                                            for r in sorted(ranks)]
         agree = agree and len({ranks[r]["checksum"] for r in ranks}) == 1
@@ -366,17 +380,14 @@ def _worker(args: argparse.Namespace) -> int:
         comm = gloo = commopt.create_communicator("torch", timeout_s=args.collective_timeout)
     spec = MODELS[args.model]
     schedule = args.worker.split(",")
-    rounds_seen: dict[str, int] = {}
     records: list[dict] = []
     out = Path(f"{args.result}.rank{comm.rank}")
     for index, name in enumerate(schedule):
         cfg = CONFIGS[name]
-        round_ = rounds_seen[name] = rounds_seen.get(name, -1) + 1
         if comm.rank == 0:
             print(f"{PROGRESS}start {index} {name}", flush=True)
         rec = _run_config(cfg, spec, comm, gloo, args)
-        rec.update(index=index, round=round_, config=name, kind=cfg.kind, rank=comm.rank,
-                   size=comm.size)
+        rec.update(index=index, config=name, kind=cfg.kind, rank=comm.rank, size=comm.size)
         records.append(rec)
         out.write_text(json.dumps(records))  # after each one: a later failure keeps these
         if comm.rank == 0:
@@ -413,28 +424,19 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     torch.manual_seed(args.seed)
     twin = spec.build()
     twin_opt = torch.optim.SGD(twin.parameters(), lr=spec.lr, momentum=0.9)
-
-    def twin_steps(count: int) -> list[float]:
-        gloo.allgather_obj(None)  # every rank computes at once, as in the distributed steps
-        times = []
-        for j in range(count):
-            x, y = batches[args.warmup + j % steps]
-            start = time.perf_counter()
-            twin_opt.zero_grad(set_to_none=True)
-            F.cross_entropy(twin(x), y).backward()
-            twin_opt.step()
-            times.append(time.perf_counter() - start)
-        return times
-
     steps = args.steps or spec.steps
-    batches = [spec.batch(step=i, rank=rank, size=batch) for i in range(args.warmup + steps)]
-    step_times, backward_times, losses = [], [], []
-    compute_times = []
-    for i, (x, y) in enumerate(batches):
-        if i == args.warmup:
-            twin_steps(1)  # its warm-up
-            compute_times += twin_steps((steps + 1) // 2)
-            gloo.allgather_obj(None)  # every rank starts the timed steps together
+    block = min(args.block or spec.block, steps)
+    n_blocks = -(-steps // block)
+    # Double buffering restarts its pipeline after each pause: one untimed step per block,
+    # for every configuration so that all train the same number of steps.
+    restarts = n_blocks - 1
+    batches = [spec.batch(step=i, rank=rank, size=batch)
+               for i in range(args.warmup + steps + restarts)]
+    feed = iter(batches)
+    step_times, backward_times, losses, compute_times, block_eff = [], [], [], [], []
+
+    def train_step(timed: bool) -> None:
+        x, y = next(feed)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(x), y)
@@ -443,12 +445,36 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
         opt.step()
         end = time.perf_counter()
         losses.append(float(loss.detach()))
-        if i >= args.warmup:
+        if timed:
             step_times.append(end - start)
             backward_times.append(after_backward - start)
-    if cfg.kind == "commopt":
-        opt.flush()  # double buffering: apply the last averaged gradients (untimed)
-    compute_times += twin_steps(steps // 2)  # nothing in flight any more
+
+    def twin_step(j: int) -> float:
+        x, y = batches[args.warmup + j % steps]
+        start = time.perf_counter()
+        twin_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        train_step(timed=False)
+    twin_step(0)  # the twin's warm-up
+    for b in range(n_blocks):
+        count = min(block, steps - b * block)
+        if b > 0:
+            train_step(timed=False)
+        gloo.allgather_obj(None)  # every rank starts the timed steps together
+        first = len(step_times)
+        for _ in range(count):
+            train_step(timed=True)
+        if cfg.kind == "commopt":
+            opt.flush()  # double buffering: apply the last averaged gradients (untimed)
+        # Right after, with nothing in flight: every rank computes alone, all at once.
+        gloo.allgather_obj(None)
+        twins = [twin_step(j) for j in range(args.compute_steps or count)]
+        compute_times += twins
+        block_eff.append(statistics.median(twins) / statistics.median(step_times[first:]))
     with torch.no_grad():
         ex, ey = spec.eval_batch()
         eval_loss = float(F.cross_entropy(model(ex), ey))
@@ -459,8 +485,9 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     gc.collect()
     gloo.allgather_obj(None)  # the next configuration starts on every rank together
     return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
-            "backward_times": backward_times, "losses": losses, "eval_loss": eval_loss, "checksum": checksum,
-            "wire_bytes": wire_bytes, "params": sum(math.prod(s) for s in shapes)}
+            "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
+            "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
+            "params": sum(math.prod(s) for s in shapes)}
 
 
 def _wrap_ddp(model, cfg: StepConfig):
@@ -534,6 +561,10 @@ def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Pat
         worker += ["--steps", str(args.steps)]
     if args.batch:
         worker += ["--batch", str(args.batch)]
+    if args.compute_steps:
+        worker += ["--compute-steps", str(args.compute_steps)]
+    if args.block:
+        worker += ["--block", str(args.block)]
     argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
             "--launcher", args.launcher, "--timeout", str(args.timeout)]
     if plan.link_arg:
@@ -571,9 +602,26 @@ def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: 
     done = {e["index"] for e in records if e["rank"] == 0}
     failed = current if current is not None else next(
         (i for i in range(len(schedule)) if i not in done), 0)
-    tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-12:])
     why = "timed out" if rc == 124 else f"exit code {rc}"
-    return records, failed, f"{why} (log {log}):\n{tail}"
+    return records, failed, f"{why} (log {log}):\n{root_cause(log.read_text(errors='replace'))}"
+
+
+def root_cause(log: str, lines: int = 10) -> str:
+    """The end of the failing rank's traceback in a job's log (else the log's last lines).
+
+    ``commopt launch`` names the rank that failed first; torch prefixes each line of an
+    uncaught error with ``[rankN]:``. The other ranks' errors (a peer closed the connection)
+    are consequences, not the cause.
+    """
+    import re
+
+    text = log.strip().splitlines()
+    first = re.search(r"rank (\d+) ended with", log)
+    if first:
+        mine = [ln for ln in text if ln.startswith(f"[rank{first.group(1)}]:")]
+        if mine:
+            return "\n".join(mine[-lines:])
+    return "\n".join(text[-lines:])
 
 
 def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Path,
@@ -595,8 +643,9 @@ def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Pat
         pending_at_start = list(pending)
         got, failed, why = _run_job(args, plan, model, [schedule[i] for i in pending], workdir,
                                     attempt, threads, report_line)
-        for e in got:
+        for e in got:  # the job numbered its own schedule: back to this run's numbering
             e["index"] = pending_at_start[e["index"]]
+            e["round"] = e["index"] // len(configs)
         records += got
         if failed is None:
             break
@@ -671,6 +720,27 @@ def run_driver(args: argparse.Namespace) -> dict:
             }
             _print_model(model, report["models"][model], rows, args.nprocs, plan)
     report["load_average_end"] = os.getloadavg()[0]
+    _write_outputs(report, args)
+    return report
+
+
+def rerender(args: argparse.Namespace) -> dict:
+    """Recompute the tables of a saved ``--json`` report (``--from-json``) and write them again."""
+    report = json.loads(Path(args.from_json).read_text())
+    plan = LinkPlan(report["rate_bits"], report.get("link_rate"), report["link"])
+    for model, info in report["models"].items():
+        rows = summarize(info["raw"], report["nprocs"], report["rate_bits"])
+        info["rows"] = [vars(r) for r in rows]
+        info["targets"] = check_targets(info["role"], rows)
+        info.setdefault("steps", MODELS[model].steps)
+        _print_model(model, info, rows, report["nprocs"], plan)
+    report.setdefault("rounds", max(len(r.get("rounds", [])) for info in report["models"].values()
+                                    for r in info["raw"].values()))
+    _write_outputs(report, args)
+    return report
+
+
+def _write_outputs(report: dict, args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
@@ -680,7 +750,6 @@ def run_driver(args: argparse.Namespace) -> dict:
     if args.plot:
         plot_step_times(report, args.plot)
         print(f"wrote {args.plot}")
-    return report
 
 
 def _command_line(args) -> str:
@@ -755,7 +824,7 @@ def plot_step_times(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     models = list(report["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.8), squeeze=False)
     colors = {"ddp": "#d95f02", "commopt": "#1b9e77"}
     for ax, model in zip(axes[0], models):
         info = report["models"][model]
@@ -766,7 +835,8 @@ def plot_step_times(report: dict, path: str) -> None:
                 label="compute only (same moment, no communication)")
         for y, r in enumerate(rows):
             if r["speedup"] is not None:
-                ax.annotate(f"{r['speedup']:.1f}x", (r["step_s"] * 1e3, y), xytext=(3, -3),
+                right = max(r["step_s"], r["compute_s"] or 0) * 1e3
+                ax.annotate(f"{r['speedup']:.1f}x", (right, y), xytext=(3, -3),
                             textcoords="offset points", fontsize=8)
         if info["fp32_allreduce_limit_s"]:
             ax.axvline(info["fp32_allreduce_limit_s"] * 1e3, ls="--", color="k", lw=1,
@@ -774,7 +844,8 @@ def plot_step_times(report: dict, path: str) -> None:
         ax.set_xlabel("step time, ms (median; label: speed-up over ddp-fp32)")
         params = f"{info['params'] / 1e6:.2f}M params, " if info.get("params") else ""
         ax.set_title(f"{model}: {params}batch {info['batch_per_rank']}/rank", fontsize=10)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.margins(x=0.12)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=2)
     fig.suptitle(f"{report['nprocs']} ranks, {report['link']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -808,6 +879,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3,
                         help=f"untimed steps first (default 3; PowerSGD compresses from step "
                              f"{POWERSGD_START_ITER})")
+    parser.add_argument("--block", type=int,
+                        help="timed steps between two compute-only measurements (default: the "
+                             "model's: " + ", ".join(f"{m} {s.block}" for m, s in MODELS.items()) + ")")
+    parser.add_argument("--compute-steps", type=int,
+                        help="compute-only steps after each block (default: the block's size)")
     parser.add_argument("--batch", type=int, help="per-rank batch (default: the model's)")
     parser.add_argument("--threads", type=int,
                         help="torch threads per rank (default cores / ranks)")
@@ -821,6 +897,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time per configuration")
     parser.add_argument("--workdir", help="keep each job's log and JSON here")
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="run nothing: recompute and write the tables and plot of a report "
+                             "saved with --json")
     # Internal: one rank of a job running a schedule of configurations (the driver starts them).
     parser.add_argument("--worker", metavar="SCHEDULE", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
@@ -831,13 +910,18 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark (or, with --worker, one rank of one job)."""
     if args.worker:
         return _worker(args)
+    if args.from_json:
+        rerender(args)
+        return 0
     if args.comm == "mpi" and args.launcher != "mpi":
         raise SystemExit("step_bench: --comm mpi needs --launcher mpi")
     if args.nprocs < 2:
         raise SystemExit("step_bench: -n must be at least 2 (every configuration measures its "
                          "own 1-rank compute time)")
-    if (args.steps is not None and args.steps < 1) or args.warmup < 0 or args.rounds < 1:
-        raise SystemExit("step_bench: need --steps >= 1, --warmup >= 0 and --rounds >= 1")
+    if any(v is not None and v < 1 for v in (args.steps, args.compute_steps, args.block)) \
+            or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit("step_bench: need --steps, --block and --compute-steps >= 1, "
+                         "--warmup >= 0 and --rounds >= 1")
     report = run_driver(args)
     failed = [f"{m}/{r['config']}" for m, info in report["models"].items()
               for r in info["rows"] if r["error"]]

@@ -12,20 +12,24 @@ Two kinds of model, chosen for where their step time goes on a 1 Gbit/s link:
   (101 MB) takes 0.8 s to allreduce between 2 hosts at 1 Gbit/s, several times one step's
   compute: communication-bound.
 - ``cnn``: a small convolutional network (0.24M parameters, 1 MB of gradient, 8 ms on the
-  link) at batch 64 of 32x32 images: compute-bound.
+  link) at batch 128 of 32x32 images: compute-bound.
 - ``tiny``: a few thousand parameters, for tests.
 
 Every task is a classification with a known answer (class means plus noise), so the loss
 falls within tens of steps and the final loss compares codecs on equal terms. Data depend
 only on (step, rank): every configuration sees the same batches.
+
+torch is imported only when a model or batch is made: `commopt bench` builds its options
+from ``MODELS`` at every start of the command line.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["ModelSpec", "MODELS", "param_shapes"]
 
@@ -33,7 +37,7 @@ __all__ = ["ModelSpec", "MODELS", "param_shapes"]
 # coincide with a training batch.
 _TASK_SEED = 1234
 _EVAL_SEED = 987_654_321
-_MEANS: dict[str, torch.Tensor] = {}
+_MEANS: dict[str, "torch.Tensor"] = {}
 
 
 @dataclass(frozen=True)
@@ -53,32 +57,43 @@ class ModelSpec:
     input_shape: tuple[int, ...]
     signal: float  # scale of the class means against unit noise
     steps: int     # timed steps per round in the step benchmark
+    block: int     # timed steps between two compute-only measurements there
     role: str      # what bounds its step on a slow link: "communication", "compute" or "test"
-    factory: Callable[[], nn.Module]
+    factory: Callable[[], "nn.Module"]
 
     def build(self) -> nn.Module:
         return self.factory()
 
     def _means(self) -> torch.Tensor:
+        import torch
+
         if self.name not in _MEANS:
             g = torch.Generator().manual_seed(_TASK_SEED)
             _MEANS[self.name] = torch.randn((self.classes, *self.input_shape), generator=g) * self.signal
         return _MEANS[self.name]
 
     def _sample(self, g: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         labels = torch.randint(0, self.classes, (size,), generator=g)
         noise = torch.randn((size, *self.input_shape), generator=g)
         return self._means()[labels] + noise, labels
 
     def batch(self, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         # One generator per (step, rank): the same batch whatever ran before.
         return self._sample(torch.Generator().manual_seed(1_000_003 * step + rank + 1), size)
 
     def eval_batch(self, size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         return self._sample(torch.Generator().manual_seed(_EVAL_SEED), size)
 
 
 def _wide_mlp(d_in: int = 1024, hidden: int = 4096, classes: int = 16) -> nn.Module:
+    from torch import nn
+
     # 1024 -> 4096 -> 4096 -> 1024 -> 16: 25.2M parameters, three big matrices that
     # PowerSGD can factor and QSGD can quantise, plus a few small tensors.
     return nn.Sequential(
@@ -90,6 +105,8 @@ def _wide_mlp(d_in: int = 1024, hidden: int = 4096, classes: int = 16) -> nn.Mod
 
 
 def _small_cnn(classes: int = 10) -> nn.Module:
+    from torch import nn
+
     # 32x32 RGB -> 10 classes; 0.24M parameters but ~76 MFLOP per sample (fwd + bwd).
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
@@ -101,19 +118,21 @@ def _small_cnn(classes: int = 10) -> nn.Module:
 
 
 def _tiny_mlp() -> nn.Module:
+    from torch import nn
+
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
 
 
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", "wide MLP 1024-4096-4096-1024-16 (25.2M params), communication-bound",
                      batch_size=8, lr=0.05, classes=16, input_shape=(1024,), signal=0.3,
-                     steps=5, role="communication", factory=_wide_mlp),
+                     steps=6, block=3, role="communication", factory=_wide_mlp),
     "cnn": ModelSpec("cnn", "small CNN, 4 conv layers (0.24M params) on 3x32x32, compute-bound",
-                     batch_size=64, lr=0.2, classes=10, input_shape=(3, 32, 32), signal=1.0,
-                     steps=12, role="compute", factory=_small_cnn),
+                     batch_size=128, lr=0.2, classes=10, input_shape=(3, 32, 32), signal=1.0,
+                     steps=12, block=4, role="compute", factory=_small_cnn),
     "tiny": ModelSpec("tiny", "MLP 32-64-64-4 (6.5k params), for tests",
                       batch_size=16, lr=0.1, classes=4, input_shape=(32,), signal=0.5,
-                      steps=3, role="test", factory=_tiny_mlp),
+                      steps=3, block=3, role="test", factory=_tiny_mlp),
 }
 
 

@@ -17,16 +17,20 @@ fp16 and bf16 sums use a user-defined reduction that adds in fp32 and rounds to 
 even once per pairwise addition: the wire still carries 16 bits. CUDA tensors are staged
 through pinned host memory unless the MPI library reports CUDA support.
 
-Large buffers between nodes: allreduce, alltoall and allgather of at least
-``pipeline_min_bytes`` bytes, on a communicator whose ranks span several nodes, run as
+Between nodes (``pipeline="auto"``, the default, on a communicator whose ranks span several
+nodes): allreduce, alltoall and allgather of at least ``pipeline_min_bytes`` run as
 pipelined point-to-point transfers of segments no larger than the transport's eager limit
-(a segmented ring reduce-scatter + allgather for allreduce; direct pairwise exchanges for
-alltoall and allgather). Open MPI's TCP transport (4.1) otherwise carries the two
-directions of a large exchange one after the other: a rendezvous handshake waits behind the
-other direction's bulk data on the same connection, so a 2-rank allreduce took twice the
-link's time (docs/benchmarks-allreduce.md). Eager-sized segments need no handshake, and
-keeping many in flight fills both directions at once. Turn it off with ``pipeline="off"``
-or ``COMMOPT_MPI_PIPELINE=off``.
+(a segmented ring reduce-scatter + allgather for allreduce, which also sums fp16/bf16 at
+full speed with torch; direct pairwise exchanges for alltoall and allgather); smaller ones
+run MPI's own nonblocking collectives. Both wait by polling with short sleeps, not by
+spinning in MPI_Wait. With Open MPI's TCP transport (4.1) a large exchange otherwise often
+carried its two directions one after the other (a rendezvous handshake waited behind the
+other direction's bulk data), and spinning ranks took the cores that the peers and the
+kernel's network processing needed: a 2-rank allreduce took about twice the link's time
+(docs/benchmarks-allreduce.md). Eager-sized segments need no handshake, and keeping many in
+flight fills both directions at once. ``pipeline="off"`` (or ``COMMOPT_MPI_PIPELINE=off``)
+restores MPI's own blocking collectives everywhere; ``"on"`` uses the pipelined path within
+a node too. Extra memory: one scratch buffer of 1/size of the largest allreduce.
 
 A Python exception that escapes on any rank aborts the whole job (MPI_Abort) after its
 traceback is printed, so the other ranks do not wait forever in a collective.
@@ -194,19 +198,25 @@ def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
     return mode, seg, _parse_bytes(min_bytes, "pipeline_min_bytes")
 
 
-def pipeline_chosen(mode: str, nbytes: int, *, size: int, inter_size: int, min_bytes: int) -> bool:
-    """Whether a transfer of ``nbytes`` takes the pipelined path (the same answer on every rank).
+def transfer_path(mode: str, nbytes: int, *, size: int, inter_size: int, min_bytes: int) -> str:
+    """How a collective of ``nbytes`` runs (the same answer on every rank).
 
-        >>> pipeline_chosen("auto", 64 << 20, size=2, inter_size=2, min_bytes=256 << 10)
-        True
-        >>> pipeline_chosen("auto", 64 << 20, size=2, inter_size=1, min_bytes=256 << 10)
-        False
+    ``"pipelined"``: segmented point-to-point transfers (buffers of at least ``min_bytes``);
+    ``"polled"``: MPI's own nonblocking collective, completed by polling with short sleeps
+    (smaller buffers); ``"blocking"``: MPI's own blocking collective. ``auto`` uses the first
+    two between nodes, where TCP carries the bytes, and the last within a node, where MPI's
+    shared memory transport has no such problem; ``on`` uses them everywhere; ``off`` never.
+
+        >>> transfer_path("auto", 64 << 20, size=2, inter_size=2, min_bytes=256 << 10)
+        'pipelined'
+        >>> transfer_path("auto", 4096, size=2, inter_size=2, min_bytes=256 << 10)
+        'polled'
+        >>> transfer_path("auto", 64 << 20, size=2, inter_size=1, min_bytes=256 << 10)
+        'blocking'
     """
-    if mode == "off" or size == 1 or nbytes < max(1, min_bytes):
-        return False
-    # "auto": only between nodes, where TCP carries the bytes; within a node MPI's shared
-    # memory transport has no such problem and its own collectives are faster.
-    return mode == "on" or inter_size > 1
+    if mode == "off" or size == 1 or (mode == "auto" and inter_size == 1):
+        return "blocking"
+    return "pipelined" if nbytes >= max(1, min_bytes) else "polled"
 
 
 def default_segment_bytes(environ=None) -> int:
@@ -227,20 +237,24 @@ def default_segment_bytes(environ=None) -> int:
     return max(4096, (limit - _HEADER_SLACK) // 4096 * 4096)
 
 
-#: How long a pipelined transfer sleeps between polls of a request it waits on. Waiting in
-#: MPI_Wait spins a core; on a busy host a spinning rank loses its turn, and while it spins
-#: it takes the core from the training thread it should overlap with. The kernel's socket
-#: buffers (megabytes, tens of ms at 1 Gbit/s) keep the link busy across a short sleep.
+#: The longest sleep between two polls of a request (seconds). Waiting in MPI_Wait spins a
+#: core: on a busy host a spinning rank loses its turn (and on the emulated cluster it takes
+#: the core its peer needs), and while it spins it takes the core from the training thread
+#: it should overlap with. The kernel's socket buffers (megabytes: tens of ms at 1 Gbit/s)
+#: keep the link busy across a short sleep. 0 spins in MPI_Wait instead.
 _POLL_SLEEP_S = float(os.environ.get("COMMOPT_MPI_POLL_SLEEP_US", "200")) * 1e-6
+_FIRST_SLEEP_S = 10e-6
 
 
 def _wait(req) -> None:
-    """Complete ``req``, polling with short sleeps instead of spinning in MPI_Wait."""
+    """Complete ``req``, polling with sleeps that grow from 10 us to _POLL_SLEEP_S."""
     if _POLL_SLEEP_S <= 0:
         req.Wait()
         return
+    nap = min(_FIRST_SLEEP_S, _POLL_SLEEP_S)
     while not req.Test():
-        time.sleep(_POLL_SLEEP_S)
+        time.sleep(nap)
+        nap = min(2 * nap, _POLL_SLEEP_S)
 
 
 def _block_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -371,12 +385,13 @@ class MPICommunicator(Communicator):
 
     Options: ``mpi_comm`` (an mpi4py communicator to duplicate), ``cuda_aware`` (force
     the CUDA-aware path on or off; by default asked from the MPI library), ``pipeline``
-    (``"auto"``: pipelined segment transfers for buffers of at least ``pipeline_min_bytes``
-    when the ranks span several nodes; ``"on"``: for every buffer of at least that size;
-    ``"off"``: always MPI's own collectives), ``segment_bytes`` (default: just under the
-    TCP eager limit), ``pipeline_min_bytes``. Environment: COMMOPT_MPI_PIPELINE,
-    COMMOPT_MPI_SEGMENT_BYTES, COMMOPT_MPI_PIPELINE_MIN_BYTES (the options win). Every rank
-    must use the same settings; the constructor checks.
+    (``"auto"``: when the ranks span several nodes, pipelined segment transfers for buffers
+    of at least ``pipeline_min_bytes`` and polled nonblocking MPI collectives below;
+    ``"on"``: the same on one node too; ``"off"``: MPI's own blocking collectives, as
+    before), ``segment_bytes`` (default: just under the TCP eager limit, see
+    :func:`default_segment_bytes`), ``pipeline_min_bytes`` (default 256 KiB). Environment:
+    COMMOPT_MPI_PIPELINE, COMMOPT_MPI_SEGMENT_BYTES, COMMOPT_MPI_PIPELINE_MIN_BYTES (the
+    options win). Every rank must use the same settings; the constructor checks.
 
         >>> comm = MPICommunicator(pipeline="off")          # doctest: +SKIP
     """
@@ -419,10 +434,10 @@ class MPICommunicator(Communicator):
             self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch_buf
 
-    def _pipelined(self, nbytes: int) -> bool:
-        """Whether a transfer of ``nbytes`` (the same on every rank) takes the pipelined path."""
-        return pipeline_chosen(self.pipeline, nbytes, size=self.size, inter_size=self.inter_size,
-                               min_bytes=self.pipeline_min_bytes)
+    def _path(self, nbytes: int) -> str:
+        """pipelined, polled or blocking: see :func:`transfer_path`."""
+        return transfer_path(self.pipeline, nbytes, size=self.size, inter_size=self.inter_size,
+                             min_bytes=self.pipeline_min_bytes)
 
     # -- running on the worker -------------------------------------------------------
     def _submit(self, fn: Callable[[], Any], finalize: Callable[[], None] | None = None) -> FutureWork:
@@ -458,18 +473,20 @@ class MPICommunicator(Communicator):
         ready = self._cuda_ready(buf)
         op = _user_op(buf.dtype) if buf.dtype in (torch.float16, torch.bfloat16) else MPI.SUM
 
-        pipelined = self._pipelined(buf.numel() * buf.element_size())
+        path = self._path(buf.numel() * buf.element_size())
         seg_elems = max(1, self.segment_bytes // buf.element_size())
 
         def run():
             ready()
             host, back = self._host(buf, fill=True)
-            if pipelined:
+            data = [_numpy_view(host), _mpi_type(buf.dtype)]
+            if path == "pipelined":
                 block = math.ceil(host.numel() / self.size) * host.element_size()
                 ring_allreduce(self.mpi_comm, host.reshape(-1), seg_elems, self._scratch(block))
+            elif path == "polled":
+                _wait(self.mpi_comm.Iallreduce(MPI.IN_PLACE, data, op=op))
             else:
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, [_numpy_view(host), _mpi_type(buf.dtype)],
-                                        op=op)
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, data, op=op)
             if back:
                 back()
 
@@ -477,15 +494,17 @@ class MPICommunicator(Communicator):
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         ready = self._cuda_ready(send)
-        pipelined = self._pipelined(send.numel() * send.element_size())
+        path = self._path(send.numel() * send.element_size())
 
         def run():
             ready()
             s, _ = self._host(send, fill=True)
             r, back = self._host(recv, fill=False)
             sv, rv = _numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True)
-            if pipelined:
+            if path == "pipelined":
                 pairwise_alltoall(self.mpi_comm, sv, rv, self.segment_bytes)
+            elif path == "polled":
+                _wait(self.mpi_comm.Ialltoall(sv, rv))
             else:
                 self.mpi_comm.Alltoall(sv, rv)
             if back:
@@ -495,15 +514,17 @@ class MPICommunicator(Communicator):
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         ready = self._cuda_ready(send)
-        pipelined = self._pipelined(recv.numel() * recv.element_size())
+        path = self._path(recv.numel() * recv.element_size())
 
         def run():
             ready()
             s, _ = self._host(send, fill=True)
             r, back = self._host(recv, fill=False)
             sv, rv = _numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True)
-            if pipelined:
+            if path == "pipelined":
                 direct_allgather(self.mpi_comm, sv, rv, self.segment_bytes)
+            elif path == "polled":
+                _wait(self.mpi_comm.Iallgather(sv, rv))
             else:
                 self.mpi_comm.Allgather(sv, rv)
             if back:
@@ -540,9 +561,15 @@ class MPICommunicator(Communicator):
                                pipeline_min_bytes=self.pipeline_min_bytes, _dup=False)
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        # fp16/bf16 sums are correct but run a Python reduction: better done in fp32 by
-        # commopt's own scatter-reduce/allgather.
-        return dtype in (torch.float32, torch.float64, torch.int32, torch.int64)
+        if dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+            return True
+        # fp16/bf16: MPI's own collectives sum them with a Python reduction, better left to
+        # commopt's scatter-reduce/allgather (fp32 on the side). Between nodes large buffers
+        # take the pipelined ring, which adds 16-bit segments with torch (rounding once per
+        # addition, as gloo and NCCL do) at full speed.
+        return (dtype in (torch.float16, torch.bfloat16) and transfer_path(
+            self.pipeline, 1 << 62, size=self.size, inter_size=self.inter_size,
+            min_bytes=self.pipeline_min_bytes) == "pipelined")
 
     def finalize(self) -> None:
         self._worker.shutdown(wait=True)

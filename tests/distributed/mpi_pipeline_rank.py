@@ -12,7 +12,11 @@ SEGMENT = 24  # bytes: 3 to 12 elements per segment, so every size below cuts un
 comm = MPICommunicator(pipeline="on", segment_bytes=SEGMENT, pipeline_min_bytes=1)
 native = MPICommunicator(pipeline="off")
 r, n = comm.rank, comm.size
-assert comm._pipelined(4) and not native._pipelined(1 << 30)
+assert comm._path(4) == "pipelined" and native._path(1 << 30) == "blocking"
+# Small buffers between "nodes" (each rank its own here) take MPI's nonblocking collectives,
+# polled: the same results.
+polled = MPICommunicator(pipeline="on", pipeline_min_bytes=1 << 30)
+assert polled._path(1 << 20) == "polled"
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 SIZES = (1, 2, n - 1, n + 1, 7, 31, 97, 1031, 4099)
@@ -50,6 +54,9 @@ for dtype in DTYPES:
                 native.allreduce(z)
                 if n == 2:
                     assert torch.equal(y, z), f"ring vs MPI_Allreduce {dtype} numel={numel}"
+                w = x.to(dtype)
+                polled.allreduce(w)
+                assert torch.equal(w, z), f"MPI_Iallreduce vs MPI_Allreduce {dtype} numel={numel}"
 
 # async: several in flight complete in order, interleaved with native ones
 bufs = [torch.full((1001,), float(r + i)) for i in range(3)]
@@ -64,17 +71,18 @@ for dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.int64):
         send = torch.empty(n * per_peer, dtype=dtype)
         for peer in range(n):
             send[peer * per_peer:(peer + 1) * per_peer] = (10 * r + peer) % 100
-        recv = torch.zeros_like(send)
-        comm.alltoall(send, recv)
-        for src in range(n):
-            got = recv[src * per_peer:(src + 1) * per_peer]
-            assert torch.all(got == (10 * src + r) % 100), f"alltoall {dtype} {per_peer} from {src}"
-        mine = torch.arange(per_peer).to(dtype) + r
-        gathered = torch.zeros(n * per_peer, dtype=dtype)
-        comm.allgather(mine, gathered)
-        for src in range(n):
-            assert torch.equal(gathered[src * per_peer:(src + 1) * per_peer],
-                               torch.arange(per_peer).to(dtype) + src), f"allgather {dtype} {src}"
+        for c in (comm, polled):
+            recv = torch.zeros_like(send)
+            c.alltoall(send, recv)
+            for src in range(n):
+                got = recv[src * per_peer:(src + 1) * per_peer]
+                assert torch.all(got == (10 * src + r) % 100), f"alltoall {dtype} {per_peer} from {src}"
+            mine = torch.arange(per_peer).to(dtype) + r
+            gathered = torch.zeros(n * per_peer, dtype=dtype)
+            c.allgather(mine, gathered)
+            for src in range(n):
+                assert torch.equal(gathered[src * per_peer:(src + 1) * per_peer],
+                                   torch.arange(per_peer).to(dtype) + src), f"allgather {dtype} {src}"
 
 # sub-communicators keep the settings
 sub = comm.split(color=r % 2)

@@ -5,7 +5,7 @@ pytest.importorskip("mpi4py")
 
 from commopt.comm.mpi import (  # noqa: E402
     DEFAULT_PIPELINE_MIN_BYTES, _block_bounds, _segments, default_segment_bytes,
-    pipeline_chosen, pipeline_settings,
+    pipeline_settings, transfer_path,
 )
 from commopt.testbed.mpi import TCP_EAGER_LIMIT, mpirun_local_argv, tcp_mca_defaults  # noqa: E402
 
@@ -31,15 +31,16 @@ def test_settings_from_options_then_environment():
         pipeline_settings("on", 4, environ={})
 
 
-def test_auto_pipelines_large_buffers_between_nodes_only():
+def test_auto_pipelines_large_buffers_between_nodes_and_polls_small_ones():
     big, small = 64 << 20, 1024
     kw = dict(min_bytes=256 << 10)
-    assert pipeline_chosen("auto", big, size=2, inter_size=2, **kw)
-    assert not pipeline_chosen("auto", big, size=2, inter_size=1, **kw)   # one node
-    assert not pipeline_chosen("auto", small, size=2, inter_size=2, **kw)  # below the minimum
-    assert pipeline_chosen("on", big, size=2, inter_size=1, **kw)
-    assert not pipeline_chosen("off", big, size=2, inter_size=2, **kw)
-    assert not pipeline_chosen("on", big, size=1, inter_size=1, **kw)     # a world of one
+    assert transfer_path("auto", big, size=2, inter_size=2, **kw) == "pipelined"
+    assert transfer_path("auto", small, size=2, inter_size=2, **kw) == "polled"
+    assert transfer_path("auto", big, size=4, inter_size=1, **kw) == "blocking"  # one node
+    assert transfer_path("on", big, size=2, inter_size=1, **kw) == "pipelined"
+    assert transfer_path("on", small, size=2, inter_size=1, **kw) == "polled"
+    assert transfer_path("off", big, size=2, inter_size=2, **kw) == "blocking"
+    assert transfer_path("on", big, size=1, inter_size=1, **kw) == "blocking"   # a world of one
 
 
 def test_blocks_and_segments_cover_every_element_once():

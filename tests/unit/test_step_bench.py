@@ -124,6 +124,15 @@ def test_summarize_derives_every_column_side_by_side():
     assert rows["ddp-fp16"].error.startswith("exit code 1") and rows["ddp-fp16"].step_s is None
 
 
+def test_efficiency_pairs_each_block_with_the_compute_steps_beside_it():
+    r = _result(0.5, compute=0.1)   # by medians alone: 0.1 / 0.5 = 20%
+    for rnd, effs in zip(r["rounds"], ([0.5, 0.7], [0.6], [0.9, 0.4])):
+        rnd["block_efficiency"] = effs
+    row = sb.summarize({"commopt-fp32": r}, n=2, rate_bits=None)[0]
+    assert row.efficiency == pytest.approx(0.6)          # median of 0.5, 0.7, 0.6, 0.9, 0.4
+    assert row.comm_wait == pytest.approx(0.4)
+
+
 def test_summarize_without_baseline_or_link_leaves_those_columns_empty():
     rows = sb.summarize({"commopt-fp16": _result(0.3, compute=0.15)}, n=2, rate_bits=None)
     assert rows[0].speedup is None and rows[0].limit_s is None
@@ -148,14 +157,14 @@ def test_targets_say_met_or_not():
 
 def test_tables_have_one_line_per_configuration():
     results = {"ddp-fp32": _result(1.0, wire=100_000_000, compute=0.1),
-               "commopt-qsgd4": {"error": "timed out; log x"}}
+               "commopt-qsgd4": {"error": "exit code 1 (log x):\n[rank1]: RuntimeError: boom"}}
     rows = sb.summarize(results, 2, 1e9)
     text = sb.format_table(rows).splitlines()
     assert len(text) == 2 + 2 and text[0].startswith("configuration")
-    assert "failed: timed out" in text[-1]
+    assert "failed: RuntimeError: boom" in text[-1]
     md = sb.markdown_table(rows).splitlines()
     assert len(md) == 2 + 2 and all(line.count("|") == len(sb.TABLE_COLUMNS) + 1 for line in md)
-    assert "| ddp-fp32 | 1000 | 100 | 800 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
+    assert "| ddp-fp32 | 1000 (800-1300) | 100 | 800 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
 
 
 def test_configs_cover_the_issue():
@@ -212,3 +221,25 @@ def test_script_refuses_unknown_configuration():
                           timeout=120)
     assert proc.returncode != 0
     assert "unknown configuration ddp-fp64" in proc.stderr and "ddp-fp32" in proc.stderr
+
+
+def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
+    raw = {"ddp-fp32": _result(1.0, wire=100_000_000, compute=0.2),
+           "commopt-qsgd4-db": _result(0.25, wire=13_000_000, compute=0.2)}
+    report = {"command": "commopt bench step", "link": "emulated 1gbit", "link_rate": "1gbit",
+              "rate_bits": 1e9, "nprocs": 2, "threads_per_rank": 1, "machine": "cpu", "torch": "x",
+              "load_average_start": 1.0, "load_average_end": 1.0, "date": "today", "warmup": 3,
+              "rounds": 3, "models": {"mlp": {"description": "wide MLP", "role": "communication",
+                                              "params": 25_000_000, "batch_per_rank": 8, "steps": 5,
+                                              "fp32_allreduce_limit_s": 0.8, "raw": raw,
+                                              "rows": [], "targets": []}}}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    parser = __import__("argparse").ArgumentParser()
+    sb.add_arguments(parser)
+    md = tmp_path / "out.md"
+    args = parser.parse_args(["--from-json", str(saved), "--markdown", str(md)])
+    assert sb.main(args) == 0
+    text = md.read_text()
+    assert "| commopt-qsgd4-db | 250 (200-325) | 200 | 104 |" in text and "4.00x" in text
+    assert "target >= 5x: NOT met" in text and "commopt-qsgd4-db" in capsys.readouterr().out
