@@ -8,6 +8,8 @@ alltoall, decode-and-add the received chunks, re-encode the reduced chunk, allga
 decode everything. Rank 0 prints, per codec, the median over ``--reps`` of each stage (the
 slowest rank's time, so a stage also absorbs its peer's lateness from the stage before) and
 the link's time for the wire bytes of each transfer (bytes crossing one direction / rate).
+``--transfers`` also times the alltoall and the allgather of the same wire sizes alone,
+with nothing around them (what the transport does with those bytes).
 """
 from __future__ import annotations
 
@@ -63,12 +65,32 @@ def stages(comm, flat: torch.Tensor, codec, step: int) -> dict[str, float]:
     return out
 
 
+def transfers_alone(comm, wire: int, reps: int) -> dict[str, float]:
+    """Median time of an alltoall of ``wire`` bytes and an allgather of wire/size per rank."""
+    chunk = -(-wire // comm.size)
+    send = torch.zeros(chunk * comm.size, dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    times: dict[str, list[float]] = {"alltoall": [], "allgather": []}
+    for step in range(reps + 1):
+        for name, fn in (("alltoall", lambda: comm.alltoall(send, recv)),
+                         ("allgather", lambda: comm.allgather(send[:chunk], recv))):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            took = max(comm.allgather_obj(time.perf_counter() - t0))
+            if step:
+                times[name].append(took)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--comm", default="mpi")
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--codecs", default="fp16,qsgd4,qsgd8")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--transfers", action="store_true",
+                    help="also time the alltoall and allgather alone")
     args = ap.parse_args(argv)
     comm = commopt.create_communicator(args.comm)
     rate = int(os.environ.get("COMMOPT_LINK_BITS", "0")) / 8 or None
@@ -88,6 +110,11 @@ def main(argv=None) -> int:
             print(f"{name} {args.mib} MiB (wire {wire} B){link}: " + ", ".join(
                 f"{k} {statistics.median(r[k] for r in runs) * 1e3:.0f} ms" for k in runs[0]),
                 flush=True)
+        if args.transfers:
+            alone = transfers_alone(comm, codec.encoded_nbytes(flat.numel()), args.reps)
+            if comm.rank == 0:
+                print(f"{name} {args.mib} MiB, transfers alone: " + ", ".join(
+                    f"{k} {v * 1e3:.1f} ms" for k, v in alone.items()), flush=True)
     comm.finalize()
     return 0
 
