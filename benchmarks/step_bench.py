@@ -690,7 +690,10 @@ def run_driver(args: argparse.Namespace) -> dict:
 
     models = _split(args.models, MODELS, "model")
     configs = _split(args.configs, CONFIGS, "configuration")
-    plan = plan_link(None if args.no_link else args.link)
+    try:
+        plan = plan_link(None if args.no_link else args.link)
+    except ValueError as exc:
+        raise SystemExit(f"step_bench: {exc}") from None
     threads = args.threads or _threads_per_rank(args.nprocs)
     report = {
         "command": _command_line(args), "link": plan.description, "link_rate": plan.link_arg,
@@ -718,7 +721,8 @@ def run_driver(args: argparse.Namespace) -> dict:
                 "fp32_allreduce_limit_s": fp32_limit, "rows": [vars(r) for r in rows],
                 "raw": results, "targets": check_targets(spec.role, rows),
             }
-            _print_model(model, report["models"][model], rows, args.nprocs, plan)
+            _print_model(model, report["models"][model], rows, args.nprocs, plan,
+                         targets=not getattr(args, "hide_targets", False))
     report["load_average_end"] = os.getloadavg()[0]
     _write_outputs(report, args)
     return report
@@ -748,8 +752,11 @@ def _write_outputs(report: dict, args) -> None:
         Path(args.markdown).write_text(markdown_report(report))
         print(f"wrote {args.markdown}")
     if args.plot:
-        plot_step_times(report, args.plot)
-        print(f"wrote {args.plot}")
+        try:
+            plot_step_times(report, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as exc:  # the tables matter more than the picture
+            print(f"no plot: {exc}")
 
 
 def _command_line(args) -> str:
@@ -775,7 +782,8 @@ def _split(text: str, valid: dict, what: str) -> list[str]:
     return names
 
 
-def _print_model(model: str, info: dict, rows: list[Row], n: int, plan: LinkPlan) -> None:
+def _print_model(model: str, info: dict, rows: list[Row], n: int, plan: LinkPlan,
+                 targets: bool = True) -> None:
     print(f"\n{model}: {info['description']}; batch {info['batch_per_rank']} per rank, {n} ranks")
     print(format_table(rows))
     if info["fp32_allreduce_limit_s"] is not None:
@@ -787,7 +795,7 @@ def _print_model(model: str, info: dict, rows: list[Row], n: int, plan: LinkPlan
     for row in rows:
         if row.ranks_agree is False:
             print(f"warning: {row.config}: the ranks' parameters differ after training")
-    for line in info["targets"]:
+    for line in info["targets"] if targets else []:
         print("target: " + line)
     print(flush=True)
 

@@ -215,12 +215,47 @@ def test_markdown_report_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_script_refuses_unknown_configuration():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_bench.py"),
-                           "--configs", "ddp-fp64", "--no-link"], capture_output=True, text=True,
-                          timeout=120)
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "ddp-fp64", "--no-link"], "unknown configuration ddp-fp64; choose from ddp-fp32"),
+    (["--models", "mlp", "--link", "fast"], "cannot read the link rate 'fast': write it like 1gbit"),
+    (["--steps", "0"], "need --steps, --block and --compute-steps >= 1"),
+])
+def test_script_refuses_bad_options_with_the_fix(args, message):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_bench.py"), *args],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "unknown configuration ddp-fp64" in proc.stderr and "ddp-fp32" in proc.stderr
+    assert message in proc.stderr
+
+
+def test_demo_summary_explains_the_result():
+    from commopt.commands import demo
+
+    rows = {r.config: vars(r) for r in sb.summarize(
+        {"ddp-fp32": _result(1.0, wire=100_000_000, compute=0.1, loss=1.9),
+         "commopt-qsgd4": _result(0.4, wire=13_000_000, compute=0.1, loss=1.9),
+         "commopt-qsgd4+ef-db": _result(0.3, wire=13_000_000, compute=0.1, loss=2.0)}, 2, 1e9)}
+    info = {"params": 25_000_000, "fp32_allreduce_limit_s": 0.8, "steps": 27}
+    report = {"link": "emulated hosts joined by 1gbit links", "link_rate": "1gbit", "rate_bits": 1e9,
+              "nprocs": 2, "load_average_start": 0.5}
+    text = demo._summary(rows, info, report)
+    assert "commopt-qsgd4+ef-db takes 300 ms per step against DDP fp32's 1000 ms (3.3x)" in text
+    assert "needs 800 ms per step on a 1gbit link" in text and "one step late" in text
+    assert "share this machine's cores" in text and "busy" not in text
+    loopback = dict(report, rate_bits=None, link_rate=None, link="plain loopback, unshaped: no root")
+    text = demo._summary(rows, dict(info, fp32_allreduce_limit_s=None), loopback)
+    assert "Note: plain loopback, unshaped: no root. Loopback is far faster" in text
+
+
+def test_demo_keeps_the_allreduce_tour_and_refuses_too_few_steps(capsys):
+    import argparse
+
+    from commopt.commands import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert parser.parse_args(["--tour"]).tour is True
+    assert demo.run(parser.parse_args(["--steps", "3"])) == 2
+    assert "--steps must be at least 4" in capsys.readouterr().err
 
 
 def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
