@@ -127,7 +127,7 @@ def _summary(rows: dict, info: dict, report: dict) -> str:
                          f"these first few steps from scratch that costs some progress "
                          f"(loss {db[0]['final_loss']:.4f}); over a whole training the recipes "
                          f"find it within 1 point of fp32's accuracy at a suitable learning rate "
-                         f"(docs/recipes-resnet50.md).")
+                         f"(docs/recipes.md).")
         if info.get("fp32_allreduce_limit_s"):
             lines.append(f"DDP fp32 cannot beat the link: its {info['params'] * 4 / 1e6:.0f} MB "
                          f"gradient needs {info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per "
