@@ -574,13 +574,17 @@ def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Pat
 
 def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: int,
              report_line) -> tuple[list[dict], int | None, str | None]:
-    """Run ``schedule`` in one job: (records of every rank, index that failed, why)."""
+    """Run ``schedule`` in one job: (records of every rank, index that failed, why).
+
+    The index is None with a reason when the job failed before any configuration started
+    (the launcher itself, or the ranks' start-up): restarting would not help.
+    """
     result = workdir / f"{model}-{attempt}.json"
     log = workdir / f"{model}-{attempt}.log"
     argv = _job_argv(args, plan, model, schedule, result, threads)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    current = None
+    current, started = None, False
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 text=True, errors="replace")
@@ -589,6 +593,7 @@ def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: 
             if line.startswith(PROGRESS):
                 word, index, name, *rest = line[len(PROGRESS):].split()
                 current = int(index) if word == "start" else None
+                started = True
                 if word == "done":
                     report_line(int(index), name, float(rest[0]), float(rest[1]))
         rc = proc.wait()
@@ -599,11 +604,14 @@ def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: 
             records += json.loads(path.read_text())
     if rc == 0:
         return records, None, None
+    why = "timed out" if rc == 124 else f"exit code {rc}"
+    why = f"{why} (log {log}):\n{root_cause(log.read_text(errors='replace'))}"
+    if not started:
+        return records, None, why
     done = {e["index"] for e in records if e["rank"] == 0}
     failed = current if current is not None else next(
         (i for i in range(len(schedule)) if i not in done), 0)
-    why = "timed out" if rc == 124 else f"exit code {rc}"
-    return records, failed, f"{why} (log {log}):\n{root_cause(log.read_text(errors='replace'))}"
+    return records, failed, why
 
 
 def root_cause(log: str, lines: int = 10) -> str:
@@ -648,6 +656,12 @@ def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Pat
             e["round"] = e["index"] // len(configs)
         records += got
         if failed is None:
+            if why is not None:  # the job could not start: what never ran fails with it
+                ran = {e["config"] for e in records}
+                for i in pending:
+                    if schedule[i] not in ran:
+                        errors.setdefault(schedule[i], why)
+                print(f"{model}: the job failed before its first configuration: {why}", flush=True)
             break
         bad = schedule[pending_at_start[failed]]
         errors[bad] = why

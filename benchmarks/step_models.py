@@ -128,7 +128,7 @@ MODELS: dict[str, ModelSpec] = {
                      batch_size=8, lr=0.05, classes=16, input_shape=(1024,), signal=0.3,
                      steps=6, block=3, role="communication", factory=_wide_mlp),
     "cnn": ModelSpec("cnn", "small CNN, 4 conv layers (0.24M params) on 3x32x32, compute-bound",
-                     batch_size=128, lr=0.2, classes=10, input_shape=(3, 32, 32), signal=1.0,
+                     batch_size=128, lr=0.1, classes=10, input_shape=(3, 32, 32), signal=1.0,
                      steps=24, block=4, role="compute", factory=_small_cnn),
     "tiny": ModelSpec("tiny", "MLP 32-64-64-4 (6.5k params), for tests",
                       batch_size=16, lr=0.1, classes=4, input_shape=(32,), signal=0.5,
