@@ -17,10 +17,12 @@ Algorithms (``algorithm=``):
     the transport sums the encoded buffer itself. Only for linear codecs whose wire dtype
     the transport sums (``comm.supports_sum(codec.wire_dtype)``), or no codec at all.
 ``scatter_reduce``
-    encode each peer's chunk, alltoall, decode-and-add in fp32, re-encode the reduced
-    chunk, allgather, decode. Works for every codec (the published QSGD/CGX scheme); chunk
-    boundaries fall on multiples of ``codec.alignment`` so chunking never changes how a
-    quantization bucket is encoded.
+    encode each peer's chunk, alltoall, decode-and-add in fp32 (the own chunk, which does
+    not travel, enters exactly), re-encode the reduced chunk, allgather, decode. Works for
+    every codec (the published QSGD/CGX scheme). Large buffers run as a pipeline of
+    pieces (``piece_bytes``) so that codec work overlaps the transfers. Chunk boundaries
+    fall on multiples of ``codec.alignment`` so chunking never changes how a quantization
+    bucket is encoded.
 ``hierarchical``
     with several ranks per node: reduce-scatter inside the node in fp32 (uncompressed),
     the compressed algorithm across nodes on each shard, allgather inside the node.
@@ -32,10 +34,10 @@ Algorithms (``algorithm=``):
 Averaging (``average=True``) divides by the world size *before* encoding, so a 16-bit sum
 cannot overflow where the mean would not.
 
-Asynchrony: ``async_op=True`` encodes the first stage on the calling thread and returns a
-:class:`~commopt.comm.base.Work` at once; the rest (transfers, decode, re-encode) runs on
-one worker thread per communicator, in issue order, so every rank issues the transport's
-collectives in the same order while the caller encodes the next buffer. Do not call the
+Asynchrony: ``async_op=True`` returns a :class:`~commopt.comm.base.Work` at once; the
+reduction runs on one worker thread per communicator, in issue order, so every rank issues
+the transport's collectives in the same order. ``flat`` belongs to the reduction until
+the Work completes (native cast codecs encode on the calling thread). Do not call the
 communicator's own collectives while an asynchronous allreduce is in flight: wait first.
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ from commopt.codecs.base import Codec, RngKey
 from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
 
 __all__ = [
-    "ALGORITHMS", "allreduce", "choose_algorithm", "chunk_bounds", "hierarchy", "drain", "then",
+    "ALGORITHMS", "PIECE_BYTES", "allreduce", "choose_algorithm", "chunk_bounds", "hierarchy", "drain", "then",
+    "scatter_reduce_layout",
 ]
 
 ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
@@ -60,7 +63,12 @@ ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
 # RNG stream layout: the caller's stream, then the phase, then the chunk index.
 _PHASE_SCATTER = 0
 _PHASE_GATHER = 1
-_CHUNK_BITS = 15
+_CHUNK_BITS = 24
+
+#: fp32 bytes per piece of the scatter-reduce pipeline: large enough that a transfer's
+#: fixed cost is small against its wire time, small enough that the codec work of the
+#: first and last piece (not hidden behind transfers) is a few milliseconds.
+PIECE_BYTES = 8 << 20
 
 
 # -- the worker that runs the later stages ------------------------------------------------
@@ -200,6 +208,8 @@ def chunk_bounds(numel: int, parts: int, alignment: int = 1) -> list[tuple[int, 
 def _chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:
     if rng is None:
         return None
+    if index >> _CHUNK_BITS:
+        raise ValueError(f"too many chunks for one allreduce ({index}); raise piece_bytes")
     stream = (rng.stream << (_CHUNK_BITS + 1)) | (phase << _CHUNK_BITS) | index
     return RngKey(rng.seed, rng.rank, rng.step, stream)
 
@@ -269,6 +279,7 @@ def allreduce(
     scale: float = 1.0,
     rng: RngKey | None = None,
     key: str | None = None,
+    piece_bytes: int | None = None,
 ) -> Work:
     """Reduce ``flat`` over all ranks of ``comm`` through ``codec``, in place.
 
@@ -276,6 +287,8 @@ def allreduce(
     result (applied before encoding, with the 1/size of ``average``). ``rng`` keys the
     random numbers of stochastic codecs (each chunk gets its own stream); ``key`` names the
     buffer for stateful codecs (error feedback keeps one residual per key and chunk).
+    ``piece_bytes``: fp32 bytes per piece of the scatter-reduce pipeline (default
+    :data:`PIECE_BYTES`; 0 runs the whole buffer as one piece).
     Returns a Work; with ``async_op=False`` it is already complete.
     """
     _check(comm, flat, codec, algorithm)
@@ -290,7 +303,8 @@ def allreduce(
         if factor != 1.0:
             flat.mul_(factor)
         return _DONE
-    plan = _PLANS[algorithm](comm, flat, codec or _Exact(flat.dtype), factor, rng, key)
+    plan = _PLANS[algorithm](comm, flat, codec or _Exact(flat.dtype), factor, rng, key,
+                             piece_bytes)
     if comm.size == 1 and _DRIVERS.get(comm) is None:
         plan()  # a world of one completes at once, on the caller's thread
         return _DONE
@@ -314,7 +328,7 @@ def _on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], Non
 
 # Each plan runs its first stage on the caller's thread and returns the rest as a callable
 # (run on the driver thread, or at once).
-def _plan_native(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
+def _plan_native(comm, flat, codec, factor, rng, key, piece_bytes=None) -> Callable[[], None]:
     if codec.wire_dtype == flat.dtype:
         # A cast to the buffer's own dtype is the identity: reduce the buffer in place.
         if factor != 1.0:
@@ -330,43 +344,118 @@ def _plan_native(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
     return finish
 
 
-def _plan_scatter_reduce(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
+def scatter_reduce_layout(numel: int, size: int, alignment: int = 1,
+                          piece_elems: int | None = None) -> list[list[tuple[int, int]]]:
+    """Pieces of the scatter-reduce pipeline, each a list of ``size`` chunks (rank j owns j).
+
+    The buffer is cut into pieces of about ``piece_elems`` elements (one piece when None),
+    each piece into one chunk per rank, every chunk starting at a multiple of ``alignment``:
+
+        >>> scatter_reduce_layout(10, 2, 1, piece_elems=5)
+        [[(0, 3), (3, 5)], [(5, 8), (8, 10)]]
+    """
+    pieces = 1 if not piece_elems else max(1, math.ceil(numel / int(piece_elems)))
+    bounds = chunk_bounds(numel, pieces * size, alignment)
+    return [bounds[k * size:(k + 1) * size] for k in range(pieces)]
+
+
+def _plan_scatter_reduce(comm, flat, codec, factor, rng, key,
+                         piece_bytes: int | None = None) -> Callable[[], None]:
+    """Scatter-reduce then allgather, pipelined over pieces of ``piece_bytes`` fp32 bytes.
+
+    Per piece: encode the peers' chunks, alltoall, sum the own chunk in fp32, encode it,
+    allgather, decode. The transfers of one piece run while the codec works on the
+    neighbouring pieces, so a large buffer costs about its wire time plus the codec work of
+    one piece, not wire time plus codec work of the whole buffer. The own chunk never
+    travels, so it is never encoded: it enters the sum exactly.
+    """
     size, rank = comm.size, comm.rank
-    bounds = chunk_bounds(flat.numel(), size, codec.alignment)
-    slot = codec.encoded_nbytes(bounds[0][1] - bounds[0][0])
-    send = torch.empty(size * slot, dtype=torch.uint8, device=flat.device)
-    for j, (lo, hi) in enumerate(bounds):
-        if hi > lo:
-            codec.encode(flat[lo:hi], send[j * slot: j * slot + codec.encoded_nbytes(hi - lo)],
-                         scale=factor, rng=_chunk_rng(rng, _PHASE_SCATTER, j),
-                         key=_sub_key(key, f"rs{j}"))
+    piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
+    layout = scatter_reduce_layout(flat.numel(), size, codec.alignment,
+                                   max(1, piece // flat.element_size()) if piece > 0 else None)
+    first_lo, first_hi = layout[0][0]
+    slot = codec.encoded_nbytes(first_hi - first_lo)
+    span = size * slot  # bytes of one piece on the wire (each rank's slot, padded)
+    pieces = len(layout)
+
+    def nbytes(lo: int, hi: int) -> int:
+        return codec.encoded_nbytes(hi - lo)
 
     def finish() -> None:
+        send = torch.empty(pieces * span, dtype=torch.uint8, device=flat.device)
         recv = torch.empty_like(send)
-        comm.alltoall(send, recv)
-        lo, hi = bounds[rank]
-        n = hi - lo
-        mine = flat[lo:hi]
-        if n:
-            nbytes = codec.encoded_nbytes(n)
-            # Fixed rank order: the owner's sum does not depend on arrival order.
+
+        def region(buf: torch.Tensor, k: int) -> torch.Tensor:
+            return buf[k * span:(k + 1) * span]
+
+        def encode_peers_chunks(k: int) -> None:
+            for j, (lo, hi) in enumerate(layout[k]):
+                if j != rank and hi > lo:
+                    off = k * span + j * slot
+                    codec.encode(flat[lo:hi], send[off: off + nbytes(lo, hi)], scale=factor,
+                                 rng=_chunk_rng(rng, _PHASE_SCATTER, k * size + j),
+                                 key=_sub_key(key, f"rs{k * size + j}"))
+
+        def start_scatter(k: int) -> Work:
+            return comm.alltoall(region(send, k), region(recv, k), async_op=True)
+
+        def reduce_own_chunk(k: int) -> None:
+            lo, hi = layout[k][rank]
+            if hi == lo:
+                return
+            mine = flat[lo:hi]
+            own = mine.mul(factor) if rank > 0 else mine.mul_(factor)
+            # The sum runs in rank order on the owner, with its own term exact.
             for i in range(size):
-                codec.decode(recv[i * slot: i * slot + nbytes], mine, accumulate=i > 0)
-            # recv's own slot is consumed: it becomes the allgather input.
-            codec.encode(mine, recv[rank * slot: rank * slot + nbytes], scale=1.0,
-                         rng=_chunk_rng(rng, _PHASE_GATHER, 0), key=_sub_key(key, "ag"))
-        # send is free once the alltoall is done: it receives everyone's reduced chunk.
-        comm.allgather(recv[rank * slot: (rank + 1) * slot], send)
-        # Every rank, the owner included, decodes the same bytes: identical results.
-        for j, (clo, chi) in enumerate(bounds):
-            if chi > clo:
-                codec.decode(send[j * slot: j * slot + codec.encoded_nbytes(chi - clo)],
-                             flat[clo:chi], accumulate=False)
+                if i == rank:
+                    if i > 0:
+                        mine.add_(own)
+                    continue
+                off = k * span + i * slot
+                codec.decode(recv[off: off + nbytes(lo, hi)], mine, accumulate=i > 0)
+            # recv's own slot never carried data: it becomes the allgather input.
+            off = k * span + rank * slot
+            codec.encode(mine, recv[off: off + nbytes(lo, hi)], scale=1.0,
+                         rng=_chunk_rng(rng, _PHASE_GATHER, k), key=_sub_key(key, f"ag{k}"))
+
+        def start_gather(k: int) -> Work:
+            # send's piece is free once its alltoall is done: it receives the reduced chunks.
+            off = k * span + rank * slot
+            return comm.allgather(recv[off: off + slot], region(send, k), async_op=True)
+
+        def decode_piece(k: int) -> None:
+            # Every rank, the owner included, decodes the same bytes: identical results.
+            for j, (lo, hi) in enumerate(layout[k]):
+                if hi > lo:
+                    off = k * span + j * slot
+                    codec.decode(send[off: off + nbytes(lo, hi)], flat[lo:hi], accumulate=False)
+
+        # Two scatters in flight keep the link busy while piece k is summed and encoded.
+        # Every rank issues the transport's collectives in the same order:
+        # scatter 0, scatter 1, gather 0, scatter 2, gather 1, ...
+        scatters: list[Work | None] = [None] * pieces
+        gathers: list[Work | None] = [None] * pieces
+        for k in range(min(2, pieces)):
+            encode_peers_chunks(k)
+            scatters[k] = start_scatter(k)
+        for k in range(pieces):
+            scatters[k].wait()
+            reduce_own_chunk(k)
+            gathers[k] = start_gather(k)
+            if k + 2 < pieces:
+                encode_peers_chunks(k + 2)
+                scatters[k + 2] = start_scatter(k + 2)
+            if k >= 1:
+                gathers[k - 1].wait()
+                decode_piece(k - 1)
+        gathers[pieces - 1].wait()
+        decode_piece(pieces - 1)
 
     return finish
 
 
-def _plan_hierarchical(comm, flat, codec, factor, rng, key) -> Callable[[], None]:
+def _plan_hierarchical(comm, flat, codec, factor, rng, key,
+                       piece_bytes=None) -> Callable[[], None]:
     def finish() -> None:
         intra, inter = hierarchy(comm)
         n = flat.numel()
@@ -388,7 +477,7 @@ def _plan_hierarchical(comm, flat, codec, factor, rng, key) -> Callable[[], None
         # 2. the compressed algorithm across nodes, on this rank's shard.
         if inter.size > 1:
             inner = choose_algorithm(inter, codec)
-            _PLANS[inner](inter, shard, codec, factor, rng, _sub_key(key, "x"))()
+            _PLANS[inner](inter, shard, codec, factor, rng, _sub_key(key, "x"), piece_bytes)()
         elif factor != 1.0:
             shard.mul_(factor)
         # 3. allgather inside the node.

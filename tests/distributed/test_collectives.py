@@ -50,13 +50,25 @@ def same_everywhere(y, what):
         assert torch.equal(other, y), f"{what}: rank {q} differs from rank {r}"
 
 
-def emulate_cast(xs, dtype, algorithm):
-    """Bit-exact result of the cast codecs: fp16/bf16 wire, fp32 accumulation in rank order."""
-    wire = [(x * (1.0 / n)).to(dtype).float() for x in xs]
-    acc = wire[0].clone()
-    for w in wire[1:]:
-        acc += w
-    return acc.to(dtype).float() if dtype != torch.float32 else acc
+def emulate_cast(xs, dtype, algorithm, codec=None, piece_bytes=None):
+    """Bit-exact result of the cast codecs: fp16/bf16 wire, fp32 accumulation in rank order.
+
+    In scatter_reduce each chunk's owner adds its own term exactly (it never travels).
+    """
+    numel = xs[0].numel()
+    scaled = [x * (1.0 / n) for x in xs]
+    wire = [s.to(dtype).float() for s in scaled]
+    align = codec.alignment if codec is not None else 1
+    out = torch.empty(numel)
+    for piece in collectives.scatter_reduce_layout(
+            numel, n, align, (piece_bytes or collectives.PIECE_BYTES) // 4):
+        for owner, (lo, hi) in enumerate(piece):
+            terms = [(scaled if q == owner else wire)[q][lo:hi] for q in range(n)]
+            acc = terms[0].clone()
+            for t in terms[1:]:
+                acc += t
+            out[lo:hi] = acc
+    return out.to(dtype).float() if dtype != torch.float32 else out
 
 
 def qsgd_bound(xs, levels, bucket, algorithm):
@@ -102,7 +114,7 @@ for numel in (1, 5, 1000, 4099):
             same_everywhere(y, f"{name} {algorithm}")
             chosen = collectives.choose_algorithm(comm, codec) if algorithm == "auto" else algorithm
             if chosen == "scatter_reduce":
-                assert torch.equal(y, emulate_cast(xs, dtype, algorithm)), f"{name} scatter bit-exact"
+                assert torch.equal(y, emulate_cast(xs, dtype, algorithm, codec)), f"{name} scatter bit-exact"
             eps = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
             tol = (n + 1) * eps * (sum(x.abs() for x in xs) / n + exact.abs()) + 1e-6
             assert ((y - exact).abs() <= tol).all(), f"{name} {algorithm} numel={numel}: {(y-exact).abs().max()}"
@@ -139,7 +151,25 @@ for t in range(20):
 err_ef = (cum_ef.double() - cum_exact).abs().mean()
 err_plain = (cum_plain.double() - cum_exact).abs().mean()
 assert err_ef < 0.5 * err_plain, f"error feedback does not cancel errors: {err_ef} vs {err_plain}"
-assert codec.residual("ef/rs0") is not None and codec.residual("ef/ag") is not None
+peer = (r + 1) % n
+assert codec.residual(f"ef/rs{peer}") is not None and codec.residual("ef/ag0") is not None
+assert codec.residual(f"ef/rs{r}") is None, "the own chunk never travels, so it has no residual"
+
+# -- the pipeline: many pieces give the same bits as the emulation, and stay in the bound ------------
+xs = inputs(4099, seed=11)
+for piece_bytes in (1536, 4096 * 4):
+    codec = get_codec("fp16")
+    y = reduce(xs, codec, "scatter_reduce", piece_bytes=piece_bytes)
+    same_everywhere(y, f"fp16 pieces of {piece_bytes} B")
+    assert torch.equal(y, emulate_cast(xs, torch.float16, "scatter_reduce", codec, piece_bytes)), \
+        f"fp16 scatter in pieces of {piece_bytes} B: not the rank-order sum"
+    codec = get_codec("qsgd4")
+    y = reduce(xs, codec, "scatter_reduce", rng=RngKey(3, r, 0, 1), piece_bytes=piece_bytes)
+    same_everywhere(y, f"qsgd4 pieces of {piece_bytes} B")
+    bound, _ = qsgd_bound(xs, codec.levels, codec.bucket_size, "scatter_reduce")
+    exact = (sum(x.double() for x in xs) / n).float()
+    assert ((y - exact).abs() <= bound).all(), f"qsgd4 in pieces of {piece_bytes} B outside the bound"
+    checked += 2
 
 # -- asynchronous: many buffers in flight, mixed codecs and algorithms, complete in order --------------
 xs = inputs(4099, seed=9)
@@ -150,7 +180,8 @@ for i, (spec, alg) in enumerate([("fp32", "auto"), ("qsgd4", "auto"), ("fp16", "
                                  ("fp32", "scatter_reduce"), ("qsgd4+ef", "auto")] * 3):
     y = xs[r].clone() * (i + 1)
     works.append(collectives.allreduce(comm, y, get_codec(spec), algorithm=alg, async_op=True,
-                                       rng=RngKey(3, r, i, 0), key=f"async{i}"))
+                                       rng=RngKey(3, r, i, 0), key=f"async{i}",
+                                       piece_bytes=2048 if i % 2 else None))
     bufs.append((spec, y, i))
 for w in works:
     w.wait()
