@@ -124,6 +124,12 @@ def build_buckets(
     return buckets
 
 
+def _is_view_of(g: torch.Tensor | None, region: torch.Tensor) -> bool:
+    """True when ``g`` is exactly ``region`` of a bucket (same memory, same elements)."""
+    return (g is not None and g.data_ptr() == region.data_ptr() and g.numel() == region.numel()
+            and g.dtype == region.dtype and g.device == region.device and g.is_contiguous())
+
+
 @dataclass
 class StepResult:
     """What every rank agrees on after one step's reduction."""
@@ -197,7 +203,8 @@ class GradientReducer:
                     "gradient with .to_dense() before step())."
                 )
             present[s.param] = True
-            dst.copy_(g.reshape(-1))
+            if not _is_view_of(g, dst):  # backward accumulated into the bucket: nothing to copy
+                dst.copy_(g.reshape(-1))
         for s in bucket.slots:
             if s.padded > s.numel:  # a NaN decoded into the padding must not stay there
                 flat[s.offset + s.numel: s.offset + s.padded].zero_()
@@ -219,10 +226,36 @@ class GradientReducer:
                 continue
             src = flat[s.offset: s.offset + s.numel].view(p.shape)
             g = p.grad
-            if g is None or g.shape != p.shape or g.is_sparse:
+            if self._viewable(p, flat):
+                # The averages stay in the bucket; param.grad looks at them (no copy).
+                if not _is_view_of(g, src):
+                    p.grad = src
+            elif g is None or g.shape != p.shape or g.is_sparse:
                 p.grad = src.to(dtype=p.dtype, copy=True)
             else:
                 g.copy_(src)
+
+    def zero_grads_into(self, buffer: int) -> None:
+        """Point every eligible ``param.grad`` at its zeroed slot of buffer set ``buffer``.
+
+        The next backward then accumulates straight into the bucket, so neither packing nor
+        unpacking copies anything (PyTorch DDP's ``gradient_as_bucket_view``). Parameters
+        whose dtype differs from their bucket's (half precision) get ``grad = None``.
+        """
+        flats = self.buffers[buffer]
+        for b in self.buckets:
+            flat = flats[b.index]
+            flat.zero_()
+            for s in b.slots:
+                p = self.params[s.param]
+                if self._viewable(p, flat):
+                    p.grad = flat[s.offset: s.offset + s.numel].view(p.shape)
+                else:
+                    p.grad = None
+
+    @staticmethod
+    def _viewable(p: torch.Tensor, flat: torch.Tensor) -> bool:
+        return p.dtype == flat.dtype and p.device == flat.device and p.layout == torch.strided
 
     def codec_states(self) -> dict[str, dict]:
         """State of each distinct codec of the buckets (error-feedback residuals)."""
@@ -305,7 +338,8 @@ class StepReduction:
     def _agree(self) -> None:
         """On the collectives' thread, after every bucket: agree on NaN/Inf and presence."""
         n = len(self.flats)
-        local = [float(bool(self._bad[i]) or not bool(torch.isfinite(flat.sum())))
+        local = [float(bool(self._bad[i]) or (self._may_overflow(i)
+                                               and not bool(torch.isfinite(flat.sum()))))
                  for i, flat in enumerate(self.flats)]
         local += [float(p) for p in self.present]
         # On the buckets' device: a GPU transport (NCCL) reduces device memory only.
@@ -315,6 +349,16 @@ class StepReduction:
         agreed = (flags > 0).tolist()
         bad = [i for i in range(n) if agreed[i]]
         self._result = StepResult(bool(bad), bad, agreed[n:])
+
+    def _may_overflow(self, i: int) -> bool:
+        """Whether bucket ``i``'s average can be non-finite when every input was finite.
+
+        An average of finite fp32 (or bf16: the same range) terms, each divided by the
+        world size before the sum, stays within the largest input; only an fp16 wire
+        (max 65504) or a scale above 1 can overflow, so only those pay a second pass.
+        """
+        codec = self.reducer.buckets[i].codec
+        return self.scale > 1.0 or getattr(codec, "wire_dtype", None) == torch.float16
 
     @classmethod
     def restored(cls, reducer: GradientReducer, step: int, buffer: int,

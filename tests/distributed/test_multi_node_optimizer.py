@@ -126,6 +126,37 @@ assert opt.applied_steps == 4 and rel_err(model, ref) <= 1e-6, "flush() applies 
 all_same(model, "double buffering")
 checks.append("double-buffering")
 
+# -- zero_grad(set_to_none=False): grads become views of the buckets; same bits as None grads -------
+for overlap, db, compression in ((True, False, None), (False, False, None), (True, True, None),
+                                 (True, True, "qsgd4"), (True, False, "qsgd4+ef")):
+    finals = []
+    for set_to_none in (True, False):
+        what_now = f"overlap={overlap} db={db} {compression} set_to_none={set_to_none}"
+        model = make_model(seed=2)
+        opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                          comm, overlap=overlap, double_buffering=db,
+                                          compression=compression, model=model, bucket_cap_mb=0.0005)
+        for step in range(5):
+            opt.zero_grad(set_to_none=set_to_none)
+            if not set_to_none and step > 0:
+                red = opt._reducer
+                params = list(model.parameters())
+                for b in red.buckets:
+                    for sl in b.slots:
+                        g = red.params[sl.param].grad
+                        assert g is not None and not g.any(), "zero_grad(False): zeroed grads"
+                        slots = [flats[b.index][sl.offset:].data_ptr() for flats in red.buffers]
+                        assert g.data_ptr() in slots, f"{what_now}: grad is not a view of its bucket"
+            loss_fn(model, *batch(step, r)).backward()
+            opt.step()
+        if db:
+            opt.flush()
+        finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    what = f"views overlap={overlap} db={db} {compression}"
+    assert torch.equal(finals[0], finals[1]), f"{what}: set_to_none=False changed the result"
+    all_same(model, what)
+checks.append("grad-views")
+
 # -- unused parameters: zero_fill=True takes part with zeros; False leaves them out -----------------
 class Branchy(torch.nn.Module):
     def __init__(self):
