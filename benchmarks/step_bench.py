@@ -87,10 +87,6 @@ MODELS = step_models.MODELS
 #: buckets' collectives interleave differently on each rank: a collective size mismatch
 #: abort, or here a hang until the gloo timeout).
 POWERSGD_BUCKET_MB = 4096
-#: Every configuration (and the compute-only twin) zeroes gradients in place: backward then
-#: accumulates into DDP's buckets (``gradient_as_bucket_view``) and commopt's (its
-#: ``zero_grad(set_to_none=False)``), and nobody pays a fresh 100 MB allocation per step.
-ZERO_GRAD_TO_NONE = False
 #: PowerSGD runs plain allreduce for its first iterations; 2 is the smallest it accepts with
 #: error feedback and warm start. Warm-up steps cover them.
 POWERSGD_START_ITER = 2
@@ -376,6 +372,10 @@ def _worker(args: argparse.Namespace) -> int:
     import commopt
 
     torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        # Every configuration alike: freed gradients and activations are reused instead of
+        # page-faulted back each step (see commopt.memory; PyTorch's tuning guide).
+        commopt.reuse_freed_memory()
     if args.comm == "mpi":
         comm = commopt.create_communicator("mpi")
         # DDP needs torch.distributed too; under mpirun it finds its peers through MPI.
@@ -442,7 +442,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     def train_step(timed: bool) -> None:
         x, y = next(feed)
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=ZERO_GRAD_TO_NONE)
+        opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         after_backward = time.perf_counter()
@@ -456,7 +456,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     def twin_step(j: int) -> float:
         x, y = batches[args.warmup + j % steps]
         start = time.perf_counter()
-        twin_opt.zero_grad(set_to_none=ZERO_GRAD_TO_NONE)
+        twin_opt.zero_grad(set_to_none=True)
         F.cross_entropy(twin(x), y).backward()
         twin_opt.step()
         return time.perf_counter() - start
@@ -497,20 +497,17 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
 def _wrap_ddp(model, cfg: StepConfig):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # gradient_as_bucket_view: DDP's own no-copy mode, the match of commopt's bucket views
-    # (both sides train with zero_grad(set_to_none=False), see ZERO_GRAD_TO_NONE).
     if cfg.wire == "fp32":
-        return DDP(model, gradient_as_bucket_view=True)
+        return DDP(model)
     if cfg.wire == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp = DDP(model, gradient_as_bucket_view=True)
+        ddp = DDP(model)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return ddp
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB,  # one bucket: see POWERSGD_BUCKET_MB
-              gradient_as_bucket_view=True)
+    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)  # one bucket: see POWERSGD_BUCKET_MB
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                    start_powerSGD_iter=POWERSGD_START_ITER)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
@@ -570,6 +567,8 @@ def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Pat
         worker += ["--batch", str(args.batch)]
     if args.compute_steps:
         worker += ["--compute-steps", str(args.compute_steps)]
+    if args.system_malloc:
+        worker += ["--system-malloc"]
     if args.block:
         worker += ["--block", str(args.block)]
     argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
@@ -917,6 +916,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int,
                         help="torch threads per rank (default cores / ranks)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc malloc as it is (default: every rank calls "
+                             "commopt.reuse_freed_memory(), for every configuration alike)")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds one model's job may take (default 3600)")
     parser.add_argument("--collective-timeout", type=float, default=300,

@@ -7,7 +7,7 @@
 """
 __version__ = "0.1.0"
 
-__all__ = ["create_communicator", "create_multi_node_optimizer", "__version__"]
+__all__ = ["create_communicator", "create_multi_node_optimizer", "reuse_freed_memory", "__version__"]
 
 
 def __getattr__(name):
@@ -21,7 +21,12 @@ def __getattr__(name):
         from commopt.optim.multi_node import create_multi_node_optimizer
 
         return create_multi_node_optimizer
-    if name in ("comm", "codecs", "collectives", "optim", "kernels", "sim", "integrations", "reducer"):
+    if name == "reuse_freed_memory":
+        from commopt.memory import reuse_freed_memory
+
+        return reuse_freed_memory
+    if name in ("comm", "codecs", "collectives", "optim", "kernels", "sim", "integrations", "reducer",
+                "memory"):
         import importlib
 
         return importlib.import_module(f"commopt.{name}")

@@ -68,7 +68,7 @@ _CHUNK_BITS = 24
 #: fp32 bytes per piece of the scatter-reduce pipeline: large enough that a transfer's
 #: fixed cost is small against its wire time, small enough that the codec work of the
 #: first and last piece (not hidden behind transfers) is a few milliseconds.
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 4 << 20
 
 
 # -- the worker that runs the later stages ------------------------------------------------
@@ -385,6 +385,12 @@ def _plan_scatter_reduce(comm, flat, codec, factor, rng, key,
         send = torch.empty(pieces * span, dtype=torch.uint8, device=flat.device)
         recv = torch.empty_like(send)
 
+        def decode_into(wire: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
+            if alpha == 1.0:
+                codec.decode(wire, out, accumulate=True)
+            else:
+                codec.decode_scaled(wire, out, accumulate=True, alpha=alpha)
+
         def region(buf: torch.Tensor, k: int) -> torch.Tensor:
             return buf[k * span:(k + 1) * span]
 
@@ -404,18 +410,18 @@ def _plan_scatter_reduce(comm, flat, codec, factor, rng, key,
             if hi == lo:
                 return
             mine = flat[lo:hi]
-            own = mine.mul(factor) if rank > 0 else mine.mul_(factor)
-            # The sum runs in rank order on the owner, with its own term exact.
+            # Sum own term first, then the peers in rank order, without scaling the own
+            # term in a pass of its own: sum x_own + n * peer_i (the peers were sent
+            # already multiplied by factor = scale / n) and let the encode multiply by
+            # factor. With n a power of two this is bit for bit factor * x_own + sum peer_i.
+            undo = 1.0 / factor if factor != 0.0 else 0.0
             for i in range(size):
-                if i == rank:
-                    if i > 0:
-                        mine.add_(own)
-                    continue
-                off = k * span + i * slot
-                codec.decode(recv[off: off + nbytes(lo, hi)], mine, accumulate=i > 0)
+                if i != rank:
+                    off = k * span + i * slot
+                    decode_into(recv[off: off + nbytes(lo, hi)], mine, undo)
             # recv's own slot never carried data: it becomes the allgather input.
             off = k * span + rank * slot
-            codec.encode(mine, recv[off: off + nbytes(lo, hi)], scale=1.0,
+            codec.encode(mine, recv[off: off + nbytes(lo, hi)], scale=factor,
                          rng=_chunk_rng(rng, _PHASE_GATHER, k), key=_sub_key(key, f"ag{k}"))
 
         def start_gather(k: int) -> Work:

@@ -53,7 +53,8 @@ def same_everywhere(y, what):
 def emulate_cast(xs, dtype, algorithm, codec=None, piece_bytes=None):
     """Bit-exact result of the cast codecs: fp16/bf16 wire, fp32 accumulation in rank order.
 
-    In scatter_reduce each chunk's owner adds its own term exactly (it never travels).
+    In scatter_reduce each chunk's owner starts from its own term, exact (it never
+    travels), and adds the peers' in rank order.
     """
     numel = xs[0].numel()
     scaled = [x * (1.0 / n) for x in xs]
@@ -63,7 +64,8 @@ def emulate_cast(xs, dtype, algorithm, codec=None, piece_bytes=None):
     for piece in collectives.scatter_reduce_layout(
             numel, n, align, (piece_bytes or collectives.PIECE_BYTES) // 4):
         for owner, (lo, hi) in enumerate(piece):
-            terms = [(scaled if q == owner else wire)[q][lo:hi] for q in range(n)]
+            # the owner's own term (exact) first, then the peers' wire values in rank order
+            terms = [scaled[owner][lo:hi]] + [wire[q][lo:hi] for q in range(n) if q != owner]
             acc = terms[0].clone()
             for t in terms[1:]:
                 acc += t
