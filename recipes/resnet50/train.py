@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from commopt.optim.lars import LARS
+from commopt.optim.layerwise import LARS
 from commopt.optim.schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
 from recipes.common import (
     JsonLines,

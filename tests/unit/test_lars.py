@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commopt.optim.lars import LARS, exclude_bias_and_norm, lars, trust_ratios
+from commopt.optim.layerwise import LARS, exclude_bias_and_norm, lars, trust_ratios
 
 
 def reference_lars(weights, grads_per_step, *, lr, momentum, wd, eta, eps, skip):
@@ -231,7 +231,10 @@ def test_wrapper_works_with_adam_lr_scheduler_grad_scaler_and_checkpoints():
 
 def test_lars_is_callable_from_the_package():
     import commopt.optim
+    import commopt.optim.layerwise  # importing the module must not hide the function
     from commopt.optim import lars as from_package
+
+    assert callable(from_package) and from_package is commopt.optim.layerwise.lars
 
     opt = from_package(torch.optim.SGD([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1), 0.01)
     assert type(opt).__name__ == "LayerwiseAdaptation"

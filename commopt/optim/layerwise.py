@@ -20,7 +20,7 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
 "1 when a norm is 0" rule is a ``torch.where``, so a GPU step never waits on a ``.item()``.
 
     >>> import torch
-    >>> from commopt.optim.lars import LARS
+    >>> from commopt.optim.layerwise import LARS
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = LARS(model.parameters(), lr=0.1)
     >>> model(torch.randn(8, 4)).sum().backward()
@@ -28,8 +28,6 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
 """
 from __future__ import annotations
 
-import sys
-import types
 from collections import OrderedDict
 from typing import Callable, Iterable
 
@@ -313,15 +311,3 @@ def lars(optimizer: Optimizer, trust_coefficient: float = 0.001, clip: bool = Fa
         >>> opt.step()
     """
     return LayerwiseAdaptation(optimizer, trust_coefficient, clip, eps, exclude)
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule binds the name ``lars`` on ``commopt.optim`` to the module,
-    which hides the function of the same name; a callable module makes
-    ``from commopt.optim import lars; lars(opt, 0.001)`` work whichever one a caller gets."""
-
-    def __call__(self, *args, **kwargs):
-        return lars(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
