@@ -182,23 +182,38 @@ def sim_measurements(data, summary, sizes: list[int] | None = None) -> list[dict
     An allreduce alone is a "step" with no compute (1 us, the simulator needs > 0) and one
     bucket of the whole buffer. The plan names what ran: fp32, fp16 and bf16 are summed by the
     transport (a ring: gloo's, the mpi communicator's pipelined one between hosts, or Open
-    MPI's own for mpi-native); qsgd runs commopt's scatter-reduce/allgather ("sra").
+    MPI's own for mpi-native); qsgd runs commopt's scatter-reduce/allgather ("sra"). Beside
+    the median: the transport (the config), the link rate, the fastest and slowest round and
+    the 1-minute load average of the machine at each round (``per_round``: seconds and load).
     """
     sizes = sizes or [max(r["size"] for r in summary["rows"])]
     commands = {run["config"]: run["shell_command"] for run in data["runs"]}
+    loads: dict[str, list[float]] = {}
+    for run in data["runs"]:
+        if "load_average" in run:
+            loads.setdefault(run["config"], []).append(run["load_average"])
     out = []
     for r in summary["rows"]:
         if r["size"] not in sizes:
             continue
         native = r["codec"] in ("fp32", "fp16", "bf16")
-        out.append({
+        entry = {
             "what": f"allreduce {r['codec']} {_size(r['size'])}, {LABELS[r['config']]}, 2 hosts, "
                     f"{summary['link_bits_per_s'] / 1e9:g} Gbit/s (median of {r['rounds']})",
             "command": commands[r["config"]], "gpus": data["nprocs"], "compute_s": 1e-6,
             "grad_bytes": r["size"], "measured_step_s": r["time_s"],
             "plan": {"algorithm": "ring" if native else "sra",
                      "codec": "none" if r["codec"] == "fp32" else r["codec"],
-                     "overlap": "none", "bucket_mb": r["size"] / 2**20}})
+                     "overlap": "none", "bucket_mb": r["size"] / 2**20},
+            "transport": r["config"], "link_bits_per_s": summary["link_bits_per_s"],
+            "rounds": r["rounds"], "measured_min_s": r["time_min_s"], "measured_max_s": r["time_max_s"]}
+        if loads.get(r["config"]):
+            entry["load_average"] = [min(loads[r["config"]]), max(loads[r["config"]])]
+            entry["per_round"] = [
+                {"time_s": x["time_us"] * 1e-6, "load_average": run["load_average"]}
+                for run in data["runs"] if run["config"] == r["config"] and "load_average" in run
+                for x in run["results"] if (x["codec"], x["size"]) == (r["codec"], r["size"])]
+        out.append(entry)
     return out
 
 

@@ -2,21 +2,29 @@
 
     $ python benchmarks/sim_validation.py                     # text tables
     $ python benchmarks/sim_validation.py --markdown          # the tables in docs/scaling.md
-    $ python benchmarks/sim_validation.py --measured testbed.json   # add the testbed's numbers
+    $ python benchmarks/sim_validation.py --measured a.json --measured b.json
 
-``testbed.json`` is a list of measurements (see commopt.sim.validation.Measurement): what was
-run, the exact command, GPUs (hosts), measured compute seconds per step, gradient bytes and the
-measured step seconds. Without it the measured column says "pending".
+Every testbed row comes from a measurement file (``--measured``, repeatable; default
+``benchmarks/results/sim-testbed-1gbit.json`` when it exists), a list of
+:class:`commopt.sim.validation.Measurement` entries as ``benchmarks/allreduce_link.py
+--sim-measurements`` writes them: what ran, the exact command, hosts, compute seconds per
+step, gradient bytes, the measured seconds (median over rounds) and, where the writer has
+them, the transport, the rounds' range and the machine's load. ``--codec-bench FILE`` (the
+output of ``benchmarks/codec_perf.py --json``) replaces the testbed presets' codec speeds.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from commopt.sim import Plan, get_machine, simulate
+from commopt.sim.codec_costs import from_benchmark
 from commopt.sim.validation import (TOLERANCE, chainermn_effect, cgx_effect, compare_testbed_measurements,
-                                    load_measurements, physical_allreduce_s, predict_testbed_allreduce,
-                                    published_comparison)
+                                    load_measurements, published_comparison)
+
+DEFAULT_MEASURED = Path(__file__).resolve().parent / "results" / "sim-testbed-1gbit.json"
 
 
 def _table(header, rows, markdown):
@@ -54,15 +62,45 @@ def effects_table(markdown: bool) -> str:
                   rows, markdown)
 
 
-def testbed_table(markdown: bool, measurements) -> str:
-    size = 64 * 2**20
-    limit = physical_allreduce_s(size, 2, 1.0)
-    rows = [["fp32 all-reduce of 64 MiB, 2 hosts, 1 Gbit/s", f"{predict_testbed_allreduce(size) * 1e3:.0f} ms",
-             f"{limit * 1e3:.0f} ms (2(n-1)/n x bytes / rate)", "pending (docs/benchmarks.md)", ""]]
-    for m in compare_testbed_measurements(measurements):
-        rows.append([m["what"], f"{m['predicted_step_s'] * 1e3:.0f} ms", "", f"{m['measured_step_s'] * 1e3:.0f} ms",
-                     f"{m['error']:+.1%}"])
-    return _table(["testbed run", "predicted", "physical limit", "measured", "pred/meas - 1"], rows, markdown)
+def _ms(seconds) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def rows_for_testbed(measurements, codec_speeds=()) -> list[dict]:
+    return compare_testbed_measurements(measurements, codec_speeds)
+
+
+def render_testbed_table(markdown: bool, rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        spread = ""
+        if r["measured_min_s"] is not None and r["measured_max_s"] is not None:
+            spread = f" ({r['measured_min_s'] * 1e3:.1f}-{r['measured_max_s'] * 1e3:.1f})"
+        load = "" if not r["load_average"] else f"{min(r['load_average']):.1f}-{max(r['load_average']):.1f}"
+        status = r["status"]
+        if r["evidence"]:
+            f, q = r["evidence"]["fastest"], r["evidence"]["quietest"]
+            status += (f": fastest round {f['time_s'] * 1e3:.1f} ms at load {f['load_average']:.1f} "
+                       f"({f['error']:+.1%})")
+            if q is not f and q["time_s"] != f["time_s"]:
+                status += (f", round at the lowest load ({q['load_average']:.1f}) {q['time_s'] * 1e3:.1f} ms "
+                           f"({q['error']:+.1%})")
+        out.append([r["what"], r["machine"], _ms(r["predicted_step_s"]), _ms(r["limit_s"]),
+                    _ms(r["measured_step_s"]) + spread, load, f"{r['error']:+.1%}", status])
+    return _table(["testbed run", "preset", "predicted", "link limit", "measured: median (min-max)", "load",
+                   "pred/meas - 1", "status"], out, markdown)
+
+
+def summarize_testbed(rows: list[dict]) -> str:
+    modelled = [r for r in rows if r["status"] != "not modelled"]
+    ok = [r for r in modelled if r["status"] == "ok"]
+    others = len(rows) - len(modelled)
+    lines = [f"{len(ok)} of {len(modelled)} modelled rows within {TOLERANCE:.0%}"
+             + (f" ({others} row{'s' if others != 1 else ''} of transports the simulator does not model)."
+                if others else ".")]
+    reasons = {r["transport"]: r["reason"] for r in rows if r["status"] == "not modelled"}
+    lines += [f"- not modelled, {transport}: {reason}" for transport, reason in reasons.items()]
+    return "\n".join(lines)
 
 
 def predictions_table(markdown: bool) -> str:
@@ -86,15 +124,40 @@ def predictions_table(markdown: bool) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--measured", default=None, help="testbed measurements (JSON list)")
+    ap.add_argument("--measured", action="append", default=None, metavar="JSON",
+                    help=f"testbed measurements (repeatable; default {os.path.relpath(DEFAULT_MEASURED)} "
+                         "when it exists)")
+    ap.add_argument("--codec-bench", default=None, metavar="JSON",
+                    help="benchmarks/codec_perf.py --json output: codec speeds for the testbed presets")
     args = ap.parse_args(argv)
-    measurements = load_measurements(args.measured) if args.measured else []
+    paths = args.measured if args.measured is not None else (
+        [str(DEFAULT_MEASURED)] if DEFAULT_MEASURED.exists() else [])
+    measurements = [m for path in paths for m in load_measurements(path)]
+    speeds = ()
+    if args.codec_bench:
+        found = []
+        for name in ("qsgd2", "qsgd4", "qsgd8"):
+            try:
+                c = from_benchmark(args.codec_bench, name)
+            except ValueError:
+                continue
+            found.append((name, c.encode_elems_per_s * 4 / 1e9, c.decode_elems_per_s * 4 / 1e9))
+        if not found:
+            ap.error(f"--codec-bench {args.codec_bench}: no QSGD rows found")
+        speeds = tuple(found)
     print("## Published scaling rows (PyTorch + NCCL, no compression)\n")
     print(published_table(args.markdown, {}))
     print("\n## Published effects\n")
     print(effects_table(args.markdown))
     print("\n## Testbed\n")
-    print(testbed_table(args.markdown, measurements))
+    if measurements:
+        print("Measurements: " + ", ".join(os.path.relpath(p) for p in paths) + "\n")
+        rows = rows_for_testbed(measurements, speeds)
+        print(render_testbed_table(args.markdown, rows))
+        print()
+        print(summarize_testbed(rows))
+    else:
+        print("no measurement file: pass --measured (benchmarks/allreduce_link.py --sim-measurements writes one)")
     print("\n## Parallel efficiency of 1024 V100 (8 per node), DDP buckets of 25 MB\n")
     print(predictions_table(args.markdown))
     return 0

@@ -103,7 +103,30 @@ def get_codec(name: str | CodecCost) -> CodecCost:
     raise ValueError(f"unknown codec {name!r}; choose one of: {', '.join(list_codecs())}")
 
 
+def _codec_perf_rows(cpu: dict) -> list[dict]:
+    """Entries from ``benchmarks/codec_perf.py --json``: its CPU rows of native kernels, named
+    as the simulator's codecs (commopt's QSGD default is max scale, stochastic rounding)."""
+    out = []
+    for row in cpu.get("rows", []):
+        label = str(row.get("codec", ""))
+        m = re.fullmatch(r"qsgd(\d+) b(\d+) max stochastic", label)
+        if m:
+            name = f"qsgd{m.group(1)}" + ("" if m.group(2) == "128" else f"b{m.group(2)}")
+        elif label in ("fp16", "bf16"):
+            name = label
+        else:
+            continue
+        if "native_encode" in row and "native_decode" in row:
+            entry = {"codec": name, "encode_GBps": row["native_encode"], "decode_GBps": row["native_decode"]}
+            if m and row.get("wire_ratio") is not None:   # a cast's width is exact already
+                entry["bytes_ratio"] = row["wire_ratio"]
+            out.append(entry)
+    return out
+
+
 def _entries(data) -> list[dict]:
+    if isinstance(data, dict) and isinstance(data.get("cpu"), dict):
+        return _codec_perf_rows(data["cpu"])
     if isinstance(data, dict) and "results" in data:
         data = data["results"]
     if isinstance(data, dict):
@@ -116,7 +139,8 @@ def _entries(data) -> list[dict]:
 def from_benchmark(source: str | dict | list, codec: str | CodecCost) -> CodecCost:
     """``codec`` with the speeds (and bytes ratio) measured by the codec benchmark.
 
-    ``source`` is a JSON file or its parsed content: one entry, a list, or ``{"results": [...]}``;
+    ``source`` is a JSON file or its parsed content: the output of ``benchmarks/codec_perf.py
+    --json`` (its CPU rows of native kernels), or one entry, a list, or ``{"results": [...]}``;
     an entry is ``{"codec": "qsgd4", "bytes_ratio": 0.133, "encode_GBps": 40.0,
     "decode_GBps": 60.0}`` with GB/s counted in float32 input bytes.
 

@@ -114,3 +114,26 @@ def hierarchical_allreduce_time(gpus_per_node: int, nodes: int, nbytes: float,
     if nodes > 1:
         inter_part = 2 * (nodes - 1) * (inter.latency_s + nbytes / (nodes * inter.bandwidth_Bps))
     return intra_part + inter_part
+
+
+def pipeline_time(wire_s: float, codec_s: float, pieces: int, fixed_s_per_piece: float = 0.0) -> float:
+    """A buffer cut into ``pieces`` equal pieces, each of which needs the link (``wire_s / pieces``
+    of transfers) and the processor (``codec_s / pieces`` of codec work), one piece's codec work
+    overlapping the neighbouring pieces' transfers:
+
+    T = max(W, C) + min(W, C) / p + p * fixed
+
+    The slower resource sets the pace; the faster one's share of one piece is not hidden (the
+    first piece's encode before the link has anything to send, the last piece's decode after
+    it is done: fill and drain). ``fixed_s_per_piece`` is what every piece's collectives cost
+    regardless of size (their latencies). One piece is the unpipelined sum W + C + fixed.
+
+        >>> round(pipeline_time(0.075, 0.019, pieces=16) * 1e3, 4)   # wire-bound: 75 + 19/16 ms
+        76.1875
+    """
+    if int(pieces) != pieces or pieces < 1:
+        raise ValueError(f"number of pieces must be a positive integer, got {pieces}")
+    if wire_s < 0 or codec_s < 0 or fixed_s_per_piece < 0:
+        raise ValueError(f"pipeline times must be >= 0 s, got wire {wire_s}, codec {codec_s}, "
+                         f"fixed {fixed_s_per_piece}")
+    return max(wire_s, codec_s) + min(wire_s, codec_s) / pieces + pieces * fixed_s_per_piece

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from commopt.sim.costs import GBIT, GBYTE, Link
 
 US = 1e-6
+GLOO_LATENCY_US = 180.0   # see the testbed-1gbit-gloo preset
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class Machine:
     cross_group: Link | None = None  # cap of one flow between two groups (e.g. sockets)
     max_nodes: int | None = None
     message_overhead_s: float = 2 * 1e-6   # sender's cost per message of an all-to-all
+    # Measured codec speeds on this machine's processor: (codec, encode GB/s, decode GB/s), in
+    # GB/s of float32 input (the codec benchmark's unit); codecs not listed use the memory model.
+    codec_GBps: tuple = ()
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -48,6 +52,17 @@ class Machine:
             raise ValueError(f"gpus_per_node must be a positive integer, got {self.gpus_per_node}")
         if not self.p2p and self.group_size and self.uplink is None:
             raise ValueError(f"machine {self.name!r}: group_size without p2p needs an uplink link")
+        for entry in self.codec_GBps:
+            if len(entry) != 3 or not (entry[1] > 0 and entry[2] > 0):
+                raise ValueError(f"machine {self.name!r}: codec_GBps entries are (codec, encode GB/s > 0, "
+                                 f"decode GB/s > 0), got {entry!r}")
+
+    def codec_speed(self, codec: str) -> tuple[float, float] | None:
+        """(encode, decode) GB/s of float32 input measured for ``codec`` on this machine, or None."""
+        for name, enc, dec in self.codec_GBps:
+            if name == codec:
+                return enc, dec
+        return None
 
     def layout(self, gpus: int) -> tuple[int, int]:
         """(nodes, GPUs per node) for ``gpus`` workers, filling nodes first."""
@@ -95,6 +110,7 @@ class Machine:
             "inter_efficiency": self.inter_efficiency, "memory_GBps": self.memory_GBps,
             "p2p": self.p2p, "group_size": self.group_size, "uplink": link(self.uplink),
             "cross_group": link(self.cross_group), "message_overhead_us": self.message_overhead_s / US,
+            "codec_GBps": {name: {"encode": enc, "decode": dec} for name, enc, dec in self.codec_GBps},
             "sources": dict(self.sources),
         }
 
@@ -126,10 +142,21 @@ class Machine:
                 p2p=bool(d.get("p2p", True)), group_size=int(d.get("group_size", 0)),
                 uplink=link(d.get("uplink"), "uplink"), cross_group=link(d.get("cross_group"), "cross_group"),
                 max_nodes=d.get("max_nodes"), message_overhead_s=float(d.get("message_overhead_us", 2.0)) * US,
+                codec_GBps=_codec_speeds(d.get("codec_GBps", {})),
                 sources=dict(d.get("sources", {})),
             )
         except KeyError as exc:
             raise ValueError(f"machine description lacks the field {exc.args[0]!r}") from exc
+
+
+def _codec_speeds(d) -> tuple:
+    if not isinstance(d, dict):
+        raise ValueError(f"machine codec_GBps must be {{codec: {{'encode': GB/s, 'decode': GB/s}}}}, got {d!r}")
+    try:
+        return tuple((str(k), float(v["encode"]), float(v["decode"])) for k, v in d.items())
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"machine codec_GBps must be {{codec: {{'encode': GB/s, 'decode': GB/s}}}}, "
+                         f"got {d!r}") from exc
 
 
 # Shared facts, cited once. Every preset keeps the default message_overhead_s: assumption, 2 us
@@ -230,18 +257,46 @@ _register(Machine(
                                  "rate, x 0.8 NCCL efficiency"),
              "inter.latency": "assumption: 2 us per message over InfiniBand verbs"}))
 
-_register(Machine(
-    name="testbed-1gbit",
-    description="this project's emulated cluster: 2 hosts (network namespaces), 1 worker each, 1 Gbit/s",
-    gpu="cpu", gpus_per_node=1, max_nodes=None,
-    intra=Link(1 * US, 10 * GBYTE),
-    inter=Link(50 * US, 1 * GBIT * 0.956), inter_gbps=1.0, inter_efficiency=0.956, memory_GBps=10.0,
-    sources={
-        "inter.bandwidth": "1 Gbit/s shaped link (the testbed's target); " + _TCP1500,
-        "inter.latency": "assumption: 50 us per message through veth pairs and the kernel TCP stack",
-        "intra": "unused: one worker per host",
-        "memory_GBps": "assumption: 10 GB/s streamed by one CPU core (sets default codec speeds)",
-    }))
+# The testbed's processor: one core per emulated host. Codec speeds from the codec benchmark
+# on an idle machine (the scatter-reduce's codec work runs on the same core as the transport).
+_TESTBED_CODECS = (("qsgd4", 6.74, 11.3), ("qsgd8", 7.3, 22.0))
+_TESTBED_CODEC_SOURCE = (
+    "benchmarks/codec_perf.py --mib 48 (one core, idle machine, 2026-11-21): QSGD bucket 128, max "
+    "scale, stochastic rounding (commopt's default): qsgd4 encode 6.74 / decode 11.3 GB/s, qsgd8 "
+    "7.3 / 22 GB/s of float32 input (memcpy of the same buffer: about 17 GB/s)")
+
+
+def _testbed(name: str, transport: str, latency_us: float, latency_source: str) -> Machine:
+    return Machine(
+        name=name,
+        description=(f"this project's emulated cluster: 2 hosts (network namespaces), 1 worker each, "
+                     f"1 Gbit/s, {transport}"),
+        gpu="cpu", gpus_per_node=1, max_nodes=None,
+        intra=Link(1 * US, 10 * GBYTE),
+        inter=Link(latency_us * US, 1 * GBIT * 0.956), inter_gbps=1.0, inter_efficiency=0.956,
+        memory_GBps=10.0, codec_GBps=_TESTBED_CODECS,
+        sources={
+            "inter.bandwidth": "1 Gbit/s shaped link (the testbed's target); " + _TCP1500,
+            "inter.latency": latency_source,
+            "intra": "unused: one worker per host",
+            "codec_GBps": _TESTBED_CODEC_SOURCE,
+            "memory_GBps": ("assumption: 10 GB/s streamed by one CPU core (sets the speed of the codecs "
+                            "without a measured entry: the fp16/bf16 casts)"),
+        })
+
+
+_register(_testbed(
+    "testbed-1gbit", "commopt's mpi communicator", 50.0,
+    "assumption: 50 us per collective (per message of a ring step or an all-to-all phase) through veth "
+    "pairs and the kernel TCP stack; consistent with the pipelined qsgd4 allreduce of 64 MiB on the mpi "
+    "communicator on a quiet machine (77.6 ms measured on 2026-11-21; the model gives 77.4 ms, of which "
+    "1.7 ms are the 32 collectives' latencies)"))
+_register(_testbed(
+    "testbed-1gbit-gloo", "torch.distributed (gloo)", GLOO_LATENCY_US,
+    "measured: a pipelined qsgd4 allreduce of 96 MiB (24 pieces, 48 collectives) on gloo took 122 ms "
+    "on a quiet machine (2026-11-21), 9 ms more than the pipeline's transfers and codec work at the "
+    "link rate; spread over its 48 collectives: about 180 us each (a row outside the validation set, "
+    "which has 16 and 64 MiB)"))
 
 
 def list_machines() -> list[str]:

@@ -1,7 +1,10 @@
-"""The communication plan: algorithm, codec, bucket size and overlap.
+"""The communication plan: algorithm, codec, bucket size, overlap, and the piece size of the
+pipelined scatter-reduce/allgather.
 
     >>> Plan(codec="fp16", overlap="double-buffering").codec.name
     'fp16'
+    >>> Plan(codec="qsgd4").piece_mb       # commopt.collectives.PIECE_BYTES, in MiB
+    4.0
     >>> Plan(algorithm="ring", codec="qsgd4")
     Traceback (most recent call last):
     ...
@@ -23,15 +26,18 @@ class Plan:
     codec: CodecCost
     bucket_mb: float
     overlap: str
+    piece_mb: float
 
     def __init__(self, algorithm: str = "auto", codec: str | CodecCost = "none",
-                 bucket_mb: float = 25.0, overlap: str = "backward"):
+                 bucket_mb: float = 25.0, overlap: str = "backward", piece_mb: float = 4.0):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if overlap not in OVERLAPS:
             raise ValueError(f"unknown overlap {overlap!r}; choose one of {', '.join(OVERLAPS)}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
+        if not piece_mb >= 0:
+            raise ValueError(f"piece size must be >= 0 MiB (0: no pipeline), got {piece_mb}")
         codec = get_codec(codec)
         if algorithm in ("ring", "tree") and not codec.linear:
             raise ValueError(f"codec {codec.name} is not linear: a ring or tree would decode and re-encode "
@@ -40,6 +46,16 @@ class Plan:
         object.__setattr__(self, "codec", codec)
         object.__setattr__(self, "bucket_mb", float(bucket_mb))
         object.__setattr__(self, "overlap", overlap)
+        object.__setattr__(self, "piece_mb", float(piece_mb))
+
+    def with_(self, **changes) -> "Plan":
+        """A copy with some fields changed: ``plan.with_(bucket_mb=50)``."""
+        fields = {"algorithm": self.algorithm, "codec": self.codec, "bucket_mb": self.bucket_mb,
+                  "overlap": self.overlap, "piece_mb": self.piece_mb}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"Plan has no field(s) {', '.join(sorted(unknown))}")
+        return Plan(**{**fields, **changes})
 
     def candidates(self) -> tuple[str, ...]:
         """The algorithms to try: ``auto`` takes, bucket by bucket, the fastest of those that
@@ -49,4 +65,5 @@ class Plan:
         return ("ring", "tree", "hierarchical") if self.codec.linear else ("sra", "hierarchical")
 
     def describe(self) -> str:
-        return f"{self.algorithm}, codec {self.codec.name}, {self.bucket_mb:g} MB buckets, overlap {self.overlap}"
+        pieces = "" if self.codec.linear else f", pieces of {self.piece_mb:g} MiB"
+        return f"{self.algorithm}, codec {self.codec.name}, {self.bucket_mb:g} MB buckets{pieces}, overlap {self.overlap}"

@@ -96,7 +96,8 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     for numel, ready in make_buckets(profile, plan.bucket_mb * 2**20, forward, backward):
         algorithm, c = min(
             ((a, allreduce_time(machine, gpus, numel=numel, grad_bytes=profile.grad_bytes_per_param,
-                                algorithm=a, codec=plan.codec)) for a in plan.candidates()),
+                                algorithm=a, codec=plan.codec, piece_bytes=plan.piece_mb * 2**20))
+             for a in plan.candidates()),
             key=lambda ac: ac[1].total_s)
         used.append(algorithm)
         buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes))

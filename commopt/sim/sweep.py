@@ -64,13 +64,13 @@ def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpu
         elif axis == "batch":
             p = profile.with_overrides(batch_per_gpu=v)
         elif axis == "bucket_mb":
-            pl = Plan(plan.algorithm, plan.codec, v, plan.overlap)
+            pl = plan.with_(bucket_mb=v)
         elif axis == "codec":
-            pl = Plan(plan.algorithm, v, plan.bucket_mb, plan.overlap)
+            pl = plan.with_(codec=v)
         elif axis == "overlap":
-            pl = Plan(plan.algorithm, plan.codec, plan.bucket_mb, v)
+            pl = plan.with_(overlap=v)
         elif axis == "algorithm":
-            pl = Plan(v, plan.codec, plan.bucket_mb, plan.overlap)
+            pl = plan.with_(algorithm=v)
         rows.append((v, simulate(p, m, pl, n)))
     return rows
 

@@ -1,12 +1,22 @@
 """The simulator against the published scaling rows and effects, and the testbed's physics."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
 import pytest
 
 from commopt.sim import Plan, get_machine, load_profile, simulate
-from commopt.sim.validation import (TOLERANCE, Measurement, chainermn_effect, cgx_effect, compare_measured,
-                                    physical_allreduce_s, published_comparison, predict_testbed_allreduce,
-                                    compare_testbed_measurements)
+from commopt.sim.costs import GBYTE, Link
+from commopt.sim.validation import (PUBLISHED_ROWS, TOLERANCE, Measurement, chainermn_effect, cgx_effect,
+                                    compare_measured, compare_testbed_measurements, load_measurements,
+                                    physical_allreduce_s, predict_testbed_allreduce, published_comparison)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "sim-testbed-1gbit.json")
 
 ROWS = published_comparison()
 
@@ -107,3 +117,102 @@ def test_testbed_measurements_can_be_compared():
     assert rows[0]["error"] == pytest.approx(rows[0]["predicted_step_s"] - 1.0)
     with pytest.raises(ValueError, match="must be > 0"):
         compare_measured(measured_step_s=1.0, compute_s=0.0, grad_bytes=1)
+
+
+def test_documented_alternatives_to_the_3090_uplink_break_the_bert_rows():
+    """The reason the 3090 Transformer-XL 4-GPU row stays a known miss, checked: the measured
+    6.1 GB/s misses it, and the documented larger figures (8.6 GB/s cross-switch, 12.6 GB/s PCIe
+    3.0 x16 x 0.8) put some BERT row on that server beyond 15%."""
+    base = get_machine("rtx3090-pcie")
+    assert base.uplink.bandwidth_Bps == pytest.approx(6.1 * GBYTE)
+    rows = [r for r in PUBLISHED_ROWS if r.machine == "rtx3090-pcie" and r.gpus > 1]
+    for uplink in (8.6, 12.6):
+        m = replace(base, uplink=Link(base.uplink.latency_s, uplink * GBYTE))
+        errors = {(r.model, r.gpus): simulate(r.model, m, r.plan, r.gpus).throughput / r.published - 1 for r in rows}
+        assert max(errors[("bert-large", g)] for g in (2, 4, 8)) > TOLERANCE
+
+
+def _measurement(**kw):
+    base = dict(what="allreduce qsgd4 64 MiB", command="commopt launch ... --comm mpi ...", gpus=2,
+                compute_s=1e-6, grad_bytes=64 * 2**20, measured_step_s=0.080,
+                plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "none", "bucket_mb": 64})
+    return Measurement(**{**base, **kw})
+
+
+def test_measurements_pick_their_transports_preset():
+    assert _measurement().transport_name() == "mpi"
+    assert _measurement(command="commopt launch --launcher torch -- ... --comm torch").transport_name() == "torch"
+    assert _measurement(command="COMMOPT_MPI_PIPELINE=off commopt launch ...").transport_name() == "mpi-native"
+    assert _measurement(transport="torch", command="").transport_name() == "torch"
+    rows = compare_testbed_measurements([
+        _measurement(), _measurement(transport="torch"), _measurement(transport="mpi-native"),
+        _measurement(measured_step_s=0.2, per_round=[{"time_s": 0.2, "load_average": 1.0},
+                                                     {"time_s": 0.09, "load_average": 6.0}])])
+    assert [r["machine"] for r in rows] == ["testbed-1gbit", "testbed-1gbit-gloo", "testbed-1gbit", "testbed-1gbit"]
+    assert rows[0]["status"] == "ok" and rows[1]["predicted_step_s"] > rows[0]["predicted_step_s"]
+    assert rows[2]["status"] == "not modelled" and "Open MPI" in rows[2]["reason"]
+    assert rows[3]["status"] == "miss"
+    ev = rows[3]["evidence"]
+    assert ev["fastest"]["time_s"] == 0.09 and ev["quietest"]["load_average"] == 1.0
+    # The link limit of an allreduce row: 2(n-1)/n x wire bytes / line rate (qsgd4: 0.1328 of fp32).
+    assert rows[0]["limit_s"] == pytest.approx(64 * 2**20 * 0.1328125 / 125e6, rel=1e-3)
+
+
+def test_a_measurement_at_another_link_rate_uses_that_rate():
+    fast = compare_testbed_measurements([_measurement(plan={"algorithm": "ring", "codec": "none"},
+                                                      link_bits_per_s=10e9)])[0]
+    slow = compare_testbed_measurements([_measurement(plan={"algorithm": "ring", "codec": "none"})])[0]
+    assert fast["machine"].endswith("@10G")
+    assert fast["predicted_step_s"] < slow["predicted_step_s"] / 5
+
+
+def test_measurement_files_are_checked(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"what": "x", "command": "y", "gpus": 2, "compute_s": 1e-6, "grad_bytes": 4,
+                                "measured_step_s": 1.0, "colour": "red"}]))
+    with pytest.raises(ValueError, match="may have: .*transport"):
+        load_measurements(str(bad))
+    bad.write_text(json.dumps({"what": "x"}))
+    with pytest.raises(ValueError, match="JSON list"):
+        load_measurements(str(bad))
+    with pytest.raises(FileNotFoundError, match="--sim-measurements"):
+        load_measurements(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.skipif(not os.path.exists(RESULTS), reason="no benchmarks/results/sim-testbed-1gbit.json")
+def test_the_recorded_testbed_measurements_all_get_a_prediction():
+    rows = compare_testbed_measurements(load_measurements(RESULTS))
+    assert rows and all(r["predicted_step_s"] > 0 and r["status"] in ("ok", "miss", "not modelled") for r in rows)
+    assert {r["transport"] for r in rows} >= {"mpi", "torch"}
+
+
+def test_the_validation_script_takes_every_testbed_row_from_its_files(tmp_path):
+    path = tmp_path / "m.json"
+    entries = [dict(what="allreduce fp32 64 MiB, mpi", command="commopt launch ... --comm mpi", gpus=2,
+                    compute_s=1e-6, grad_bytes=64 * 2**20, measured_step_s=0.57,
+                    plan={"algorithm": "ring", "codec": "none", "overlap": "none", "bucket_mb": 64}),
+               dict(what="allreduce qsgd4 64 MiB, gloo", command="commopt launch ... --comm torch", gpus=2,
+                    compute_s=1e-6, grad_bytes=64 * 2**20, measured_step_s=0.2,
+                    plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "none", "bucket_mb": 64})]
+    path.write_text(json.dumps(entries))
+    r = subprocess.run([sys.executable, "benchmarks/sim_validation.py", "--markdown", "--measured", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    testbed = r.stdout.split("## Testbed")[1].split("## Parallel")[0]
+    assert "| allreduce fp32 64 MiB, mpi | testbed-1gbit | 561.7 ms | 536.9 ms | 570.0 ms |" in testbed
+    assert "testbed-1gbit-gloo" in testbed and "| miss" in testbed
+    assert "1 of 2 modelled rows within 15%" in testbed
+    assert "pending" not in r.stdout
+
+
+def test_docs_carry_the_scripts_tables_unedited():
+    """docs/scaling.md's published, effects and 1024-GPU tables are what the script prints now
+    (regenerate with `python benchmarks/sim_validation.py --markdown` when the model changes)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sim_validation", os.path.join(ROOT, "benchmarks", "sim_validation.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+        doc = f.read()
+    for table in (script.published_table(True, {}), script.effects_table(True), script.predictions_table(True)):
+        assert table in doc
