@@ -144,7 +144,9 @@ class GradientReducer:
 
     ``num_buffers=2`` gives double buffering: one set can be in flight while the other
     is filled or read. ``seed`` keys the random numbers of stochastic codecs together
-    with the rank, the step and the bucket.
+    with the rank, the step and the bucket. ``grad_views=True``: ``unpack`` points
+    ``param.grad`` at the bucket instead of copying into it, and ``zero_grads_into`` lets
+    backward accumulate straight into a bucket.
     """
 
     def __init__(
@@ -160,8 +162,12 @@ class GradientReducer:
         algorithm: str = "auto",
         num_buffers: int = 1,
         seed: int = 0,
+        grad_views: bool = False,
     ):
         self.comm = comm
+        # Hand the averages back as views of the buckets instead of copying them into
+        # ``param.grad`` (the optimizer wrapper; the DDP hook must write into DDP's bucket).
+        self.grad_views = bool(grad_views)
         self.params = list(params)
         self.names = list(names)
         self.algorithm = algorithm
@@ -253,9 +259,9 @@ class GradientReducer:
                 else:
                     p.grad = None
 
-    @staticmethod
-    def _viewable(p: torch.Tensor, flat: torch.Tensor) -> bool:
-        return p.dtype == flat.dtype and p.device == flat.device and p.layout == torch.strided
+    def _viewable(self, p: torch.Tensor, flat: torch.Tensor) -> bool:
+        return (self.grad_views and p.dtype == flat.dtype and p.device == flat.device
+                and p.layout == torch.strided)
 
     def codec_states(self) -> dict[str, dict]:
         """State of each distinct codec of the buckets (error-feedback residuals)."""

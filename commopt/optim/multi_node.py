@@ -295,7 +295,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 self._data_comm, [params[i] for i in trainable], [names[i] for i in trainable],
                 codec=self.codec, plain_codec=self.plain_codec, policy=self.policy,
                 bucket_cap_mb=self.bucket_cap_mb, algorithm=self.algorithm,
-                num_buffers=2 if self.double_buffering else 1, seed=self.seed,
+                num_buffers=2 if self.double_buffering else 1, seed=self.seed, grad_views=True,
             )
             me = weakref.ref(self)
             for j, i in enumerate(trainable):
