@@ -771,12 +771,79 @@ def _write_outputs(report: dict, args) -> None:
     if args.markdown:
         Path(args.markdown).write_text(markdown_report(report))
         print(f"wrote {args.markdown}")
+    if getattr(args, "sim_measurements", None):
+        try:
+            entries = sim_measurements(report)
+        except ValueError as exc:
+            raise SystemExit(f"step_bench: {exc}") from None
+        Path(args.sim_measurements).write_text(json.dumps(entries, indent=1) + "\n")
+        print(f"wrote {args.sim_measurements} ({len(entries)} entries)")
     if args.plot:
         try:
             plot_step_times(report, args.plot)
             print(f"wrote {args.plot}")
         except ImportError as exc:  # the tables matter more than the picture
             print(f"no plot: {exc}")
+
+
+#: Why the simulator cannot predict a configuration (its rows are written, flagged, not counted).
+SIM_NOT_MODELLED = {
+    "powersgd": ("PowerSGD (low-rank factorisation, with its own CPU work per step): the simulator has no "
+                 "low-rank codec"),
+}
+
+
+def sim_measurements(report: dict) -> list[dict]:
+    """Entries for ``benchmarks/sim_validation.py --measured``: one per (model, configuration)
+    that ran (fields of ``commopt.sim.validation.Measurement``).
+
+    Compute is the twin's median step (no communication, same moment and cores), gradient
+    bytes the fp32 gradient, the measured step the median over rounds of each round's median.
+    The plan is what ran: DDP sums with gloo's ring in 25 MiB buckets (torch counts
+    ``bucket_cap_mb`` in MiB), fp16 through ``fp16_compress_hook``; commopt's fp32/fp16 buckets
+    (25 MiB) go through its transport's ring, qsgd4 through its pipelined scatter-reduce/
+    allgather ("sra"); overlap is "backward" (buckets sent during backward) or, for ``-db``,
+    "double-buffering". PowerSGD rows carry ``not_modelled`` (the reason).
+
+        >>> r = {"command": "c", "nprocs": 2, "rate_bits": 1e9, "commopt_comm": "torch", "models": {
+        ...     "m": {"params": 10, "rows": [{"config": "commopt-qsgd4-db", "error": None, "step_s": 0.2,
+        ...     "step_rounds": [0.2, 0.3], "compute_s": 0.1}]}}}
+        >>> e = sim_measurements(r)[0]
+        >>> e["plan"]["algorithm"], e["plan"]["codec"], e["plan"]["overlap"], e["grad_bytes"], e["transport"]
+        ('sra', 'qsgd4', 'double-buffering', 40, 'torch')
+    """
+    if not report.get("rate_bits"):
+        raise ValueError("--sim-measurements needs a run on the emulated link (this report ran on "
+                         "unshaped loopback): rerun with --link RATE")
+    loads = [v for v in (report.get("load_average_start"), report.get("load_average_end")) if v is not None]
+    out = []
+    for model, info in report["models"].items():
+        for row in info["rows"]:
+            if row.get("error") or row.get("step_s") is None or row.get("compute_s") is None:
+                continue
+            cfg = CONFIGS[row["config"]]
+            rounds = row.get("step_rounds") or [row["step_s"]]
+            plan = {"algorithm": "sra" if cfg.wire.startswith("qsgd") else "ring",
+                    "codec": "none" if cfg.wire == "fp32" else cfg.wire,
+                    "overlap": "double-buffering" if cfg.double_buffering else "backward", "bucket_mb": 25.0}
+            if cfg.wire.startswith("qsgd"):
+                plan["piece_mb"] = 4.0   # commopt.collectives.PIECE_BYTES
+            if cfg.wire == "powersgd":
+                plan.update(codec=f"powersgd{cfg.powersgd_rank}", bucket_mb=float(POWERSGD_BUCKET_MB))
+            transport = "torch" if cfg.kind == "ddp" else report.get("commopt_comm", "torch")
+            entry = {
+                "what": f"step {model} {row['config']}, {report['nprocs']} hosts x 1 rank, "
+                        f"{report['rate_bits'] / 1e9:g} Gbit/s (median of {len(rounds)} rounds)",
+                "command": report["command"], "gpus": report["nprocs"], "compute_s": row["compute_s"],
+                "grad_bytes": 4 * info["params"], "measured_step_s": row["step_s"], "plan": plan,
+                "transport": transport, "link_bits_per_s": report["rate_bits"], "rounds": len(rounds),
+                "measured_min_s": min(rounds), "measured_max_s": max(rounds)}
+            if loads:
+                entry["load_average"] = [min(loads), max(loads)]
+            if cfg.wire in SIM_NOT_MODELLED:
+                entry["not_modelled"] = SIM_NOT_MODELLED[cfg.wire]
+            out.append(entry)
+    return out
 
 
 def _command_line(args) -> str:
@@ -931,6 +998,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-json", metavar="PATH",
                         help="run nothing: recompute and write the tables and plot of a report "
                              "saved with --json")
+    parser.add_argument("--sim-measurements", metavar="PATH",
+                        help="write one simulator measurement entry per (model, configuration) for "
+                             "benchmarks/sim_validation.py --measured (with --from-json or after a run)")
     # Internal: one rank of a job running a schedule of configurations (the driver starts them).
     parser.add_argument("--worker", metavar="SCHEDULE", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mlp", help=argparse.SUPPRESS)

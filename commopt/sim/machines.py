@@ -45,6 +45,11 @@ class Machine:
     # Measured codec speeds on this machine's processor: (codec, encode GB/s, decode GB/s), in
     # GB/s of float32 input (the codec benchmark's unit); codecs not listed use the memory model.
     codec_GBps: tuple = ()
+    # True where a worker's codec work runs on the processor that computes (a CPU worker with one
+    # core, as on the testbed): codec seconds then add to the step instead of overlapping compute.
+    # Transfers still overlap compute (the link is not the core). False: the codec has its own
+    # hardware beside compute (GPU kernels on their own stream).
+    codec_shares_compute_core: bool = False
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -111,6 +116,7 @@ class Machine:
             "p2p": self.p2p, "group_size": self.group_size, "uplink": link(self.uplink),
             "cross_group": link(self.cross_group), "message_overhead_us": self.message_overhead_s / US,
             "codec_GBps": {name: {"encode": enc, "decode": dec} for name, enc, dec in self.codec_GBps},
+            "codec_shares_compute_core": self.codec_shares_compute_core,
             "sources": dict(self.sources),
         }
 
@@ -143,6 +149,7 @@ class Machine:
                 uplink=link(d.get("uplink"), "uplink"), cross_group=link(d.get("cross_group"), "cross_group"),
                 max_nodes=d.get("max_nodes"), message_overhead_s=float(d.get("message_overhead_us", 2.0)) * US,
                 codec_GBps=_codec_speeds(d.get("codec_GBps", {})),
+                codec_shares_compute_core=bool(d.get("codec_shares_compute_core", False)),
                 sources=dict(d.get("sources", {})),
             )
         except KeyError as exc:
@@ -274,12 +281,16 @@ def _testbed(name: str, transport: str, latency_us: float, latency_source: str) 
         gpu="cpu", gpus_per_node=1, max_nodes=None,
         intra=Link(1 * US, 10 * GBYTE),
         inter=Link(latency_us * US, 1 * GBIT * 0.956), inter_gbps=1.0, inter_efficiency=0.956,
-        memory_GBps=10.0, codec_GBps=_TESTBED_CODECS,
+        memory_GBps=10.0, codec_GBps=_TESTBED_CODECS, codec_shares_compute_core=True,
         sources={
             "inter.bandwidth": "1 Gbit/s shaped link (the testbed's target); " + _TCP1500,
             "inter.latency": latency_source,
             "intra": "unused: one worker per host",
             "codec_GBps": _TESTBED_CODEC_SOURCE,
+            "codec_shares_compute_core": (
+                "the 2 emulated hosts share the machine's 2 cores, one rank each with 1 torch thread: a "
+                "rank's compute, its codec work and its transport's CPU work take turns on one core, and "
+                "the step benchmark's compute time is measured under the same sharing"),
             "memory_GBps": ("assumption: 10 GB/s streamed by one CPU core (sets the speed of the codecs "
                             "without a measured entry: the fp16/bf16 casts)"),
         })

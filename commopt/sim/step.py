@@ -11,6 +11,13 @@ Overlap modes:
 
 In every mode the step is at least max(compute, communication).
 
+On a machine whose codec work shares the compute core (``Machine.codec_shares_compute_core``:
+a CPU worker with one core, as the testbed's emulated hosts) the transfers still overlap
+compute, but the codec work (encode, decode, casts) takes the core from it: with ``backward``
+the backward pass ends later by the codec seconds of every bucket whose all-reduce starts
+before it ends; with ``double-buffering`` the step is the longer of compute + all codec work
+(the core) and the communication (the link, with the codec work the pipeline cannot hide).
+
     >>> from commopt.sim import simulate, Plan
     >>> p = simulate("resnet50", "v100-nvlink-25g", Plan(codec="fp16", overlap="double-buffering"), gpus=32)
     >>> p.nodes, p.efficiency > 0.9
@@ -32,6 +39,7 @@ class Bucket:
     ready_s: float         # since the start of the step
     comm_s: float
     wire_bytes: float
+    codec_s: float = 0.0   # the bucket's encode + decode work (processor seconds)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class Prediction:
     unit: str
     wire_bytes_per_step: float
     buckets: int
+    codec_s: float = 0.0     # all buckets' encode + decode work (processor seconds)
 
     @property
     def speedup(self) -> float:
@@ -100,7 +109,7 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
              for a in plan.candidates()),
             key=lambda ac: ac[1].total_s)
         used.append(algorithm)
-        buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes))
+        buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes, c.codec_s))
     algorithm = "+".join(sorted(set(used), key=used.index))
     comm = sum(b.comm_s for b in buckets)
 
@@ -109,10 +118,16 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     elif plan.overlap == "none":
         step = compute + comm
     elif plan.overlap == "backward":
-        t = 0.0
+        shared = machine.codec_shares_compute_core
+        t, delay = 0.0, 0.0    # delay: codec work that ran on the core during backward
         for b in buckets:
-            t = max(t, b.ready_s) + b.comm_s
-        step = max(forward + backward, t) + update
+            start = max(t, b.ready_s + delay)
+            t = start + b.comm_s
+            if shared and start < forward + backward + delay:
+                delay += b.codec_s
+        step = max(forward + backward + delay, t) + update
+    elif machine.codec_shares_compute_core:  # double-buffering, codec on the compute core
+        step = max(compute + sum(b.codec_s for b in buckets), comm)
     else:  # double-buffering
         step = max(compute, comm)
 
@@ -123,4 +138,4 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
         compute_s=compute, comm_s=comm if gpus > 1 else 0.0, exposed_comm_s=step - compute,
         throughput=throughput, single_gpu_throughput=single, efficiency=throughput / (gpus * single),
         unit=profile.sample_unit, wire_bytes_per_step=sum(b.wire_bytes for b in buckets),
-        buckets=len(buckets))
+        buckets=len(buckets), codec_s=sum(b.codec_s for b in buckets) if gpus > 1 else 0.0)

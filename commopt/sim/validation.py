@@ -208,17 +208,21 @@ def compare_measured(*, measured_step_s: float, compute_s: float, grad_bytes: fl
     pred = simulate(synthetic_profile(compute_s, grad_bytes, device=machine.gpu), machine, plan, gpus)
     return {"gpus": gpus, "plan": plan.describe(), "predicted_step_s": pred.step_s,
             "measured_step_s": measured_step_s, "error": pred.step_s / measured_step_s - 1,
-            "comm_s": pred.comm_s}
+            "comm_s": pred.comm_s, "codec_s": pred.codec_s}
 
 
 @dataclass
 class Measurement:
-    """One testbed measurement, as ``benchmarks/allreduce_link.py --sim-measurements`` writes it:
+    """One testbed measurement, as ``benchmarks/allreduce_link.py --sim-measurements`` (an
+    allreduce alone) and ``benchmarks/step_bench.py --sim-measurements`` (training steps) write it:
     what ran, the exact command, workers (hosts), compute seconds per step (1 us for an
     allreduce alone), gradient bytes (float32), the measured step seconds (the median over
     rounds), and the plan that ran. Optional: the transport (``mpi``, ``torch``, ``mpi-native``;
     otherwise read from the command), a machine preset or file that overrides it, the link's
-    line rate, the fastest and slowest round, and each round's time with the machine's load."""
+    line rate, the fastest and slowest round, each round's time with the machine's load, and
+    ``not_modelled``: the reason, for a configuration the simulator cannot predict (its row is
+    shown, not counted). A plan codec ``<codec>+ef`` (error feedback) is predicted as
+    ``<codec>``: the residual's passes over the gradient are not modelled."""
     what: str
     command: str
     gpus: int
@@ -234,6 +238,12 @@ class Measurement:
     measured_max_s: float | None = None
     load_average: list | None = None
     per_round: list | None = None
+    not_modelled: str | None = None   # why the simulator cannot predict this row (shown, not counted)
+
+    @property
+    def kind(self) -> str:
+        """``allreduce`` (an allreduce alone: no compute) or ``step`` (a training step)."""
+        return "allreduce" if self.compute_s <= 1e-3 else "step"
 
     def transport_name(self) -> str:
         if self.transport:
@@ -276,19 +286,29 @@ def testbed_machine(m: Measurement, codec_speeds: tuple = ()) -> Machine:
     return machine
 
 
+def _plan_codec(m: Measurement) -> str:
+    """The simulator's codec of a measurement's plan (error feedback, ``+ef``, not modelled)."""
+    return m.plan.get("codec", "none").removesuffix("+ef")
+
+
 def _link_limit_s(m: Measurement, machine: Machine) -> float | None:
-    """For an allreduce alone: 2(n-1)/n x the codec's wire bytes / line rate."""
-    if m.compute_s > 1e-3:
+    """The gradient's allreduce on the link: 2(n-1)/n x the codec's wire bytes / line rate."""
+    try:
+        codec = get_codec(_plan_codec(m))
+    except ValueError:
         return None
-    codec = get_codec(m.plan.get("codec", "none"))
     return physical_allreduce_s(codec.wire_bytes(m.grad_bytes / 4, 4), m.gpus, machine.inter_gbps)
 
 
 def _round_evidence(m: Measurement, predicted_s: float) -> dict | None:
-    """The fastest round and the round at the lowest machine load, each with its error."""
+    """The fastest round and the round at the lowest machine load, each with its error (without
+    each round's load: the fastest round alone, from ``measured_min_s``)."""
     rounds = [r for r in (m.per_round or []) if "time_s" in r and "load_average" in r]
     if not rounds:
-        return None
+        if m.measured_min_s is None:
+            return None
+        fastest = {"time_s": m.measured_min_s, "load_average": None, "error": predicted_s / m.measured_min_s - 1}
+        return {"fastest": fastest, "quietest": fastest}
 
     def one(r):
         return {"time_s": r["time_s"], "load_average": r["load_average"], "error": predicted_s / r["time_s"] - 1}
@@ -307,17 +327,26 @@ def compare_testbed_measurements(measurements: list[Measurement], codec_speeds: 
     """
     out = []
     for m in measurements:
-        plan = Plan(m.plan.get("algorithm", "ring"), m.plan.get("codec", "none"),
-                    m.plan.get("bucket_mb", 25), m.plan.get("overlap", "none"),
-                    m.plan.get("piece_mb", 4.0))
         machine = testbed_machine(m, codec_speeds)
         row = {"what": m.what, "command": m.command, "transport": m.transport_name(), "machine": machine.name,
-               **compare_measured(measured_step_s=m.measured_step_s, compute_s=m.compute_s,
-                                  grad_bytes=m.grad_bytes, gpus=m.gpus, plan=plan, machine=machine),
-               "limit_s": _link_limit_s(m, machine), "measured_min_s": m.measured_min_s,
-               "measured_max_s": m.measured_max_s, "load_average": m.load_average, "evidence": None}
+               "kind": m.kind, "compute_s": m.compute_s, "limit_s": _link_limit_s(m, machine),
+               "measured_min_s": m.measured_min_s, "measured_max_s": m.measured_max_s,
+               "load_average": m.load_average, "evidence": None}
+        if m.not_modelled:
+            # A codec the simulator lacks: no prediction at all.
+            row.update(gpus=m.gpus, plan=", ".join(f"{k} {v}" for k, v in m.plan.items()),
+                       predicted_step_s=None, measured_step_s=m.measured_step_s, error=None, comm_s=None,
+                       status="not modelled", reason=m.not_modelled, label=m.plan.get("codec", m.what))
+            out.append(row)
+            continue
+        plan = Plan(m.plan.get("algorithm", "ring"), _plan_codec(m),
+                    m.plan.get("bucket_mb", 25), m.plan.get("overlap", "none"),
+                    m.plan.get("piece_mb", 4.0))
+        row.update(compare_measured(measured_step_s=m.measured_step_s, compute_s=m.compute_s,
+                                    grad_bytes=m.grad_bytes, gpus=m.gpus, plan=plan, machine=machine))
         if row["transport"] in NOT_MODELLED:
             row["status"], row["reason"] = "not modelled", NOT_MODELLED[row["transport"]]
+            row["label"] = row["transport"]
         elif abs(row["error"]) <= TOLERANCE:
             row["status"], row["reason"] = "ok", None
         else:

@@ -216,3 +216,19 @@ def test_docs_carry_the_scripts_tables_unedited():
         doc = f.read()
     for table in (script.published_table(True, {}), script.effects_table(True), script.predictions_table(True)):
         assert table in doc
+
+
+def test_docs_carry_the_testbed_tables_unedited():
+    """docs/scaling.md's testbed tables (allreduce and training-step rows, from the default
+    measurement files) and their summary are what the script prints now."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sim_validation", os.path.join(ROOT, "benchmarks", "sim_validation.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    paths = [str(p) for p in script.DEFAULT_MEASURED if p.exists()]
+    if len(paths) < 2:
+        pytest.skip("the default measurement files are not both there")
+    rows = compare_testbed_measurements([m for p in paths for m in load_measurements(p)])
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+        doc = f.read()
+    assert script.testbed_tables(True, rows) in doc
