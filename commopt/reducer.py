@@ -360,11 +360,17 @@ class StepReduction:
         """Whether bucket ``i``'s average can be non-finite when every input was finite.
 
         An average of finite fp32 (or bf16: the same range) terms, each divided by the
-        world size before the sum, stays within the largest input; only an fp16 wire
-        (max 65504) or a scale above 1 can overflow, so only those pay a second pass.
+        world size before the sum, stays within the largest input, and so does QSGD with
+        max-abs float32 scales; an fp16 wire (max 65504), QSGD with l2 norms or float16
+        scales, or a scale above 1 can overflow, so only those pay a second pass.
         """
         codec = self.reducer.buckets[i].codec
-        return self.scale > 1.0 or getattr(codec, "wire_dtype", None) == torch.float16
+        inner = getattr(codec, "inner", codec)  # error feedback wraps the codec that decides
+        return (self.scale > 1.0 or getattr(codec, "wire_dtype", None) == torch.float16
+                # QSGD scales that can overflow with finite inputs: an l2 norm beyond the
+                # float32 range, or float16 scales (steps beyond 65504 decode as NaN)
+                or getattr(inner, "norm", None) == "l2"
+                or getattr(inner, "scale_dtype", None) == torch.float16)
 
     @classmethod
     def restored(cls, reducer: GradientReducer, step: int, buffer: int,

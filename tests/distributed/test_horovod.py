@@ -66,5 +66,8 @@ def test_contract_under_mpirun():
 @pytest.mark.parametrize("gloo", [False, True], ids=["horovodrun-mpi", "horovodrun-gloo"])
 def test_codecs_and_adapters_under_horovodrun(gloo):
     out = run_horovodrun(RANK_SCRIPT, 2, gloo=gloo)
-    assert [lines[-1].strip() if lines else "" for lines in out] == \
-        [f"horovod ok rank {r}/2" for r in range(2)]
+    # mpirun's tagging sometimes glues the next line's "[1,1]<stdout>:" onto a line's end:
+    # look for each rank's final message, not for the exact last line.
+    for r, lines in enumerate(out):
+        assert any(f"horovod ok rank {r}/2" in line for line in lines), \
+            f"rank {r} did not finish its checks; its output: {lines[-5:]}"
