@@ -77,3 +77,17 @@ def test_profile_model_on_this_cpu(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"]["batch_per_gpu"] == 64                 # the built-in V100 batch and speed
     assert doc["rows"][0]["single_gpu_throughput"] == pytest.approx(1226)
+
+
+def test_piece_size_of_the_scatter_reduce_pipeline(capsys):
+    # qsgd4, 64 MiB on the testbed: pipelined pieces hide the codec work behind the wire.
+    common = ["simulate", "--machine", "testbed-1gbit", "--codec", "qsgd4", "--algorithm", "sra",
+              "--gpus", "2", "--compute-time", "1e-6", "--grad-bytes", str(64 << 20),
+              "--overlap", "none", "--json"]
+    steps = {}
+    for piece in ("0", "4"):
+        assert main(common + ["--piece-mb", piece]) == 0
+        steps[piece] = json.loads(capsys.readouterr().out)["rows"][0]["step_s"]
+    assert steps["4"] < steps["0"], f"pieces of 4 MiB should beat one piece: {steps}"
+    assert main(common + ["--piece-mb", "-1"]) != 0
+    assert "piece size must be >= 0" in capsys.readouterr().err
