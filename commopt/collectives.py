@@ -326,8 +326,8 @@ def _on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], Non
     return run
 
 
-# Each plan runs its first stage on the caller's thread and returns the rest as a callable
-# (run on the driver thread, or at once).
+# Each plan returns a callable that runs the reduction (on the driver thread, or at once);
+# the native plan encodes on the caller's thread first, the others do all their work later.
 def _plan_native(comm, flat, codec, factor, rng, key, piece_bytes=None) -> Callable[[], None]:
     if codec.wire_dtype == flat.dtype:
         # A cast to the buffer's own dtype is the identity: reduce the buffer in place.
@@ -351,8 +351,10 @@ def scatter_reduce_layout(numel: int, size: int, alignment: int = 1,
     The buffer is cut into pieces of about ``piece_elems`` elements (one piece when None),
     each piece into one chunk per rank, every chunk starting at a multiple of ``alignment``:
 
-        >>> scatter_reduce_layout(10, 2, 1, piece_elems=5)
-        [[(0, 3), (3, 5)], [(5, 8), (8, 10)]]
+        >>> scatter_reduce_layout(12, 2, 1, piece_elems=6)
+        [[(0, 3), (3, 6)], [(6, 9), (9, 12)]]
+        >>> scatter_reduce_layout(10, 2, 4, piece_elems=5)  # chunks start at multiples of 4
+        [[(0, 4), (4, 8)], [(8, 10), (10, 10)]]
     """
     pieces = 1 if not piece_elems else max(1, math.ceil(numel / int(piece_elems)))
     bounds = chunk_bounds(numel, pieces * size, alignment)
@@ -377,6 +379,7 @@ def _plan_scatter_reduce(comm, flat, codec, factor, rng, key,
     slot = codec.encoded_nbytes(first_hi - first_lo)
     span = size * slot  # bytes of one piece on the wire (each rank's slot, padded)
     pieces = len(layout)
+    undo = 1.0 / factor if factor != 0.0 else 0.0  # peers' terms back to the own term's scale
 
     def nbytes(lo: int, hi: int) -> int:
         return codec.encoded_nbytes(hi - lo)
@@ -384,12 +387,6 @@ def _plan_scatter_reduce(comm, flat, codec, factor, rng, key,
     def finish() -> None:
         send = torch.empty(pieces * span, dtype=torch.uint8, device=flat.device)
         recv = torch.empty_like(send)
-
-        def decode_into(wire: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
-            if alpha == 1.0:
-                codec.decode(wire, out, accumulate=True)
-            else:
-                codec.decode_scaled(wire, out, accumulate=True, alpha=alpha)
 
         def region(buf: torch.Tensor, k: int) -> torch.Tensor:
             return buf[k * span:(k + 1) * span]
@@ -414,11 +411,11 @@ def _plan_scatter_reduce(comm, flat, codec, factor, rng, key,
             # term in a pass of its own: sum x_own + n * peer_i (the peers were sent
             # already multiplied by factor = scale / n) and let the encode multiply by
             # factor. With n a power of two this is bit for bit factor * x_own + sum peer_i.
-            undo = 1.0 / factor if factor != 0.0 else 0.0
             for i in range(size):
                 if i != rank:
                     off = k * span + i * slot
-                    decode_into(recv[off: off + nbytes(lo, hi)], mine, undo)
+                    codec.decode_scaled(recv[off: off + nbytes(lo, hi)], mine, accumulate=True,
+                                        alpha=undo)
             # recv's own slot never carried data: it becomes the allgather input.
             off = k * span + rank * slot
             codec.encode(mine, recv[off: off + nbytes(lo, hi)], scale=factor,

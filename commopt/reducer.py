@@ -124,6 +124,11 @@ def build_buckets(
     return buckets
 
 
+def _slot_view(flat: torch.Tensor, s: Slot, p: torch.Tensor) -> torch.Tensor:
+    """The part of a bucket that holds parameter ``p``'s gradient, shaped like ``p``."""
+    return flat[s.offset: s.offset + s.numel].view(p.shape)
+
+
 def _is_view_of(g: torch.Tensor | None, region: torch.Tensor) -> bool:
     """True when ``g`` is exactly ``region`` of a bucket (same memory, same elements)."""
     return (g is not None and g.data_ptr() == region.data_ptr() and g.numel() == region.numel()
@@ -230,7 +235,7 @@ class GradientReducer:
             if not keep[s.param]:
                 p.grad = None
                 continue
-            src = flat[s.offset: s.offset + s.numel].view(p.shape)
+            src = _slot_view(flat, s, p)
             g = p.grad
             if self._viewable(p, flat):
                 # The averages stay in the bucket; param.grad looks at them (no copy).
@@ -255,7 +260,7 @@ class GradientReducer:
             for s in b.slots:
                 p = self.params[s.param]
                 if self._viewable(p, flat):
-                    p.grad = flat[s.offset: s.offset + s.numel].view(p.shape)
+                    p.grad = _slot_view(flat, s, p)
                 else:
                     p.grad = None
 
@@ -361,16 +366,11 @@ class StepReduction:
 
         An average of finite fp32 (or bf16: the same range) terms, each divided by the
         world size before the sum, stays within the largest input, and so does QSGD with
-        max-abs float32 scales; an fp16 wire (max 65504), QSGD with l2 norms or float16
-        scales, or a scale above 1 can overflow, so only those pay a second pass.
+        max-abs float32 scales; codecs that can overflow (``Codec.can_overflow``: an fp16
+        wire, QSGD with l2 norms or float16 scales) or a scale above 1 pay a second pass.
         """
         codec = self.reducer.buckets[i].codec
-        inner = getattr(codec, "inner", codec)  # error feedback wraps the codec that decides
-        return (self.scale > 1.0 or getattr(codec, "wire_dtype", None) == torch.float16
-                # QSGD scales that can overflow with finite inputs: an l2 norm beyond the
-                # float32 range, or float16 scales (steps beyond 65504 decode as NaN)
-                or getattr(inner, "norm", None) == "l2"
-                or getattr(inner, "scale_dtype", None) == torch.float16)
+        return self.scale > 1.0 or (codec is not None and codec.can_overflow)
 
     @classmethod
     def restored(cls, reducer: GradientReducer, step: int, buffer: int,

@@ -58,6 +58,9 @@ class Codec(ABC):
     alignment: int = 1
     #: True when ``encode`` draws random numbers (needs an ``rng`` key to be reproducible).
     stochastic: bool = False
+    #: True when finite inputs can decode as NaN/Inf (a narrow wire dtype, or scales that
+    #: can overflow): reductions through such a codec re-check their result.
+    can_overflow: bool = False
 
     @abstractmethod
     def encoded_nbytes(self, numel: int) -> int:

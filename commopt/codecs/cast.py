@@ -45,6 +45,7 @@ class CastCodec(Codec):
         self.dtype = dtype
         self.wire_dtype = dtype
         self.name = _NAMES[dtype]
+        self.can_overflow = dtype == torch.float16  # max 65504
         self._itemsize = torch.empty((), dtype=dtype).element_size()
 
     def encoded_nbytes(self, numel: int) -> int:

@@ -42,6 +42,7 @@ class ErrorFeedback(Codec):
         self.wire_dtype = inner.wire_dtype
         self.alignment = inner.alignment
         self.stochastic = inner.stochastic
+        self.can_overflow = inner.can_overflow
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
     def encoded_nbytes(self, numel: int) -> int:

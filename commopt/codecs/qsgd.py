@@ -71,6 +71,8 @@ class QSGD(Codec):
         self.norm = scale
         self.stochastic = bool(stochastic)
         self.scale_dtype = scale_dtype
+        # an l2 norm can exceed the float32 range; float16 scales stop at 65504
+        self.can_overflow = scale == "l2" or scale_dtype == torch.float16
         self.alignment = self.bucket_size
         self._scale_bytes = 4 if scale_dtype == torch.float32 else 2
         self.name = f"qsgd{bits}"

@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
     p.add_argument("--overlap", default="backward", choices=("none", "backward", "double-buffering"))
-    p.add_argument("--piece-mb", type=float, default=4.0,
-                   help="pieces of the scatter-reduce pipeline in MiB of fp32 (default 4, as "
-                        "commopt.collectives.PIECE_BYTES; 0: no pipeline)")
+    p.add_argument("--piece-mb", type=float, default=None,
+                   help="pieces of the scatter-reduce pipeline in MiB of fp32 (default: "
+                        "commopt.collectives.PIECE_BYTES, 4 MiB; 0: no pipeline)")
     o = parser.add_argument_group("overrides")
     o.add_argument("--inter-gbps", type=float, default=None, help="inter-node line rate in Gbit/s")
     o.add_argument("--intra-GBps", type=float, default=None, help="intra-node per-GPU bandwidth in GB/s")
@@ -119,7 +119,8 @@ def run(args) -> int:
         codec = args.codec
         if args.codec_bench:
             codec = from_benchmark(args.codec_bench, codec)
-        plan = Plan(args.algorithm, codec, args.bucket_mb, args.overlap, piece_mb=args.piece_mb)
+        pieces = {} if args.piece_mb is None else {"piece_mb": args.piece_mb}
+        plan = Plan(args.algorithm, codec, args.bucket_mb, args.overlap, **pieces)
         if args.sweep:
             axis, values = parse_sweep(args.sweep)
         else:

@@ -15,9 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commopt.sim.codec_costs import CodecCost, get_codec
+from commopt.sim.comm_model import SRA_PIECE_BYTES
 
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "sra")
 OVERLAPS = ("none", "backward", "double-buffering")
+#: Piece size of the scatter-reduce pipeline in MiB (commopt.collectives.PIECE_BYTES).
+DEFAULT_PIECE_MB = SRA_PIECE_BYTES / 2**20
 
 
 @dataclass(frozen=True, init=False)
@@ -29,7 +32,8 @@ class Plan:
     piece_mb: float
 
     def __init__(self, algorithm: str = "auto", codec: str | CodecCost = "none",
-                 bucket_mb: float = 25.0, overlap: str = "backward", piece_mb: float = 4.0):
+                 bucket_mb: float = 25.0, overlap: str = "backward",
+                 piece_mb: float = DEFAULT_PIECE_MB):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if overlap not in OVERLAPS:

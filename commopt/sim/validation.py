@@ -20,7 +20,7 @@ from commopt.sim.codec_costs import get_codec
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.costs import GBIT
 from commopt.sim.machines import Machine, get_machine
-from commopt.sim.plan import Plan
+from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
 from commopt.sim.profiles import Layer, ModelProfile, load_profile
 from commopt.sim.step import Prediction, simulate
 
@@ -341,7 +341,7 @@ def compare_testbed_measurements(measurements: list[Measurement], codec_speeds: 
             continue
         plan = Plan(m.plan.get("algorithm", "ring"), _plan_codec(m),
                     m.plan.get("bucket_mb", 25), m.plan.get("overlap", "none"),
-                    m.plan.get("piece_mb", 4.0))
+                    m.plan.get("piece_mb", DEFAULT_PIECE_MB))
         row.update(compare_measured(measured_step_s=m.measured_step_s, compute_s=m.compute_s,
                                     grad_bytes=m.grad_bytes, gpus=m.gpus, plan=plan, machine=machine))
         if row["transport"] in NOT_MODELLED:
