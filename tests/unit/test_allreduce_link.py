@@ -1,13 +1,10 @@
 """benchmarks/allreduce_link.py: medians over rounds, paired ratios, targets, simulator entries."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location(
-    "allreduce_link", Path(__file__).resolve().parents[2] / "benchmarks" / "allreduce_link.py")
-link = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(link)
+from tests.unit.bench_scripts import load_benchmark
+
+link = load_benchmark("allreduce_link")
 SIZE = 64 << 20
 
 

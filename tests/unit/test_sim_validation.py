@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import pytest
 
+from tests.unit.bench_scripts import load_benchmark
+
 from commopt.sim import Plan, get_machine, load_profile, simulate
 from commopt.sim.costs import GBYTE, Link
 from commopt.sim.validation import (PUBLISHED_ROWS, TOLERANCE, Measurement, chainermn_effect, cgx_effect,
@@ -208,10 +210,7 @@ def test_the_validation_script_takes_every_testbed_row_from_its_files(tmp_path):
 def test_docs_carry_the_scripts_tables_unedited():
     """docs/scaling.md's published, effects and 1024-GPU tables are what the script prints now
     (regenerate with `python benchmarks/sim_validation.py --markdown` when the model changes)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("sim_validation", os.path.join(ROOT, "benchmarks", "sim_validation.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("sim_validation")
     with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         doc = f.read()
     for table in (script.published_table(True, {}), script.effects_table(True), script.predictions_table(True)):
@@ -221,10 +220,7 @@ def test_docs_carry_the_scripts_tables_unedited():
 def test_docs_carry_the_testbed_tables_unedited():
     """docs/scaling.md's testbed tables (allreduce and training-step rows, from the default
     measurement files) and their summary are what the script prints now."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("sim_validation", os.path.join(ROOT, "benchmarks", "sim_validation.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("sim_validation")
     paths = [str(p) for p in script.DEFAULT_MEASURED if p.exists()]
     if len(paths) < 2:
         pytest.skip("the default measurement files are not both there")

@@ -1,5 +1,4 @@
 """The step benchmark's arithmetic and tables (benchmarks/step_bench.py), in one process."""
-import importlib.util
 import json
 import math
 import subprocess
@@ -9,18 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.bench_scripts import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sb = _load("step_bench")
+sb = load_benchmark("step_bench")
 models = sys.modules["step_models"]
 
 

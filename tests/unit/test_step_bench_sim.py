@@ -1,11 +1,11 @@
 """Training-step rows of the simulator's testbed validation: benchmarks/step_bench.py's
 --sim-measurements writer and their predictions (commopt.sim.validation)."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.unit.bench_scripts import load_benchmark
 
 from commopt.sim import Plan, get_machine, simulate
 from commopt.sim.machines import Machine
@@ -20,17 +20,7 @@ BW = 1e9 / 8 * 0.956            # the testbed's effective link, bytes/s
 ALPHA = GLOO.inter.latency_s    # gloo: 180 us per collective
 
 
-def _load(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sb = _load("step_bench")
+sb = load_benchmark("step_bench")
 
 
 def _row(config, step=0.5, rounds=(0.5, 0.6, 0.45), compute=0.1, error=None):
@@ -166,7 +156,7 @@ def test_step_rows_not_modelled_and_error_feedback():
     assert rows[2]["status"] == "not modelled" and rows[2]["predicted_step_s"] is None
     # The link limit of a step row: the gradient's allreduce at line rate (qsgd4: 0.1328 of fp32).
     assert rows[0]["limit_s"] == pytest.approx(100_765_760 * 0.1328125 / 125e6, rel=1e-3)
-    script = _load("sim_validation")
+    script = load_benchmark("sim_validation")
     text = script.testbed_tables(False, rows)
     assert "not modelled, powersgd1: no low-rank codec" in text
     assert "0 of 2 modelled rows within 15% (1 row the simulator does not model)." in text
