@@ -344,40 +344,39 @@ def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
                 post(t + 1, k)
 
 
-def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
-    """MPI_Alltoall of equal byte chunks as segmented Isend/Irecv to and from every peer."""
+def _exchange(mpi_comm, recv: np.ndarray, chunk: int, send_to, tag: int, seg_bytes: int) -> None:
+    """Receive every peer's ``chunk`` bytes into its slot of ``recv`` and send each peer
+    ``send_to(peer)``, all as segmented Irecv/Isend posted at once, then wait."""
     n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    chunk = send.size // n
-    recv[r * chunk:(r + 1) * chunk] = send[r * chunk:(r + 1) * chunk]
     reqs = []
     for i in range(1, n):
         src = (r - i) % n
         for lo, hi in _segments(src * chunk, (src + 1) * chunk, seg_bytes):
-            reqs.append(mpi_comm.Irecv(recv[lo:hi], src, _TAG_ALLTOALL))
+            reqs.append(mpi_comm.Irecv(recv[lo:hi], src, tag))
     for i in range(1, n):
         dst = (r + i) % n
-        for lo, hi in _segments(dst * chunk, (dst + 1) * chunk, seg_bytes):
-            reqs.append(mpi_comm.Isend(send[lo:hi], dst, _TAG_ALLTOALL))
+        data = send_to(dst)
+        for lo, hi in _segments(0, data.size, seg_bytes):
+            reqs.append(mpi_comm.Isend(data[lo:hi], dst, tag))
     for req in reqs:  # receives first, in the order they arrive
         _wait(req)
 
 
+def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
+    """MPI_Alltoall of equal byte chunks as segmented Isend/Irecv to and from every peer."""
+    r = mpi_comm.Get_rank()
+    chunk = send.size // mpi_comm.Get_size()
+    recv[r * chunk:(r + 1) * chunk] = send[r * chunk:(r + 1) * chunk]
+    _exchange(mpi_comm, recv, chunk, lambda dst: send[dst * chunk:(dst + 1) * chunk],
+              _TAG_ALLTOALL, seg_bytes)
+
+
 def direct_allgather(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
     """MPI_Allgather as segmented Isend/Irecv of this rank's bytes to and from every peer."""
-    n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    r = mpi_comm.Get_rank()
     chunk = send.size
     recv[r * chunk:(r + 1) * chunk] = send
-    reqs = []
-    for i in range(1, n):
-        src = (r - i) % n
-        for lo, hi in _segments(src * chunk, (src + 1) * chunk, seg_bytes):
-            reqs.append(mpi_comm.Irecv(recv[lo:hi], src, _TAG_ALLGATHER))
-    for i in range(1, n):
-        dst = (r + i) % n
-        for lo, hi in _segments(0, chunk, seg_bytes):
-            reqs.append(mpi_comm.Isend(send[lo:hi], dst, _TAG_ALLGATHER))
-    for req in reqs:
-        _wait(req)
+    _exchange(mpi_comm, recv, chunk, lambda dst: send, _TAG_ALLGATHER, seg_bytes)
 
 
 class MPICommunicator(Communicator):

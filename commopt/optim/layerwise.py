@@ -28,12 +28,13 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from commopt.optim._wrapping import init_hook_tables
 
 __all__ = ["LARS", "lars", "LayerwiseAdaptation", "exclude_bias_and_norm", "trust_ratios"]
 
@@ -205,12 +206,7 @@ class LayerwiseAdaptation(Optimizer):
         self.clip = bool(clip)
         self.eps = float(eps)
         self._exclude = exclude
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        init_hook_tables(self)
 
     @property
     def param_groups(self):

@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -36,6 +35,7 @@ import torch
 from commopt import collectives
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
+from commopt.optim._wrapping import init_hook_tables
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer", "ModelMismatchError"]
@@ -141,13 +141,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"unknown algorithm {algorithm!r}; one of {collectives.ALGORITHMS}")
         if float(bucket_cap_mb) <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        # torch.optim.Optimizer's hook tables (its __init__ would re-add the param groups).
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        init_hook_tables(self)
         self._inner = optimizer
         self.comm = comm
         self.double_buffering = bool(double_buffering)
