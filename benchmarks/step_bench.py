@@ -28,6 +28,10 @@ Columns of the table (one per model):
 - step time: median time of a training step (forward, backward, optimizer step), and in
   brackets the lowest and highest of the rounds' medians: how much the load moved it;
 - compute: median time of the twin's step (the same work without communication);
+- rank CPU: processor time one rank's process (all its threads: compute, the collectives'
+  worker, the transport's threads) used per timed step. The emulated hosts share this
+  machine's cores (as many cores as hosts here, not pinned): a value near or above the step
+  time says the step is bound by the processor, not by the link;
 - link limit: the time the link needs for this configuration's gradient allreduce,
   2(n-1)/n x wire bytes / rate: the physical limit beside the measured time;
 - samples/s: n x per-rank batch / step time;
@@ -222,6 +226,7 @@ class Row:
     wire_bytes: int | None = None
     final_loss: float | None = None
     backward_s: float | None = None
+    cpu_s: float | None = None  # one rank's process CPU time (all threads) per timed step
     ranks_agree: bool | None = None
     error: str | None = None
 
@@ -248,6 +253,7 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
         row.step_rounds = [statistics.median(rd["step_times"]) for rd in r["rounds"]]
         row.compute_s = robust_step(r["rounds"], "compute_times")
         row.backward_s = robust_step(r["rounds"], "backward_times")
+        row.cpu_s = robust_step(r["rounds"], "cpu_per_step")  # None in reports from before it
         row.samples_per_s = n * r["batch"] / row.step_s
         row.final_loss = r["rounds"][0].get("eval_loss")
         row.wire_bytes = r.get("wire_bytes")
@@ -286,6 +292,11 @@ def check_targets(role: str, rows: list[Row]) -> list[str]:
             lines.append(f"best commopt is {ratio:.2f}x faster than the best DDP hook "
                          f"({hook.config}, {hook.step_s * 1e3:.0f} ms) "
                          f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
+            if best.cpu_s is not None and best.limit_s is not None:
+                bound = "the processor" if best.cpu_s > max(best.limit_s, 0.8 * best.step_s) else "the link"
+                lines.append(f"best commopt's rank uses {best.cpu_s * 1e3:.0f} ms of CPU per "
+                             f"{best.step_s * 1e3:.0f} ms step against a link limit of "
+                             f"{best.limit_s * 1e3:.0f} ms: bound by {bound}")
     elif role == "compute":
         eff = [r for r in commopt if r.efficiency is not None]
         if eff:
@@ -299,8 +310,8 @@ def _fmt(value, spec, unit=""):
     return "-" if value is None else format(value, spec) + unit
 
 
-TABLE_COLUMNS = ("configuration", "step ms (rounds)", "compute ms", "link limit ms", "samples/s",
-                 "speed-up", "efficiency", "comm wait", "final loss")
+TABLE_COLUMNS = ("configuration", "step ms (rounds)", "compute ms", "rank CPU ms", "link limit ms",
+                 "samples/s", "speed-up", "efficiency", "comm wait", "final loss")
 
 
 def table_cells(row: Row) -> list[str]:
@@ -313,7 +324,7 @@ def table_cells(row: Row) -> list[str]:
     step = _fmt(ms(row.step_s), ".0f")
     if row.step_rounds and len(row.step_rounds) > 1:
         step += f" ({min(row.step_rounds) * 1e3:.0f}-{max(row.step_rounds) * 1e3:.0f})"
-    return [row.config, step, _fmt(ms(row.compute_s), ".0f"),
+    return [row.config, step, _fmt(ms(row.compute_s), ".0f"), _fmt(ms(row.cpu_s), ".0f"),
             _fmt(ms(row.limit_s), ".0f"), _fmt(row.samples_per_s, ".1f"),
             _fmt(row.speedup, ".2f", "x"), _fmt(pct(row.efficiency), ".0f", "%"),
             _fmt(pct(row.comm_wait), ".0f", "%"), _fmt(row.final_loss, ".4f")]
@@ -343,7 +354,8 @@ def merge_rounds(entries: list[dict]) -> dict:
     """One configuration's runs (every rank, every round) -> the merged result ``summarize`` reads.
 
     ``entries`` are the worker's records: config, round, rank, size, batch, step_times,
-    compute_times, backward_times, losses, eval_loss, checksum, wire_bytes, params.
+    compute_times, backward_times, cpu_per_step (optional), losses, eval_loss, checksum,
+    wire_bytes, params.
     """
     by_round: dict[int, dict[int, dict]] = {}
     for e in entries:
@@ -354,7 +366,7 @@ def merge_rounds(entries: list[dict]) -> dict:
         first = ranks[min(ranks)]
         rounds.append({key: first.get(key) for key in ("step_times", "compute_times",
                                                        "block_efficiency", "backward_times",
-                                                       "losses", "eval_loss")})
+                                                       "cpu_per_step", "losses", "eval_loss")})
         rounds[-1]["rank_step_medians"] = [statistics.median(ranks[r]["step_times"])
                                            for r in sorted(ranks)]
         agree = agree and len({ranks[r]["checksum"] for r in ranks}) == 1
@@ -438,6 +450,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
                for i in range(args.warmup + steps + restarts)]
     feed = iter(batches)
     step_times, backward_times, losses, compute_times, block_eff = [], [], [], [], []
+    block_cpu = []  # this process's CPU seconds (every thread) per timed step, per block
 
     def train_step(timed: bool) -> None:
         x, y = next(feed)
@@ -470,8 +483,10 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
             train_step(timed=False)
         gloo.allgather_obj(None)  # every rank starts the timed steps together
         first = len(step_times)
+        cpu_start = time.process_time()
         for _ in range(count):
             train_step(timed=True)
+        block_cpu.append((time.process_time() - cpu_start) / count)
         if cfg.kind == "commopt":
             opt.flush()  # double buffering: apply the last averaged gradients (untimed)
         # Right after, with nothing in flight: every rank computes alone, all at once.
@@ -490,6 +505,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     gloo.allgather_obj(None)  # the next configuration starts on every rank together
     return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
             "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
+            "cpu_per_step": block_cpu,
             "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
             "params": sum(math.prod(s) for s in shapes)}
 

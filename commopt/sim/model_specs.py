@@ -105,6 +105,11 @@ def transformer_xl_base_profile() -> ModelProfile:
             "grad_bytes_per_param": "apex AMP O2: float16 model and gradients (same README)",
             "throughput": CGX_THROUGHPUT + " (the 1-GPU column of the scaling table for rtx3090)",
             "tail clusters": "assumption: 6% / 3% / 1% of tokens fall in the three tail clusters",
+            "tied embedding": "NVIDIA's mem_transformer.py / train.py: div_val 1 (one 267735 x 512 matrix), "
+                              "tie_weight on (the softmax uses the embedding's own Parameter), dense "
+                              "(sparse only with sample_softmax > 0, default -1); tie_projs has no effect "
+                              "(d_embed = d_model: no projections). Its gradient sums both uses before "
+                              "DDP's hook fires, i.e. after the embedding's backward",
         })
 
 

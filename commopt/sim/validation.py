@@ -34,7 +34,12 @@ _TXL_3090_4 = (
     "the BERT rows: 8.6 GB/s (the same measurement's cross-switch figure, read as what the 4 GPUs of "
     "one root complex share) puts BERT at +20% to +49%, PCIe 3.0 x16 (12.6 GB/s) at +69% to +97%; "
     "only an undocumented ~7 GB/s with a per-GPU cap of 3.05 GB/s fits every row, which would be "
-    "fitting this row, so we keep the measured figure")
+    "fitting this row, so we keep the measured figure. The workload does not help either: NVIDIA's "
+    "train.py (whose DGX-1 rows match the V100 row) wraps the model in DDP with "
+    "find_unused_parameters=True, so DDP never rebuilds its buckets and reduces them strictly in "
+    "sequence, in reverse definition order; the first holds r_w_bias and r_r_bias, defined last and "
+    "used by all 16 layers, so no all-reduce starts before the backward pass reaches layer 0. Modelled "
+    "so (overlap none) the 3090 rows fall further: -11 / -33 / -22% for 2 / 4 / 8 GPUs")
 
 
 _BERT_3090_BATCH = (

@@ -15,7 +15,8 @@ from commopt.sim import Plan, get_machine, load_profile, simulate
 from commopt.sim.costs import GBYTE, Link
 from commopt.sim.validation import (PUBLISHED_ROWS, TOLERANCE, Measurement, chainermn_effect, cgx_effect,
                                     compare_measured, compare_testbed_measurements, load_measurements,
-                                    physical_allreduce_s, predict_testbed_allreduce, published_comparison)
+                                    _predict, physical_allreduce_s, predict_testbed_allreduce,
+                                    published_comparison)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "sim-testbed-1gbit.json")
@@ -99,7 +100,11 @@ def test_cgx_compression_on_transformer_xl_direction_and_size():
     if abs(e.error) > TOLERANCE:
         pytest.xfail("Transformer-XL's tied embedding (71% of its gradient) is complete only at the end of "
                      "the backward pass, so even compressed its all-reduce stays exposed: predicted "
-                     f"{e.predicted_value:.0%} vs about {e.published_value:.0%} published")
+                     f"{e.predicted_value:.0%} vs about {e.published_value:.0%} published. The target is CGX's "
+                     "general claim (pytorch-cgx.github.io/benchmarks: 'up to 90% of ideal scaling' over four "
+                     "models, 4 bits, bucket 1024); the first author's page (ilmarkov.github.io/projects/CGX) "
+                     "gives Transformer-XL base on 8x RTX 3090 a 60% speedup over NCCL, about 55% efficiency "
+                     "from the published 105k tok/s baseline")
 
 
 def test_testbed_allreduce_against_the_physical_limit():
@@ -132,6 +137,24 @@ def test_documented_alternatives_to_the_3090_uplink_break_the_bert_rows():
         m = replace(base, uplink=Link(base.uplink.latency_s, uplink * GBYTE))
         errors = {(r.model, r.gpus): simulate(r.model, m, r.plan, r.gpus).throughput / r.published - 1 for r in rows}
         assert max(errors[("bert-large", g)] for g in (2, 4, 8)) > TOLERANCE
+
+
+def test_transformer_xl_as_nvidias_script_runs_ddp_misses_the_3090_rows_further():
+    """The other half of that reason, checked: NVIDIA's train.py uses DDP with
+    find_unused_parameters=True, so the buckets keep their construction order and the first one
+    (r_w_bias, r_r_bias, used by every layer) is ready only at the end of the backward pass: no
+    overlap. Modelled so, the 3090 rows fall further below the published ones (the 8-GPU row
+    beyond 15% too), while the V100 rows stay within 15%."""
+    rows = [r for r in PUBLISHED_ROWS if r.model == "transformer-xl-base" and r.gpus > 1]
+    no_overlap = {(r.machine, r.source, r.gpus): _predict(replace(r, plan=Plan(overlap="none"))).throughput
+                  / r.published - 1 for r in rows}
+    with_overlap = {(c.row.machine, c.row.source, c.row.gpus): c.error for c in ROWS if c.row in rows}
+    for key, err in no_overlap.items():
+        if key[0] == "rtx3090-pcie":
+            assert err < with_overlap[key]
+        else:
+            assert abs(err) <= TOLERANCE
+    assert no_overlap[("rtx3090-pcie", rows[0].source, 8)] < -TOLERANCE
 
 
 def _measurement(**kw):

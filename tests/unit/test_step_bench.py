@@ -70,7 +70,7 @@ def test_comm_wait_share_never_negative():
 def _result(step, size=2, batch=8, loss=1.0, wire=1000, compute=None):
     """A merged result of 3 rounds whose medians are step * (0.8, 1, 1.3)."""
     rounds = [{"step_times": [s * 1.1, s, s * 0.9], "compute_times": [compute or step] * 2,
-               "backward_times": [s / 2] * 3, "eval_loss": loss}
+               "backward_times": [s / 2] * 3, "cpu_per_step": [s * 0.9] * 2, "eval_loss": loss}
               for s in (step * 0.8, step, step * 1.3)]
     return {"rounds": rounds, "size": size, "batch": batch, "wire_bytes": wire, "ranks_agree": True}
 
@@ -157,7 +157,15 @@ def test_tables_have_one_line_per_configuration():
     assert "failed: RuntimeError: boom" in text[-1]
     md = sb.markdown_table(rows).splitlines()
     assert len(md) == 2 + 2 and all(line.count("|") == len(sb.TABLE_COLUMNS) + 1 for line in md)
-    assert "| ddp-fp32 | 1000 (800-1300) | 100 | 800 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
+    assert "| ddp-fp32 | 1000 (800-1300) | 100 | 900 | 800 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
+
+
+def test_reports_from_before_the_cpu_column_still_render():
+    old = _result(1.0, wire=100_000_000, compute=0.1)
+    for rd in old["rounds"]:
+        del rd["cpu_per_step"]
+    row = sb.summarize({"ddp-fp32": old}, 2, 1e9)[0]
+    assert row.cpu_s is None and sb.table_cells(row)[3] == "-"
 
 
 def test_configs_cover_the_issue():
@@ -269,5 +277,5 @@ def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
     args = parser.parse_args(["--from-json", str(saved), "--markdown", str(md)])
     assert sb.main(args) == 0
     text = md.read_text()
-    assert "| commopt-qsgd4-db | 250 (200-325) | 200 | 104 |" in text and "4.00x" in text
+    assert "| commopt-qsgd4-db | 250 (200-325) | 200 | 225 | 104 |" in text and "4.00x" in text
     assert "target >= 5x: NOT met" in text and "commopt-qsgd4-db" in capsys.readouterr().out
