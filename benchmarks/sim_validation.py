@@ -118,6 +118,8 @@ def render_step_table(markdown: bool, rows: list[dict]) -> str:
             # What the model has each resource do: the core (compute + codec) and the link.
             status += (f"; the model's core work {(r['compute_s'] + r['codec_s']) * 1e3:.0f} ms (compute + "
                        f"codec {r['codec_s'] * 1e3:.0f}), its communication {r['comm_s'] * 1e3:.0f} ms")
+            if r.get("measured_cpu_s"):
+                status += f"; measured: one rank used {r['measured_cpu_s'] * 1e3:.0f} ms of CPU per step"
         out.append([r["what"], r["machine"], _ms(r["compute_s"]), _ms(r["predicted_step_s"]) or "n/a",
                     _ms(r["limit_s"]), measured, load, _error(r), status])
     return _table(["testbed step", "preset", "compute (measured)", "predicted step", "link limit",

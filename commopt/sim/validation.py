@@ -226,7 +226,8 @@ class Measurement:
     otherwise read from the command), a machine preset or file that overrides it, the link's
     line rate, the fastest and slowest round, each round's time with the machine's load, and
     ``not_modelled``: the reason, for a configuration the simulator cannot predict (its row is
-    shown, not counted). A plan codec ``<codec>+ef`` (error feedback) is predicted as
+    shown, not counted), and ``measured_cpu_s``: the processor time one rank used per step (all
+    its threads), shown beside a miss. A plan codec ``<codec>+ef`` (error feedback) is predicted as
     ``<codec>``: the residual's passes over the gradient are not modelled."""
     what: str
     command: str
@@ -244,6 +245,7 @@ class Measurement:
     load_average: list | None = None
     per_round: list | None = None
     not_modelled: str | None = None   # why the simulator cannot predict this row (shown, not counted)
+    measured_cpu_s: float | None = None  # one rank's processor time per step (not an input)
 
     @property
     def kind(self) -> str:
@@ -336,7 +338,7 @@ def compare_testbed_measurements(measurements: list[Measurement], codec_speeds: 
         row = {"what": m.what, "command": m.command, "transport": m.transport_name(), "machine": machine.name,
                "kind": m.kind, "compute_s": m.compute_s, "limit_s": _link_limit_s(m, machine),
                "measured_min_s": m.measured_min_s, "measured_max_s": m.measured_max_s,
-               "load_average": m.load_average, "evidence": None}
+               "load_average": m.load_average, "evidence": None, "measured_cpu_s": m.measured_cpu_s}
         if m.not_modelled:
             # A codec the simulator lacks: no prediction at all.
             row.update(gpus=m.gpus, plan=", ".join(f"{k} {v}" for k, v in m.plan.items()),

@@ -169,3 +169,13 @@ def test_the_recorded_step_rows_all_get_a_prediction_or_a_reason():
     assert len(rows) == 24 and {r["kind"] for r in rows} == {"step"}
     assert sum(r["status"] == "not modelled" for r in rows) == 4       # PowerSGD rank 1 and 4, both models
     assert all(r["predicted_step_s"] >= r["compute_s"] for r in rows if r["status"] != "not modelled")
+
+
+def test_a_miss_shows_the_cpu_one_rank_used_per_step():
+    row = dict(_row("commopt-qsgd4-db", step=0.17, rounds=(0.17, 0.18), compute=0.074), cpu_s=0.16)
+    entries = sb.sim_measurements(_report(rows=[row, _row("commopt-fp32")]))
+    assert entries[0]["measured_cpu_s"] == 0.16 and "measured_cpu_s" not in entries[1]
+    compared = compare_testbed_measurements([Measurement(**e) for e in entries])
+    assert compared[0]["status"] == "miss" and compared[0]["measured_cpu_s"] == 0.16
+    text = load_benchmark("sim_validation").render_step_table(False, compared)
+    assert "one rank used 160 ms of CPU per step" in text
