@@ -168,7 +168,8 @@ def test_the_recorded_step_rows_all_get_a_prediction_or_a_reason():
     rows = compare_testbed_measurements(load_measurements(str(STEP_ENTRIES)))
     assert len(rows) == 24 and {r["kind"] for r in rows} == {"step"}
     assert sum(r["status"] == "not modelled" for r in rows) == 4       # PowerSGD rank 1 and 4, both models
-    assert all(r["predicted_step_s"] >= r["compute_s"] for r in rows if r["status"] != "not modelled")
+    # (1 ulp of slack: a double-buffered step hidden entirely behind compute is compute itself)
+    assert all(r["predicted_step_s"] >= r["compute_s"] * (1 - 1e-12) for r in rows if r["status"] != "not modelled")
 
 
 def test_a_miss_shows_the_cpu_one_rank_used_per_step():
