@@ -492,28 +492,19 @@ class MPICommunicator(Communicator):
         return self._submit(run)
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
-        ready = self._cuda_ready(send)
-        path = self._path(send.numel() * send.element_size())
-
-        def run():
-            ready()
-            s, _ = self._host(send, fill=True)
-            r, back = self._host(recv, fill=False)
-            sv, rv = _numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True)
-            if path == "pipelined":
-                pairwise_alltoall(self.mpi_comm, sv, rv, self.segment_bytes)
-            elif path == "polled":
-                _wait(self.mpi_comm.Ialltoall(sv, rv))
-            else:
-                self.mpi_comm.Alltoall(sv, rv)
-            if back:
-                back()
-
-        return self._submit(run)
+        return self._exchange_op(send, recv, send.numel() * send.element_size(), pairwise_alltoall,
+                                 self.mpi_comm.Ialltoall, self.mpi_comm.Alltoall)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        return self._exchange_op(send, recv, recv.numel() * recv.element_size(), direct_allgather,
+                                 self.mpi_comm.Iallgather, self.mpi_comm.Allgather)
+
+    def _exchange_op(self, send: torch.Tensor, recv: torch.Tensor, nbytes: int, pipelined,
+                     nonblocking, blocking) -> Work:
+        """An all-to-all style collective on bytes by the path ``nbytes`` calls for: commopt's
+        ``pipelined`` point-to-point version, MPI's ``nonblocking`` one polled, or ``blocking``."""
         ready = self._cuda_ready(send)
-        path = self._path(recv.numel() * recv.element_size())
+        path = self._path(nbytes)
 
         def run():
             ready()
@@ -521,11 +512,11 @@ class MPICommunicator(Communicator):
             r, back = self._host(recv, fill=False)
             sv, rv = _numpy_view(s, as_bytes=True), _numpy_view(r, as_bytes=True)
             if path == "pipelined":
-                direct_allgather(self.mpi_comm, sv, rv, self.segment_bytes)
+                pipelined(self.mpi_comm, sv, rv, self.segment_bytes)
             elif path == "polled":
-                _wait(self.mpi_comm.Iallgather(sv, rv))
+                _wait(nonblocking(sv, rv))
             else:
-                self.mpi_comm.Allgather(sv, rv)
+                blocking(sv, rv)
             if back:
                 back()
 
