@@ -16,6 +16,26 @@ _HOOK_TABLES = (
 )
 
 
+def inner_attribute(name: str, inner: str) -> property:
+    """A property that reads and writes ``name`` on the wrapped optimizer ``self.<inner>``.
+
+    >>> import torch
+    >>> class Wrapper:
+    ...     state = inner_attribute("state", "wrapped")
+    ...     def __init__(self, opt): self.wrapped = opt
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    >>> Wrapper(opt).state is opt.state
+    True
+    """
+    def get(self):
+        return getattr(getattr(self, inner), name)
+
+    def set_(self, value) -> None:
+        setattr(getattr(self, inner), name, value)
+
+    return property(get, set_, doc=f"The wrapped optimizer's ``{name}``.")
+
+
 def init_hook_tables(wrapper) -> None:
     """Give ``wrapper`` the empty hook tables ``torch.optim.Optimizer.__init__`` would."""
     for name in _HOOK_TABLES:

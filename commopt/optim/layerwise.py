@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from commopt.optim._wrapping import init_hook_tables
+from commopt.optim._wrapping import init_hook_tables, inner_attribute
 
 __all__ = ["LARS", "lars", "LayerwiseAdaptation", "exclude_bias_and_norm", "trust_ratios"]
 
@@ -208,29 +208,9 @@ class LayerwiseAdaptation(Optimizer):
         self._exclude = exclude
         init_hook_tables(self)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optimizer.defaults = value
+    param_groups = inner_attribute("param_groups", "optimizer")
+    state = inner_attribute("state", "optimizer")
+    defaults = inner_attribute("defaults", "optimizer")
 
     def __repr__(self):
         mode = "clip" if self.clip else "scale"

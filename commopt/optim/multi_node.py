@@ -35,7 +35,7 @@ import torch
 from commopt import collectives
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
-from commopt.optim._wrapping import init_hook_tables
+from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer", "ModelMismatchError"]
@@ -198,21 +198,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def param_groups(self, value) -> None:
         self._inner.param_groups = value
 
-    @property
-    def state(self):
-        return self._inner.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._inner.state = value
-
-    @property
-    def defaults(self):
-        return self._inner.defaults
-
-    @defaults.setter
-    def defaults(self, value) -> None:
-        self._inner.defaults = value
+    state = inner_attribute("state", "_inner")
+    defaults = inner_attribute("defaults", "_inner")
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
