@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -69,19 +68,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from commopt._importing import import_file
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
 def _load_sibling(name: str):
     """Import benchmarks/<name>.py whether this file runs as a script or is loaded by path."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file(name, HERE / f"{name}.py")
 
 
 step_models = _load_sibling("step_models")

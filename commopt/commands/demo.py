@@ -16,11 +16,12 @@ all of it); the demo picks its configurations and explains the result.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from commopt._importing import import_file
 
 HELP = "run the main demonstration job: DDP vs commopt, 2 hosts on a 1 Gbit/s link"
 
@@ -58,11 +59,7 @@ def _load_step_bench():
     if not path.exists():
         raise SystemExit(f"commopt demo: {path} not found; the demo runs from a source checkout "
                          f"of commopt (git clone, then `make demo`)")
-    spec = importlib.util.spec_from_file_location("commopt_step_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file("commopt_step_bench", path)
 
 
 def _main_job(args) -> int:

@@ -1,9 +1,9 @@
 """Import the scripts under benchmarks/ (not a package) by path, once per test session."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from commopt._importing import import_file
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -14,10 +14,4 @@ def load_benchmark(name: str):
     Registered before it runs, so dataclasses and doctests inside it resolve their module;
     a second call returns the same module.
     """
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file(name, BENCHMARKS / f"{name}.py")
