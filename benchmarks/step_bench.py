@@ -839,6 +839,8 @@ def sim_measurements(report: dict) -> list[dict]:
         >>> e["plan"]["algorithm"], e["plan"]["codec"], e["plan"]["overlap"], e["grad_bytes"], e["transport"]
         ('sra', 'qsgd4', 'double-buffering', 40, 'torch')
     """
+    from commopt.collectives import PIECE_BYTES
+
     if not report.get("rate_bits"):
         raise ValueError("--sim-measurements needs a run on the emulated link (this report ran on "
                          "unshaped loopback): rerun with --link RATE")
@@ -854,7 +856,7 @@ def sim_measurements(report: dict) -> list[dict]:
                     "codec": "none" if cfg.wire == "fp32" else cfg.wire,
                     "overlap": "double-buffering" if cfg.double_buffering else "backward", "bucket_mb": 25.0}
             if cfg.wire.startswith("qsgd"):
-                plan["piece_mb"] = 4.0   # commopt.collectives.PIECE_BYTES
+                plan["piece_mb"] = PIECE_BYTES / 2**20  # the pipeline's pieces, as they ran
             if cfg.wire == "powersgd":
                 plan.update(codec=f"powersgd{cfg.powersgd_rank}", bucket_mb=float(POWERSGD_BUCKET_MB))
             transport = "torch" if cfg.kind == "ddp" else report.get("commopt_comm", "torch")
