@@ -12,7 +12,7 @@ pipelined scatter-reduce/allgather.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from commopt.sim.codec_costs import CodecCost, get_codec
 from commopt.sim.comm_model import SRA_PIECE_BYTES
@@ -54,12 +54,10 @@ class Plan:
 
     def with_(self, **changes) -> "Plan":
         """A copy with some fields changed: ``plan.with_(bucket_mb=50)``."""
-        fields = {"algorithm": self.algorithm, "codec": self.codec, "bucket_mb": self.bucket_mb,
-                  "overlap": self.overlap, "piece_mb": self.piece_mb}
-        unknown = set(changes) - set(fields)
+        unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise TypeError(f"Plan has no field(s) {', '.join(sorted(unknown))}")
-        return Plan(**{**fields, **changes})
+        return replace(self, **changes)  # through __init__: the changed plan is validated too
 
     def candidates(self) -> tuple[str, ...]:
         """The algorithms to try: ``auto`` takes, bucket by bucket, the fastest of those that
