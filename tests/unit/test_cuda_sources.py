@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from commopt._cuda_kernels import NVRTC_OPTIONS, source_path
+from commopt.kernels.cuda import NVRTC_OPTIONS, source_path
 
 KERNELS = ("qsgd_encode_warp4", "qsgd_encode_warp32", "qsgd_steps", "qsgd_quantize_bytes",
            "qsgd_decode", "cast_encode", "cast_decode")

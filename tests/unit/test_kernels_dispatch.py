@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from commopt import _cuda_kernels, _native_kernels, kernels
+from commopt import kernels
+from commopt.kernels import cuda as _cuda_kernels, native as _native_kernels
 
 
 def test_cpu_tensors_use_native_when_built():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from commopt import _reference_kernels as ref
+from commopt.kernels import reference as ref
 from commopt import kernels
 from tests.unit.codec_helpers import bits_equal, float_tensors
 
@@ -124,7 +124,7 @@ def test_threads_do_not_change_the_wire(bits, norm, bucket):
 
 
 def test_native_rejects_bad_arguments_with_an_error():
-    from commopt import _native_kernels
+    from commopt.kernels import native as _native_kernels
 
     lib = _native_kernels.load()
     x = torch.zeros(8)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from commopt import _reference_kernels as ref
+from commopt.kernels import reference as ref
 from commopt import kernels
 from tests.unit.codec_helpers import CPU_IMPLS, float_tensors, per_element, steps_of
 

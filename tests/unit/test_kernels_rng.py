@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from commopt import _reference_kernels as ref
+from commopt.kernels import reference as ref
 from commopt import kernels
 
 M32 = 0xFFFFFFFF

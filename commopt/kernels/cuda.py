@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from commopt import _reference_kernels as _ref
+from commopt.kernels import reference as _ref
 
-SOURCE = Path(__file__).resolve().parents[1] / "commopt_ext" / "codec_kernels.cu"
+SOURCE = Path(__file__).resolve().parents[2] / "commopt_ext" / "codec_kernels.cu"
 #: flags for NVRTC: keep every float operation exactly as written in the source.
 NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--prec-div=true", "--prec-sqrt=true")
 

@@ -6,7 +6,7 @@ They run on any device torch supports, so they are also the fallback when no nat
 kernel is available. See docs/codecs.md for the wire formats and the random numbers.
 
     >>> import torch
-    >>> from commopt import _reference_kernels as ref
+    >>> from commopt.kernels import reference as ref
     >>> x = torch.tensor([0.5, -1.0, 0.25])
     >>> wire = torch.empty(ref.qsgd_nbytes(3, bits=4, bucket_size=128), dtype=torch.uint8)
     >>> ref.qsgd_encode(x, wire, bits=4, levels=7, bucket_size=128, key=(1, 2))

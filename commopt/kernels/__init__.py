@@ -5,7 +5,7 @@ Three implementations produce bit-identical wires for the same inputs and key:
 * ``"native"``: C++ in ``commopt_ext/cpu_kernels.cpp`` (built by ``pip install``), for CPU
   tensors; multi-threaded with ``threads`` (default ``torch.get_num_threads()``).
 * ``"cuda"``: ``commopt_ext/*.cu`` compiled at run time through CuPy, for CUDA tensors.
-* ``"reference"``: plain torch (``commopt._reference_kernels``), any device; the spec.
+* ``"reference"``: plain torch (``commopt.kernels.reference``), any device; the spec.
 
 ``impl=None`` picks native for CPU tensors (reference, with one warning, when the library
 is not built) and CUDA for CUDA tensors.
@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from commopt import _reference_kernels as _ref
+from commopt.kernels import reference as _ref
 
 IMPLS = ("native", "cuda", "reference")
 NORMS = ("max", "l2")
@@ -54,7 +54,7 @@ def rng_words(seed: int, rank: int, step: int, stream: int = 0) -> tuple[int, in
     """The two 32-bit key words of the counter-based generator for one encode.
 
     Every element ``i`` of the encode then draws ``H(H(i + k0) ^ k1)`` (``H`` the 32-bit
-    finaliser in ``_reference_kernels``), so the numbers depend only on the key and the
+    finaliser in ``kernels.reference``), so the numbers depend only on the key and the
     index: not on threads, kernels or devices.
     """
     state = 0x243F6A8885A308D3
@@ -67,7 +67,7 @@ def rng_words(seed: int, rank: int, step: int, stream: int = 0) -> tuple[int, in
 
 
 def _native():
-    from commopt import _native_kernels  # noqa: PLC0415 - cheap after the first import
+    from commopt.kernels import native as _native_kernels  # noqa: PLC0415 - cheap after the first import
 
     return _native_kernels
 
@@ -133,7 +133,7 @@ def _backend(impl: str):
     if impl == "native":
         return _native()
     if impl == "cuda":
-        from commopt import _cuda_kernels
+        from commopt.kernels import cuda as _cuda_kernels
 
         return _cuda_kernels
     return _ref
