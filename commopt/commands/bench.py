@@ -2,8 +2,9 @@
 
     $ commopt launch -n 2 -- commopt bench allreduce --comm mpi --codec fp32,qsgd4
     $ commopt bench allreduce --comm local -b 4K -e 64K      # a world of one: codec cost only
+    $ commopt bench step --models mlp --configs ddp-fp32,commopt-qsgd4-db   # DDP against commopt
 
-Each benchmark lives in ``commopt/bench/<name>.py`` with ``add_arguments(parser)`` and
+Each benchmark is the module (or package) ``commopt.bench.<name>``, with ``add_arguments(parser)`` and
 ``run(args) -> int``, imported only when asked for.
 """
 from __future__ import annotations
@@ -12,21 +13,26 @@ import argparse
 import importlib
 import sys
 
-HELP = "benchmarks: allreduce (nccl-tests style sweep over communicators and codecs), step"
+HELP = ("benchmarks: allreduce (nccl-tests style sweep over communicators and codecs), step "
+        "(training steps, DDP against commopt)")
 
 # name -> one-line help; the module is commopt.bench.<name>.
 BENCHMARKS = {
     "allreduce": "allreduce time, algbw, busbw and error over sizes and codecs",
-    "step": "time of a training step with and without compression",
+    "step": "training steps side by side: PyTorch DDP and commopt on the same model and link",
 }
 
 
 def _module(name: str):
+    """commopt.bench.<name>; one that is missing is a broken installation, said so."""
     try:
         return importlib.import_module(f"commopt.bench.{name}")
     except ModuleNotFoundError as exc:
-        if exc.name == f"commopt.bench.{name}":
-            return None  # not written yet in this build
+        if exc.name in (f"commopt.bench.{name}", "commopt.bench"):
+            raise ImportError(f"commopt bench {name}: the module commopt.bench.{name} is missing "
+                              f"from this installation of commopt; reinstall it "
+                              f"(pip install --force-reinstall commopt, or pip install . in a "
+                              f"checkout)") from exc
         raise
 
 
@@ -35,8 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         module = _module(name)
-        if module is not None:
-            module.add_arguments(p)
+        module.add_arguments(p)
         p.set_defaults(_bench=module, _bench_name=name)
 
 
@@ -45,9 +50,5 @@ def run(args: argparse.Namespace) -> int:
     if name is None:
         print("commopt bench: name a benchmark: " + ", ".join(BENCHMARKS)
               + " (e.g. commopt bench allreduce --help)", file=sys.stderr)
-        return 2
-    if args._bench is None:
-        print(f"commopt bench: '{name}' is not available in this version of commopt",
-              file=sys.stderr)
         return 2
     return int(args._bench.run(args) or 0)

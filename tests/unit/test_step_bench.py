@@ -1,4 +1,4 @@
-"""The step benchmark's arithmetic and tables (benchmarks/step_bench.py), in one process."""
+"""The step benchmark's arithmetic and tables (commopt.bench.step), in one process."""
 import json
 import math
 import subprocess
@@ -8,30 +8,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.bench_scripts import load_benchmark
+from commopt.bench.step import cli, configs, driver, figures, models
+from commopt.bench.step import report as rp
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-sb = load_benchmark("step_bench")
-models = sys.modules["step_models"]
-
-
 def test_allreduce_limit_is_two_n_minus_one_over_n_bytes_over_rate():
     mb100 = 100e6
-    assert sb.allreduce_limit_s(mb100, 2, 1e9) == pytest.approx(0.8)      # 2*(1/2)*800 Mbit / 1 Gbit/s
-    assert sb.allreduce_limit_s(mb100, 4, 1e9) == pytest.approx(1.2)      # 2*(3/4)
-    assert sb.allreduce_limit_s(mb100, 1, 1e9) == 0.0
-    assert sb.allreduce_limit_s(mb100, 2, None) is None                    # loopback: no limit
-    assert sb.allreduce_limit_s(mb100, 2, sb.parse_rate("100mbit")) == pytest.approx(8.0)
+    assert configs.allreduce_limit_s(mb100, 2, 1e9) == pytest.approx(0.8)      # 2*(1/2)*800 Mbit / 1 Gbit/s
+    assert configs.allreduce_limit_s(mb100, 4, 1e9) == pytest.approx(1.2)      # 2*(3/4)
+    assert configs.allreduce_limit_s(mb100, 1, 1e9) == 0.0
+    assert configs.allreduce_limit_s(mb100, 2, None) is None                    # loopback: no limit
+    assert configs.allreduce_limit_s(mb100, 2, configs.parse_rate("100mbit")) == pytest.approx(8.0)
 
 
 def test_parse_rate_reads_tc_units_and_refuses_nonsense():
-    assert sb.parse_rate("1gbit") == 1e9
-    assert sb.parse_rate("100mbit") == 1e8
-    assert sb.parse_rate("2.5Gbit") == 2.5e9
+    assert configs.parse_rate("1gbit") == 1e9
+    assert configs.parse_rate("100mbit") == 1e8
+    assert configs.parse_rate("2.5Gbit") == 2.5e9
     with pytest.raises(ValueError, match="1gbit"):
-        sb.parse_rate("fast")
+        configs.parse_rate("fast")
 
 
 @pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096), (16, 1024), (3, 3), (64, 3, 3, 3),
@@ -45,26 +42,26 @@ def test_powersgd_bytes_follow_torchs_compression_rule(shape, rank):
     if len(shape) > 1:
         compress, _, compressed = _should_compress(shape[0], numel // shape[0], rank, 2)
         expected = compressed if compress else numel
-    assert sb.powersgd_wire_bytes([shape], rank) == 4 * expected
+    assert configs.powersgd_wire_bytes([shape], rank) == 4 * expected
 
 
 def test_ddp_wire_bytes_of_each_hook():
     shapes = [(4096, 1024), (4096,)]
     numel = 4096 * 1024 + 4096
-    assert sb.ddp_wire_bytes(sb.CONFIGS["ddp-fp32"], shapes) == 4 * numel
-    assert sb.ddp_wire_bytes(sb.CONFIGS["ddp-fp16"], shapes) == 2 * numel
-    assert sb.ddp_wire_bytes(sb.CONFIGS["ddp-powersgd1"], shapes) == 4 * ((4096 + 1024) + 4096)
+    assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-fp32"], shapes) == 4 * numel
+    assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-fp16"], shapes) == 2 * numel
+    assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-powersgd1"], shapes) == 4 * ((4096 + 1024) + 4096)
 
 
 def test_efficiency_is_throughput_ratio_over_n():
     # e = t / (t0 n): 2 ranks of batch 8 at 0.5 s/step vs 1 rank of batch 8 at 0.4 s/step.
     t, t0, n = 2 * 8 / 0.5, 8 / 0.4, 2
-    assert sb.efficiency(0.5, 0.4) == pytest.approx(t / (t0 * n)) == pytest.approx(0.8)
+    assert figures.efficiency(0.5, 0.4) == pytest.approx(t / (t0 * n)) == pytest.approx(0.8)
 
 
 def test_comm_wait_share_never_negative():
-    assert sb.comm_wait_share(1.0, 0.25) == pytest.approx(0.75)
-    assert sb.comm_wait_share(0.2, 0.25) == 0.0   # faster than the 1-rank run: no wait
+    assert figures.comm_wait_share(1.0, 0.25) == pytest.approx(0.75)
+    assert figures.comm_wait_share(0.2, 0.25) == 0.0   # faster than the 1-rank run: no wait
 
 
 def _result(step, size=2, batch=8, loss=1.0, wire=1000, compute=None):
@@ -75,10 +72,15 @@ def _result(step, size=2, batch=8, loss=1.0, wire=1000, compute=None):
     return {"rounds": rounds, "size": size, "batch": batch, "wire_bytes": wire, "ranks_agree": True}
 
 
+def md_cells(line: str) -> list[str]:
+    """The cells of one markdown table line, without their padding."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def test_robust_step_is_the_median_of_round_medians():
     rounds = [{"step_times": [1.0, 9.0, 2.0]}, {"step_times": [3.0]}, {"step_times": [50.0, 60.0, 70.0]}]
-    assert sb.robust_step(rounds) == 3.0        # medians 2, 3, 60
-    assert sb.robust_step([]) is None
+    assert figures.robust_step(rounds) == 3.0        # medians 2, 3, 60
+    assert figures.robust_step([]) is None
 
 
 def test_merge_rounds_groups_by_round_and_checks_the_ranks_agree():
@@ -88,12 +90,12 @@ def test_merge_rounds_groups_by_round_and_checks_the_ranks_agree():
                 "compute_times": [0.04, 0.06],
                 "losses": [2.0], "eval_loss": 1.5 + round_, "checksum": checksum,
                 "wire_bytes": 10, "params": 5}
-    merged = sb.merge_rounds([rec(0, 0, 1.0), rec(0, 1, 1.0), rec(1, 1, 2.0), rec(1, 0, 2.0)])
+    merged = figures.merge_rounds([rec(0, 0, 1.0), rec(0, 1, 1.0), rec(1, 1, 2.0), rec(1, 0, 2.0)])
     assert [r["step_times"] for r in merged["rounds"]] == [[0.1], [0.2]]   # rank 0's, by round
     assert merged["rounds"][1]["rank_step_medians"] == pytest.approx([0.2, 0.21])
     assert merged["ranks_agree"] is True and merged["wire_bytes"] == 10
     assert merged["rounds"][0]["compute_times"] == [0.04, 0.06]
-    assert sb.merge_rounds([rec(0, 0, 1.0), rec(0, 1, 1.5)])["ranks_agree"] is False
+    assert figures.merge_rounds([rec(0, 0, 1.0), rec(0, 1, 1.5)])["ranks_agree"] is False
 
 
 def test_summarize_derives_every_column_side_by_side():
@@ -102,7 +104,7 @@ def test_summarize_derives_every_column_side_by_side():
         "commopt-qsgd4-db": _result(0.2, wire=13_000_000, compute=0.1),
         "ddp-fp16": {"error": "exit code 1; log x\nboom"},
     }
-    rows = {r.config: r for r in sb.summarize(results, n=2, rate_bits=1e9)}
+    rows = {r.config: r for r in figures.summarize(results, n=2, rate_bits=1e9)}
     q = rows["commopt-qsgd4-db"]
     assert q.step_s == pytest.approx(0.2)                     # the median of round medians
     assert q.compute_s == pytest.approx(0.1)
@@ -121,59 +123,61 @@ def test_efficiency_pairs_each_block_with_the_compute_steps_beside_it():
     r = _result(0.5, compute=0.1)   # by medians alone: 0.1 / 0.5 = 20%
     for rnd, effs in zip(r["rounds"], ([0.5, 0.7], [0.6], [0.9, 0.4])):
         rnd["block_efficiency"] = effs
-    row = sb.summarize({"commopt-fp32": r}, n=2, rate_bits=None)[0]
+    row = figures.summarize({"commopt-fp32": r}, n=2, rate_bits=None)[0]
     assert row.efficiency == pytest.approx(0.6)          # median of 0.5, 0.7, 0.6, 0.9, 0.4
     assert row.comm_wait == pytest.approx(0.4)
 
 
 def test_summarize_without_baseline_or_link_leaves_those_columns_empty():
-    rows = sb.summarize({"commopt-fp16": _result(0.3, compute=0.15)}, n=2, rate_bits=None)
+    rows = figures.summarize({"commopt-fp16": _result(0.3, compute=0.15)}, n=2, rate_bits=None)
     assert rows[0].speedup is None and rows[0].limit_s is None
     assert rows[0].efficiency == pytest.approx(0.5)
 
 
 def test_targets_say_met_or_not():
     results = {"ddp-fp32": _result(1.0), "ddp-powersgd1": _result(0.3), "commopt-qsgd4": _result(0.2)}
-    lines = sb.check_targets("communication", sb.summarize(results, 2, 1e9))
+    lines = figures.check_targets("communication", figures.summarize(results, 2, 1e9))
     assert "5.00x faster per step than DDP fp32 (target >= 5x: met)" in lines[0]
     assert "1.50x faster than the best DDP hook (ddp-powersgd1" in lines[1] and "met" in lines[1]
     results["ddp-powersgd1"] = _result(0.25)
-    lines = sb.check_targets("communication", sb.summarize(results, 2, 1e9))
+    lines = figures.check_targets("communication", figures.summarize(results, 2, 1e9))
     assert "NOT met" in lines[1]
-    lines = sb.check_targets("compute", sb.summarize({"commopt-fp32": _result(0.105, compute=0.1),
+    lines = figures.check_targets("compute", figures.summarize({"commopt-fp32": _result(0.105, compute=0.1),
                                                       "commopt-fp32-db": _result(0.2, compute=0.1)},
                                                      2, 1e9))
     assert "95%" in lines[0] and "commopt-fp32)" in lines[0] and "(target >= 90%: met)" in lines[0]
-    lines = sb.check_targets("compute", sb.summarize({"commopt-fp32": _result(0.2, compute=0.1)}, 2, 1e9))
+    lines = figures.check_targets("compute", figures.summarize({"commopt-fp32": _result(0.2, compute=0.1)}, 2, 1e9))
     assert "50%" in lines[0] and "NOT met" in lines[0]
 
 
 def test_tables_have_one_line_per_configuration():
     results = {"ddp-fp32": _result(1.0, wire=100_000_000, compute=0.1),
                "commopt-qsgd4": {"error": "exit code 1 (log x):\n[rank1]: RuntimeError: boom"}}
-    rows = sb.summarize(results, 2, 1e9)
-    text = sb.format_table(rows).splitlines()
+    rows = figures.summarize(results, 2, 1e9)
+    text = rp.format_table(rows).splitlines()
     assert len(text) == 2 + 2 and text[0].startswith("configuration")
     assert "failed: RuntimeError: boom" in text[-1]
-    md = sb.markdown_table(rows).splitlines()
-    assert len(md) == 2 + 2 and all(line.count("|") == len(sb.TABLE_COLUMNS) + 1 for line in md)
-    assert "| ddp-fp32 | 1000 (800-1300) | 100 | 900 | 800 | 16.0 | 1.00x | 10% | 90% | 1.0000 |" in md
+    md = rp.markdown_table(rows).splitlines()
+    assert len(md) == 2 + 2 and all(line.count("|") == len(rp.TABLE_COLUMNS) + 1 for line in md)
+    assert md_cells(md[2]) == ["ddp-fp32", "1000 (800-1300)", "100", "900", "800", "16.0", "1.00x", "10%",
+                               "90%", "1.0000"]
+    assert md_cells(md[3])[:2] == ["commopt-qsgd4", "failed: RuntimeError: boom"]
 
 
 def test_reports_from_before_the_cpu_column_still_render():
     old = _result(1.0, wire=100_000_000, compute=0.1)
     for rd in old["rounds"]:
         del rd["cpu_per_step"]
-    row = sb.summarize({"ddp-fp32": old}, 2, 1e9)[0]
-    assert row.cpu_s is None and sb.table_cells(row)[3] == "-"
+    row = figures.summarize({"ddp-fp32": old}, 2, 1e9)[0]
+    assert row.cpu_s is None and rp.table_cells(row)[3] == "-"
 
 
 def test_configs_cover_the_issue():
-    names = set(sb.CONFIGS)
+    names = set(configs.CONFIGS)
     assert {"ddp-fp32", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"} <= names
     for wire in ("fp32", "fp16", "qsgd4", "qsgd4+ef"):
         assert f"commopt-{wire}" in names and f"commopt-{wire}-db" in names
-    assert set(sb.DEMO_CONFIGS) <= names
+    assert set(configs.DEMO_CONFIGS) <= names
 
 
 def test_models_sizes_and_data_are_deterministic():
@@ -193,26 +197,26 @@ def test_models_sizes_and_data_are_deterministic():
 
 
 def test_plan_link_without_link_is_loopback_and_says_so():
-    plan = sb.plan_link(None)
+    plan = driver.plan_link(None)
     assert plan.rate_bits is None and plan.link_arg is None and "loopback" in plan.description
 
 
 def test_markdown_report_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     results = {"ddp-fp32": _result(1.0, compute=0.4), "commopt-fp16-db": _result(0.5, compute=0.4)}
-    rows = sb.summarize(results, 2, 1e9)
+    rows = figures.summarize(results, 2, 1e9)
     report = {"command": "commopt bench step --models mlp", "link": "emulated 1gbit", "nprocs": 2,
               "threads_per_rank": 1, "machine": "cpu", "torch": "x", "load_average_start": 1.0,
               "load_average_end": 2.0, "date": "today", "warmup": 3, "rounds": 3,
               "models": {"mlp": {"description": "wide MLP", "params": 25_000_000, "batch_per_rank": 8,
                                  "steps": 5,
                                  "fp32_allreduce_limit_s": 0.8, "rows": [vars(r) for r in rows],
-                                 "targets": sb.check_targets("communication", rows)}}}
-    md = sb.markdown_report(json.loads(json.dumps(report)))
+                                 "targets": figures.check_targets("communication", rows)}}}
+    md = rp.markdown_report(json.loads(json.dumps(report)))
     assert "Command: `commopt bench step --models mlp`" in md and "needs 800 ms" in md
     assert "3 round(s), each 3 warm-up and 5 timed steps" in md
     png = tmp_path / "steps.png"
-    sb.plot_step_times(report, str(png))
+    rp.plot_step_times(report, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -221,8 +225,8 @@ def test_markdown_report_and_plot(tmp_path):
     (["--models", "mlp", "--link", "fast"], "cannot read the link rate 'fast': write it like 1gbit"),
     (["--steps", "0"], "need --steps, --block and --compute-steps >= 1"),
 ])
-def test_script_refuses_bad_options_with_the_fix(args, message):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_bench.py"), *args],
+def test_command_refuses_bad_options_with_the_fix(args, message):
+    proc = subprocess.run([sys.executable, "-m", "commopt", "bench", "step", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr
@@ -231,7 +235,7 @@ def test_script_refuses_bad_options_with_the_fix(args, message):
 def test_demo_summary_explains_the_result():
     from commopt.commands import demo
 
-    rows = {r.config: vars(r) for r in sb.summarize(
+    rows = {r.config: vars(r) for r in figures.summarize(
         {"ddp-fp32": _result(1.0, wire=100_000_000, compute=0.1, loss=1.9),
          "commopt-qsgd4": _result(0.4, wire=13_000_000, compute=0.1, loss=1.9),
          "commopt-qsgd4+ef-db": _result(0.3, wire=13_000_000, compute=0.1, loss=2.0)}, 2, 1e9)}
@@ -272,10 +276,11 @@ def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(report))
     parser = __import__("argparse").ArgumentParser()
-    sb.add_arguments(parser)
+    cli.add_arguments(parser)
     md = tmp_path / "out.md"
     args = parser.parse_args(["--from-json", str(saved), "--markdown", str(md)])
-    assert sb.main(args) == 0
+    assert cli.run(args) == 0
     text = md.read_text()
-    assert "| commopt-qsgd4-db | 250 (200-325) | 200 | 225 | 104 |" in text and "4.00x" in text
+    row = next(md_cells(line) for line in text.splitlines() if line.startswith("| commopt-qsgd4-db"))
+    assert row[:5] == ["commopt-qsgd4-db", "250 (200-325)", "200", "225", "104"] and row[6] == "4.00x"
     assert "target >= 5x: NOT met" in text and "commopt-qsgd4-db" in capsys.readouterr().out

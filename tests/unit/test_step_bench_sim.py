@@ -1,4 +1,4 @@
-"""Training-step rows of the simulator's testbed validation: benchmarks/step_bench.py's
+"""Training-step rows of the simulator's testbed validation: `commopt bench step`'s
 --sim-measurements writer and their predictions (commopt.sim.validation)."""
 import json
 from pathlib import Path
@@ -7,6 +7,7 @@ import pytest
 
 from tests.unit.bench_scripts import load_benchmark
 
+from commopt.bench.step import cli, sim_export
 from commopt.sim import Plan, get_machine, simulate
 from commopt.sim.machines import Machine
 from commopt.sim.validation import (Measurement, compare_testbed_measurements, load_measurements,
@@ -18,9 +19,6 @@ STEP_ENTRIES = REPO / "benchmarks" / "results" / "sim-testbed-steps-1gbit.json"
 GLOO = get_machine("testbed-1gbit-gloo")
 BW = 1e9 / 8 * 0.956            # the testbed's effective link, bytes/s
 ALPHA = GLOO.inter.latency_s    # gloo: 180 us per collective
-
-
-sb = load_benchmark("step_bench")
 
 
 def _row(config, step=0.5, rounds=(0.5, 0.6, 0.45), compute=0.1, error=None):
@@ -38,7 +36,7 @@ def _report(comm="torch", rate=1e9, rows=None):
 
 
 def test_writer_gives_one_loadable_entry_per_configuration_that_ran(tmp_path):
-    entries = sb.sim_measurements(_report())
+    entries = sim_export.sim_measurements(_report())
     assert [e["what"].split(",")[0] for e in entries] == [
         "step mlp ddp-fp32", "step mlp ddp-fp16", "step mlp ddp-powersgd1", "step mlp commopt-fp32",
         "step mlp commopt-fp16-db", "step mlp commopt-qsgd4", "step mlp commopt-qsgd4+ef-db"]  # failed: left out
@@ -56,7 +54,7 @@ def test_writer_gives_one_loadable_entry_per_configuration_that_ran(tmp_path):
 
 def test_writer_maps_each_configuration_to_the_plan_that_ran():
     plans = {e["what"].split(",")[0].split()[-1]: (e["plan"], e["transport"], e.get("not_modelled"))
-             for e in sb.sim_measurements(_report(comm="mpi"))}
+             for e in sim_export.sim_measurements(_report(comm="mpi"))}
     assert plans["ddp-fp32"] == ({"algorithm": "ring", "codec": "none", "overlap": "backward", "bucket_mb": 25.0},
                                  "torch", None)      # DDP is always gloo, even beside --comm mpi
     assert plans["ddp-fp16"][0]["codec"] == "fp16" and plans["ddp-fp16"][0]["algorithm"] == "ring"
@@ -73,17 +71,17 @@ def test_writer_maps_each_configuration_to_the_plan_that_ran():
 
 def test_writer_refuses_a_loopback_run_with_the_fix():
     with pytest.raises(ValueError, match="--link"):
-        sb.sim_measurements(_report(rate=None))
+        sim_export.sim_measurements(_report(rate=None))
 
 
 def test_from_json_writes_the_entries(tmp_path, capsys):
     if not STEP_REPORT.exists():
         pytest.skip("no benchmarks/results/step-1gbit.json")
     parser = __import__("argparse").ArgumentParser()
-    sb.add_arguments(parser)
+    cli.add_arguments(parser)
     out = tmp_path / "steps.json"
     args = parser.parse_args(["--from-json", str(STEP_REPORT), "--sim-measurements", str(out)])
-    assert sb.main(args) == 0
+    assert cli.run(args) == 0
     entries = json.loads(out.read_text())
     assert len(entries) == 24 and f"wrote {out} (24 entries)" in capsys.readouterr().out
     # The committed file is what the writer makes of the committed report.
@@ -174,7 +172,7 @@ def test_the_recorded_step_rows_all_get_a_prediction_or_a_reason():
 
 def test_a_miss_shows_the_cpu_one_rank_used_per_step():
     row = dict(_row("commopt-qsgd4-db", step=0.17, rounds=(0.17, 0.18), compute=0.074), cpu_s=0.16)
-    entries = sb.sim_measurements(_report(rows=[row, _row("commopt-fp32")]))
+    entries = sim_export.sim_measurements(_report(rows=[row, _row("commopt-fp32")]))
     assert entries[0]["measured_cpu_s"] == 0.16 and "measured_cpu_s" not in entries[1]
     compared = compare_testbed_measurements([Measurement(**e) for e in entries])
     assert compared[0]["status"] == "miss" and compared[0]["measured_cpu_s"] == 0.16

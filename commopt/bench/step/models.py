@@ -1,4 +1,4 @@
-"""Models and synthetic tasks for the step benchmark (benchmarks/step_bench.py).
+"""Models and synthetic tasks for the step benchmark (``commopt bench step``).
 
     >>> spec = MODELS["tiny"]
     >>> model = spec.build()

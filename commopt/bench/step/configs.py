@@ -1,0 +1,158 @@
+"""What each configuration of the step benchmark is, and the bytes it puts on the wire.
+
+Every configuration is one column of the comparison: PyTorch DDP in fp32 (gloo), DDP with
+``fp16_compress_hook``, DDP with the PowerSGD hook at rank 1 and 4 (one bucket: see
+``POWERSGD_BUCKET_MB``); commopt with fp32, fp16, qsgd4 and qsgd4 + error feedback, each with
+overlap (reduction during backward) and with double buffering (``-db``: reduction during the
+next step). ``wrap`` builds one on a rank.
+
+    >>> CONFIGS["commopt-qsgd4+ef-db"].label
+    'commopt qsgd4+EF, double buffering'
+    >>> ddp_wire_bytes(CONFIGS["ddp-fp16"], [(4096, 1024), (4096,)])
+    8396800
+    >>> allreduce_limit_s(100e6, 2, parse_rate("1gbit"))
+    0.8
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: DDP bucket size for the PowerSGD hook: larger than any model here, so one bucket. On gloo
+#: PowerSGD over DDP's default 25 MB buckets fails at its first compressed step (the
+#: buckets' collectives interleave differently on each rank: a collective size mismatch
+#: abort, or here a hang until the gloo timeout).
+POWERSGD_BUCKET_MB = 4096
+#: PowerSGD runs plain allreduce for its first iterations; 2 is the smallest it accepts with
+#: error feedback and warm start. Warm-up steps cover them.
+POWERSGD_START_ITER = 2
+
+@dataclass(frozen=True)
+class StepConfig:
+    """One column of the comparison."""
+
+    name: str
+    kind: str            # "ddp" or "commopt"
+    wire: str            # "fp32", "fp16", "powersgd", "qsgd4", "qsgd4+ef"
+    label: str
+    powersgd_rank: int = 0
+    double_buffering: bool = False
+
+
+def _configs() -> dict[str, StepConfig]:
+    out = [
+        StepConfig("ddp-fp32", "ddp", "fp32", "DDP fp32"),
+        StepConfig("ddp-fp16", "ddp", "fp16", "DDP fp16_compress_hook"),
+        StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
+        StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
+    ]
+    for db in (False, True):
+        for wire, label in (("fp32", "fp32"), ("fp16", "fp16"), ("qsgd4", "qsgd4"),
+                            ("qsgd4+ef", "qsgd4+EF")):
+            mode = "double buffering" if db else "overlap"
+            out.append(StepConfig(f"commopt-{wire}{'-db' if db else ''}", "commopt", wire,
+                                  f"commopt {label}, {mode}", double_buffering=db))
+    return {c.name: c for c in out}
+
+
+CONFIGS: dict[str, StepConfig] = _configs()
+#: What `commopt demo` runs: DDP fp32 against commopt's fp16, qsgd4 and double buffering.
+DEMO_CONFIGS = ("ddp-fp32", "commopt-fp16", "commopt-qsgd4", "commopt-fp16-db",
+                "commopt-qsgd4+ef-db")
+
+
+def parse_rate(text: str) -> float:
+    """Bits per second from tc-style text: ``1gbit``, ``100mbit``, ``2.5gbit``, ``1000000``."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    t = text.strip().lower()
+    for suffix, factor in units.items():
+        if t.endswith(suffix):
+            t = t[: -len(suffix)]
+            break
+    else:
+        factor = 1.0
+    try:
+        return float(t) * factor
+    except ValueError:
+        raise ValueError(f"cannot read the link rate {text!r}: write it like 1gbit or 100mbit") from None
+
+
+def allreduce_limit_s(nbytes: float, n: int, rate_bits: float | None) -> float | None:
+    """Least time a bandwidth-optimal allreduce of ``nbytes`` needs: 2(n-1)/n x bytes / rate."""
+    if rate_bits is None or rate_bits <= 0:
+        return None
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes * 8 / rate_bits
+
+
+def powersgd_wire_bytes(shapes, rank: int, min_compression_rate: float = 2) -> int:
+    """Bytes one PowerSGD step allreduces (fp32): P and Q of each compressed matrix, the rest whole.
+
+    Follows torch's hook: a tensor of ndim > 1 is viewed as (shape[0], rest) and compressed
+    when (rows + cols) x rank x min_compression_rate < rows x cols.
+    """
+    elems = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) > 1:
+            rows, cols = shape[0], numel // shape[0]
+            compressed = (rows + cols) * rank
+            if compressed * min_compression_rate < rows * cols:
+                elems += compressed
+                continue
+        elems += numel
+    return 4 * elems
+
+
+def ddp_wire_bytes(config: StepConfig, shapes) -> int:
+    """Bytes one DDP step of ``config`` allreduces for parameters of ``shapes``."""
+    numel = sum(math.prod(s) for s in shapes)
+    if config.wire == "fp32":
+        return 4 * numel
+    if config.wire == "fp16":
+        return 2 * numel
+    if config.wire == "powersgd":
+        return powersgd_wire_bytes(shapes, config.powersgd_rank)
+    raise ValueError(f"DDP has no wire format {config.wire!r}")
+
+
+def wrap_ddp(model, cfg: StepConfig):
+    """``model`` in DDP with this configuration's communication hook (torch.distributed is up)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if cfg.wire == "fp32":
+        return DDP(model)
+    if cfg.wire == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)  # one bucket: see POWERSGD_BUCKET_MB
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                                   start_powerSGD_iter=POWERSGD_START_ITER)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    return ddp
+
+
+def wrap_commopt(inner, comm, model, cfg: StepConfig):
+    """``inner`` wrapped by commopt's optimizer with this configuration's wire format."""
+    import commopt
+
+    kwargs = {}
+    if cfg.wire == "fp16":
+        kwargs["allreduce_grad_dtype"] = "float16"   # every gradient in 16 bits, as DDP's hook
+    elif cfg.wire.startswith("qsgd"):
+        kwargs["compression"] = cfg.wire
+    return commopt.create_multi_node_optimizer(inner, comm, double_buffering=cfg.double_buffering,
+                                               overlap=True, model=model, **kwargs)
+
+
+def commopt_wire_bytes(opt) -> int:
+    """Bytes one step of commopt's optimizer ``opt`` puts on the wire, from its buckets' codecs."""
+    return int(sum(b.codec.encoded_nbytes(b.numel) if b.codec is not None else 4 * b.numel
+                   for b in opt.buckets))
+

@@ -1,0 +1,164 @@
+"""One rank of a step-benchmark job: every configuration of its schedule in turn.
+
+The driver starts each rank as ``python -m commopt.bench.step --worker SCHEDULE ...`` under
+``commopt launch``. Each configuration gets a fresh model (same seed: same initial weights and
+batches), a fresh DDP or commopt wrapper and optimizer, its warm-up and timed steps, and, after
+each block of ``--block`` timed steps, the compute-only steps of a twin of the model with the
+plain optimizer and no communication (every rank at once: one rank's throughput alone, at the
+same moment and under the same sharing of the machine's cores). The records go to
+``RESULT.rank<N>`` after each configuration, so a later failure keeps them; rank 0 prints
+``PROGRESS`` lines for the driver.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+from commopt.bench.step.configs import (CONFIGS, StepConfig, commopt_wire_bytes, ddp_wire_bytes,
+                                        wrap_commopt, wrap_ddp)
+from commopt.bench.step.models import MODELS, param_shapes
+
+#: Lines a worker prints for the driver to pass on (progress); everything else goes to the log.
+PROGRESS = "@step_bench "
+#: Names a configuration whose last rank raises at start: tests the driver's restart.
+FAIL_ENV = "COMMOPT_STEP_BENCH_FAIL"
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """This rank's part of the job: ``args.worker`` is the comma-separated schedule."""
+    import torch
+
+    import commopt
+
+    torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        # Every configuration alike: freed gradients and activations are reused instead of
+        # page-faulted back each step (see commopt.memory; PyTorch's tuning guide).
+        commopt.reuse_freed_memory()
+    if args.comm == "mpi":
+        comm = commopt.create_communicator("mpi")
+        # DDP needs torch.distributed too; under mpirun it finds its peers through MPI.
+        gloo = commopt.create_communicator("torch", timeout_s=args.collective_timeout)
+    else:
+        comm = gloo = commopt.create_communicator("torch", timeout_s=args.collective_timeout)
+    spec = MODELS[args.model]
+    schedule = args.worker.split(",")
+    records: list[dict] = []
+    out = Path(f"{args.result}.rank{comm.rank}")
+    for index, name in enumerate(schedule):
+        cfg = CONFIGS[name]
+        if comm.rank == 0:
+            print(f"{PROGRESS}start {index} {name}", flush=True)
+        rec = _run_config(cfg, spec, comm, gloo, args)
+        rec.update(index=index, config=name, kind=cfg.kind, rank=comm.rank, size=comm.size)
+        records.append(rec)
+        out.write_text(json.dumps(records))  # after each one: a later failure keeps these
+        if comm.rank == 0:
+            print(f"{PROGRESS}done {index} {name} {statistics.median(rec['step_times']):.6f} "
+                  f"{rec['eval_loss']:.6f}", flush=True)
+    gloo.allgather_obj(None)  # nobody tears down while a peer still reads
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
+    """Build, warm up, time and tear down one configuration on this rank."""
+    import torch
+    import torch.nn.functional as F
+
+    rank = comm.rank
+    if os.environ.get(FAIL_ENV) == cfg.name and rank == comm.size - 1:
+        raise RuntimeError(f"failure injected into {cfg.name} (${FAIL_ENV})")
+    batch = args.batch or spec.batch_size
+    torch.manual_seed(args.seed)
+    model = spec.build()
+    shapes = param_shapes(model)
+    inner = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+    net, opt, wire_bytes = model, inner, 0
+    if cfg.kind == "ddp":
+        net, wire_bytes = wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
+    elif cfg.kind == "commopt":
+        opt = wrap_commopt(inner, comm, model, cfg)
+        wire_bytes = commopt_wire_bytes(opt)
+    # The compute-only twin: the same model and optimizer, no communication.
+    torch.manual_seed(args.seed)
+    twin = spec.build()
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=spec.lr, momentum=0.9)
+    steps = args.steps or spec.steps
+    block = min(args.block or spec.block, steps)
+    n_blocks = -(-steps // block)
+    # Double buffering restarts its pipeline after each pause: one untimed step per block,
+    # for every configuration so that all train the same number of steps.
+    restarts = n_blocks - 1
+    batches = [spec.batch(step=i, rank=rank, size=batch)
+               for i in range(args.warmup + steps + restarts)]
+    feed = iter(batches)
+    step_times, backward_times, losses, compute_times, block_eff = [], [], [], [], []
+    block_cpu = []  # this process's CPU seconds (every thread) per timed step, per block
+
+    def train_step(timed: bool) -> None:
+        x, y = next(feed)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        after_backward = time.perf_counter()
+        opt.step()
+        end = time.perf_counter()
+        losses.append(float(loss.detach()))
+        if timed:
+            step_times.append(end - start)
+            backward_times.append(after_backward - start)
+
+    def twin_step(j: int) -> float:
+        x, y = batches[args.warmup + j % steps]
+        start = time.perf_counter()
+        twin_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        train_step(timed=False)
+    twin_step(0)  # the twin's warm-up
+    for b in range(n_blocks):
+        count = min(block, steps - b * block)
+        if b > 0:
+            train_step(timed=False)
+        gloo.allgather_obj(None)  # every rank starts the timed steps together
+        first = len(step_times)
+        cpu_start = time.process_time()
+        for _ in range(count):
+            train_step(timed=True)
+        block_cpu.append((time.process_time() - cpu_start) / count)
+        if cfg.kind == "commopt":
+            opt.flush()  # double buffering: apply the last averaged gradients (untimed)
+        # Right after, with nothing in flight: every rank computes alone, all at once.
+        gloo.allgather_obj(None)
+        twins = [twin_step(j) for j in range(args.compute_steps or count)]
+        compute_times += twins
+        block_eff.append(statistics.median(twins) / statistics.median(step_times[first:]))
+    with torch.no_grad():
+        ex, ey = spec.eval_batch()
+        eval_loss = float(F.cross_entropy(model(ex), ey))
+        checksum = float(sum(p.double().sum() for p in model.parameters()))
+    if cfg.kind == "commopt":
+        opt.close()
+    del net, opt, inner, model, twin, twin_opt
+    gc.collect()
+    gloo.allgather_obj(None)  # the next configuration starts on every rank together
+    return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
+            "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
+            "cpu_per_step": block_cpu,
+            "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
+            "params": sum(math.prod(s) for s in shapes)}
+
