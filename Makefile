@@ -20,6 +20,14 @@ test-unit: setup
 test-distributed: setup
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
 
+# The step benchmark's default comparison: DDP against commopt on both models, every
+# configuration, 3 rounds, 2 emulated hosts on 1 Gbit/s links (root for the link, else loopback,
+# said so); about 11 minutes on 2 cores. Options through BENCH_ARGS, e.g.
+# make bench BENCH_ARGS="--models mlp --json step.json" (see docs/benchmarks-step.md).
+BENCH_ARGS ?=
+bench: setup
+	$(PY) -m commopt bench step $(BENCH_ARGS)
+
 # Horovod 0.28.1 from source against the pinned torch (the wheel is kept in .horovod/).
 horovod: setup
 	bash scripts/build_horovod.sh $(VENV)

@@ -267,6 +267,11 @@ def run(args: argparse.Namespace) -> int:
               "algorithm": args.algorithm, "iters": args.iters, "warmup": args.warmup_iters,
               "check": bool(args.check), "seed": args.seed, "command": command_line(args)}
     table = comm.rank == 0 and args.json is None
+    if comm.size == 1:  # nothing crosses a link: algbw/busbw measure the codec alone, busbw is 0
+        print(f"commopt bench allreduce: a world of one rank: nothing is sent, so busbw is 0 by "
+              f"definition (2(n-1)/n = 0) and the times are the codec's alone. To measure the "
+              f"network, launch N ranks: commopt launch -n 2 -- commopt bench allreduce "
+              f"--comm {args.comm if args.comm != 'local' else 'torch'}", file=sys.stderr, flush=True)
     if table:
         print(f"# commopt bench allreduce: {comm.size} ranks on {comm.inter_size} nodes, "
               f"comm {args.comm}, device {device}, algorithm {args.algorithm}\n"

@@ -8,8 +8,9 @@ failure injected on its last rank: the driver must report it and finish the othe
 restarted job. Checks that the table's figures come from real timings and agree with one
 another, and that the ranks ended with the same parameters.
 """
-import importlib
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,30 +26,10 @@ ARGS = ["--models", "tiny", "--configs", ",".join(CONFIGS), "--no-link", "--roun
         "--steps", "3", "--block", "2", "--warmup", "2", "--timeout", "300", "--collective-timeout", "60"]
 
 
-def _cli_has_step() -> bool:
-    """True once commopt/commands/bench.py runs benchmarks/step_bench.py as `bench step`."""
-    try:
-        bench = importlib.import_module("commopt.commands.bench")
-    except ModuleNotFoundError:
-        return False
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    try:
-        args, unknown = parser.parse_known_args(["step", "--configs", "ddp-fp32"])
-    except SystemExit:
-        return False
-    return not unknown and getattr(args, "_bench", True) is not None
-
-
 def test_bench_step_runs_ddp_and_commopt_side_by_side(tmp_path):
     out = tmp_path / "step.json"
-    if _cli_has_step():
-        cmd = [sys.executable, "-m", "commopt", "bench", "step", *ARGS, "--json", str(out)]
-    else:  # until `commopt bench step` is wired in commopt/commands/bench.py: the same code
-        cmd = [sys.executable, str(REPO / "benchmarks" / "step_bench.py"), *ARGS, "--json", str(out)]
-    env = {**__import__("os").environ, "COMMOPT_STEP_BENCH_FAIL": "commopt-fp16"}
+    cmd = [sys.executable, "-m", "commopt", "bench", "step", *ARGS, "--json", str(out)]
+    env = {**os.environ, "COMMOPT_STEP_BENCH_FAIL": "commopt-fp16"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(REPO), env=env)
     log = f"{' '.join(cmd)}:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     # The injected failure makes the run fail, after every other configuration finished.
@@ -87,3 +68,43 @@ def test_bench_step_runs_ddp_and_commopt_side_by_side(tmp_path):
     # 4-bit QSGD puts far fewer bytes on the wire than fp32 (wire sizes from the buckets).
     assert q["wire_bytes"] < 0.5 * rows["ddp-fp32"]["wire_bytes"]
     assert "speed-up" in proc.stdout and "restarting the job without commopt-fp16" in proc.stdout
+
+
+def _package_only(tmp_path):
+    """A copy of the package alone (commopt, commopt_ext: what `pip install .` installs), and a
+    working directory beside it: nothing of the checkout (benchmarks/, tests/) is reachable."""
+    site, cwd = tmp_path / "site", tmp_path / "elsewhere"
+    for pkg in ("commopt", "commopt_ext"):
+        shutil.copytree(REPO / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "COMMOPT_STEP_BENCH_FAIL"}
+    env["PYTHONPATH"] = str(site)
+    return site, cwd, env
+
+
+def test_bench_step_runs_from_the_package_alone(tmp_path):
+    """`commopt bench step` needs nothing of the checkout: --help, then a real 2-rank run."""
+    site, cwd, env = _package_only(tmp_path)
+    help_ = subprocess.run([sys.executable, "-m", "commopt", "bench", "step", "--help"], cwd=cwd,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0, help_.stderr
+    assert "--sim-measurements" in help_.stdout and "ddp-powersgd1" in help_.stdout
+    out = cwd / "step.json"
+    cmd = [sys.executable, "-m", "commopt", "bench", "step", "--models", "tiny",
+           "--configs", "ddp-fp32,commopt-qsgd4", "--no-link", "--rounds", "1", "--steps", "2",
+           "--block", "2", "--warmup", "1", "--timeout", "240", "--collective-timeout", "60",
+           "--json", str(out), "--markdown", str(cwd / "step.md")]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    log = f"{' '.join(cmd)}:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, log
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("commopt bench step --models tiny"), report["command"]
+    rows = {r["config"]: r for r in report["models"]["tiny"]["rows"]}
+    assert list(rows) == ["ddp-fp32", "commopt-qsgd4"], log
+    for name, row in rows.items():
+        assert row["error"] is None and row["step_s"] > 0 and row["ranks_agree"] is True, (name, log)
+    # What the driver and its ranks import in this environment is the copy, not the checkout.
+    where = subprocess.run([sys.executable, "-c", "import commopt.bench.step as s; print(s.__file__)"],
+                           cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert where.stdout.strip().startswith(str(site)), where
+    assert "| commopt-qsgd4" in (cwd / "step.md").read_text()

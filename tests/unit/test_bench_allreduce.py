@@ -85,9 +85,13 @@ def test_json_schema_on_a_world_of_one(capsys):
 def test_table_has_a_summary_line(capsys):
     assert main(["bench", "allreduce", "--comm", "local", "-b", "4K", "-e", "4K",
                  "-n", "1", "-w", "0", "-c", "0"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "# Avg bus bandwidth (fp32):" in out
     assert out.count("\n 4096 ") + out.count("  4096 ") >= 1
+    # busbw is 0 on one rank: the run says why and how to launch N ranks (on stderr, so a
+    # --json document on stdout stays clean).
+    assert "busbw is 0" in captured.err and "commopt launch -n 2 -- commopt bench allreduce" in captured.err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -246,6 +246,12 @@ def test_demo_summary_explains_the_result():
     assert "commopt-qsgd4+ef-db takes 300 ms per step against DDP fp32's 1000 ms (3.3x)" in text
     assert "needs 800 ms per step on a 1gbit link" in text and "one step late" in text
     assert "share this machine's cores" in text and "busy" not in text
+    assert "final loss 2.0000 against 1.9000" in text and "not compared" not in text
+    # A few steps from scratch: the losses say nothing about the codecs, and the demo says so.
+    short = demo._summary(rows, info, report, steps=8)
+    assert "final loss 2.0000" not in short and "one step late" not in short
+    assert "The final losses are not compared: 8 steps from scratch are too few" in short
+    assert f"--steps {demo.LOSS_COMPARISON_MIN_STEPS} or more" in short
     loopback = dict(report, rate_bits=None, link_rate=None, link="plain loopback, unshaped: no root")
     text = demo._summary(rows, dict(info, fp32_allreduce_limit_s=None), loopback)
     assert "Note: plain loopback, unshaped: no root. Loopback is far faster" in text
@@ -259,6 +265,7 @@ def test_demo_keeps_the_allreduce_tour_and_refuses_too_few_steps(capsys):
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     assert parser.parse_args(["--tour"]).tour is True
+    assert "needs root" in parser.format_help() and "5 minutes" in parser.format_help()
     assert demo.run(parser.parse_args(["--steps", "3"])) == 2
     assert "--steps must be at least 4" in capsys.readouterr().err
 

@@ -120,10 +120,17 @@ def plot_step_times(report: dict, path: str) -> None:
         params = f"{info['params'] / 1e6:.2f}M params, " if info.get("params") else ""
         ax.set_title(f"{model}: {params}batch {info['batch_per_rank']}/rank", fontsize=10)
         ax.margins(x=0.12)
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=2)
+    # One legend for the figure, centred under it: under a single narrow panel a legend of its
+    # own ran past the right edge. bbox_inches="tight" keeps whatever sticks out in the picture.
+    legend = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
     fig.suptitle(f"{report['nprocs']} ranks, {report['link']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.legend(list(legend.values()), list(legend), fontsize=8, loc="lower center", ncol=len(legend),
+               bbox_to_anchor=(0.5, 0.0))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
