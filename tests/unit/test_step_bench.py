@@ -1,4 +1,5 @@
 """The step benchmark's arithmetic and tables (commopt.bench.step), in one process."""
+import importlib
 import json
 import math
 import subprocess
@@ -291,3 +292,19 @@ def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
     row = next(md_cells(line) for line in text.splitlines() if line.startswith("| commopt-qsgd4-db"))
     assert row[:5] == ["commopt-qsgd4-db", "250 (200-325)", "200", "225", "104"] and row[6] == "4.00x"
     assert "target >= 5x: NOT met" in text and "commopt-qsgd4-db" in capsys.readouterr().out
+
+
+def test_bench_step_is_a_real_subcommand_and_a_missing_module_is_an_error(monkeypatch):
+    import argparse
+
+    from commopt.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["step", "--configs", "ddp-fp32", "--no-link"])
+    assert args._bench is importlib.import_module("commopt.bench.step") and args.configs == "ddp-fp32"
+    # A benchmark named in the list whose module is not installed: a broken installation, said so
+    # (never a quiet "not available").
+    monkeypatch.setitem(bench.BENCHMARKS, "warp-drive", "a benchmark whose module is missing")
+    with pytest.raises(ImportError, match="commopt.bench.warp-drive is missing from this installation"):
+        bench.add_arguments(argparse.ArgumentParser())
