@@ -26,7 +26,7 @@ import re
 from commopt.sim import Plan, get_machine, simulate
 from commopt.sim.codec_costs import from_benchmark
 from commopt.sim.effects import EFFECT_TOLERANCE, all_effects, chainermn_network_comparison, ec2_socket_ratio
-from commopt.sim.loo import leave_one_out
+from commopt.sim.loo import choice_alternatives, leave_one_out
 from commopt.sim.machines import PRESETS
 from commopt.sim.software import software_plan
 from commopt.sim.validation import TOLERANCE, compare_testbed_measurements, load_measurements, published_comparison
@@ -96,6 +96,27 @@ def loo_table(markdown: bool, measurements=()) -> str:
         rows.append([r.row, params, _pct(r.in_sample_error), _pct(r.out_of_sample_error), status, r.note])
     return _table(["row left out", "parameter(s) it informed: in sample -> out of sample",
                    "in-sample error", "out-of-sample error", f"out of sample within {TOLERANCE:.0%}", "note"],
+                  rows, markdown)
+
+
+_ABBREV = {"transformer-xl-base": "TXL", "bert-large": "BERT", "rtx3090-pcie": "3090", "v100-nvlink-25g": "V100"}
+
+
+def _abbrev(row_id: str) -> str:
+    """'transformer-xl-base on rtx3090-pcie, 4 GPUs (CGX)' -> 'TXL/3090/4'."""
+    model, rest = row_id.split(" on ", 1)
+    machine, rest = rest.split(", ", 1)
+    gpus = rest.split(" ")[0]
+    return f"{_ABBREV.get(model, model)}/{_ABBREV.get(machine, machine)}/{gpus}" + (" (DLE)" if "DLE" in rest else "")
+
+
+def choices_table(markdown: bool) -> str:
+    """Every candidate of every choice made with published rows in view, with its errors."""
+    rows = []
+    for parameter, label, chosen, worst, errs in choice_alternatives():
+        short = ", ".join(f"{_abbrev(k)} {v:+.0%}" for k, v in errs.items())
+        rows.append([parameter, label + (" (preset)" if chosen else ""), f"{worst:.0%}", short])
+    return _table(["choice", "candidate", "worst error over the rows it informs", "errors (model/machine/GPUs)"],
                   rows, markdown)
 
 
@@ -234,10 +255,10 @@ def write_docs(path: str, sections: dict[str, str]) -> None:
     with open(path) as f:
         doc = f.read()
     for name, text in sections.items():
-        pattern = re.compile(rf"(<!-- sim_validation:{name} -->\n).*?(\n<!-- /sim_validation:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- sim_validation:{name} -->\n).*?(<!-- /sim_validation:{name} -->)", re.S)
         if not pattern.search(doc):
             raise SystemExit(f"{path}: no <!-- sim_validation:{name} --> ... <!-- /sim_validation:{name} --> region")
-        doc = pattern.sub(lambda mt: mt.group(1) + text + mt.group(2), doc)
+        doc = pattern.sub(lambda mt: mt.group(1) + text + "\n" + mt.group(2), doc)
     with open(path, "w") as f:
         f.write(doc)
 
@@ -272,7 +293,7 @@ def main(argv=None) -> int:
                "no measurement file: pass --measured (benchmarks/allreduce_link.py --sim-measurements or "
                "benchmarks/step_bench.py --sim-measurements writes one)")
     md = True if args.write_docs else args.markdown
-    sections = {"published": published_table(md, {}), "loo": loo_table(md, measurements),
+    sections = {"published": published_table(md, {}), "choices": choices_table(md), "loo": loo_table(md, measurements),
                 "effects": effects_table(md), "sockets": socket_sizes_table(md), "held-out": held_out_table(md),
                 "testbed": testbed, "predictions": predictions_table(md)}
     if args.write_docs:
@@ -280,6 +301,7 @@ def main(argv=None) -> int:
         print(f"wrote {len(sections)} tables into {args.write_docs}")
         return 0
     titles = {"published": "Published scaling rows (PyTorch DDP + NCCL, no compression)",
+              "choices": "Choices made with published rows in view, and their alternatives",
               "loo": "Leave-one-out: in-sample and out-of-sample errors", "effects": "Published effects",
               "sockets": "NCCL socket threads on EC2 by message size", "held-out": "Held out: 10 GbE vs InfiniBand",
               "testbed": "Testbed", "predictions": "ResNet-50 to 4096 GPUs on every GPU preset"}

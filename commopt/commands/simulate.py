@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--nccl-env", default=None, metavar="VARS",
                    help='NCCL variables as the transport reads them, "NCCL_SOCKET_NTHREADS=4 '
                         'NCCL_NSOCKS_PERTHREAD=4", or a `commopt doctor --profile` name (aws-tcp, '
-                        'gcp-fastsocket, azure-ib, ...)')
+                        'gcp-fastsocket, azure-ib, ...); without --algorithm or --software the algorithm '
+                        'becomes nccl (ring or tree)')
     o.add_argument("--batch", type=float, default=None, help="samples per GPU per step")
     o.add_argument("--throughput", type=float, default=None, help="single-GPU samples/s on this machine's GPU")
     o.add_argument("--step-time", type=float, default=None, help="single-GPU step time in seconds")
@@ -152,7 +153,14 @@ def run(args) -> int:
         codec = args.codec
         if args.codec_bench:
             codec = from_benchmark(args.codec_bench, codec or "none")
-        fields = {"algorithm": args.algorithm, "codec": codec, "bucket_mb": args.bucket_mb,
+        algorithm = args.algorithm
+        if args.nccl_env and algorithm is None and not args.software:
+            # NCCL's variables tune NCCL's own algorithms; commopt's hierarchical ring and
+            # scatter-reduce run on commopt's communicator, which does not read them.
+            algorithm = "nccl"
+            print("commopt simulate: --nccl-env tunes NCCL: algorithm nccl (ring or tree) unless --algorithm "
+                  "is given", file=sys.stderr)
+        fields = {"algorithm": algorithm, "codec": codec, "bucket_mb": args.bucket_mb,
                   "overlap": args.overlap, "piece_mb": args.piece_mb}
         if args.software:
             from commopt.sim.software import software_plan

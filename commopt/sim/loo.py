@@ -126,7 +126,7 @@ def published_loo() -> list[LooRow]:
             transforms.append(c.candidates[pick])
         ins = _predict(row, [c.candidates[c.chosen] for c in mine])
         out.append(LooRow(_row_id(row), tuple(params), ins, _predict(row, transforms),
-                          "known miss: see docs/scaling.md" if row.known_miss else ""))
+                          "known miss (explained below the table)" if row.known_miss else ""))
     return out
 
 
@@ -190,3 +190,14 @@ def leave_one_out(measurements=(), published_only: bool = False) -> list[LooRow]
     if not published_only:
         rows += testbed_loo(list(measurements)) + effects_loo()
     return rows
+
+
+def choice_alternatives() -> list[tuple]:
+    """(parameter, candidate, chosen?, worst |error| over the rows it informs, {row: error})."""
+    out = []
+    for c in PUBLISHED_CHOICES:
+        rows = [r for r in PUBLISHED_ROWS if c.informs(r)]
+        for label, t in c.candidates.items():
+            errs = {_row_id(r): _predict(r, [t]) for r in rows}
+            out.append((c.parameter, label, label == c.chosen, max(abs(e) for e in errs.values()), errs))
+    return out
