@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
-import re
-
-from commopt.sim import Plan, get_machine, simulate
+from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
 from commopt.sim.effects import EFFECT_TOLERANCE, all_effects, chainermn_network_comparison, ec2_socket_ratio
 from commopt.sim.loo import choice_alternatives, leave_one_out
@@ -258,7 +257,7 @@ def write_docs(path: str, sections: dict[str, str]) -> None:
         pattern = re.compile(rf"(<!-- sim_validation:{name} -->\n).*?(<!-- /sim_validation:{name} -->)", re.S)
         if not pattern.search(doc):
             raise SystemExit(f"{path}: no <!-- sim_validation:{name} --> ... <!-- /sim_validation:{name} --> region")
-        doc = pattern.sub(lambda mt: mt.group(1) + text + "\n" + mt.group(2), doc)
+        doc = pattern.sub(lambda mt, text=text: mt.group(1) + text + "\n" + mt.group(2), doc)
     with open(path, "w") as f:
         f.write(doc)
 
