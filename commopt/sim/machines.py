@@ -264,7 +264,7 @@ _register(replace(_v100_nvlink(
         "inter.bandwidth": "gVNIC up to 100 Gbit/s (published); " + _TCP1500,
         "inter.latency": "assumption: 30 us per message through the kernel TCP stack",
         "gpus_per_node": "8x V100 per VM, 8 VMs for 64 GPUs (published Fast Socket BERT-Large run)",
-    }), transport=TRANSPORTS["nccl-2.8-sockets-gcp"]))
+    }), transport=TRANSPORTS["nccl-sockets-gcp"]))
 
 _register(Machine(
     name="azure-ndv4", description="Azure ND A100 v4: 8x A100 (NVLink 3), 8x HDR InfiniBand 200 Gbit/s per VM",

@@ -211,8 +211,11 @@ def profile_nccl_env(name: str) -> dict[str, str]:
 
 _EC2_FLOW = ("EC2 caps a single TCP flow at 10 Gbit/s (published; AWS EC2 instance network "
              "bandwidth documentation: single-flow limit inside a placement group)")
-_NCCL_SOCKET_CHUNK = ("NCCL's socket transport (net_socket.cc) splits a request across its sockets in "
-                      "pieces of at least 64 KiB")
+_NCCL_SOCKET_CHUNK = ("NCCL's socket transport (src/transport/net_socket.cc, MIN_CHUNKSIZE) splits a request "
+                      "across its sockets in pieces of max(64 KiB, size / sockets), handed to the helper threads "
+                      "round-robin")
+_AUTO = ("NCCL's socket auto-detection (net_socket.cc, ncclSocketGetNsockNthread) picks 2 threads x 8 sockets "
+         "only for AWS's NIC vendor id 0x1d0f; 1 x 1 otherwise")
 _THREAD_24 = ("one NCCL socket thread + stream reached about 60% of 32 Gbit/s, 19 Gbit/s = 2.4 GB/s, "
               "with NCCL 2.4 (NVIDIA/nccl#209, 2019)")
 _THREAD_2018 = ("NCCL 2.x before 2.4: one socket per ring connection, staged through host memory; "
@@ -239,12 +242,21 @@ _reg(Transport(
 _reg(Transport(
     "nccl-2.4-sockets-ec2", "sockets", "2.4.8", gdr=False, thread_GBps=2.4, per_flow_gbps=10.0,
     reads_socket_env=True,
-    sources={"kind": "NCCL over TCP on EC2 (ENA), NCCL >= 2.4.8; defaults 1 thread x 1 socket",
+    sources={"kind": "NCCL over TCP on EC2 (ENA), NCCL >= 2.4.8",
+             "nthreads": ("1 thread x 1 socket: NCCL without the ENA auto-detection, the baseline of the published "
+                          "AWS measurement (setting 4 x 4 doubled its throughput, so its default had fewer flows; "
+                          "this reading of the note is the one thing the note informs); " + _AUTO),
              "per_flow_gbps": _EC2_FLOW, "thread_GBps": _THREAD_24, "chunk": _NCCL_SOCKET_CHUNK}))
 _reg(Transport(
-    "nccl-2.8-sockets-gcp", "sockets", "2.8", gdr=False, thread_GBps=2.4, per_flow_gbps=None,
+    "nccl-sockets-ec2-auto", "sockets", "2.4.8", gdr=False, thread_GBps=2.4, per_flow_gbps=10.0,
+    nthreads=2, nsocks_per_thread=8, reads_socket_env=True,
+    sources={"kind": "NCCL over TCP on EC2 (ENA) with NCCL's auto-detection: 2 threads x 8 sockets",
+             "nthreads": _AUTO, "per_flow_gbps": _EC2_FLOW, "thread_GBps": _THREAD_24,
+             "chunk": _NCCL_SOCKET_CHUNK}))
+_reg(Transport(
+    "nccl-sockets-gcp", "sockets", "2.4.8", gdr=False, thread_GBps=2.4, per_flow_gbps=None,
     reads_socket_env=True,
-    sources={"kind": "NCCL over TCP on Google Cloud (gVNIC), defaults 1 thread x 1 socket",
+    sources={"kind": "NCCL over TCP on Google Cloud (gVNIC)", "nthreads": "1 thread x 1 socket: " + _AUTO,
              "thread_GBps": _THREAD_24 + "; the single thread is the limit without Fast Socket",
              "per_flow_gbps": "assumption: no per-flow cap published for Google Cloud",
              "fastsocket": ("NCCL Fast Socket: multiple flows with dynamic load balancing (published); "
@@ -253,7 +265,7 @@ _reg(Transport(
              "chunk": _NCCL_SOCKET_CHUNK}))
 _reg(Transport(
     "nccl-sockets", "sockets", "2.10", gdr=False, thread_GBps=2.4, reads_socket_env=True,
-    sources={"kind": "NCCL >= 2.4.8 over TCP on an on-premises Ethernet; defaults 1 thread x 1 socket",
+    sources={"kind": "NCCL >= 2.4.8 over TCP on an on-premises Ethernet", "nthreads": "1 thread x 1 socket: " + _AUTO,
              "thread_GBps": _THREAD_24, "chunk": _NCCL_SOCKET_CHUNK}))
 _reg(Transport(
     "nccl-ib-gdr", "ib-verbs", "2.2", gdr=True,
