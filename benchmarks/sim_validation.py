@@ -122,10 +122,10 @@ def choices_table(markdown: bool) -> str:
 def held_out_table(markdown: bool) -> str:
     c = chainermn_network_comparison()
     rows = [["10 GbE / InfiniBand FDR step time, pure_nccl FP32, no overlap", f"{c.slowdown:.2f}x",
-             "far larger than 1.33x (the earlier model's prediction)"],
+             "far larger than the 1.33x this simulator predicted before its transport model"],
             ["10 GbE with double buffering + FP16 / InfiniBand without them", f"{c.features_vs_ib:.2f}x",
-             "> 1 (the published 10 GbE run with both features was slower)"]]
-    return _table(["ChainerMN ResNet-50, 32 P100 (held out)", "predicted", "published (as stated in the issue)"],
+             "> 1: the 10 GbE run with both features was slower"]]
+    return _table(["ChainerMN ResNet-50, 32 P100 (held out)", "predicted", "published"],
                   rows, markdown)
 
 
