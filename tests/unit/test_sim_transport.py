@@ -177,3 +177,19 @@ def test_cli_nccl_env_and_software(capsys):
     assert cm["plan"]["overlap"] == "double-buffering" and cm["plan"]["copy_passes"] == 3
     assert cmd.run(_parser().parse_args(["--nccl-env", "NCCL_NSOCK_PERTHREAD=2"])) == 2
     assert "did you mean NCCL_NSOCKS_PERTHREAD" in capsys.readouterr().err
+
+
+def test_a_machine_file_keeps_its_transport():
+    import json
+
+    from commopt.sim.machines import Machine
+
+    for m in PRESETS.values():
+        again = Machine.from_dict(json.loads(json.dumps(m.to_dict())))
+        assert again.transport == m.transport and again.inter == m.inter, m.name
+    d = PRESETS["p100-10gbe"].to_dict()
+    d["transport"] = "nccl-ib-gdr"
+    assert Machine.from_dict(d).transport.kind == "ib-verbs"
+    d["transport"] = "smoke-signals"
+    with pytest.raises(ValueError, match="unknown transport"):
+        Machine.from_dict(d)
