@@ -3,6 +3,7 @@
     $ python benchmarks/sim_validation.py                     # text tables
     $ python benchmarks/sim_validation.py --markdown          # the tables in docs/scaling.md
     $ python benchmarks/sim_validation.py --measured a.json --measured b.json
+    $ python benchmarks/sim_validation.py --write-docs docs/scaling.md  # regenerate the doc's tables
 
 Every testbed row comes from a measurement file (``--measured``, repeatable; default
 ``benchmarks/results/sim-testbed-1gbit.json`` and ``sim-testbed-steps-1gbit.json``, those that
@@ -17,13 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
-from commopt.sim import Plan, get_machine, simulate
+from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
-from commopt.sim.validation import (TOLERANCE, chainermn_effect, cgx_effect, compare_testbed_measurements,
-                                    load_measurements, published_comparison)
+from commopt.sim.effects import EFFECT_TOLERANCE, all_effects, chainermn_network_comparison, ec2_socket_ratio
+from commopt.sim.loo import choice_alternatives, leave_one_out
+from commopt.sim.machines import PRESETS
+from commopt.sim.software import software_plan
+from commopt.sim.validation import TOLERANCE, compare_testbed_measurements, load_measurements, published_comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Allreduce rows (benchmarks/allreduce_link.py) and training-step rows (benchmarks/step_bench.py).
@@ -58,10 +63,69 @@ def published_table(markdown: bool, measured: dict) -> str:
 
 def effects_table(markdown: bool) -> str:
     rows = []
-    for e in (chainermn_effect(), cgx_effect("bert-large"), cgx_effect("transformer-xl-base")):
-        rows.append([e.name, e.published, f"{e.predicted_value:.1%}", f"{e.baseline_value:.1%}",
-                     f"{e.error:+.1%}", e.detail])
-    return _table(["effect", "published", "predicted with", "predicted without", "pred/pub - 1", "baseline"],
+    for e in all_effects():
+        direction = (e.predicted_value > e.baseline_value) == (e.published_value > e.baseline_value)
+        status = "ok" if direction and abs(e.error) <= EFFECT_TOLERANCE else (
+            "direction only" if direction else "MISS (direction)")
+        rows.append([e.name, e.published, f"{e.predicted_value:.3g}", f"{e.baseline_value:.3g}",
+                     f"{e.error:+.1%}", status, e.detail])
+    return _table(["effect", "published", "predicted with", "predicted without", "pred/pub - 1",
+                   f"direction, size within {EFFECT_TOLERANCE:.0%}", "notes"], rows, markdown)
+
+
+def socket_sizes_table(markdown: bool) -> str:
+    """The EC2 socket-thread effect by message size (2 nodes, one rank each)."""
+    rows = []
+    for nbytes in (64e3, 256e3, 1e6, 4e6, 64e6, 1e9):
+        default, tuned = ec2_socket_ratio(nbytes)
+        rows.append([f"{nbytes / 1e6:g} MB", f"{default:.2f}", f"{tuned:.2f}", f"{tuned / default:.2f}x"])
+    return _table(["all-reduce size", "busbw, NCCL defaults (GB/s)", "busbw, 4 x 4 sockets (GB/s)", "ratio"],
+                  rows, markdown)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def loo_table(markdown: bool, measurements=()) -> str:
+    rows = []
+    for r in leave_one_out(measurements):
+        params = "; ".join(f"{p}: {a} -> {b}" for p, a, b in r.parameters)
+        status = "ok" if r.within else ("known miss" if r.note.startswith("known") else "MISS")
+        rows.append([r.row, params, _pct(r.in_sample_error), _pct(r.out_of_sample_error), status, r.note])
+    return _table(["row left out", "parameter(s) it informed: in sample -> out of sample",
+                   "in-sample error", "out-of-sample error", f"out of sample within {TOLERANCE:.0%}", "note"],
+                  rows, markdown)
+
+
+_ABBREV = {"transformer-xl-base": "TXL", "bert-large": "BERT", "rtx3090-pcie": "3090", "v100-nvlink-25g": "V100"}
+
+
+def _abbrev(row_id: str) -> str:
+    """'transformer-xl-base on rtx3090-pcie, 4 GPUs (CGX)' -> 'TXL/3090/4'."""
+    model, rest = row_id.split(" on ", 1)
+    machine, rest = rest.split(", ", 1)
+    gpus = rest.split(" ")[0]
+    return f"{_ABBREV.get(model, model)}/{_ABBREV.get(machine, machine)}/{gpus}" + (" (DLE)" if "DLE" in rest else "")
+
+
+def choices_table(markdown: bool) -> str:
+    """Every candidate of every choice made with published rows in view, with its errors."""
+    rows = []
+    for parameter, label, chosen, worst, errs in choice_alternatives():
+        short = ", ".join(f"{_abbrev(k)} {v:+.0%}" for k, v in errs.items())
+        rows.append([parameter, label + (" (preset)" if chosen else ""), f"{worst:.0%}", short])
+    return _table(["choice", "candidate", "worst error over the rows it informs", "errors (model/machine/GPUs)"],
+                  rows, markdown)
+
+
+def held_out_table(markdown: bool) -> str:
+    c = chainermn_network_comparison()
+    rows = [["10 GbE / InfiniBand FDR step time, pure_nccl FP32, no overlap", f"{c.slowdown:.2f}x",
+             "far larger than the 1.33x this simulator predicted before its transport model"],
+            ["10 GbE with double buffering + FP16 / InfiniBand without them", f"{c.features_vs_ib:.2f}x",
+             "> 1: the 10 GbE run with both features was slower"]]
+    return _table(["ChainerMN ResNet-50, 32 P100 (held out)", "predicted", "published"],
                   rows, markdown)
 
 
@@ -162,22 +226,40 @@ def testbed_tables(markdown: bool, rows: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
+#: The presets of the prediction table: every machine preset whose GPU the model profiles know
+#: (the testbed presets are CPU hosts with measured compute, not a GPU; no profile has them).
+PREDICTION_PRESETS = ("v100-nvlink-25g", "p3dn-efa", "gcp-v100-100g", "azure-ndv4", "rtx3090-pcie",
+                      "p100-10gbe", "p100-ib-fdr")
+
+
 def predictions_table(markdown: bool) -> str:
-    """1024 V100s (8 per node) on 25, 100 and 400 Gbit/s, with and without compression."""
+    """ResNet-50 from 8 to 4096 GPUs on every GPU preset: PyTorch DDP (NCCL ring/tree) and
+    commopt with 4-bit QSGD, with the term that dominates each step."""
     rows = []
-    for model in ("resnet50", "bert-large", "transformer-xl-base"):
-        for gbps in (25, 100, 400):
-            m = get_machine("v100-nvlink-25g").with_overrides(inter_gbps=gbps)
-            cells = [model, f"{gbps} Gbit/s"]
-            for codec in ("none", "fp16", "qsgd4"):
-                p = simulate(model, m, Plan("auto", codec, 25, "backward"), 1024)
-                cells.append(f"{p.efficiency:.0%} ({p.algorithm})")
-            for codec in ("fp16", "qsgd4"):
-                p = simulate(model, m, Plan("auto", codec, 25, "double-buffering"), 1024)
-                cells.append(f"{p.efficiency:.0%}")
+    for name in PREDICTION_PRESETS:
+        m = PRESETS[name]
+        for gpus in (8, 64, 512, 4096):
+            cells = [name, m.transport.name if m.transport else "-", gpus]
+            for plan in (software_plan("pytorch-ddp"), software_plan("commopt", codec="qsgd4")):
+                p = simulate("resnet50", m, plan, gpus)
+                cells += [f"{p.efficiency:.0%}", p.dominant]
             rows.append(cells)
-    return _table(["model", "inter-node link", "no compression", "fp16", "qsgd4 (4 bit)",
-                   "fp16 + double buffering", "qsgd4 + double buffering"], rows, markdown)
+    return _table(["preset", "transport", "GPUs", "DDP efficiency", "DDP dominant term", "commopt qsgd4 efficiency",
+                   "commopt qsgd4 dominant term"], rows, markdown)
+
+
+def write_docs(path: str, sections: dict[str, str]) -> None:
+    """Replace each ``<!-- sim_validation:NAME -->`` ... ``<!-- /sim_validation:NAME -->``
+    region of ``path`` with the table NAME."""
+    with open(path) as f:
+        doc = f.read()
+    for name, text in sections.items():
+        pattern = re.compile(rf"(<!-- sim_validation:{name} -->\n).*?(<!-- /sim_validation:{name} -->)", re.S)
+        if not pattern.search(doc):
+            raise SystemExit(f"{path}: no <!-- sim_validation:{name} --> ... <!-- /sim_validation:{name} --> region")
+        doc = pattern.sub(lambda mt, text=text: mt.group(1) + text + "\n" + mt.group(2), doc)
+    with open(path, "w") as f:
+        f.write(doc)
 
 
 def main(argv=None) -> int:
@@ -186,6 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--measured", action="append", default=None, metavar="JSON",
                     help="testbed measurements (repeatable; default: "
                          + ", ".join(os.path.relpath(p) for p in DEFAULT_MEASURED) + ", those that exist)")
+    ap.add_argument("--write-docs", default=None, metavar="MD",
+                    help="write the tables into the marked regions of this markdown file (docs/scaling.md)")
     ap.add_argument("--codec-bench", default=None, metavar="JSON",
                     help="benchmarks/codec_perf.py --json output: codec speeds for the testbed presets")
     args = ap.parse_args(argv)
@@ -203,19 +287,28 @@ def main(argv=None) -> int:
         if not found:
             ap.error(f"--codec-bench {args.codec_bench}: no QSGD rows found")
         speeds = tuple(found)
-    print("## Published scaling rows (PyTorch + NCCL, no compression)\n")
-    print(published_table(args.markdown, {}))
-    print("\n## Published effects\n")
-    print(effects_table(args.markdown))
-    print("\n## Testbed\n")
-    if measurements:
-        print("Measurements: " + ", ".join(os.path.relpath(p) for p in paths) + "\n")
-        print(testbed_tables(args.markdown, rows_for_testbed(measurements, speeds)))
-    else:
-        print("no measurement file: pass --measured (benchmarks/allreduce_link.py --sim-measurements or "
-              "benchmarks/step_bench.py --sim-measurements writes one)")
-    print("\n## Parallel efficiency of 1024 V100 (8 per node), DDP buckets of 25 MB\n")
-    print(predictions_table(args.markdown))
+    testbed = (testbed_tables(True if args.write_docs else args.markdown, rows_for_testbed(measurements, speeds))
+               if measurements else
+               "no measurement file: pass --measured (benchmarks/allreduce_link.py --sim-measurements or "
+               "benchmarks/step_bench.py --sim-measurements writes one)")
+    md = True if args.write_docs else args.markdown
+    sections = {"published": published_table(md, {}), "choices": choices_table(md), "loo": loo_table(md, measurements),
+                "effects": effects_table(md), "sockets": socket_sizes_table(md), "held-out": held_out_table(md),
+                "testbed": testbed, "predictions": predictions_table(md)}
+    if args.write_docs:
+        write_docs(args.write_docs, sections)
+        print(f"wrote {len(sections)} tables into {args.write_docs}")
+        return 0
+    titles = {"published": "Published scaling rows (PyTorch DDP + NCCL, no compression)",
+              "choices": "Choices made with published rows in view, and their alternatives",
+              "loo": "Leave-one-out: in-sample and out-of-sample errors", "effects": "Published effects",
+              "sockets": "NCCL socket threads on EC2 by message size", "held-out": "Held out: 10 GbE vs InfiniBand",
+              "testbed": "Testbed", "predictions": "ResNet-50 to 4096 GPUs on every GPU preset"}
+    for name, text in sections.items():
+        print(f"## {titles[name]}\n")
+        if name == "testbed" and measurements:
+            print("Measurements: " + ", ".join(os.path.relpath(p) for p in paths) + "\n")
+        print(text + "\n")
     return 0
 
 

@@ -4,6 +4,8 @@
     $ commopt simulate --model bert-large --sweep gpus=8..1024 --plot scaling.png
     $ commopt simulate --profile-model resnet50 --machine testbed-1gbit --gpus 2
     $ commopt simulate --machine testbed-1gbit --gpus 2 --compute-time 0.8 --grad-bytes 102760448 --measured-step 1.7
+    $ commopt simulate --machine v100-nvlink-25g --gpus 16 --nccl-env "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4"
+    $ commopt simulate --machine p100-10gbe --gpus 32 --software chainermn-1.3-pure_nccl-db --codec fp16
 """
 from __future__ import annotations
 
@@ -23,20 +25,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sweep one axis: gpus=8..1024 (doubling), inter_gbps=25,100,400, bucket_mb=..., "
                         "batch=..., intra_GBps=..., codec=none,fp16,qsgd4, overlap=..., algorithm=...")
     p = parser.add_argument_group("communication plan")
-    p.add_argument("--algorithm", default="auto", choices=("auto", "ring", "tree", "hierarchical", "sra"),
-                   help="auto: the fastest suitable algorithm for each bucket")
-    p.add_argument("--codec", default="none", help="none, fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>")
+    p.add_argument("--software", default=None, metavar="NAME",
+                   help="what named software did (overlap, buffers, copies, algorithm): "
+                        "chainermn-1.3-pure_nccl, chainermn-1.3-pure_nccl-db, pytorch-ddp, commopt; the options "
+                        "below override its fields (see --list)")
+    p.add_argument("--algorithm", default=None, choices=("auto", "nccl", "ring", "tree", "hierarchical", "sra"),
+                   help="auto (default): the fastest suitable algorithm for each bucket; nccl: NCCL's own "
+                        "(ring or tree)")
+    p.add_argument("--codec", default=None, help="none (default), fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>")
     p.add_argument("--codec-bench", default=None, metavar="FILE",
                    help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
-    p.add_argument("--overlap", default="backward", choices=("none", "backward", "double-buffering"))
+    p.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size in MiB (default 25)")
+    p.add_argument("--overlap", default=None, choices=("none", "backward", "double-buffering"),
+                   help="when the all-reduce runs: none (after the backward pass), backward (default; DDP "
+                        "buckets during it), double-buffering (during the next step; ChainerMN)")
     p.add_argument("--piece-mb", type=float, default=None,
                    help="pieces of the scatter-reduce pipeline in MiB of fp32 (default: "
                         "commopt.collectives.PIECE_BYTES, 4 MiB; 0: no pipeline)")
     o = parser.add_argument_group("overrides")
     o.add_argument("--inter-gbps", type=float, default=None, help="inter-node line rate in Gbit/s")
     o.add_argument("--intra-GBps", type=float, default=None, help="intra-node per-GPU bandwidth in GB/s")
-    o.add_argument("--gpus-per-node", type=int, default=None)
+    o.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node instead of the preset's (e.g. 1 for one rank per node, as "
+                        "all_reduce_perf -g 1)")
+    o.add_argument("--transport", default=None, metavar="NAME",
+                   help="the inter-node transport instead of the preset's (see --list): NCCL version, "
+                        "sockets / IB verbs / EFA, per-flow cap")
+    o.add_argument("--nccl-env", default=None, metavar="VARS",
+                   help='NCCL variables as the transport reads them, "NCCL_SOCKET_NTHREADS=4 '
+                        'NCCL_NSOCKS_PERTHREAD=4", or a `commopt doctor --profile` name (aws-tcp, '
+                        'gcp-fastsocket, azure-ib, ...); without --algorithm or --software the algorithm '
+                        'becomes nccl (ring or tree)')
     o.add_argument("--batch", type=float, default=None, help="samples per GPU per step")
     o.add_argument("--throughput", type=float, default=None, help="single-GPU samples/s on this machine's GPU")
     o.add_argument("--step-time", type=float, default=None, help="single-GPU step time in seconds")
@@ -45,9 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--profile-model", default=None, metavar="NAME",
                    help="profile a real run of NAME (resnet50) on this CPU and simulate with it")
     m.add_argument("--profile-out", default=None, help="where to write the profile (default NAME.profile.json)")
-    m.add_argument("--profile-batch", type=int, default=1)
-    m.add_argument("--profile-image-size", type=int, default=64)
-    m.add_argument("--profile-iters", type=int, default=2)
+    m.add_argument("--profile-batch", type=int, default=1, help="samples per profiled step (default 1)")
+    m.add_argument("--profile-image-size", type=int, default=64,
+                   help="image side in pixels for the profiled run (default 64; the profile keeps per-layer "
+                        "shares, the GPU speed comes from the built-in profile)")
+    m.add_argument("--profile-iters", type=int, default=2, help="profiled steps; the fastest counts (default 2)")
     m.add_argument("--profile-threads", type=int, default=1, help="torch threads while profiling (default 1)")
     m.add_argument("--compute-time", type=float, default=None,
                    help="measured compute seconds per step (with --grad-bytes: a synthetic profile)")
@@ -70,6 +91,16 @@ def _list() -> int:
     for name in list_profiles():
         print(f"  {name:20s} {load_profile(name).description}")
     print("codecs:", ", ".join(list_codecs()))
+    from commopt.sim.software import SOFTWARE
+    from commopt.sim.transport import TRANSPORTS
+
+    print("software (--software):")
+    for name, sw in sorted(SOFTWARE.items()):
+        print(f"  {name:28s} {sw.description}")
+    print("transports (--transport):")
+    for name, t in TRANSPORTS.items():
+        print(f"  {name:24s} {t.kind}, NCCL {t.nccl_version or '-'}, flows {t.flows}, "
+              f"{'GPUDirect RDMA' if t.gdr else 'staged through host'}")
     return 0
 
 
@@ -103,8 +134,11 @@ def run(args) -> int:
     if args.list:
         return _list()
     try:
+        from commopt.sim.transport import parse_nccl_env
+
         machine = get_machine(args.machine).with_overrides(
-            inter_gbps=args.inter_gbps, intra_GBps=args.intra_GBps, gpus_per_node=args.gpus_per_node)
+            inter_gbps=args.inter_gbps, intra_GBps=args.intra_GBps, gpus_per_node=args.gpus_per_node,
+            transport=args.transport, nccl_env=parse_nccl_env(args.nccl_env) if args.nccl_env else None)
         if (args.compute_time is None) != (args.grad_bytes is None):
             raise ValueError("--compute-time and --grad-bytes go together (a profile from two measured numbers)")
         if args.compute_time is not None:
@@ -118,9 +152,22 @@ def run(args) -> int:
             grad_bytes_per_param={"fp32": 4, "fp16": 2, None: None}[args.grad_dtype])
         codec = args.codec
         if args.codec_bench:
-            codec = from_benchmark(args.codec_bench, codec)
-        pieces = {} if args.piece_mb is None else {"piece_mb": args.piece_mb}
-        plan = Plan(args.algorithm, codec, args.bucket_mb, args.overlap, **pieces)
+            codec = from_benchmark(args.codec_bench, codec or "none")
+        algorithm = args.algorithm
+        if args.nccl_env and algorithm is None and not args.software:
+            # NCCL's variables tune NCCL's own algorithms; commopt's hierarchical ring and
+            # scatter-reduce run on commopt's communicator, which does not read them.
+            algorithm = "nccl"
+            print("commopt simulate: --nccl-env tunes NCCL: algorithm nccl (ring or tree) unless --algorithm "
+                  "is given", file=sys.stderr)
+        fields = {"algorithm": algorithm, "codec": codec, "bucket_mb": args.bucket_mb,
+                  "overlap": args.overlap, "piece_mb": args.piece_mb}
+        if args.software:
+            from commopt.sim.software import software_plan
+
+            plan = software_plan(args.software, **fields)
+        else:
+            plan = Plan(**{k: v for k, v in fields.items() if v is not None})
         if args.sweep:
             axis, values = parse_sweep(args.sweep)
         else:

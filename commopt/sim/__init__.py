@@ -16,11 +16,14 @@ from commopt.sim.costs import Link
 from commopt.sim.machines import Machine, get_machine, list_machines
 from commopt.sim.plan import Plan
 from commopt.sim.profiles import Layer, ModelProfile, list_profiles, load_profile
+from commopt.sim.software import list_software, software_plan
 from commopt.sim.step import Prediction, simulate
 from commopt.sim.sweep import parse_sweep, run_sweep
+from commopt.sim.transport import TRANSPORTS, Transport, parse_nccl_env
 
 __all__ = [
     "simulate", "Plan", "Prediction", "Machine", "Link", "ModelProfile", "Layer", "CodecCost",
     "get_machine", "list_machines", "load_profile", "list_profiles", "get_codec", "list_codecs",
-    "from_benchmark", "allreduce_time", "parse_sweep", "run_sweep",
+    "from_benchmark", "allreduce_time", "parse_sweep", "run_sweep", "software_plan", "list_software",
+    "Transport", "TRANSPORTS", "parse_nccl_env",
 ]

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from commopt.sim.codec_costs import CodecCost, get_codec
-from commopt.sim.costs import pipeline_time
+from commopt.sim.costs import Link, pipeline_time
 from commopt.sim.machines import Machine
 
 #: fp32 bytes per piece of commopt's pipelined scatter-reduce/allgather; the same number as
@@ -158,6 +158,30 @@ def _inter_sra_phase(machine: Machine, nodes: int, wire_bytes: float) -> tuple[f
             (nodes - 1) / nodes * wire_bytes / inter.bandwidth_Bps)
 
 
+def on_transport(machine: Machine, nodes: int, per_node: int, wire_bytes: float, algorithm: str,
+                 codec_linear: bool = True) -> Machine:
+    """The machine with its inter-node link as its transport delivers it to this collective.
+
+    The message of a connection is one step's chunk, ``wire_bytes / n``; a ring or tree has one
+    connection leaving each node, commopt's hierarchical ring one per GPU of the node, an
+    all-to-all (scatter-reduce/all-gather) one per off-node peer of each GPU.
+    """
+    t = machine.transport
+    if t is None or nodes == 1:
+        return machine
+    n = nodes * per_node
+    if algorithm in ("sra", "hierarchical") and not codec_linear:
+        connections = per_node * (n - per_node) if algorithm == "sra" else per_node * (nodes - 1)
+    elif algorithm == "hierarchical":
+        connections = per_node
+    else:
+        connections = 1
+    bw = t.cap_Bps(machine.inter.bandwidth_Bps, wire_bytes / n, connections)
+    if bw >= machine.inter.bandwidth_Bps:
+        return machine
+    return replace(machine, inter=Link(machine.inter.latency_s, bw))
+
+
 def _with_machine_speeds(codec: CodecCost, machine: Machine) -> CodecCost:
     """The codec with the speeds measured on this machine, unless it carries its own."""
     speed = machine.codec_speed(codec.name)
@@ -255,6 +279,7 @@ def allreduce_time(machine: Machine, gpus: int, *, numel: float, grad_bytes: int
         return CommTime(0.0, 0.0, 0.0)
     if algorithm not in ("ring", "tree", "sra", "hierarchical"):
         raise ValueError(f"unknown algorithm {algorithm!r}")
+    machine = on_transport(machine, nodes, per_node, codec.wire_bytes(numel, grad_bytes), algorithm, codec.linear)
     if algorithm == "sra":
         return sra_pipelined(machine, nodes, per_node, numel, grad_bytes, codec, piece_bytes)
     if algorithm == "hierarchical" and not codec.linear:

@@ -8,8 +8,10 @@ flows between switches are capped by ``cross_group``. Between nodes each node ha
 ``sources``; "assumption" marks the few that no public figure pins down.
 
     >>> m = get_machine("v100-nvlink-25g")
-    >>> m.gpus_per_node, round(m.inter.bandwidth_Bps * 8 / 1e9, 1)   # GPUs, effective Gbit/s
-    (8, 20.0)
+    >>> m.gpus_per_node, round(m.inter.bandwidth_Bps * 8 / 1e9, 1)   # GPUs, TCP payload Gbit/s
+    (8, 23.9)
+    >>> m.transport.name, m.transport.flows          # NCCL sockets: 1 thread x 1 socket by default
+    ('nccl-2.4-sockets-ec2', 1)
     >>> get_machine("v100-nvlink-25g").with_overrides(inter_gbps=100).inter_gbps
     100.0
 """
@@ -20,6 +22,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from commopt.sim.costs import GBIT, GBYTE, Link
+from commopt.sim.transport import TRANSPORTS, Transport
 
 US = 1e-6
 GLOO_LATENCY_US = 180.0   # see the testbed-1gbit-gloo preset
@@ -50,6 +53,9 @@ class Machine:
     # Transfers still overlap compute (the link is not the core). False: the codec has its own
     # hardware beside compute (GPU kernels on their own stream).
     codec_shares_compute_core: bool = False
+    # How bytes cross between nodes (NCCL version, sockets / IB verbs / EFA, GDR, relaxed
+    # ordering): caps ``inter`` per message (commopt.sim.transport). None: ``inter`` as it is.
+    transport: Transport | None = None
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -86,9 +92,23 @@ class Machine:
         return nodes, self.gpus_per_node
 
     def with_overrides(self, *, inter_gbps: float | None = None, intra_GBps: float | None = None,
-                       gpus_per_node: int | None = None, inter_latency_us: float | None = None) -> "Machine":
-        """A copy with other link speeds; the preset's efficiencies are kept."""
+                       gpus_per_node: int | None = None, inter_latency_us: float | None = None,
+                       transport: str | Transport | None = None, nccl_env: dict | None = None) -> "Machine":
+        """A copy with other link speeds, another transport, or NCCL variables applied to its
+        transport; the preset's efficiencies are kept."""
         m = self
+        if transport is not None:
+            if isinstance(transport, str):
+                if transport not in TRANSPORTS:
+                    raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+                transport = TRANSPORTS[transport]
+            m = replace(m, transport=transport, name=f"{m.name}[{transport.name}]")
+        if nccl_env:
+            if m.transport is None:
+                raise ValueError(f"machine {m.name!r} has no NCCL transport for --nccl-env to change")
+            t = m.transport.with_env(nccl_env)
+            if t != m.transport:
+                m = replace(m, transport=t, name=f"{m.name}+env")
         if inter_gbps is not None:
             if not inter_gbps > 0:
                 raise ValueError(f"--inter-gbps must be > 0, got {inter_gbps}")
@@ -117,7 +137,10 @@ class Machine:
             "cross_group": link(self.cross_group), "message_overhead_us": self.message_overhead_s / US,
             "codec_GBps": {name: {"encode": enc, "decode": dec} for name, enc, dec in self.codec_GBps},
             "codec_shares_compute_core": self.codec_shares_compute_core,
-            "sources": dict(self.sources),
+            "transport": None if self.transport is None else {
+                k: v for k, v in self.transport.__dict__.items() if k != "sources"},
+            "sources": {**dict(self.sources), **({} if self.transport is None else {
+                f"transport.{k}": v for k, v in self.transport.sources.items()})},
         }
 
     @classmethod
@@ -150,10 +173,25 @@ class Machine:
                 max_nodes=d.get("max_nodes"), message_overhead_s=float(d.get("message_overhead_us", 2.0)) * US,
                 codec_GBps=_codec_speeds(d.get("codec_GBps", {})),
                 codec_shares_compute_core=bool(d.get("codec_shares_compute_core", False)),
-                sources=dict(d.get("sources", {})),
+                transport=_transport(d.get("transport")),
+                sources={k: v for k, v in dict(d.get("sources", {})).items() if not k.startswith("transport.")},
             )
         except KeyError as exc:
             raise ValueError(f"machine description lacks the field {exc.args[0]!r}") from exc
+
+
+def _transport(v) -> Transport | None:
+    """A transport by preset name or as a dict of :class:`Transport` fields."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if v not in TRANSPORTS:
+            raise ValueError(f"unknown transport {v!r}; choose one of {', '.join(TRANSPORTS)}")
+        return TRANSPORTS[v]
+    try:
+        return Transport(**v)
+    except TypeError as exc:
+        raise ValueError(f"machine transport must be a preset name or Transport fields: {exc}") from exc
 
 
 def _codec_speeds(d) -> tuple:
@@ -201,23 +239,48 @@ def _register(m: Machine) -> None:
     PRESETS[m.name] = m
 
 
-_register(_v100_nvlink(
+_register(replace(_v100_nvlink(
     "v100-nvlink-25g", "AWS p3.16xlarge: 8x V100 (NVLink 2) per node, 25 Gbit/s TCP between nodes",
-    inter=Link(30 * US, 25 * GBIT * 0.8), inter_gbps=25.0, inter_eff=0.8,
+    inter=Link(30 * US, 25 * GBIT * 0.956), inter_gbps=25.0, inter_eff=0.956,
     inter_sources={
-        "inter.bandwidth": ("25 Gbit/s (p3.16xlarge network performance); 0.8 effective: a single TCP "
-                            "flow is capped at 10 Gbit/s on EC2 and NCCL_SOCKET_NTHREADS x "
-                            "NCCL_NSOCKS_PERTHREAD flows give about 2x that (published)"),
+        "inter.bandwidth": ("25 Gbit/s (p3.16xlarge network performance); " + _TCP1500 + "; what one "
+                            "collective gets of it is set by the transport (flows x 10 Gbit/s per flow)"),
         "inter.latency": "assumption: 30 us per message through the kernel TCP stack and ENA",
-    }))
+    }), transport=TRANSPORTS["nccl-2.4-sockets-ec2"]))
 
-_register(_v100_nvlink(
+_register(replace(_v100_nvlink(
     "p3dn-efa", "AWS p3dn.24xlarge: 8x V100 32 GB (NVLink 2), 100 Gbit/s EFA with aws-ofi-nccl",
     inter=Link(15 * US, 10 * GBYTE), inter_gbps=100.0, inter_eff=0.8,
     inter_sources={
         "inter.bandwidth": ("EFA 100 Gbit/s; about 10 GB/s all-reduce bus bandwidth expected before "
                             "training (published), i.e. 0.8 of line rate"),
         "inter.latency": "assumption: 15 us per message over EFA/SRD",
+    }), transport=TRANSPORTS["nccl-efa"]))
+
+_register(replace(_v100_nvlink(
+    "gcp-v100-100g", "Google Cloud n1 VM: 8x V100 (NVLink 2), gVNIC up to 100 Gbit/s, NCCL over TCP",
+    inter=Link(30 * US, 100 * GBIT * 0.956), inter_gbps=100.0, inter_eff=0.956,
+    inter_sources={
+        "inter.bandwidth": "gVNIC up to 100 Gbit/s (published); " + _TCP1500,
+        "inter.latency": "assumption: 30 us per message through the kernel TCP stack",
+        "gpus_per_node": "8x V100 per VM, 8 VMs for 64 GPUs (published Fast Socket BERT-Large run)",
+    }), transport=TRANSPORTS["nccl-sockets-gcp"]))
+
+_register(Machine(
+    name="azure-ndv4", description="Azure ND A100 v4: 8x A100 (NVLink 3), 8x HDR InfiniBand 200 Gbit/s per VM",
+    gpu="a100", gpus_per_node=8, intra=Link(3 * US, 300 * GBYTE * NCCL_EFFICIENCY),
+    inter=Link(5 * US, 8 * 200 * 64 / 66 * GBIT * NCCL_EFFICIENCY), inter_gbps=1600.0,
+    inter_efficiency=64 / 66 * NCCL_EFFICIENCY, memory_GBps=1555.0,
+    transport=TRANSPORTS["nccl-2.12-ib-azure"],
+    sources={
+        "gpus_per_node": "8x A100 40 GB SXM4 per ND A100 v4 VM (Azure VM size specification)",
+        "intra.bandwidth": ("NVLink 3: 12 links x 25 GB/s per direction = 300 GB/s (A100 datasheet: "
+                            "600 GB/s total), x 0.8 NCCL protocol efficiency (NVIDIA/nccl-tests#212)"),
+        "intra.latency": "assumption: 3 us per NCCL ring step over NVLink",
+        "inter.bandwidth": ("8 HDR InfiniBand NICs of 200 Gbit/s per VM (Azure VM size specification), "
+                            "x 64/66 encoding x 0.8 NCCL efficiency"),
+        "inter.latency": "assumption: 5 us per message over InfiniBand inside a VM",
+        "memory_GBps": "A100 40 GB HBM2: 1555 GB/s (datasheet)",
     }))
 
 _register(Machine(
@@ -227,7 +290,7 @@ _register(Machine(
     intra=Link(15 * US, 15.75 * GBYTE * NCCL_EFFICIENCY),
     uplink=Link(15 * US, 6.1 * GBYTE), cross_group=Link(15 * US, 4.3 * GBYTE),
     inter=Link(30 * US, 10 * GBIT * 0.956), inter_gbps=10.0, inter_efficiency=0.956,
-    memory_GBps=936.0,
+    memory_GBps=936.0, transport=TRANSPORTS["nccl-sockets"],
     sources={
         "p2p": "GeForce cards have no PCIe peer-to-peer: NCCL stages every transfer through host memory",
         "intra.bandwidth": _PCIE3 + " (the GPU's own slot; not the bottleneck here)",
@@ -252,13 +315,14 @@ _register(Machine(
     name="p100-10gbe", description="8x P100 (PCIe) per node, 10 Gbit/s Ethernet between nodes",
     gpu="p100", gpus_per_node=8, intra=Link(10 * US, 15.75 * GBYTE * NCCL_EFFICIENCY),
     inter=Link(30 * US, 10 * GBIT * 0.956), inter_gbps=10.0, inter_efficiency=0.956, memory_GBps=732.0,
+    transport=TRANSPORTS["nccl-2.2-sockets"],
     sources={**_P100_SOURCES, "inter.bandwidth": "10 GbE; " + _TCP1500,
              "inter.latency": "assumption: 30 us per message over kernel TCP"}))
 _register(Machine(
     name="p100-ib-fdr", description="8x P100 (PCIe) per node, InfiniBand FDR 4x between nodes",
     gpu="p100", gpus_per_node=8, intra=Link(10 * US, 15.75 * GBYTE * NCCL_EFFICIENCY),
     inter=Link(2 * US, 54.54 * GBIT * NCCL_EFFICIENCY), inter_gbps=54.54,
-    inter_efficiency=NCCL_EFFICIENCY, memory_GBps=732.0,
+    inter_efficiency=NCCL_EFFICIENCY, memory_GBps=732.0, transport=TRANSPORTS["nccl-ib-gdr"],
     sources={**_P100_SOURCES,
              "inter.bandwidth": ("InfiniBand FDR 4x: 14.0625 Gbit/s x 4 lanes x 64/66 = 54.54 Gbit/s data "
                                  "rate, x 0.8 NCCL efficiency"),

@@ -19,6 +19,15 @@ NORM_MACS_PER_ELEMENT = 100   # assumption: a normalisation element costs as muc
 FORWARD_FRACTION = 1 / 3      # backward about 2/3 of the step
 
 CGX_THROUGHPUT = "published single-GPU throughput (CGX)"
+#: ResNet-50 training in FP32 on one V100 16 GB: NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5
+#: README (DGX-1, pytorch-21.03): 367 img/s FP32 (1200 mixed precision).
+V100_FP32_RESNET50 = 367
+#: P100 has no tensor cores: its FP32 rate scaled from the V100's by single-precision peaks
+#: (P100 PCIe 9.3 TFLOP/s, V100 SXM2 15.7 TFLOP/s; datasheets).
+P100_FP32_RESNET50 = round(V100_FP32_RESNET50 * 9.3 / 15.7)
+P100_SOURCE = (f"derived, {P100_FP32_RESNET50} img/s FP32: the V100's published FP32 rate "
+               f"({V100_FP32_RESNET50} img/s, NVIDIA DeepLearningExamples ResNet-50 v1.5 README) x 9.3/15.7, "
+               "the ratio of their FP32 peaks (datasheets)")
 
 
 def resnet50_profile() -> ModelProfile:
@@ -52,13 +61,13 @@ def resnet50_profile() -> ModelProfile:
     return ModelProfile(
         name="resnet50", description="ResNet-50 (torchvision), ImageNet 224x224, 64 images per GPU",
         sample_unit="images", batch_per_gpu=64, grad_bytes_per_param=4, forward_fraction=FORWARD_FRACTION,
-        throughput={"v100": 1226, "a100": 2470, "rtx3090": 850, "rtx2080ti": 484, "p100": 230},
+        throughput={"v100": 1226, "a100": 2470, "rtx3090": 850, "rtx2080ti": 484, "p100": P100_FP32_RESNET50},
         layers=layers,
         sources={
             "layers": "torchvision.models.resnet50 parameters; backward weights = forward MACs at 224x224",
             "batch_per_gpu": "64 per GPU (published ChainerMN ImageNet settings)",
-            "throughput": CGX_THROUGHPUT + " for v100/a100/rtx3090/rtx2080ti; p100: assumption, "
-                          "about 230 img/s FP32 (not in the reference)",
+            "throughput": CGX_THROUGHPUT + " for v100/a100/rtx3090/rtx2080ti (mixed precision); p100: "
+                          + P100_SOURCE,
             "grad_bytes_per_param": "float32 gradients",
         })
 

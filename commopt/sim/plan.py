@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 from commopt.sim.codec_costs import CodecCost, get_codec
 from commopt.sim.comm_model import SRA_PIECE_BYTES
 
-ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "sra")
+ALGORITHMS = ("auto", "nccl", "ring", "tree", "hierarchical", "sra")
 OVERLAPS = ("none", "backward", "double-buffering")
 #: Piece size of the scatter-reduce pipeline in MiB (commopt.collectives.PIECE_BYTES).
 DEFAULT_PIECE_MB = SRA_PIECE_BYTES / 2**20
@@ -30,16 +30,19 @@ class Plan:
     bucket_mb: float
     overlap: str
     piece_mb: float
+    copy_passes: float
 
     def __init__(self, algorithm: str = "auto", codec: str | CodecCost = "none",
                  bucket_mb: float = 25.0, overlap: str = "backward",
-                 piece_mb: float = DEFAULT_PIECE_MB):
+                 piece_mb: float = DEFAULT_PIECE_MB, copy_passes: float = 0.0):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if overlap not in OVERLAPS:
             raise ValueError(f"unknown overlap {overlap!r}; choose one of {', '.join(OVERLAPS)}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
+        if not copy_passes >= 0:
+            raise ValueError(f"copy passes must be >= 0 (gradient-sized copies per step), got {copy_passes}")
         if not piece_mb >= 0:
             raise ValueError(f"piece size must be >= 0 MiB (0: no pipeline), got {piece_mb}")
         codec = get_codec(codec)
@@ -51,6 +54,7 @@ class Plan:
         object.__setattr__(self, "bucket_mb", float(bucket_mb))
         object.__setattr__(self, "overlap", overlap)
         object.__setattr__(self, "piece_mb", float(piece_mb))
+        object.__setattr__(self, "copy_passes", float(copy_passes))
 
     def with_(self, **changes) -> "Plan":
         """A copy with some fields changed: ``plan.with_(bucket_mb=50)``."""
@@ -61,11 +65,16 @@ class Plan:
 
     def candidates(self) -> tuple[str, ...]:
         """The algorithms to try: ``auto`` takes, bucket by bucket, the fastest of those that
-        suit the codec (as NCCL's tuner picks by message size)."""
+        suit the codec (as NCCL's tuner picks by message size); ``nccl`` the fastest of NCCL's
+        own, ring and tree."""
+        if self.algorithm == "nccl":   # what NCCL itself chooses between (no hierarchical ring)
+            return ("ring", "tree") if self.codec.linear else ("sra",)
         if self.algorithm != "auto":
             return (self.algorithm,)
         return ("ring", "tree", "hierarchical") if self.codec.linear else ("sra", "hierarchical")
 
     def describe(self) -> str:
         pieces = "" if self.codec.linear else f", pieces of {self.piece_mb:g} MiB"
-        return f"{self.algorithm}, codec {self.codec.name}, {self.bucket_mb:g} MB buckets{pieces}, overlap {self.overlap}"
+        buckets = "one buffer" if self.bucket_mb == float("inf") else f"{self.bucket_mb:g} MB buckets"
+        copies = f", {self.copy_passes:g} gradient copies" if self.copy_passes else ""
+        return f"{self.algorithm}, codec {self.codec.name}, {buckets}{pieces}, overlap {self.overlap}{copies}"

@@ -44,7 +44,7 @@ def to_json(rows: list[tuple[object, Prediction]], *, axis: str, machine, model,
         "model": {"name": model.name, "sample_unit": model.sample_unit, "batch_per_gpu": model.batch_per_gpu,
                   "params": model.numel, "grad_bytes": model.grad_bytes},
         "plan": {"algorithm": plan.algorithm, "codec": plan.codec.name, "bucket_mb": plan.bucket_mb,
-                 "overlap": plan.overlap},
+                 "overlap": plan.overlap, "copy_passes": plan.copy_passes},
         "axis": axis,
         "rows": [{axis: value, **p.as_dict()} for value, p in rows],
     }

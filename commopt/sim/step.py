@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from commopt.sim.codec_costs import MEMORY_EFFICIENCY
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.plan import Plan
@@ -40,6 +41,7 @@ class Bucket:
     comm_s: float
     wire_bytes: float
     codec_s: float = 0.0   # the bucket's encode + decode work (processor seconds)
+    latency_s: float = 0.0  # its size-independent part (latencies, per-message overheads)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,22 @@ class Prediction:
     wire_bytes_per_step: float
     buckets: int
     codec_s: float = 0.0     # all buckets' encode + decode work (processor seconds)
+    copy_s: float = 0.0      # the software's gradient copies on the compute stream
+    latency_s: float = 0.0   # the fixed (size-independent) part of all buckets' all-reduces
+
+    @property
+    def dominant(self) -> str:
+        """What the step time is mostly made of: ``compute`` when the exposed communication
+        (step - compute) is shorter than compute, otherwise the largest part of the exposed
+        time, split like all communication: ``exposed communication`` (bytes on the links),
+        ``latency`` (the size-independent part) or ``codec``."""
+        exposed = max(self.step_s - self.compute_s, 0.0)
+        if exposed < self.compute_s or self.comm_s <= 0:
+            return "compute"
+        share = exposed / self.comm_s
+        parts = {"codec": self.codec_s * share, "latency": self.latency_s * share}
+        parts["exposed communication"] = exposed - parts["codec"] - parts["latency"]
+        return max(parts.items(), key=lambda kv: kv[1])[0]
 
     @property
     def speedup(self) -> float:
@@ -96,10 +114,14 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     nodes, _ = machine.layout(gpus)
 
     step1 = profile.step_time(machine.gpu)
+    grad_total = profile.numel * profile.grad_bytes_per_param
+    # Gradient-sized copies the software makes on the compute stream (packing, a second
+    # buffer): one read and one write each, at the codecs' share of memory bandwidth.
+    copy = 0.0 if gpus == 1 else plan.copy_passes * 2 * grad_total / (machine.memory_GBps * 1e9 * MEMORY_EFFICIENCY)
     forward = step1 * profile.forward_fraction
     update = step1 * profile.update_fraction
-    backward = step1 - forward - update
-    compute = step1
+    backward = step1 - forward - update + copy
+    compute = step1 + copy
 
     buckets, used = [], []
     for numel, ready in make_buckets(profile, plan.bucket_mb * 2**20, forward, backward):
@@ -109,7 +131,9 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
              for a in plan.candidates()),
             key=lambda ac: ac[1].total_s)
         used.append(algorithm)
-        buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes, c.codec_s))
+        fixed = allreduce_time(machine, gpus, numel=1, grad_bytes=profile.grad_bytes_per_param, algorithm=algorithm,
+                               codec=plan.codec, piece_bytes=plan.piece_mb * 2**20).transfer_s
+        buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes, c.codec_s, fixed))
     algorithm = "+".join(sorted(set(used), key=used.index))
     comm = sum(b.comm_s for b in buckets)
 
@@ -131,11 +155,12 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     else:  # double-buffering
         step = max(compute, comm)
 
-    single = profile.batch_per_gpu / compute
+    single = profile.batch_per_gpu / step1
     throughput = gpus * profile.batch_per_gpu / step
     return Prediction(
         gpus=gpus, nodes=nodes, algorithm=algorithm if gpus > 1 else "-", step_s=step,
         compute_s=compute, comm_s=comm if gpus > 1 else 0.0, exposed_comm_s=step - compute,
         throughput=throughput, single_gpu_throughput=single, efficiency=throughput / (gpus * single),
         unit=profile.sample_unit, wire_bytes_per_step=sum(b.wire_bytes for b in buckets),
-        buckets=len(buckets), codec_s=sum(b.codec_s for b in buckets) if gpus > 1 else 0.0)
+        buckets=len(buckets), codec_s=sum(b.codec_s for b in buckets) if gpus > 1 else 0.0, copy_s=copy,
+        latency_s=sum(b.latency_s for b in buckets) if gpus > 1 else 0.0)

@@ -21,11 +21,14 @@ from commopt.sim.comm_model import allreduce_time
 from commopt.sim.costs import GBIT
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
+from commopt.sim.model_specs import V100_FP32_RESNET50
 from commopt.sim.profiles import Layer, ModelProfile, load_profile
+from commopt.sim.software import software_plan
 from commopt.sim.step import Prediction, simulate
 
 TOLERANCE = 0.15
-DDP = Plan()   # PyTorch DDP + NCCL: 25 MB buckets overlapped with the backward pass
+#: PyTorch DDP + NCCL: 25 MB buckets overlapped with the backward pass, copies into buckets.
+DDP = software_plan("pytorch-ddp")
 
 _TXL_3090_4 = (
     "the published 4-GPU Transformer-XL row on the 3090 server needs about 1.5x the staged bandwidth "
@@ -139,17 +142,44 @@ class Effect:
         return self.predicted_value / self.published_value - 1
 
 
+#: ChainerMN's 2018 experiments trained in FP32 (FP16 was offered for the all-reduce only).
+CHAINERMN_FP32 = ("FP32 compute: ResNet-50 on one V100 at 367 img/s (NVIDIA DeepLearningExamples ResNet-50 "
+                  "v1.5 README, FP32); P100: the profile's FP32 figure")
+
+
+def chainermn_profile(machine: str) -> ModelProfile:
+    """ResNet-50 as ChainerMN's 2018 runs computed it: FP32, batch 64 per GPU."""
+    gpu = get_machine(machine).gpu
+    profile = load_profile("resnet50")
+    if gpu == "v100":
+        profile = profile.with_overrides(gpu="v100", throughput=V100_FP32_RESNET50)
+    return profile
+
+
+def chainermn_efficiency(machine: str | Machine, plan: Plan, small: int = 8, large: int = 32) -> float:
+    """Parallel efficiency from ``small`` to ``large`` GPUs, e = t / (t0 n) (published definition)."""
+    m = get_machine(machine)
+    profile = chainermn_profile(m.name.split("[")[0].split("@")[0].split("+")[0])
+    base = simulate(profile, m, plan, small)
+    many = simulate(profile, m, plan, large)
+    return many.throughput / (large / small * base.throughput)
+
+
+#: AWS p3.16xlarge as ChainerMN 1.3 ran on it in 2018: NCCL 2.1/2.2 sockets, one socket per
+#: connection, 10 Gbit/s per flow on EC2.
+CHAINERMN_AWS = "v100-nvlink-25g"
+CHAINERMN_AWS_TRANSPORT = "nccl-2.2-sockets-ec2"
+
+
 def chainermn_effect() -> Effect:
     """ResNet-50 8 -> 32 GPUs on AWS (p3.16xlarge, 25 Gbit/s), double buffering + FP16: 96%."""
-    def efficiency(plan):
-        eight = simulate("resnet50", "v100-nvlink-25g", plan, 8)
-        many = simulate("resnet50", "v100-nvlink-25g", plan, 32)
-        return many.throughput / (4 * eight.throughput)
-    with_features = efficiency(Plan("ring", "fp16", 25, "double-buffering"))
-    without = efficiency(Plan("ring", "none", 25, "none"))
-    return Effect("ChainerMN: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s",
+    m = get_machine(CHAINERMN_AWS).with_overrides(transport=CHAINERMN_AWS_TRANSPORT)
+    with_features = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16"))
+    without = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl"))
+    return Effect("ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s "
+                  "(NCCL 2.2 sockets)",
                   "96% parallel efficiency (8 -> 32 GPUs)", 0.96, with_features, without,
-                  "baseline: FP32 all-reduce after the backward pass (ChainerMN's default)")
+                  "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass")
 
 
 #: What CGX's published scaling runs used: "4 bits quantization with 1024 bucket size" for all
