@@ -9,7 +9,7 @@ Every testbed row comes from a measurement file (``--measured``, repeatable; def
 ``benchmarks/results/sim-testbed-1gbit.json`` and ``sim-testbed-steps-1gbit.json``, those that
 exist), a list of :class:`commopt.sim.validation.Measurement` entries as
 ``benchmarks/allreduce_link.py --sim-measurements`` (allreduce alone) and
-``benchmarks/step_bench.py --sim-measurements`` (training steps) write them: what ran, the exact command, hosts, compute seconds per
+``commopt bench step --sim-measurements`` (training steps) write them: what ran, the exact command, hosts, compute seconds per
 step, gradient bytes, the measured seconds (median over rounds) and, where the writer has
 them, the transport, the rounds' range and the machine's load. ``--codec-bench FILE`` (the
 output of ``benchmarks/codec_perf.py --json``) replaces the testbed presets' codec speeds.
@@ -31,7 +31,7 @@ from commopt.sim.software import software_plan
 from commopt.sim.validation import TOLERANCE, compare_testbed_measurements, load_measurements, published_comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: Allreduce rows (benchmarks/allreduce_link.py) and training-step rows (benchmarks/step_bench.py).
+#: Allreduce rows (benchmarks/allreduce_link.py) and training-step rows (commopt bench step).
 DEFAULT_MEASURED = (RESULTS / "sim-testbed-1gbit.json", RESULTS / "sim-testbed-steps-1gbit.json")
 
 
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     testbed = (testbed_tables(True if args.write_docs else args.markdown, rows_for_testbed(measurements, speeds))
                if measurements else
                "no measurement file: pass --measured (benchmarks/allreduce_link.py --sim-measurements or "
-               "benchmarks/step_bench.py --sim-measurements writes one)")
+               "commopt bench step --sim-measurements writes one)")
     md = True if args.write_docs else args.markdown
     sections = {"published": published_table(md, {}), "choices": choices_table(md), "loo": loo_table(md, measurements),
                 "effects": effects_table(md), "sockets": socket_sizes_table(md), "held-out": held_out_table(md),

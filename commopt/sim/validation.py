@@ -255,7 +255,7 @@ def compare_measured(*, measured_step_s: float, compute_s: float, grad_bytes: fl
 @dataclass
 class Measurement:
     """One testbed measurement, as ``benchmarks/allreduce_link.py --sim-measurements`` (an
-    allreduce alone) and ``benchmarks/step_bench.py --sim-measurements`` (training steps) write it:
+    allreduce alone) and ``commopt bench step --sim-measurements`` (training steps) write it:
     what ran, the exact command, workers (hosts), compute seconds per step (1 us for an
     allreduce alone), gradient bytes (float32), the measured step seconds (the median over
     rounds), and the plan that ran. Optional: the transport (``mpi``, ``torch``, ``mpi-native``;
