@@ -239,7 +239,7 @@ def register() -> None:
 
 
 def _commopt_group(group) -> CommoptProcessGroup:
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else dist.group.WORLD
     if not isinstance(pg, CommoptProcessGroup):
         raise TypeError(f"the process group is {dist.get_backend(pg)!r}, not {BACKEND_NAME!r}: "
                         f"create it with dist.init_process_group({BACKEND_NAME!r})")
