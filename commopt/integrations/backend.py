@@ -173,11 +173,10 @@ class CommoptProcessGroup(dist.ProcessGroup):
                                   else dist.ProcessGroup.BackendType.GLOO)
         # commopt's own traffic: separate contexts, so its stages (on commopt's collective
         # thread) never interleave with pass-through collectives issued by the caller.
-        self.comm = C10dCommunicator(dist.PrefixStore("commopt/", store), rank, size, timeout,
-                                     use_cuda=cuda)
-        self._lock = threading.Lock()
         self.counters = Counters(bits=self.config.bits)
-        self.comm.on_send = self.counters.add_sent
+        self.comm = C10dCommunicator(dist.PrefixStore("commopt/", store), rank, size, timeout,
+                                     use_cuda=cuda, on_send=self.counters.add_sent)
+        self._lock = threading.Lock()
         global _LAST_COUNTERS
         _LAST_COUNTERS = self.counters
 

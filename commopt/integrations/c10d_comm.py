@@ -16,9 +16,10 @@ which is how tests and users see that compression happened.
     >>> t = torch.ones(3); comm.allreduce(t); t.tolist()
     [1.0, 1.0, 1.0]
 
-Limits: ``bcast_obj``/``allgather_obj`` carry JSON (strings, numbers, lists), never pickles;
-``split`` is not offered, so the hierarchical algorithm is not used (every rank is its own
-node as far as ``commopt.collectives`` is concerned).
+``bcast_obj``/``allgather_obj`` carry JSON (strings, numbers, lists), never pickles. The
+node of each rank (host name, or ``COMMOPT_NODE_NAME``) is exchanged at construction, and
+``split`` makes sub-communicators from the same store, so ``commopt.collectives`` can run
+its hierarchical algorithm across nodes.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class C10dCommunicator(Communicator):
     name = "c10d"
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, *,
-                 use_cuda: bool | None = None):
+                 use_cuda: bool | None = None, on_send: Callable[[int], None] | None = None):
         super().__init__()
         self.rank, self.size = int(rank), int(size)
         self._store, self._timeout = store, timeout
@@ -71,8 +72,11 @@ class C10dCommunicator(Communicator):
                 dist.PrefixStore("nccl/", store), self.rank, self.size)
         self._lock = threading.Lock()
         self.sent_bytes = 0
-        #: called with each send's byte count (under a lock), e.g. to keep a running total
-        self.on_send: Callable[[int], None] | None = None
+        #: called with each send's byte count (under a lock), e.g. to keep a running total;
+        #: communicators made by ``split`` report to their parent's
+        self.on_send = on_send
+        self._splits = 0
+        self._init_topology()  # the node names travel uncounted: they are not payload
 
     def _backend(self, t: torch.Tensor):
         try:
@@ -102,8 +106,11 @@ class C10dCommunicator(Communicator):
         return _C10dWork(self._backend(send).alltoall_base(r, s, [], []))
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        self._count(send.numel() * send.element_size() * (self.size - 1))
+        return self._raw_allgather(send, recv)
+
+    def _raw_allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         s, r = _as_bytes(send), _as_bytes(recv)
-        self._count(s.numel() * (self.size - 1))
         outputs = list(r.view(self.size, -1).unbind(0))
         return _C10dWork(self._backend(send).allgather([outputs], [s]))
 
@@ -133,16 +140,21 @@ class C10dCommunicator(Communicator):
     def _allgather_obj(self, obj: Any) -> list:
         data = json.dumps(obj).encode()
         sizes = torch.zeros(self.size, dtype=torch.int64)
-        self._allgather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
+        self._raw_allgather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
         width = int(sizes.max().item())
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
         everyone = torch.zeros(self.size * width, dtype=torch.uint8)
-        self._allgather(mine, everyone).wait()
+        self._raw_allgather(mine, everyone).wait()
         rows = everyone.view(self.size, width)
         return [json.loads(bytes(rows[r, :int(sizes[r])].tolist()).decode()) for r in range(self.size)]
 
     def _split(self, color: int, key: int) -> Communicator:
-        raise NotImplementedError(
-            "the commopt torch.distributed backend does not split its communicator; "
-            "use algorithm='native' or 'scatter_reduce'")
+        # Collective over this communicator: every rank learns every (color, key, rank) and
+        # the members of each color build their backends under a prefix of their own.
+        triples = self._allgather_obj([color, key, self.rank])
+        members = [r for _, r in sorted((k, r) for c, k, r in triples if c == color)]
+        self._splits += 1
+        store = dist.PrefixStore(f"split{self._splits}/{color}/", self._store)
+        return C10dCommunicator(store, members.index(self.rank), len(members), self._timeout,
+                                use_cuda="cuda" in self._backends, on_send=self._count)

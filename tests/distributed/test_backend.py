@@ -180,3 +180,34 @@ def test_error_feedback_without_register_model_fails_with_the_fix():
     with pytest.raises(AssertionError, match="register_model"):
         run_torch(REGISTERED.format(register=False), 2, timeout=120,
                   env={"COMMOPT_BITS": "4", "COMMOPT_ERROR_FEEDBACK": "1"})
+
+
+HIERARCHICAL = '''
+import json, os, torch, torch.distributed as dist
+os.environ["COMMOPT_NODE_NAME"] = "node%d" % (int(os.environ["RANK"]) // 2)  # 2 nodes x 2 ranks
+import commopt.integrations.backend as backend
+from commopt import collectives
+
+dist.init_process_group("commopt")
+rank, pg = dist.get_rank(), dist.group.WORLD
+x = torch.randn(20000, generator=torch.Generator().manual_seed(rank))
+exact = sum(torch.randn(20000, generator=torch.Generator().manual_seed(r)) for r in range(4))
+dist.all_reduce(x)
+print(json.dumps({"algorithm": collectives.choose_algorithm(pg.comm, pg._codec),
+                  "nodes": [pg.comm.inter_size, pg.comm.intra_size],
+                  "err": float((x - exact).abs().max()), "scale": float(exact.abs().max()),
+                  "sum": float(x.double().sum()), "stats": backend.stats()}))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_ranks_on_several_nodes_reduce_hierarchically():
+    outs = run_torch(HIERARCHICAL, 4, timeout=240, env={"COMMOPT_BITS": "8"})
+    rows = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert len({r["sum"] for r in rows}) == 1, f"ranks differ: {rows}"
+    for rank, row in enumerate(rows):
+        assert row["algorithm"] == "hierarchical" and row["nodes"] == [2, 2], row
+        # 8-bit QSGD of the node sums (2 draws each): within a few levels of the max scale
+        assert 0 < row["err"] < 0.05 * row["scale"], f"rank {rank}: {row}"
+        assert row["stats"]["compressed_calls"] == 1 and row["stats"]["sent_bytes"] > 0, row
