@@ -79,10 +79,7 @@ if __name__ == "__main__":
 
 # ``python -m commopt.integrations.backend train.py ARGS``, then this rank's counters.
 LAUNCH = '''
-import json, pathlib, runpy, sys, tempfile
-script = pathlib.Path(tempfile.mkdtemp()) / "train.py"
-script.write_text({train!r})
-sys.argv = ["commopt.integrations.backend", str(script), *sys.argv[1:]]
+import json, runpy, sys
 runpy.run_module("commopt.integrations.backend", run_name="__main__", alter_sys=True)
 import commopt.integrations.backend as backend
 print("STATS " + json.dumps(backend.stats()))
@@ -90,10 +87,14 @@ print("STATS " + json.dumps(backend.stats()))
 
 
 def _run(backend: str, tmp_path, env=None, launch_commopt=True):
-    ckpt = tmp_path / f"{backend}-{len(list(tmp_path.iterdir()))}.pt"
-    script = TRAIN.replace('"BACKEND"', repr(backend))
-    code = LAUNCH.format(train=script) if launch_commopt else script
-    outs = run_torch(code, 2, timeout=240, env=env, args=["--checkpoint", str(ckpt)])
+    run = len(list(tmp_path.iterdir()))
+    ckpt, script = tmp_path / f"{backend}-{run}.pt", tmp_path / f"train-{run}.py"
+    script.write_text(TRAIN.replace('"BACKEND"', repr(backend)))
+    args = ["--checkpoint", str(ckpt)]
+    if launch_commopt:
+        outs = run_torch(LAUNCH, 2, timeout=240, env=env, args=[str(script), *args])
+    else:
+        outs = run_torch(script.read_text(), 2, timeout=240, env=env, args=args)
     results, stats = [], []
     for rank, out in enumerate(outs):
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
