@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_PIN=${TORCH_PIN:-torch==2.13.0}
-TORCHVISION_PIN=${TORCHVISION_PIN:-torchvision==0.28.0}
+# torchvision (recipes only) is installed by scripts/setup_torchvision.sh, kept only if it imports.
+export TORCHVISION_PIN=${TORCHVISION_PIN-torchvision==0.28.0}
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -38,8 +39,8 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 # 3. torch first, pinned, so nothing below can pull another build.
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH_PIN#torch==}')" 2>/dev/null; then
-  log "installing $TORCH_PIN and $TORCHVISION_PIN"
-  "${PIP[@]}" "$TORCH_PIN" "$TORCHVISION_PIN"
+  log "installing $TORCH_PIN"
+  "${PIP[@]}" "$TORCH_PIN"
 fi
 
 # 4. The package (editable, with its native extension) and the dev/recipe extras.
@@ -53,6 +54,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
   "${PIP[@]}" -c "$VENV/constraints.txt" --no-build-isolation -e ".[dev,recipes]"
   echo "$deps_hash" > "$stamp"
 fi
+
+# 4b. torchvision for the recipes: installed, then removed with the fix printed when its
+# wheel (a CUDA build on the registry) cannot import next to this torch.
+bash scripts/setup_torchvision.sh "$VENV"
 
 # 5. The native kernels: rebuilt when their sources are newer than the library.
 so=$(ls commopt_ext/_cpu*.so 2>/dev/null | head -n1 || true)

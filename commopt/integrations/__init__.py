@@ -1,6 +1,8 @@
 """Integrations with other training frameworks.
 
 Modules are imported only when asked for, so each framework stays optional:
-``commopt.integrations.ddp`` (a DistributedDataParallel communication hook) and
-``commopt.integrations.horovod`` (compression adapters for ``hvd.DistributedOptimizer``).
+``commopt.integrations.ddp`` (a DistributedDataParallel communication hook),
+``commopt.integrations.backend`` (the ``commopt`` torch.distributed backend: plain DDP
+scripts change only the backend name) and ``commopt.integrations.horovod`` (compression
+adapters for ``hvd.DistributedOptimizer``).
 """

@@ -1,5 +1,9 @@
 """Images for the ResNet-50 recipe: an ImageNet folder (ImageFolder layout) or synthetic data.
 
+Three kinds (``make_datasets``): ``folder``; ``synthetic``, learnable class patterns made
+here; ``fake``, torchvision's ``FakeData`` (random images and random labels: for speed
+only, it cannot be learned) when torchvision imports, else the ``synthetic`` images.
+
 Every random choice (shuffling, crops, flips, synthetic pixels) is a function of
 ``(seed, epoch, index)``, never of a global random state, so a run resumed from a checkpoint
 sees exactly the batches the uninterrupted run would have seen, and each global batch is
@@ -77,6 +81,44 @@ class SyntheticImages(Dataset):
         x = self.prototype(label) + self.noise * torch.randn(3, self.image_size, self.image_size,
                                                              generator=gen)
         return x, label
+
+
+class FakeImages(Dataset):
+    """torchvision's ``FakeData`` as normalised tensors: image ``i`` and its label are drawn
+    from ``(seed, i)`` only (FakeData seeds each index), so resumes and rank counts see the
+    same samples. Needs torchvision (see :func:`recipes.resnet50.model.torchvision_available`).
+    """
+
+    def __init__(self, num_samples: int, num_classes: int, image_size: int, seed: int = 0):
+        import torchvision
+        from torchvision import transforms
+
+        self.num_classes = num_classes
+        self.fake = torchvision.datasets.FakeData(
+            size=num_samples, image_size=(3, image_size, image_size), num_classes=num_classes,
+            transform=transforms.Compose([transforms.ToTensor(),
+                                          transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]),
+            random_offset=_mix(seed, 0xFA4E) % (1 << 40))
+
+    def set_epoch(self, epoch: int) -> None:  # no augmentation
+        pass
+
+    def __len__(self) -> int:
+        return len(self.fake)
+
+    def __getitem__(self, index: int):
+        return self.fake[index]
+
+
+def data_source(dataset) -> str:
+    """What ``dataset`` is, for the log."""
+    if isinstance(dataset, FakeImages):
+        import torchvision
+
+        return f"torchvision {torchvision.__version__} FakeData ({len(dataset)} images)"
+    if isinstance(dataset, SyntheticImages):
+        return f"built-in synthetic images ({len(dataset)})"
+    return f"image folder {getattr(dataset, 'root', '?')} ({len(dataset)} images)"
 
 
 def find_images(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
@@ -214,14 +256,24 @@ def eval_shard(num_samples: int, rank: int, world_size: int, batch: int) -> list
 
 def make_datasets(kind: str, *, data_dir: str | None, image_size: int, num_classes: int,
                   train_size: int, val_size: int, seed: int):
-    """(train, val) data sets; ``kind`` is "synthetic" or "folder" (``data_dir/train``, ``/val``)."""
+    """(train, val) data sets; ``kind`` is "synthetic", "fake" or "folder" (``data_dir/train``, ``/val``).
+
+    "fake" is torchvision's FakeData when torchvision imports, else "synthetic".
+    """
+    if kind == "fake":
+        from recipes.resnet50.model import torchvision_available
+
+        if torchvision_available():
+            return (FakeImages(train_size, num_classes, image_size, seed=seed),
+                    FakeImages(val_size, num_classes, image_size, seed=seed + 1))
+        kind = "synthetic"
     if kind == "synthetic":
         train = SyntheticImages(train_size, num_classes, image_size, seed=seed)
         # same classes, fresh noise
         val = SyntheticImages(val_size, num_classes, image_size, seed=seed + 1, pattern_seed=seed)
         return train, val
     if kind != "folder":
-        raise ValueError(f"unknown data kind {kind!r}: use 'synthetic' or 'folder'")
+        raise ValueError(f"unknown data kind {kind!r}: use 'synthetic', 'fake' or 'folder'")
     if not data_dir:
         raise DataError("this preset reads ImageNet from a folder: give --data DIR (with train/ "
                         "and val/ in ImageFolder layout) or use --synthetic")

@@ -1,13 +1,16 @@
 """ResNet-50: torchvision's model when torchvision imports, else the same network built here.
 
-The fallback exists because torchvision's PyPI wheels are CUDA builds: on a CPU-only torch
-(this project's CI machine) ``import torchvision`` fails in its native-op registration. The
-fallback has torchvision's layer names, shapes and initialisation (25,557,032 parameters at
-1000 classes), so checkpoints load in either.
+The fallback exists because the registry's torchvision wheels are CUDA builds: next to a
+CPU-only torch ``import torchvision`` fails in its native-op registration, and the set-up
+(scripts/setup_torchvision.sh) removes such a build. The fallback has torchvision's layer
+names, shapes and initialisation (25,557,032 parameters at 1000 classes), so checkpoints
+load in either. :func:`model_source` says which one a model is, for the training log.
 
-    >>> m = resnet50(num_classes=10)
+    >>> m = resnet50(num_classes=10, prefer_torchvision=False)
     >>> sum(p.numel() for p in m.parameters())
     23528522
+    >>> model_source(m).startswith("built-in ResNet-50")
+    True
 """
 from __future__ import annotations
 
@@ -16,17 +19,22 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["resnet50", "torchvision_available"]
+__all__ = ["resnet50", "model_source", "torchvision_available", "torchvision_import_error"]
 
 
 @functools.lru_cache(maxsize=1)
-def torchvision_available() -> bool:
-    """True when ``torchvision.models`` imports (its native ops load with this torch)."""
+def torchvision_import_error() -> str | None:
+    """None when ``torchvision.models`` imports with this torch, else the error, one line."""
     try:
         import torchvision.models  # noqa: F401
-    except Exception:  # ImportError, or RuntimeError/OSError from a CUDA-only wheel
-        return False
-    return True
+    except Exception as exc:  # ImportError, or RuntimeError/OSError from a CUDA-only wheel
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def torchvision_available() -> bool:
+    """True when ``torchvision.models`` imports (its native ops load with this torch)."""
+    return torchvision_import_error() is None
 
 
 def resnet50(num_classes: int = 1000, zero_init_residual: bool = False,
@@ -38,6 +46,16 @@ def resnet50(num_classes: int = 1000, zero_init_residual: bool = False,
         return torchvision.models.resnet50(weights=None, num_classes=num_classes,
                                            zero_init_residual=zero_init_residual)
     return ResNet([3, 4, 6, 3], num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+def model_source(model: nn.Module) -> str:
+    """Where ``model`` comes from, for the log: torchvision (with its version) or built-in."""
+    if not isinstance(model, ResNet):
+        import torchvision
+
+        return f"torchvision {torchvision.__version__} models.resnet50"
+    why = torchvision_import_error()
+    return "built-in ResNet-50" + (f" (torchvision does not import: {why})" if why else "")
 
 
 class Bottleneck(nn.Module):

@@ -41,8 +41,9 @@ from recipes.common import (
     pick_device,
     state_digest,
 )
-from recipes.resnet50.data import DataError, EpochBatches, eval_shard, make_datasets, make_loader
-from recipes.resnet50.model import resnet50
+from recipes.resnet50.data import (DataError, EpochBatches, data_source, eval_shard, make_datasets,
+                                   make_loader)
+from recipes.resnet50.model import model_source, resnet50
 from recipes.resnet50.presets import PRESETS, get_preset
 
 PROG = "python -m recipes.resnet50.train"
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument("--data", metavar="DIR", help="ImageNet folder with train/ and val/ in ImageFolder layout")
     d.add_argument("--synthetic", action="store_true", help="synthetic images instead of --data")
+    d.add_argument("--fake-data", action="store_true",
+                   help="torchvision's FakeData instead of --data (random labels: for speed, it "
+                        "does not learn); the synthetic images when torchvision does not import")
     d.add_argument("--image-size", type=int, help="crop size (224 for ImageNet)")
     d.add_argument("--num-classes", type=int, help="classes of the synthetic data")
     d.add_argument("--train-size", type=int, help="synthetic training images")
@@ -156,9 +160,10 @@ def resolve(args: argparse.Namespace) -> Config:
         preset = get_preset(args.preset)
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
-    if args.synthetic and args.data:
-        raise RecipeError("give either --data DIR or --synthetic, not both")
+    if sum(map(bool, (args.synthetic, args.fake_data, args.data))) > 1:
+        raise RecipeError("give either --data DIR or --synthetic (or --fake-data), not two of them")
     kind = "synthetic" if args.synthetic or (preset.data == "synthetic" and not args.data) else "folder"
+    kind = "fake" if args.fake_data else kind
     if kind == "folder":
         if not args.data:
             raise DataError(f"preset {preset.name} reads ImageNet from a folder: give --data DIR "
@@ -226,7 +231,7 @@ def resolve(args: argparse.Namespace) -> Config:
         (args.eval_every_steps >= 0, f"--eval-every-steps must be >= 0, got {args.eval_every_steps}"),
         (not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR"),
     ]
-    if kind == "synthetic":
+    if kind in ("synthetic", "fake"):
         checks += [(cfg.train_size > 0 and cfg.val_size > 0,
                     "--train-size and --val-size must be > 0 for synthetic data")]
     for ok, message in checks:
@@ -245,7 +250,7 @@ def check_world(cfg: Config, world_size: int) -> None:
             raise RecipeError(
                 f"--batch-size {batch}{when} is the global batch and must be divisible by the "
                 f"number of ranks ({world_size}): use {lo or hi} or {hi}")
-    if cfg.data_kind == "synthetic" and cfg.train_size < max(b for _, b in [(0, cfg.global_batch)]
+    if cfg.data_kind != "folder" and cfg.train_size < max(b for _, b in [(0, cfg.global_batch)]
                                                              + [tuple(x) for x in cfg.batch_schedule]):
         raise RecipeError(f"--train-size {cfg.train_size} is smaller than one global batch "
                           f"({cfg.global_batch}): raise --train-size or lower --batch-size")
@@ -403,13 +408,15 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             torch.cuda.set_rng_state(own["cuda_rng"].cpu())
         position = dict(shared["position"])
         del shared, own
-    log.write(event="config", world_size=comm.size, device=str(device), amp=amp,
+    sources = {"model_source": model_source(model), "data_source": data_source(train_set)}
+    log.write(event="config", world_size=comm.size, device=str(device), amp=amp, **sources,
               label=config_label(args), resumed_at=position["global_step"], **asdict(cfg))
     progress = Progress(total_steps, position["global_step"], args.progress, rank0)
     if rank0:
         progress.write(f"resnet50 {cfg.preset}: {comm.size} rank(s) on {device}, global batch "
                        f"{cfg.global_batch}, {cfg.optimizer} lr {cfg.lr:g}, comm {config_label(args)}"
                        + (f", resumed at step {position['global_step']}" if position["global_step"] else ""))
+        progress.write(f"model: {sources['model_source']}; data: {sources['data_source']}")
 
     clock = {"paused": 0.0}  # seconds spent in evaluation and checkpoints: not training
 
