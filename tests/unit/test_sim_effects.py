@@ -117,6 +117,7 @@ def test_held_out_network_comparison():
 
 @pytest.mark.xfail(strict=True, reason="published: 10 GbE with double buffering + FP16 was slower than "
                    "InfiniBand without them; with the cited socket transport (0.7 GB/s per connection) the "
-                   "FP16 all-reduce hides under FP32 compute; no source gives the < 0.3 GB/s it would need")
+                   "FP16 all-reduce hides under FP32 compute; it would need < 0.3 GB/s per connection or > 38 ms "
+                   "of double-buffering cost per 295 ms step, and no source gives either (docs/scaling.md)")
 def test_held_out_features_on_10gbe_slower_than_infiniband():
     assert chainermn_network_comparison().features_vs_ib > 1
