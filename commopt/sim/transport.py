@@ -224,8 +224,8 @@ _NCCL_SOCKET_CHUNK = ("NCCL's socket transport (src/transport/net_socket.cc, MIN
 _AUTO = ("NCCL's socket auto-detection (net_socket.cc, ncclSocketGetNsockNthread) picks 2 threads x 8 sockets "
          "only for AWS's NIC vendor id 0x1d0f; 1 x 1 otherwise")
 _AUTO_GCP = ("later NCCL (src/transport/net_socket.cc, ncclNetSocketGetNsockNthread, NVIDIA/nccl commit 28189e2) "
-             "also picks 4 threads x 1 socket for Google's gVNIC, vendor id 0x1ae0; the NCCL 2.4-2.5 code "
-             "(commit 06abb3b) has the AWS branch only")
+             "also picks 4 threads x 1 socket for Google's gVNIC, vendor id 0x1ae0; the 2019 code (copyright "
+             "2016-2019, commit 06abb3b) has the AWS branch only")
 _THREAD_24 = ("one NCCL socket thread + stream reached about 60% of 32 Gbit/s, 19 Gbit/s = 2.4 GB/s, "
               "with NCCL 2.4 (NVIDIA/nccl#209, 2019)")
 _THREAD_2018 = ("NCCL 2.x before 2.4: one socket per ring connection, staged through host memory; "
