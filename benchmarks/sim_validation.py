@@ -24,7 +24,8 @@ from pathlib import Path
 
 from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
-from commopt.sim.effects import EFFECT_TOLERANCE, all_effects, chainermn_network_comparison, ec2_socket_ratio
+from commopt.sim.effects import (EFFECT_TOLERANCE, FASTSOCKET_SEQS, all_effects, chainermn_network_comparison,
+                                  ec2_socket_ratio, gcp_fastsocket_sensitivity)
 from commopt.sim.loo import choice_alternatives, leave_one_out
 from commopt.sim.machines import PRESETS
 from commopt.sim.software import software_plan
@@ -117,6 +118,13 @@ def choices_table(markdown: bool) -> str:
         rows.append([parameter, label + (" (preset)" if chosen else ""), f"{worst:.0%}", short])
     return _table(["choice", "candidate", "worst error over the rows it informs", "errors (model/machine/GPUs)"],
                   rows, markdown)
+
+
+def fastsocket_table(markdown: bool) -> str:
+    """The Fast Socket effect under each baseline NCCL's code gives on gVNIC and each batch."""
+    rows = [[label] + [f"{r:.2f}x" for r in ratios.values()] for label, ratios in gcp_fastsocket_sensitivity()]
+    return _table(["baseline (Fast Socket: 4 sockets x 4 threads)"]
+                  + [f"{s} x 384 tokens per GPU" for s in FASTSOCKET_SEQS], rows, markdown)
 
 
 def held_out_table(markdown: bool) -> str:
@@ -293,7 +301,8 @@ def main(argv=None) -> int:
                "commopt bench step --sim-measurements writes one)")
     md = True if args.write_docs else args.markdown
     sections = {"published": published_table(md, {}), "choices": choices_table(md), "loo": loo_table(md, measurements),
-                "effects": effects_table(md), "sockets": socket_sizes_table(md), "held-out": held_out_table(md),
+                "effects": effects_table(md), "sockets": socket_sizes_table(md), "fastsocket": fastsocket_table(md),
+                "held-out": held_out_table(md),
                 "testbed": testbed, "predictions": predictions_table(md)}
     if args.write_docs:
         write_docs(args.write_docs, sections)
@@ -302,7 +311,8 @@ def main(argv=None) -> int:
     titles = {"published": "Published scaling rows (PyTorch DDP + NCCL, no compression)",
               "choices": "Choices made with published rows in view, and their alternatives",
               "loo": "Leave-one-out: in-sample and out-of-sample errors", "effects": "Published effects",
-              "sockets": "NCCL socket threads on EC2 by message size", "held-out": "Held out: 10 GbE vs InfiniBand",
+              "sockets": "NCCL socket threads on EC2 by message size",
+              "fastsocket": "Fast Socket on Google Cloud by baseline and batch", "held-out": "Held out: 10 GbE vs InfiniBand",
               "testbed": "Testbed", "predictions": "ResNet-50 to 4096 GPUs on every GPU preset"}
     for name, text in sections.items():
         print(f"## {titles[name]}\n")

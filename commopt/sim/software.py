@@ -4,8 +4,8 @@ A :class:`Software` preset turns into a :class:`~commopt.sim.plan.Plan`: when it
 starts (after the backward pass, during it bucket by bucket, or one step later with double
 buffering), how the gradients are grouped (``bucket_mb``; ``math.inf``: one buffer of all of
 them), how many gradient-sized copies it makes on the compute stream per step (packing into a
-contiguous buffer, the second buffer of double buffering, unpacking), and the all-reduce's
-dtype. Every field carries its source.
+contiguous buffer and unpacking; none where they run on the all-reduce's own stream), and the
+all-reduce's dtype. Every field carries its source.
 
     >>> p = software_plan("chainermn-1.3-pure_nccl")
     >>> p.overlap, p.bucket_mb, p.copy_passes, p.codec.name
@@ -28,6 +28,13 @@ _NCCL22_RING = ("NCCL 2.1/2.2 (ChainerMN's era) has rings only, one flat ring ov
 _CHAINERMN_AFTER = ("ChainerMN 1.3 create_multi_node_optimizer: the all-reduce runs after the backward pass, "
                     "the update waits for it (no overlap with backward); fp32 unless "
                     "allreduce_grad_dtype='float16' (published API)")
+
+_CHAINERMN_DB = ("double_buffering=True (chainer/chainermn, chainermn/optimizers/double_buffering_optimizer.py, "
+                 "commit 646001f): the all-reduce of step t runs in a worker thread (ThreadPool(1)) on its own "
+                 "non-blocking stream during step t+1; the update uses the previous step's averaged gradients")
+_CHAINERMN_DB_COPIES = ("same file: each step swaps the gradient arrays with a deep copy of the model made once "
+                        "(swap_grad), no gradient-sized copy on the compute stream; the pack, FP16 casts and "
+                        "unpack run on the all-reduce's own stream, beside compute: 0 copies on the compute stream")
 
 
 @dataclass(frozen=True)
@@ -53,13 +60,9 @@ SOFTWARE: dict[str, Software] = {s.name: s for s in (
              overlap="none", bucket_mb=math.inf, copy_passes=2, algorithm="ring",
              sources={"overlap": _CHAINERMN_AFTER, "algorithm": _NCCL22_RING, "bucket_mb": _CHAINERMN_PACK, "copy_passes": _CHAINERMN_PACK}),
     Software("chainermn-1.3-pure_nccl-db", "ChainerMN 1.3, pure_nccl, double_buffering=True (2018)",
-             overlap="double-buffering", bucket_mb=math.inf, copy_passes=3, algorithm="ring",
-             sources={"algorithm": _NCCL22_RING,"overlap": ("double_buffering=True: the all-reduce of step t runs on another stream "
-                                  "during step t+1, the update uses the previous step's averaged gradients "
-                                  "(published)"),
-                      "bucket_mb": _CHAINERMN_PACK,
-                      "copy_passes": ("the gradients are copied into a second buffer before the all-reduce "
-                                      "(published), plus pack and unpack: 3 gradient-sized copies")}),
+             overlap="double-buffering", bucket_mb=math.inf, copy_passes=0, algorithm="ring",
+             sources={"algorithm": _NCCL22_RING, "overlap": _CHAINERMN_DB,
+                      "bucket_mb": _CHAINERMN_PACK, "copy_passes": _CHAINERMN_DB_COPIES}),
     Software("pytorch-ddp", "PyTorch DistributedDataParallel, 25 MB buckets, overlap with backward",
              overlap="backward", bucket_mb=25.0, copy_passes=2, algorithm="nccl",
              sources={"algorithm": "NCCL's own choice between ring and tree (NCCL >= 2.4)",

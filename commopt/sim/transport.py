@@ -138,22 +138,29 @@ def _version_at_least(version: str | None, minimum: tuple) -> bool:
 
 
 # --- Google's NCCL Fast Socket -------------------------------------------------------------
-#: Fast Socket: several flows per connection with dynamic load balancing between them, loaded
-#: at run time (published). The number of flows is an assumption (no published figure), stated
-#: in the GCP transport's sources.
+#: Fast Socket's defaults (google/nccl-fastsocket, net_fastsocket.cc): flow placement is on
+#: (NCCL_FLOW_PLACEMENT_ENABLE=1) with NCCL_NUM_FLOW_ENGINE=4 flow engines, and with flow
+#: placement the plugin opens one socket per engine and one helper thread per socket
+#: (ncclFlowPlacementGetNsockNthread: sockets = threads = engines). Zero-copy send is off by
+#: default (NCCL_MIN_ZCOPY_SIZE=0), so each helper thread copies as NCCL's own socket threads do.
 FASTSOCKET_FLOWS = 4
+FASTSOCKET_THREADS = 4
+FASTSOCKET_SOURCE = ("google/nccl-fastsocket net_fastsocket.cc defaults: flow placement on, 4 flow engines -> "
+                     "4 sockets served by 4 helper threads; zero-copy off (NCCL_MIN_ZCOPY_SIZE=0), so a thread "
+                     "copies as NCCL's socket threads do")
 
 
 def apply_plugin(t: Transport, plugin: str) -> Transport:
-    """A transport with a network plugin: ``fastsocket`` (GCP) replaces NCCL's sockets."""
+    """A transport with a network plugin: ``fastsocket`` (GCP) replaces NCCL's sockets with its
+    own: 4 sockets, one helper thread each (the plugin's defaults)."""
     if plugin in ("", "none"):
         return replace(t, plugin=None)
     if plugin != "fastsocket":
         raise ValueError(f"unknown network plugin {plugin!r}; the simulator knows 'fastsocket'")
     if t.kind != "sockets":
         raise ValueError(f"the fastsocket plugin replaces NCCL's socket transport; {t.name} uses {t.kind}")
-    return replace(t, name=t.name + "+fastsocket", plugin="fastsocket", nthreads=1,
-                   nsocks_per_thread=FASTSOCKET_FLOWS, thread_GBps=None)
+    return replace(t, name=t.name + "+fastsocket", plugin="fastsocket", nthreads=FASTSOCKET_THREADS,
+                   nsocks_per_thread=FASTSOCKET_FLOWS // FASTSOCKET_THREADS)
 
 
 def parse_nccl_env(text: str) -> dict[str, str]:
@@ -216,6 +223,9 @@ _NCCL_SOCKET_CHUNK = ("NCCL's socket transport (src/transport/net_socket.cc, MIN
                       "round-robin")
 _AUTO = ("NCCL's socket auto-detection (net_socket.cc, ncclSocketGetNsockNthread) picks 2 threads x 8 sockets "
          "only for AWS's NIC vendor id 0x1d0f; 1 x 1 otherwise")
+_AUTO_GCP = ("later NCCL (src/transport/net_socket.cc, ncclNetSocketGetNsockNthread, NVIDIA/nccl commit 28189e2) "
+             "also picks 4 threads x 1 socket for Google's gVNIC, vendor id 0x1ae0; the 2019 code (copyright "
+             "2016-2019, commit 06abb3b) has the AWS branch only")
 _THREAD_24 = ("one NCCL socket thread + stream reached about 60% of 32 Gbit/s, 19 Gbit/s = 2.4 GB/s, "
               "with NCCL 2.4 (NVIDIA/nccl#209, 2019)")
 _THREAD_2018 = ("NCCL 2.x before 2.4: one socket per ring connection, staged through host memory; "
@@ -256,12 +266,19 @@ _reg(Transport(
 _reg(Transport(
     "nccl-sockets-gcp", "sockets", "2.4.8", gdr=False, thread_GBps=2.4, per_flow_gbps=None,
     reads_socket_env=True,
-    sources={"kind": "NCCL over TCP on Google Cloud (gVNIC)", "nthreads": "1 thread x 1 socket: " + _AUTO,
+    sources={"kind": "NCCL over TCP on Google Cloud (gVNIC), NCCL without the gVNIC auto-detection",
+             "nthreads": "1 thread x 1 socket: " + _AUTO + "; " + _AUTO_GCP,
              "thread_GBps": _THREAD_24 + "; the single thread is the limit without Fast Socket",
              "per_flow_gbps": "assumption: no per-flow cap published for Google Cloud",
-             "fastsocket": ("NCCL Fast Socket: multiple flows with dynamic load balancing (published); "
-                            f"assumption: {FASTSOCKET_FLOWS} flows per connection, no per-thread copy "
-                            "limit (its threads are not the bottleneck)"),
+             "fastsocket": "NCCL Fast Socket: multiple flows with dynamic load balancing (published); " + FASTSOCKET_SOURCE,
+             "chunk": _NCCL_SOCKET_CHUNK}))
+_reg(Transport(
+    "nccl-sockets-gcp-auto", "sockets", "2.4.8", gdr=False, thread_GBps=2.4, per_flow_gbps=None,
+    nthreads=4, nsocks_per_thread=1, reads_socket_env=True,
+    sources={"kind": "NCCL over TCP on Google Cloud (gVNIC) with NCCL's gVNIC auto-detection: 4 threads x 1 socket",
+             "nthreads": _AUTO_GCP, "thread_GBps": _THREAD_24,
+             "per_flow_gbps": "assumption: no per-flow cap published for Google Cloud",
+             "fastsocket": "NCCL Fast Socket: multiple flows with dynamic load balancing (published); " + FASTSOCKET_SOURCE,
              "chunk": _NCCL_SOCKET_CHUNK}))
 _reg(Transport(
     "nccl-sockets", "sockets", "2.10", gdr=False, thread_GBps=2.4, reads_socket_env=True,

@@ -42,7 +42,8 @@ _TXL_3090_4 = (
     "find_unused_parameters=True, so DDP never rebuilds its buckets and reduces them strictly in "
     "sequence, in reverse definition order; the first holds r_w_bias and r_r_bias, defined last and "
     "used by all 16 layers, so no all-reduce starts before the backward pass reaches layer 0. Modelled "
-    "so (overlap none) the 3090 rows fall further: -11 / -33 / -22% for 2 / 4 / 8 GPUs")
+    "so (overlap none) the 3090 rows fall further: -11 / -33 / -22% for 2 / 4 / 8 GPUs. Nor the placement "
+    "(unpublished): 2 + 2 across the switches swings this row to +15% and the BERT 4-GPU row to +72%")
 
 
 _BERT_3090_BATCH = (
