@@ -26,7 +26,7 @@ Algorithms (``algorithm=``):
 ``hierarchical``
     with several ranks per node: reduce-scatter inside the node in fp32 (uncompressed),
     the compressed algorithm across nodes on each shard, allgather inside the node.
-    The intra/inter communicators are built once per communicator (``comm.split``).
+    The intra/inter communicators are built once per communicator (:mod:`commopt.topology`).
 ``auto`` (default)
     identity for a world of one, hierarchical when there are several nodes with the same
     number (> 1) of ranks each, else native when possible, else scatter_reduce.
@@ -35,7 +35,7 @@ Averaging (``average=True``) divides by the world size *before* encoding, so a 1
 cannot overflow where the mean would not.
 
 Asynchrony: ``async_op=True`` returns a :class:`~commopt.comm.base.Work` at once; the
-reduction runs on one worker thread per communicator, in issue order, so every rank issues
+reduction runs on the communicator's worker (:mod:`commopt.driver`), in issue order, so every rank issues
 the transport's collectives in the same order. ``flat`` belongs to the reduction until
 the Work completes (native cast codecs encode on the calling thread). Do not call the
 communicator's own collectives while an asynchronous allreduce is in flight: wait first.
@@ -43,19 +43,17 @@ communicator's own collectives while an asynchronous allreduce is in flight: wai
 from __future__ import annotations
 
 import math
-import threading
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from commopt.codecs.base import Codec, RngKey
-from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
+from commopt import driver
+from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.topology import hierarchy, uniform_nodes
 
 __all__ = [
-    "ALGORITHMS", "PIECE_BYTES", "allreduce", "choose_algorithm", "chunk_bounds", "hierarchy", "drain", "then",
-    "scatter_reduce_layout",
+    "ALGORITHMS", "PIECE_BYTES", "allreduce", "choose_algorithm", "chunk_bounds", "scatter_reduce_layout",
 ]
 
 ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
@@ -70,92 +68,7 @@ _CHUNK_BITS = 24
 #: first and last piece (not hidden behind transfers) is a few milliseconds.
 PIECE_BYTES = 4 << 20
 
-
-# -- the worker that runs the later stages ------------------------------------------------
-class _Driver:
-    """One thread per communicator that runs collective stages in issue order."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commopt-collectives")
-        self._lock = threading.Lock()
-        self._last: FutureWork | None = None
-
-    def submit(self, fn: Callable[[], None]) -> FutureWork:
-        with self._lock:
-            work = FutureWork(self._pool.submit(fn))
-            self._last = work
-            return work
-
-    def drain(self) -> None:
-        """Wait for everything submitted so far (re-raises the last job's error)."""
-        with self._lock:
-            last = self._last
-        if last is not None:
-            last.wait()
-
-    def shutdown(self) -> None:
-        # Not wait=True: the last reference may drop on the worker thread itself.
-        self._pool.shutdown(wait=False)
-
-
-_DRIVERS: "weakref.WeakKeyDictionary[Communicator, _Driver]" = weakref.WeakKeyDictionary()
-_DRIVERS_LOCK = threading.Lock()
 _DONE = CompletedWork()
-
-
-def _drain_all_at_exit() -> None:
-    """Let reductions still in flight (double buffering) finish before the thread pools stop.
-
-    Without this, interpreter shutdown refuses the transport's next submission on one rank
-    while its peers already entered the collective: they would wait forever.
-    """
-    for drv in list(_DRIVERS.values()):
-        try:
-            drv.drain()
-        except Exception:  # noqa: BLE001 - reported by whoever waits; nothing to do at exit
-            pass
-
-
-# Runs before concurrent.futures' own exit hook (these hooks run in reverse order).
-_register_exit = getattr(threading, "_register_atexit", None)
-if _register_exit is not None:
-    _register_exit(_drain_all_at_exit)
-else:  # pragma: no cover - CPython < 3.9
-    import atexit
-
-    atexit.register(_drain_all_at_exit)
-
-
-def _driver(comm: Communicator) -> _Driver:
-    with _DRIVERS_LOCK:
-        drv = _DRIVERS.get(comm)
-        if drv is None:
-            drv = _DRIVERS[comm] = _Driver()
-            # The thread must not outlive the communicator's resources.
-            weakref.finalize(comm, drv.shutdown)
-        return drv
-
-
-def then(comm: Communicator, fn: Callable[[], None], device=None) -> Work:
-    """Run ``fn`` after every asynchronous allreduce issued on ``comm`` so far, in order.
-
-    ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
-    the allreduces run, so every rank still issues them in the same order. ``device``:
-    the CUDA device ``fn`` works on, made current on the worker thread.
-    """
-    if comm.size == 1 and _DRIVERS.get(comm) is None:
-        fn()
-        return _DONE
-    if device is not None:
-        fn = _on_device(torch.device(device), fn)
-    return _driver(comm).submit(fn)
-
-
-def drain(comm: Communicator) -> None:
-    """Wait until every asynchronous allreduce issued on ``comm`` has finished."""
-    drv = _DRIVERS.get(comm)
-    if drv is not None:
-        drv.drain()
 
 
 # -- a codec for "no codec": the buffer's own dtype, exact ------------------------------------
@@ -219,16 +132,6 @@ def _sub_key(key, suffix: str):
 
 
 # -- algorithm choice ---------------------------------------------------------------------------
-def _uniform_nodes(comm: Communicator) -> bool:
-    names = getattr(comm, "node_names", None)
-    if not names or len(names) != comm.size:
-        return False
-    counts: dict[str, int] = {}
-    for n in names:
-        counts[n] = counts.get(n, 0) + 1
-    return len(set(counts.values())) == 1
-
-
 def _native_ok(comm: Communicator, codec: Codec) -> bool:
     return bool(codec.linear) and codec.wire_dtype is not None and comm.supports_sum(codec.wire_dtype)
 
@@ -237,7 +140,7 @@ def choose_algorithm(comm: Communicator, codec: Codec | None) -> str:
     """The algorithm ``algorithm="auto"`` picks for this communicator and codec."""
     if comm.size == 1:
         return "identity"
-    if comm.inter_size > 1 and comm.intra_size > 1 and _uniform_nodes(comm):
+    if comm.inter_size > 1 and comm.intra_size > 1 and uniform_nodes(comm):
         return "hierarchical"
     if codec is None or _native_ok(comm, codec):
         return "native"
@@ -260,7 +163,7 @@ def _check(comm: Communicator, flat: torch.Tensor, codec: Codec | None, algorith
             f"codec {codec.name} (linear={codec.linear}, wire {codec.wire_dtype}) on "
             f"{type(comm).__name__}: use algorithm='scatter_reduce' or 'auto'"
         )
-    if algorithm == "hierarchical" and not _uniform_nodes(comm):
+    if algorithm == "hierarchical" and not uniform_nodes(comm):
         raise ValueError(
             "algorithm='hierarchical' needs the same number of ranks on every node; "
             f"nodes here: {getattr(comm, 'node_names', '?')}. Use algorithm='auto'."
@@ -305,25 +208,11 @@ def allreduce(
         return _DONE
     plan = _PLANS[algorithm](comm, flat, codec or _Exact(flat.dtype), factor, rng, key,
                              piece_bytes)
-    if comm.size == 1 and _DRIVERS.get(comm) is None:
-        plan()  # a world of one completes at once, on the caller's thread
-        return _DONE
-    work = _driver(comm).submit(_on_device(flat.device, plan))
+    # The stages run on the communicator's worker (a world of one: at once, here).
+    work = driver.submit(comm, plan, device=flat.device)
     if not async_op:
         work.wait()
     return work
-
-
-def _on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` run with ``device`` current (the CUDA device is per thread; the worker's is 0)."""
-    if device.type != "cuda":
-        return fn
-
-    def run() -> None:
-        with torch.cuda.device(device):
-            fn()
-
-    return run
 
 
 # Each plan returns a callable that runs the reduction (on the driver thread, or at once);
@@ -496,26 +385,3 @@ _PLANS = {
     "scatter_reduce": _plan_scatter_reduce,
     "hierarchical": _plan_hierarchical,
 }
-
-
-# -- intra/inter communicators ------------------------------------------------------------------
-_HIERARCHY: "weakref.WeakKeyDictionary[Communicator, tuple[Communicator, Communicator]]" = (
-    weakref.WeakKeyDictionary()
-)
-_HIERARCHY_LOCK = threading.Lock()
-
-
-def hierarchy(comm: Communicator) -> tuple[Communicator, Communicator]:
-    """(intra-node, inter-node) communicators of ``comm``, built once and cached.
-
-    A collective call on first use: every rank must reach it in the same order (the
-    collectives call it from their worker thread, in issue order).
-    """
-    with _HIERARCHY_LOCK:
-        pair = _HIERARCHY.get(comm)
-        if pair is None:
-            # Both splits are collective over ``comm``: same order on every rank.
-            intra = comm.split(comm.inter_rank, comm.intra_rank)
-            inter = comm.split(comm.intra_rank, comm.inter_rank)
-            pair = _HIERARCHY[comm] = (intra, inter)
-        return pair

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from commopt import collectives
+from commopt import collectives, driver
 from commopt.codecs.base import Codec, RngKey
 from commopt.comm.base import CompletedWork as _DoneWork
 from commopt.comm.base import Communicator, Work
@@ -343,7 +343,7 @@ class StepReduction:
         while self.issued < len(self.reducer.buckets):
             self._issue(self.issued)
         device = self.flats[0].device if self.flats else None
-        self._trailer = collectives.then(self.reducer.comm, self._agree, device=device)
+        self._trailer = driver.then(self.reducer.comm, self._agree, device=device)
         self.finished = True
 
     def _agree(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from commopt import collectives
+from commopt import collectives, driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
@@ -400,9 +400,30 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         finally:
             self._internal -= 1
 
-    def _drain(self) -> None:
-        """Wait until none of this optimizer's reductions is in flight."""
-        collectives.drain(self._data_comm)
+    def wait(self) -> None:
+        """Block until every reduction this optimizer has started is complete.
+
+        Afterwards no gradient of this optimizer is in flight: the averages of every bucket
+        sent so far are in their buffers (``step()``/``flush()`` still decide what is
+        applied), and an error a reduction met is raised here. Gradients travel on the
+        optimizer's private communicator, so waiting on the communicator you passed in
+        waits on nothing; call this instead, e.g. before timing or tearing down:
+
+            >>> import torch, commopt
+            >>> comm = commopt.create_communicator("local")
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = commopt.create_multi_node_optimizer(
+            ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model,
+            ...     double_buffering=True)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> opt.step()   # sends this step's gradients; applies nothing yet
+            >>> opt.wait()   # that reduction has completed
+            >>> opt.flush(); opt.applied_steps
+            1
+        """
+        driver.drain(self._data_comm)
+
+    _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
 
     # -- step -----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
