@@ -27,7 +27,7 @@ Algorithms (``algorithm=``; chosen in :mod:`~commopt.collectives.choice`, built 
 ``hierarchical``
     with several ranks per node: reduce-scatter inside the node in fp32 (uncompressed),
     the compressed algorithm across nodes on each shard, allgather inside the node.
-    The intra/inter communicators are built once per communicator (:mod:`commopt.topology`).
+    The intra/inter communicators are built once per communicator (:mod:`commopt.comm.topology`).
 ``auto`` (default)
     identity for a world of one, hierarchical when there are several nodes with the same
     number (> 1) of ranks each, else native when possible, else scatter_reduce.

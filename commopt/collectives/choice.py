@@ -11,7 +11,7 @@ import torch
 
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
-from commopt.topology import uniform_nodes
+from commopt.comm.topology import uniform_nodes
 
 __all__ = ["ALGORITHMS", "choose_algorithm", "native_ok", "check_arguments"]
 

@@ -16,7 +16,7 @@ from commopt.collectives.layout import (
     PHASE_GATHER, PHASE_SCATTER, PIECE_BYTES, chunk_bounds, chunk_rng, scatter_reduce_layout, sub_key,
 )
 from commopt.comm.base import Work
-from commopt.topology import hierarchy
+from commopt.comm.topology import hierarchy
 
 __all__ = ["PLANS", "plan_native", "plan_scatter_reduce", "plan_hierarchical"]
 

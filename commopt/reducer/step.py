@@ -7,7 +7,7 @@ order; ``finish()`` issues what is left and the agreement trailer
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -81,22 +81,37 @@ class StepReduction:
         self._result = agree(self.reducer.comm, self.reducer.buckets, self.flats, self._bad,
                              self.present, self.scale)
 
-    @classmethod
-    def restored(cls, reducer: GradientReducer, step: int, buffer: int,
-                 flats: Sequence[torch.Tensor], result: StepResult) -> "StepReduction":
-        """A reduction that already completed (restored from a checkpoint)."""
-        red = cls(reducer, step, buffer, 1.0)
-        if len(flats) != len(red.flats) or any(a.numel() != b.numel() for a, b in zip(flats, red.flats)):
+    # -- checkpoint -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The completed reduction (waits for it): its step, averaged buckets and agreed result.
+
+        What a checkpoint keeps of a reduction still pending under double buffering;
+        :meth:`load_state_dict` on a fresh StepReduction of the same buckets restores it.
+        """
+        result = self.wait()
+        return {
+            "step": self.step,
+            "flats": [f.detach().clone().cpu() for f in self.flats],
+            "result": {"nonfinite": result.nonfinite, "bad_buckets": list(result.bad_buckets),
+                       "present": list(result.present)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Become the completed reduction ``state`` describes (from :meth:`state_dict`)."""
+        flats = state["flats"]
+        if len(flats) != len(self.flats) or any(a.numel() != b.numel() for a, b in zip(flats, self.flats)):
             raise ValueError("the checkpoint's pending gradients do not match this model's buckets "
                              "(different model, bucket_cap_mb or compression?)")
-        for dst, src in zip(red.flats, flats):
-            dst.copy_(src)
-        red.issued = len(reducer.buckets)
-        red.present = list(result.present)
-        red._result = result
-        red._trailer = _DoneWork()
-        red.finished = True
-        return red
+        res = state["result"]
+        result = StepResult(bool(res["nonfinite"]), list(res["bad_buckets"]), list(res["present"]))
+        for dst, src in zip(self.flats, flats):
+            dst.copy_(src.to(dst.device))
+        self.step = int(state["step"])
+        self.issued = len(self.reducer.buckets)
+        self.present = list(result.present)
+        self._result = result
+        self._trailer = _DoneWork()
+        self.finished = True
 
     # -- completing --------------------------------------------------------------------------
     def done(self) -> bool:

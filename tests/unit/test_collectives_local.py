@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commopt
-from commopt import collectives, driver, topology
+from commopt import collectives, driver
+from commopt.comm import topology
 from commopt.codecs import RngKey, get_codec
 
 

@@ -1,7 +1,7 @@
 """Where the ranks of a communicator live: node layout and the intra/inter-node split.
 
     >>> import commopt
-    >>> from commopt import topology
+    >>> from commopt.comm import topology
     >>> comm = commopt.create_communicator("local")
     >>> topology.uniform_nodes(comm)
     True
