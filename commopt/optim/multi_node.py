@@ -222,8 +222,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _rebuild(self, broadcast: bool) -> None:
         """(Re)build buckets and hooks; check every rank has the same parameters; broadcast."""
-        self._internal += 1
-        try:
+        with self._own_reads():
             params = self._all_params()
             names = self._names(params)
             model = self._model_ref() if self._model_ref is not None else None
@@ -244,8 +243,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             for j, i in enumerate(trainable):
                 self._hooks.append(params[i].register_post_accumulate_grad_hook(_GradReady(me, j)))
             self._signature = self._current_signature()
-        finally:
-            self._internal -= 1
 
     def _ensure_layout(self) -> None:
         """Rebuild when the set of parameters (or their requires_grad) changed."""
@@ -271,6 +268,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         return red
 
     @contextlib.contextmanager
+    def _own_reads(self):
+        """Our own code reads ``param_groups`` inside: no implicit ``synchronize()``."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
+    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) inside this block.
 
@@ -292,8 +298,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``synchronize()`` sends this step's gradients and puts the averaged gradients of the
         previous step (the ones ``step()`` will apply) into ``param.grad``.
         """
-        self._internal += 1
-        try:
+        with self._own_reads():
             if self.double_buffering:
                 if not self._db.exchanged:
                     self._ensure_layout()
@@ -308,8 +313,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.unpack(self.zero_fill)
             self._reduced = red
             self._dirty = False
-        finally:
-            self._internal -= 1
 
     def wait(self) -> None:
         """Block until every reduction this optimizer has started is complete.
@@ -350,8 +353,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._internal += 1
-        try:
+        with self._own_reads():
             if self.double_buffering:
                 self._step_double_buffered()
             else:
@@ -359,8 +361,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     self.synchronize()
                 red, self._reduced = self._reduced, None
                 self._apply(red.wait())
-        finally:
-            self._internal -= 1
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -415,11 +415,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             return  # nothing is ever pending without double buffering
         if self._db.pending is None:
             return
-        self._internal += 1
-        try:
+        with self._own_reads():
             self._apply(self._db.flush(self.zero_fill))
-        finally:
-            self._internal -= 1
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -429,8 +426,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         residuals) and, with double buffering, the pending averaged gradients. When the codec
         keeps per-rank state this is a collective call: call it on every rank, save on rank 0.
         """
-        self._internal += 1
-        try:
+        with self._own_reads():
             self._drain()
             db = self._db.state_dict()  # completes the pending reduction first
             everyone = gather_codec_states(self.comm, self._reducer.codec_states())
@@ -449,15 +445,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "pending": db["pending"],
             }
             return sd
-        finally:
-            self._internal -= 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state dict from :meth:`state_dict` (or a plain optimizer's)."""
         sd = dict(state_dict)
         extra = sd.pop("commopt", None)
-        self._internal += 1
-        try:
+        with self._own_reads():
             self._drain()
             self._inner.load_state_dict(sd)
             if extra is None:
@@ -476,8 +469,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "optimizer with double_buffering=True (or call flush() before saving)"
                 )
             self._db.load_state_dict(extra, self._reducer)
-        finally:
-            self._internal -= 1
 
     # -- misc -------------------------------------------------------------------------------------
     @property
