@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commopt import collectives
+from commopt import driver
 from commopt.codecs import Codec, CompressionPolicy, get_codec
 from commopt.reducer import GradientReducer
 
@@ -158,7 +158,7 @@ def commopt_hook(state: CommoptHookState, bucket: dist.GradBucket) -> torch.futu
         except Exception as exc:  # surface transport errors in DDP's backward
             future.set_exception(exc)
 
-    collectives.then(comm, finish)
+    driver.then(comm, finish)
     if step_done:
         state.step += 1
     return future

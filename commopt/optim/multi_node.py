@@ -1,9 +1,16 @@
 """``create_multi_node_optimizer``: data-parallel training by wrapping any torch optimizer.
 
 The wrapper owns the *when* of gradient reduction: backward hooks that send each bucket as
-soon as its gradients are ready, double buffering, the collective NaN/Inf skip and the
-state dict. The reducer (commopt/reducer.py) owns the buckets and the codecs; the
-collectives own the algorithms.
+soon as its gradients are ready, the collective NaN/Inf skip and the state dict. Its parts
+live beside it: :mod:`~commopt.optim.double_buffering` (the reduction in flight between
+steps), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
+:mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.checkpoint`
+(codec states of every rank). The reducer (:mod:`commopt.reducer`) owns the buckets and
+the codecs; the collectives own the algorithms; :mod:`commopt.driver` owns the threads.
+
+Over 400 lines on purpose: one class, the ``torch.optim.Optimizer`` surface that torch,
+GradScaler and LR schedulers call (param_groups, zero_grad, step, state_dict, hooks...),
+each method with the docstring its users read.
 
     >>> import torch, commopt
     >>> comm = commopt.create_communicator("local")
@@ -25,33 +32,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
 import weakref
 from typing import Any, Callable
 
 import torch
 
-from commopt import collectives
+from commopt import driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
+from commopt.optim.checkpoint import (
+    STATE_VERSION, check_compatible, codec_states_of_rank, gather_codec_states,
+)
+from commopt.optim.double_buffering import DoubleBuffer
+from commopt.optim.options import check_arguments, resolve_codecs
+from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer", "ModelMismatchError"]
 
 log = logging.getLogger("commopt")
-
-STATE_VERSION = 1
-#: seconds a collective ``state_dict()`` waits for the other ranks before failing.
-STATE_TIMEOUT_ENV = "COMMOPT_STATE_DICT_TIMEOUT"
-
-_CAST_NAMES = {None: "none", torch.float32: "none", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-class ModelMismatchError(ValueError):
-    """The ranks' optimizers (models) do not hold the same parameters."""
-
 
 def create_multi_node_optimizer(
     optimizer: torch.optim.Optimizer,
@@ -89,27 +89,6 @@ def create_multi_node_optimizer(
     )
 
 
-def _resolve_codecs(comm, allreduce_grad_dtype, compression, policy):
-    """(compressing codec or None, uncompressed codec, policy)."""
-    from commopt.codecs import CompressionPolicy, get_codec
-    from commopt.comm import parse_dtype
-
-    dtype = parse_dtype(allreduce_grad_dtype) if allreduce_grad_dtype is not None else \
-        getattr(comm, "allreduce_grad_dtype", None)
-    cast_name = _CAST_NAMES[dtype]
-    if compression is None:
-        return None, get_codec(cast_name), None
-    if not isinstance(compression, (str, Codec)):
-        raise TypeError(
-            f"compression must be a commopt Codec or a codec name such as 'qsgd4', got "
-            f"{type(compression).__name__}"
-        )
-    codec = get_codec(compression)
-    if policy is None:
-        policy = CompressionPolicy(uncompressed=cast_name)
-    return codec, get_codec(policy.uncompressed), policy
-
-
 class MultiNodeOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that averages gradients over a communicator.
 
@@ -125,22 +104,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "this optimizer is already wrapped by create_multi_node_optimizer; wrap the "
                 "plain torch optimizer once (use .inner to reach it)"
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"create_multi_node_optimizer needs a torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}; e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
-            )
-        if not isinstance(comm, Communicator):
-            raise TypeError(
-                f"comm must be a commopt Communicator (commopt.create_communicator(...)), got "
-                f"{type(comm).__name__}"
-            )
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if algorithm not in collectives.ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; one of {collectives.ALGORITHMS}")
-        if float(bucket_cap_mb) <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb)
         init_hook_tables(self)
         self._inner = optimizer
         self.comm = comm
@@ -149,7 +113,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.overlap = bool(overlap)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.algorithm = algorithm
-        self.codec, self.plain_codec, self.policy = _resolve_codecs(
+        self.codec, self.plain_codec, self.policy = resolve_codecs(
             comm, allreduce_grad_dtype, compression, policy)
         self._model_ref = weakref.ref(model) if model is not None else None
         # Counters (saved in state_dict).
@@ -166,10 +130,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._dirty = False  # backward wrote gradients since the last reduction
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
-        # Double buffering.
-        self._pending: StepReduction | None = None  # step t's reduction, applied at t+1
-        self._db_buffer = 0
-        self._db_exchanged: StepResult | None | bool = False
+        self._db = DoubleBuffer()  # double buffering: the reduction in flight between steps
         seed0 = int(torch.initial_seed()) & (2**63 - 1) if seed is None else int(seed)
         self.seed = int(comm.bcast_obj(seed0, root=0))
         # Gradients travel on a private duplicate of ``comm``: reductions in flight (double
@@ -216,7 +177,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``). The fastest choice for large models; ``None`` grads
         (the default) cost one copy per step and a fresh allocation per backward.
         """
-        buffer = self._db_buffer if self.double_buffering else 0
+        buffer = self._db.buffer if self.double_buffering else 0
         in_flight = self._current is not None and not self.double_buffering
         if (not set_to_none and self.zero_fill and self._reducer is not None and not in_flight
                 and not self._no_sync):
@@ -261,13 +222,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _rebuild(self, broadcast: bool) -> None:
         """(Re)build buckets and hooks; check every rank has the same parameters; broadcast."""
-        self._internal += 1
-        try:
+        with self._own_reads():
             params = self._all_params()
             names = self._names(params)
-            self._check_same_model(params, names)
+            model = self._model_ref() if self._model_ref is not None else None
+            check_same_model(self.comm, params, names, model)
             if broadcast:
-                self._broadcast_from_root(params)
+                broadcast_from_root(self.comm, params, model)
             trainable = [i for i, p in enumerate(params) if p.requires_grad]
             for h in self._hooks:
                 h.remove()
@@ -282,59 +243,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             for j, i in enumerate(trainable):
                 self._hooks.append(params[i].register_post_accumulate_grad_hook(_GradReady(me, j)))
             self._signature = self._current_signature()
-        finally:
-            self._internal -= 1
-
-    def _check_same_model(self, params, names) -> None:
-        mine = [(names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad))
-                for i, p in enumerate(params)]
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is not None:
-            mine += [(f"buffer {n}", tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()]
-        everyone = self.comm.allgather_obj(mine)
-        problems = []
-        ref = everyone[0]
-        for r, theirs in enumerate(everyone[1:], start=1):
-            if len(theirs) != len(ref):
-                k = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), min(len(ref), len(theirs)))
-                at = ref[k] if k < len(ref) else theirs[k]
-                problems.append(f"rank {r} has {len(theirs)} parameters/buffers but rank 0 has "
-                                f"{len(ref)}; first difference at {at[0]!r}")
-                continue
-            for a, b in zip(ref, theirs):
-                if a != b:
-                    what = "shape" if a[1] != b[1] else "dtype" if a[2] != b[2] else \
-                        "requires_grad" if a[3] != b[3] else "name"
-                    alias = f" (rank 0 calls it {a[0]!r})" if a[0] != b[0] and what != "name" else ""
-                    problems.append(f"rank {r}: parameter {b[0]!r} has {what} "
-                                    f"{_field(b, what)} but rank 0 has {_field(a, what)}{alias}")
-                    break
-        if problems:
-            raise ModelMismatchError(
-                "the ranks' models differ, so their gradients cannot be averaged: "
-                + "; ".join(problems)
-                + ". Build the same model on every rank (same architecture and parameter order)."
-            )
-
-    @torch.no_grad()
-    def _broadcast_from_root(self, params) -> None:
-        """Rank 0's parameters (and the model's buffers) to every rank, a few flat messages."""
-        tensors = list(params)
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is not None:
-            seen = {id(t) for t in tensors}
-            tensors += [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in seen]
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((str(t.device), t.dtype), []).append(t)
-        for group in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self.comm.broadcast(flat, root=0)
-            offset = 0
-            for t in group:
-                n = t.numel()
-                t.detach().copy_(flat[offset: offset + n].view_as(t))
-                offset += n
 
     def _ensure_layout(self) -> None:
         """Rebuild when the set of parameters (or their requires_grad) changed."""
@@ -360,6 +268,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         return red
 
     @contextlib.contextmanager
+    def _own_reads(self):
+        """Our own code reads ``param_groups`` inside: no implicit ``synchronize()``."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
+    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) inside this block.
 
@@ -381,10 +298,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``synchronize()`` sends this step's gradients and puts the averaged gradients of the
         previous step (the ones ``step()`` will apply) into ``param.grad``.
         """
-        self._internal += 1
-        try:
+        with self._own_reads():
             if self.double_buffering:
-                if self._db_exchanged is False:
+                if not self._db.exchanged:
                     self._ensure_layout()
                     self._db_exchange(scale=1.0)
                 return
@@ -397,12 +313,31 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.unpack(self.zero_fill)
             self._reduced = red
             self._dirty = False
-        finally:
-            self._internal -= 1
 
-    def _drain(self) -> None:
-        """Wait until none of this optimizer's reductions is in flight."""
-        collectives.drain(self._data_comm)
+    def wait(self) -> None:
+        """Block until every reduction this optimizer has started is complete.
+
+        Afterwards no gradient of this optimizer is in flight: the averages of every bucket
+        sent so far are in their buffers (``step()``/``flush()`` still decide what is
+        applied), and an error a reduction met is raised here. Gradients travel on the
+        optimizer's private communicator, so waiting on the communicator you passed in
+        waits on nothing; call this instead, e.g. before timing or tearing down:
+
+            >>> import torch, commopt
+            >>> comm = commopt.create_communicator("local")
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = commopt.create_multi_node_optimizer(
+            ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model,
+            ...     double_buffering=True)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> opt.step()   # sends this step's gradients; applies nothing yet
+            >>> opt.wait()   # that reduction has completed
+            >>> opt.flush(); opt.applied_steps
+            1
+        """
+        driver.drain(self._data_comm)
+
+    _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
 
     # -- step -----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
@@ -418,8 +353,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._internal += 1
-        try:
+        with self._own_reads():
             if self.double_buffering:
                 self._step_double_buffered()
             else:
@@ -427,8 +361,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     self.synchronize()
                 red, self._reduced = self._reduced, None
                 self._apply(red.wait())
-        finally:
-            self._internal -= 1
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -462,27 +394,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _db_exchange(self, scale: float) -> None:
         """Send this step's gradients; put the previous step's averages into param.grad."""
-        previous = self._pending
-        if previous is not None:
-            previous.wait()  # its trailer ran on the collectives' thread: no overlap lost
-        current = self._start(scale=scale, buffer=self._db_buffer)
-        current.finish()  # packs this step's local gradients and sends every bucket
-        self._pending = current
-        self._db_buffer ^= 1
-        if previous is None:
-            self._db_exchanged = None  # first step: nothing to apply yet
-            return
-        if previous.reducer is not self._reducer:
-            # The parameters changed: old buckets go to their old parameters; new ones wait.
-            covered = {id(p) for p in previous.reducer.params}
-            for p in self._reducer.params:
-                if id(p) not in covered:
-                    p.grad = None
-        self._db_exchanged = previous.unpack(self.zero_fill)
+        self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._reducer,
+                          self.zero_fill)
 
     def _step_double_buffered(self) -> None:
         scale = self._grad_scale()
-        if self._db_exchanged is False:
+        if not self._db.exchanged:
             self._ensure_layout()
             self._db_exchange(scale)
         elif scale != 1.0:
@@ -490,22 +407,16 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "with double_buffering and GradScaler, call scaler.unscale_(optimizer) before "
                 "optimizer.synchronize(): the gradients were sent still scaled"
             )
-        result, self._db_exchanged = self._db_exchanged, False
-        self._apply(result)
+        self._apply(self._db.take())
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
         if not self.double_buffering:
             return  # nothing is ever pending without double buffering
-        if self._pending is None:
+        if self._db.pending is None:
             return
-        self._internal += 1
-        try:
-            red, self._pending = self._pending, None
-            self._apply(red.unpack(self.zero_fill))
-            self._db_exchanged = False
-        finally:
-            self._internal -= 1
+        with self._own_reads():
+            self._apply(self._db.flush(self.zero_fill))
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -515,23 +426,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         residuals) and, with double buffering, the pending averaged gradients. When the codec
         keeps per-rank state this is a collective call: call it on every rank, save on rank 0.
         """
-        self._internal += 1
-        try:
+        with self._own_reads():
             self._drain()
-            pending = None
-            if self._pending is not None:
-                result = self._pending.wait()
-                pending = {
-                    "step": self._pending.step,
-                    "flats": [f.detach().clone().cpu() for f in self._pending.flats],
-                    "result": {"nonfinite": result.nonfinite, "bad_buckets": list(result.bad_buckets),
-                               "present": list(result.present)},
-                }
-            codec_states = self._reducer.codec_states()
-            if self.comm.size > 1 and any(codec_states.values()):
-                everyone = _allgather_with_timeout(self.comm, codec_states)
-            else:
-                everyone = [codec_states]
+            db = self._db.state_dict()  # completes the pending reduction first
+            everyone = gather_codec_states(self.comm, self._reducer.codec_states())
             sd = self._inner.state_dict()
             sd["commopt"] = {
                 "version": STATE_VERSION,
@@ -541,64 +439,36 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "applied_steps": self.applied_steps,
                 "skipped_steps": self.skipped_steps,
                 "double_buffering": self.double_buffering,
-                "db_buffer": self._db_buffer,
+                "db_buffer": db["db_buffer"],
                 "buckets": [b.key for b in self._reducer.buckets],
                 "codec_states": everyone,
-                "pending": pending,
+                "pending": db["pending"],
             }
             return sd
-        finally:
-            self._internal -= 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state dict from :meth:`state_dict` (or a plain optimizer's)."""
         sd = dict(state_dict)
         extra = sd.pop("commopt", None)
-        self._internal += 1
-        try:
+        with self._own_reads():
             self._drain()
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            if extra.get("version") != STATE_VERSION:
-                raise ValueError(f"unknown commopt state version {extra.get('version')!r}")
-            buckets = [b.key for b in self._reducer.buckets]
-            if extra["buckets"] != buckets:
-                raise ValueError(
-                    "the checkpoint's gradient buckets differ from this optimizer's: load it into "
-                    "the same model with the same bucket_cap_mb and compression"
-                )
-            states = extra["codec_states"]
-            if any(states[0].values()) and len(states) != self.comm.size:
-                raise ValueError(
-                    f"the checkpoint holds codec state (error feedback) of {len(states)} ranks but "
-                    f"this job has {self.comm.size}: resume with the same number of ranks"
-                )
-            self._reducer.load_codec_states(states[self.comm.rank] if len(states) > 1 else states[0])
+            check_compatible(extra, [b.key for b in self._reducer.buckets], self.comm)
+            self._reducer.load_codec_states(codec_states_of_rank(extra, self.comm.rank))
             self.seed = int(extra["seed"])
             self._reducer.seed = self.seed
             self._iteration = int(extra["iteration"])
             self.applied_steps = int(extra["applied_steps"])
             self.skipped_steps = int(extra["skipped_steps"])
             self._current = self._reduced = None
-            self._db_exchanged = False
-            pending = extra.get("pending")
-            if pending is not None:
-                if not self.double_buffering:
-                    raise ValueError(
-                        "the checkpoint holds pending double-buffered gradients: load it into an "
-                        "optimizer with double_buffering=True (or call flush() before saving)"
-                    )
-                res = pending["result"]
-                result = StepResult(bool(res["nonfinite"]), list(res["bad_buckets"]), list(res["present"]))
-                self._db_buffer = int(extra["db_buffer"])
-                flats = [f.to(b.device) for f, b in zip(pending["flats"], self._reducer.buckets)]
-                self._pending = StepReduction.restored(
-                    self._reducer, int(pending["step"]), self._db_buffer ^ 1, flats, result)
-            else:
-                self._pending = None
-        finally:
-            self._internal -= 1
+            if extra.get("pending") is not None and not self.double_buffering:
+                raise ValueError(
+                    "the checkpoint holds pending double-buffered gradients: load it into an "
+                    "optimizer with double_buffering=True (or call flush() before saving)"
+                )
+            self._db.load_state_dict(extra, self._reducer)
 
     # -- misc -------------------------------------------------------------------------------------
     @property
@@ -613,7 +483,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         self._drain()
         self.remove_hooks()
-        self._pending = self._current = self._reduced = None
+        self._db.drop()
+        self._current = self._reduced = None
         if self._data_comm is not self.comm:
             self._data_comm.finalize()
 
@@ -641,33 +512,3 @@ class _GradReady:
         opt = self._opt_ref()
         if opt is not None:
             opt._on_grad_ready(self._index)
-
-
-def _field(sig, what):
-    return {"shape": sig[1], "dtype": sig[2], "requires_grad": sig[3], "name": sig[0]}[what]
-
-
-def _allgather_with_timeout(comm: Communicator, obj) -> list:
-    """``comm.allgather_obj`` that fails, instead of hanging, when a rank never joins."""
-    timeout = float(os.environ.get(STATE_TIMEOUT_ENV, "300"))
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["out"] = comm.allgather_obj(obj)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            box["err"] = exc
-
-    t = threading.Thread(target=run, name="commopt-state-dict", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise RuntimeError(
-            f"rank {comm.rank}: state_dict() waited {timeout:.0f}s for the other ranks. With "
-            "error feedback it gathers every rank's residuals: call opt.state_dict() on every "
-            f"rank and save it on rank 0 (timeout: ${STATE_TIMEOUT_ENV})"
-        )
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-

@@ -185,13 +185,6 @@ class Trainer:
         """Accumulating batches: only the last backward of an update starts the reduction."""
         return contextlib.nullcontext() if last else self.optimizer.no_sync()
 
-    def quiesce(self) -> None:
-        """Wait for gradient reductions in flight: the communicator's own collectives
-        (object gathers, barriers) must not interleave with them."""
-        from commopt import collectives
-
-        collectives.drain(self.comm)
-
     def train_update(self, batches) -> Stats:
         args = self.args
         set_lr(self.optimizer, inverse_sqrt_lr(self.num_updates, lr=args.lr, warmup_updates=args.warmup_updates,
@@ -234,7 +227,7 @@ class Trainer:
     @torch.no_grad()
     def valid_loss(self) -> dict:
         """Loss over the whole valid set, each rank scoring a contiguous share."""
-        self.quiesce()
+        self.optimizer.wait()  # no gradient reduction in flight while we evaluate
         split = self.data["valid"]
         self.model.eval()
         mine = list(shard_for_rank(len(split), self.comm.rank, self.comm.size))
@@ -261,7 +254,7 @@ class Trainer:
         """Decode ``split_name`` (each rank a share) and score it on rank 0; every rank gets it."""
         from recipes.transformer.evaluate import corpus_bleu, translate
 
-        self.quiesce()
+        self.optimizer.wait()
         split = self.data[split_name]
         mine = list(shard_for_rank(len(split), self.comm.rank, self.comm.size))
         a = self.args
@@ -285,7 +278,6 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The checkpoint: rank 0's shared state plus every rank's own (random state)."""
-        self.quiesce()
         rank_states = self.comm.allgather_obj({"rng": rng_state()})
         return {
             "args": {k: v for k, v in vars(self.args).items()},
@@ -384,7 +376,6 @@ class Trainer:
 
     def _log_train(self, window: Stats, seconds: float, epoch: int) -> float:
         """Log the window's statistics summed over the ranks; returns the loss (bits/token)."""
-        self.quiesce()
         everyone = Stats()
         for s in self.comm.allgather_obj(window.as_floats()):
             everyone.add(s)
@@ -405,7 +396,7 @@ class Trainer:
         a = self.args
         if a.final_eval == "none":
             return None
-        self.quiesce()
+        self.optimizer.wait()
         averaged = 1
         if a.average_last > 1 and not a.no_save:
             paths = ckpt.numbered_checkpoints(a.save_dir)[-a.average_last:] if self.comm.rank == 0 else None

@@ -20,7 +20,7 @@ info = detect_launcher()
 os.environ["COMMOPT_NODE_NAME"] = f"node-{info.rank // per_node}"
 
 import commopt
-from commopt import collectives
+from commopt import collectives, driver
 from commopt.codecs import get_codec, RngKey
 
 comm = commopt.create_communicator(backend)
@@ -193,7 +193,7 @@ for spec, y, i in bufs:
     tol = (i + 1) * (0.3 * scale_of.max() if spec.startswith("qsgd") else 1e-2 * scale_of + 1e-6)
     assert ((y - exact * (i + 1)).abs() <= tol).all(), f"async {i} {spec}"
     same_everywhere(y, f"async {i}")
-collectives.drain(comm)
+driver.drain(comm)
 
 # -- average=False sums; scale multiplies ---------------------------------------------------------------
 y = torch.full((10,), float(r + 1))

@@ -118,6 +118,9 @@ for step in range(4):
     if step == 0:
         assert opt.applied_steps == 0, "the first double-buffered step must not update"
 assert opt.applied_steps == 3
+opt.wait()  # the last step's reduction, still pending, has completed (nothing applied)
+assert opt._db.pending is not None and opt._db.pending.done(), f"rank {r}: wait() left it in flight"
+assert opt.applied_steps == 3
 opt.flush()
 with torch.no_grad():
     for p, g in zip(ref.parameters(), stale):

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commopt
-from commopt import collectives
+from commopt import collectives, driver
+from commopt.comm import topology
 from commopt.codecs import RngKey, get_codec
 
 
@@ -76,8 +77,8 @@ def test_async_returns_a_work_and_then_runs_in_order(comm):
     work.wait()
     assert work.is_completed()
     seen = []
-    collectives.then(comm, lambda: seen.append(1)).wait()
-    collectives.drain(comm)
+    driver.then(comm, lambda: seen.append(1)).wait()
+    driver.drain(comm)
     assert seen == [1]
 
 
@@ -87,8 +88,8 @@ def test_empty_buffer_is_a_no_op(comm):
 
 
 def test_hierarchy_is_built_once(comm):
-    a = collectives.hierarchy(comm)
-    b = collectives.hierarchy(comm)
+    a = topology.hierarchy(comm)
+    b = topology.hierarchy(comm)
     assert a[0] is b[0] and a[1] is b[1]
     assert a[0].size == 1 and a[1].size == 1
 

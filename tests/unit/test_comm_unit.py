@@ -75,7 +75,7 @@ def test_node_name_override(monkeypatch):
 def test_mpi_bf16_reduction_matches_torch():
     """The user-defined bf16 sum rounds like torch (nearest even), including NaN and Inf."""
     pytest.importorskip("mpi4py")
-    from commopt.comm.mpi import _bf16_to_f32, _f32_to_bf16
+    from commopt.comm.mpi.user_ops import bf16_to_f32 as _bf16_to_f32, f32_to_bf16 as _f32_to_bf16
 
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(10000, generator=g) * 100).bfloat16()

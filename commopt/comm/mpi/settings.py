@@ -1,0 +1,103 @@
+"""The pipelined-transfer settings of the mpi communicator: options, environment, defaults.
+
+Pure functions (no MPI started): which path a collective takes (:func:`transfer_path`) and
+how large its segments are (:func:`pipeline_settings`, :func:`default_segment_bytes`).
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["PIPELINE_ENV", "SEGMENT_ENV", "PIPELINE_MIN_ENV", "OMPI_TCP_EAGER_DEFAULT",
+           "DEFAULT_PIPELINE_MIN_BYTES", "pipeline_settings", "transfer_path",
+           "default_segment_bytes"]
+
+PIPELINE_ENV = "COMMOPT_MPI_PIPELINE"                  # auto (default), on, off
+SEGMENT_ENV = "COMMOPT_MPI_SEGMENT_BYTES"              # default: from the eager limit
+PIPELINE_MIN_ENV = "COMMOPT_MPI_PIPELINE_MIN_BYTES"    # default: DEFAULT_PIPELINE_MIN_BYTES
+#: Open MPI's TCP eager limit (bytes, header included) when nothing else says otherwise.
+OMPI_TCP_EAGER_DEFAULT = 64 * 1024
+#: Below this a buffer goes to MPI's own collective: few segments, nothing to pipeline.
+DEFAULT_PIPELINE_MIN_BYTES = 256 * 1024
+_HEADER_SLACK = 1024  # room for the PML/BTL headers, which count against the eager limit
+_PIPELINE_MODES = {"auto": "auto", "on": "on", "1": "on", "true": "on", "yes": "on",
+                   "off": "off", "0": "off", "false": "off", "no": "off"}
+
+
+def _parse_bytes(text, what: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, KeyError):
+        value = -1
+    if value < 0:
+        raise ValueError(f"{what}={text!r}: give a number of bytes, e.g. 65536, 60K or 1M")
+    return value
+
+
+def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
+                      environ=None) -> tuple[str, int, int]:
+    """(mode, segment bytes, smallest pipelined buffer) from the options, else the environment.
+
+        >>> pipeline_settings("on", "1M", 0, environ={})
+        ('on', 1048576, 0)
+        >>> pipeline_settings(environ={"COMMOPT_MPI_PIPELINE": "off"})[0]
+        'off'
+    """
+    environ = os.environ if environ is None else environ
+    if pipeline is None:
+        pipeline = environ.get(PIPELINE_ENV, "auto")
+    if isinstance(pipeline, bool):
+        pipeline = "on" if pipeline else "off"
+    mode = _PIPELINE_MODES.get(str(pipeline).strip().lower())
+    if mode is None:
+        raise ValueError(f"pipeline={pipeline!r}: use 'auto', 'on' or 'off' (option or "
+                         f"{PIPELINE_ENV})")
+    if segment_bytes is None:
+        segment_bytes = environ.get(SEGMENT_ENV) or default_segment_bytes(environ)
+    if min_bytes is None:
+        min_bytes = environ.get(PIPELINE_MIN_ENV) or DEFAULT_PIPELINE_MIN_BYTES
+    seg = _parse_bytes(segment_bytes, "segment_bytes")
+    if seg < 8:
+        raise ValueError(f"segment_bytes={segment_bytes!r} is too small: give at least 8 bytes "
+                         f"(just under the transport's eager limit is best, e.g. 60K)")
+    return mode, seg, _parse_bytes(min_bytes, "pipeline_min_bytes")
+
+
+def transfer_path(mode: str, nbytes: int, *, size: int, inter_size: int, min_bytes: int) -> str:
+    """How a collective of ``nbytes`` runs (the same answer on every rank).
+
+    ``"pipelined"``: segmented point-to-point transfers (buffers of at least ``min_bytes``);
+    ``"polled"``: MPI's own nonblocking collective, completed by polling with short sleeps
+    (smaller buffers); ``"blocking"``: MPI's own blocking collective. ``auto`` uses the first
+    two between nodes, where TCP carries the bytes, and the last within a node, where MPI's
+    shared memory transport has no such problem; ``on`` uses them everywhere; ``off`` never.
+
+        >>> transfer_path("auto", 64 << 20, size=2, inter_size=2, min_bytes=256 << 10)
+        'pipelined'
+        >>> transfer_path("auto", 4096, size=2, inter_size=2, min_bytes=256 << 10)
+        'polled'
+        >>> transfer_path("auto", 64 << 20, size=2, inter_size=1, min_bytes=256 << 10)
+        'blocking'
+    """
+    if mode == "off" or size == 1 or (mode == "auto" and inter_size == 1):
+        return "blocking"
+    return "pipelined" if nbytes >= max(1, min_bytes) else "polled"
+
+
+def default_segment_bytes(environ=None) -> int:
+    """Segment size for pipelined transfers: just under the TCP eager limit.
+
+    mpirun passes ``--mca btl_tcp_eager_limit`` to the ranks as
+    ``OMPI_MCA_btl_tcp_eager_limit`` (``commopt launch`` sets 1 MiB); without it, Open MPI's
+    default (64 KiB) applies.
+
+        >>> default_segment_bytes({})
+        61440
+        >>> default_segment_bytes({"OMPI_MCA_btl_tcp_eager_limit": "1048576"})
+        1044480
+    """
+    environ = os.environ if environ is None else environ
+    limit = environ.get("OMPI_MCA_btl_tcp_eager_limit")
+    limit = _parse_bytes(limit, "OMPI_MCA_btl_tcp_eager_limit") if limit else OMPI_TCP_EAGER_DEFAULT
+    return max(4096, (limit - _HEADER_SLACK) // 4096 * 4096)

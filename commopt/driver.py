@@ -1,0 +1,141 @@
+"""The one owner of asynchrony: an ordered worker thread per communicator.
+
+Every asynchronous reduction (the collectives' algorithm stages, the reducer's NaN/Inf
+trailer, the DDP hook's unpacking) runs as a job on the worker of the communicator it
+uses, in the order it was submitted. Every rank submits the same jobs in the same order,
+so every rank issues the transport's collectives in the same order, whatever thread
+produced the job (autograd's backward hooks, the optimizer's step, DDP's comm hook).
+
+    >>> import commopt
+    >>> from commopt import driver
+    >>> comm = commopt.create_communicator("local")
+    >>> seen = []
+    >>> driver.then(comm, lambda: seen.append("after the reductions so far")).wait()
+    >>> driver.drain(comm)   # nothing in flight any more
+    >>> seen
+    ['after the reductions so far']
+
+A world of one with no worker yet runs the job at once on the caller's thread. The
+workers' threads are named ``commopt-collectives``; at interpreter exit every worker is
+drained before the thread pools stop (see :func:`_drain_all_at_exit`).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
+
+__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device"]
+
+_DONE = CompletedWork()
+
+
+class Driver:
+    """One thread that runs the jobs of one communicator in submission order."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commopt-collectives")
+        self._lock = threading.Lock()
+        self._last: FutureWork | None = None
+
+    def submit(self, fn: Callable[[], None]) -> FutureWork:
+        """Queue ``fn`` after every job submitted so far; returns its Work."""
+        with self._lock:
+            work = FutureWork(self._pool.submit(fn))
+            self._last = work
+            return work
+
+    def drain(self) -> None:
+        """Wait for everything submitted so far (re-raises the last job's error)."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            last.wait()
+
+    def shutdown(self) -> None:
+        # Not wait=True: the last reference may drop on the worker thread itself.
+        self._pool.shutdown(wait=False)
+
+
+# Keyed weakly by communicator: a worker lives as long as its communicator.
+_DRIVERS: "weakref.WeakKeyDictionary[Communicator, Driver]" = weakref.WeakKeyDictionary()
+_DRIVERS_LOCK = threading.Lock()
+
+
+def driver_for(comm: Communicator) -> Driver:
+    """The worker of ``comm``, started on first use."""
+    with _DRIVERS_LOCK:
+        drv = _DRIVERS.get(comm)
+        if drv is None:
+            drv = _DRIVERS[comm] = Driver()
+            # The thread must not outlive the communicator's resources.
+            weakref.finalize(comm, drv.shutdown)
+        return drv
+
+
+def on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run with ``device`` current (the CUDA device is per thread; the worker's is 0)."""
+    if device.type != "cuda":
+        return fn
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            fn()
+
+    return run
+
+
+def submit(comm: Communicator, fn: Callable[[], None], device=None) -> Work:
+    """Run ``fn`` on ``comm``'s worker after every job submitted on ``comm`` so far.
+
+    ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
+    the asynchronous allreduces run, so every rank still issues them in the same order.
+    ``device``: the CUDA device ``fn`` works on, made current on the worker thread. A world
+    of one that has no worker runs ``fn`` at once and returns a completed Work.
+    """
+    if comm.size == 1 and _DRIVERS.get(comm) is None:
+        fn()
+        return _DONE
+    if device is not None:
+        fn = on_device(torch.device(device), fn)
+    return driver_for(comm).submit(fn)
+
+
+#: ``then(comm, fn)`` reads as what it is at the call sites that follow reductions (the
+#: NaN/Inf trailer, the DDP hook's unpacking): the same ordered submission.
+then = submit
+
+
+def drain(comm: Communicator) -> None:
+    """Wait until every job submitted on ``comm`` has finished (re-raises the last error)."""
+    drv = _DRIVERS.get(comm)
+    if drv is not None:
+        drv.drain()
+
+
+def _drain_all_at_exit() -> None:
+    """Let reductions still in flight (double buffering) finish before the thread pools stop.
+
+    Without this, interpreter shutdown refuses the transport's next submission on one rank
+    while its peers already entered the collective: they would wait forever.
+    """
+    for drv in list(_DRIVERS.values()):
+        try:
+            drv.drain()
+        except Exception:  # noqa: BLE001 - reported by whoever waits; nothing to do at exit
+            pass
+
+
+# Runs before concurrent.futures' own exit hook (these hooks run in reverse order).
+_register_exit = getattr(threading, "_register_atexit", None)
+if _register_exit is not None:
+    _register_exit(_drain_all_at_exit)
+else:  # pragma: no cover - CPython < 3.9
+    import atexit
+
+    atexit.register(_drain_all_at_exit)

@@ -1,0 +1,60 @@
+"""The wrapper's options: checked with errors that say what to pass, and the codecs they name.
+
+    >>> import commopt
+    >>> from commopt.optim.options import resolve_codecs
+    >>> codec, plain, policy = resolve_codecs(commopt.create_communicator("local"), None, "qsgd4", None)
+    >>> codec.name, plain.name, policy.uncompressed
+    ('qsgd4', 'none', 'none')
+"""
+from __future__ import annotations
+
+import torch
+
+from commopt import collectives
+from commopt.codecs.base import Codec
+from commopt.comm.base import Communicator
+
+__all__ = ["check_arguments", "resolve_codecs"]
+
+_CAST_NAMES = {None: "none", torch.float32: "none", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb) -> None:
+    """Raise a TypeError/ValueError naming the fix for a wrong argument of the wrapper."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"create_multi_node_optimizer needs a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
+        )
+    if not isinstance(comm, Communicator):
+        raise TypeError(
+            f"comm must be a commopt Communicator (commopt.create_communicator(...)), got "
+            f"{type(comm).__name__}"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if algorithm not in collectives.ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; one of {collectives.ALGORITHMS}")
+    if float(bucket_cap_mb) <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+
+
+def resolve_codecs(comm, allreduce_grad_dtype, compression, policy):
+    """(compressing codec or None, uncompressed codec, policy)."""
+    from commopt.codecs import CompressionPolicy, get_codec
+    from commopt.comm import parse_dtype
+
+    dtype = parse_dtype(allreduce_grad_dtype) if allreduce_grad_dtype is not None else \
+        getattr(comm, "allreduce_grad_dtype", None)
+    cast_name = _CAST_NAMES[dtype]
+    if compression is None:
+        return None, get_codec(cast_name), None
+    if not isinstance(compression, (str, Codec)):
+        raise TypeError(
+            f"compression must be a commopt Codec or a codec name such as 'qsgd4', got "
+            f"{type(compression).__name__}"
+        )
+    codec = get_codec(compression)
+    if policy is None:
+        policy = CompressionPolicy(uncompressed=cast_name)
+    return codec, get_codec(policy.uncompressed), policy

@@ -1,0 +1,167 @@
+"""GradientReducer: the flat buffers of the buckets, and moving gradients through them.
+
+Packs ``param.grad`` into a bucket's buffer (zeros for None, with a local NaN/Inf flag),
+reduces the buffer with :func:`commopt.collectives.allreduce`, writes the averages back
+(as views of the bucket where it can), and keeps the codecs' state (error feedback).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from commopt import collectives
+from commopt.codecs.base import Codec, RngKey
+from commopt.comm.base import Communicator, Work
+from commopt.reducer.layout import Bucket, build_buckets, is_view_of, slot_view
+from commopt.reducer.step import StepReduction
+
+__all__ = ["GradientReducer"]
+
+
+class GradientReducer:
+    """Fixed buckets over ``params``, with ``num_buffers`` sets of flat buffers.
+
+    ``num_buffers=2`` gives double buffering: one set can be in flight while the other
+    is filled or read. ``seed`` keys the random numbers of stochastic codecs together
+    with the rank, the step and the bucket. ``grad_views=True``: ``unpack`` points
+    ``param.grad`` at the bucket instead of copying into it, and ``zero_grads_into`` lets
+    backward accumulate straight into a bucket.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        *,
+        codec: Codec | None = None,
+        plain_codec: Codec | None = None,
+        policy=None,
+        bucket_cap_mb: float = 25.0,
+        algorithm: str = "auto",
+        num_buffers: int = 1,
+        seed: int = 0,
+        grad_views: bool = False,
+    ):
+        self.comm = comm
+        # Hand the averages back as views of the buckets instead of copying them into
+        # ``param.grad`` (the optimizer wrapper; the DDP hook must write into DDP's bucket).
+        self.grad_views = bool(grad_views)
+        self.params = list(params)
+        self.names = list(names)
+        self.algorithm = algorithm
+        self.seed = int(seed)
+        self.buckets = build_buckets(self.params, self.names, codec=codec, plain_codec=plain_codec,
+                                     policy=policy, bucket_cap_mb=bucket_cap_mb)
+        self.bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            for s in b.slots:
+                self.bucket_of[s.param] = b.index
+        # Padding stays zero: only the slots are written, and zeros encode to zeros.
+        self.buffers = [
+            [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+            for _ in range(num_buffers)
+        ]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    def start(self, step: int, buffer: int = 0, scale: float = 1.0) -> StepReduction:
+        """Begin reducing this step's gradients into buffer set ``buffer``."""
+        return StepReduction(self, step, buffer, scale)
+
+    # -- per bucket -----------------------------------------------------------------------
+    def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor:
+        """Copy the bucket's gradients into ``flat`` (zeros for None); local NaN/Inf flag."""
+        for s in bucket.slots:
+            g = self.params[s.param].grad
+            dst = flat[s.offset: s.offset + s.numel]
+            if g is None:
+                present[s.param] = False
+                dst.zero_()
+                continue
+            if g.is_sparse or g.layout != torch.strided:
+                raise RuntimeError(
+                    f"parameter {self.names[s.param]!r} has a sparse gradient: commopt reduces "
+                    "dense gradients only. Use nn.Embedding(..., sparse=False) (or densify the "
+                    "gradient with .to_dense() before step())."
+                )
+            present[s.param] = True
+            if not is_view_of(g, dst):  # backward accumulated into the bucket: nothing to copy
+                dst.copy_(g.reshape(-1))
+        for s in bucket.slots:
+            if s.padded > s.numel:  # a NaN decoded into the padding must not stay there
+                flat[s.offset + s.numel: s.offset + s.padded].zero_()
+        # The sum is NaN/Inf iff some element is (short of an fp32 overflow of huge values).
+        return ~torch.isfinite(flat.sum())
+
+    def reduce(self, bucket: Bucket, flat: torch.Tensor, step: int, scale: float) -> Work:
+        rng = RngKey(self.seed, self.comm.rank, int(step), bucket.index)
+        return collectives.allreduce(self.comm, flat, bucket.codec, average=True,
+                                     algorithm=self.algorithm, async_op=True, scale=scale,
+                                     rng=rng, key=bucket.key)
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: list[bool]) -> None:
+        """Write the reduced values into ``param.grad`` (None where ``keep`` is False)."""
+        for s in bucket.slots:
+            p = self.params[s.param]
+            if not keep[s.param]:
+                p.grad = None
+                continue
+            src = slot_view(flat, s, p)
+            g = p.grad
+            if self._viewable(p, flat):
+                # The averages stay in the bucket; param.grad looks at them (no copy).
+                if not is_view_of(g, src):
+                    p.grad = src
+            elif g is None or g.shape != p.shape or g.is_sparse:
+                p.grad = src.to(dtype=p.dtype, copy=True)
+            else:
+                g.copy_(src)
+
+    def zero_grads_into(self, buffer: int) -> None:
+        """Point every eligible ``param.grad`` at its zeroed slot of buffer set ``buffer``.
+
+        The next backward then accumulates straight into the bucket, so neither packing nor
+        unpacking copies anything (PyTorch DDP's ``gradient_as_bucket_view``). Parameters
+        whose dtype differs from their bucket's (half precision) get ``grad = None``.
+        """
+        flats = self.buffers[buffer]
+        for b in self.buckets:
+            flat = flats[b.index]
+            flat.zero_()
+            for s in b.slots:
+                p = self.params[s.param]
+                if self._viewable(p, flat):
+                    p.grad = slot_view(flat, s, p)
+                else:
+                    p.grad = None
+
+    def _viewable(self, p: torch.Tensor, flat: torch.Tensor) -> bool:
+        return (self.grad_views and p.dtype == flat.dtype and p.device == flat.device
+                and p.layout == torch.strided)
+
+    def codec_states(self) -> dict[str, dict]:
+        """State of each distinct codec of the buckets (error-feedback residuals)."""
+        out: dict[str, dict] = {}
+        for name, codec in self._codecs().items():
+            out[name] = codec.state_dict()
+        return out
+
+    def load_codec_states(self, states: dict[str, dict]) -> None:
+        codecs = self._codecs()
+        for name, state in states.items():
+            if name in codecs:
+                codecs[name].load_state_dict(state)
+            elif state:
+                raise ValueError(f"checkpoint holds state for codec {name!r}, which this optimizer "
+                                 f"does not use (its codecs: {sorted(codecs)})")
+
+    def _codecs(self) -> dict[str, Codec]:
+        found: dict[str, Codec] = {}
+        for b in self.buckets:
+            if b.codec is not None:
+                found.setdefault("compressed" if b.compressed else "plain", b.codec)
+        return found
