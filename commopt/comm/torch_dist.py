@@ -129,6 +129,8 @@ class TorchCommunicator(Communicator):
             init_default_group(backend, timeout_s)
         self.group = group
         self.backend = dist.get_backend(group)
+        # Where bcast_obj/allgather_obj stage their bytes: nccl moves CUDA tensors only.
+        self.object_device = "cuda" if self.backend == "nccl" else "cpu"
         self.size = dist.get_world_size(group)
         # torch numbers a group's members by global rank; split() may ask for another order
         # (by key). _order[i] is the group rank of our rank i; identity in the common case.
@@ -184,15 +186,8 @@ class TorchCommunicator(Communicator):
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def _bcast_obj(self, obj: Any, root: int) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global[root], group=self.group)
-        return box[0]
-
-    def _allgather_obj(self, obj: Any) -> list:
-        out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return [out[g] for g in self._order]
+    # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
+    # (torch's *_object helpers pickle what peers send), on the device the backend moves.
 
     def _split(self, color: int, key: int) -> "TorchCommunicator":
         # new_group must be called by every rank of the parent for every new group.
