@@ -11,8 +11,10 @@ a fixed layout::
 and it moves through the communicator's own ``broadcast``/``allgather`` (its length first).
 Plain JSON values pass as they are; tuples, dicts with non-string keys, ``bytes``, torch
 tensors (CPU copies, put back on their device type), NumPy arrays and torch dtypes are
-tagged so they come back as the same type. Anything else is a ``TypeError`` that says what
-to send instead.
+tagged so they come back as the same type. Dataclass instances travel as their fields and
+come back as the receiver's own class where the receiver passed an instance at the same
+place (``allgather_obj`` of a dataclass), else as a dict: no class is ever looked up by a
+name a peer sent. Anything else is a ``TypeError`` that says what to send instead.
 
     >>> import torch
     >>> from commopt.comm.objects import decode, encode
@@ -21,10 +23,11 @@ to send instead.
     >>> encode({1, 2})
     Traceback (most recent call last):
     ...
-    TypeError: cannot send set at obj: bcast_obj/allgather_obj carry JSON values (None, bool, int, float, str, list, dict), tuples, bytes, tensors, NumPy arrays and torch dtypes, never pickle. Send a list instead (sorted(...)).
+    TypeError: cannot send set at obj: bcast_obj/allgather_obj carry JSON values (None, bool, int, float, str, list, dict), tuples, bytes, tensors, NumPy arrays, torch dtypes and dataclasses of those, never pickle. Send a list instead (sorted(...)).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from typing import Any
@@ -33,7 +36,7 @@ import torch
 
 _HEADER = struct.Struct("<Q")
 _ALLOWED = ("JSON values (None, bool, int, float, str, list, dict), tuples, bytes, tensors, "
-            "NumPy arrays and torch dtypes, never pickle")
+            "NumPy arrays, torch dtypes and dataclasses of those, never pickle")
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -90,6 +93,9 @@ class _Encoder:
             return self.value(int(obj) if isinstance(obj, int) else float(obj), where)
         if type(obj) is torch.Size:
             return self.value(tuple(obj), where)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {"$dataclass": {f.name: self.value(getattr(obj, f.name), f"{where}.{f.name}")
+                                   for f in dataclasses.fields(obj)}}
         name = type(obj).__name__
         raise TypeError(f"cannot send {name} at {where}: bcast_obj/allgather_obj carry {_ALLOWED}. "
                         f"Send {_HINTS.get(name, 'its fields as a dict or list of those types')}.")
@@ -110,8 +116,12 @@ def encode(obj: Any) -> bytes:
     return b"".join([_HEADER.pack(len(header)), header, *enc.blobs])
 
 
-def decode(message: bytes | memoryview) -> Any:
-    """The value ``encode`` made ``message`` from. Never runs code from the message."""
+def decode(message: bytes | memoryview, like: Any = None) -> Any:
+    """The value ``encode`` made ``message`` from. Never runs code from the message.
+
+    A dataclass instance comes back as an instance of the class found at the same place in
+    ``like`` (the receiver's own value: the message never names a class), else as a dict.
+    """
     message = memoryview(message)
     if len(message) < _HEADER.size:
         raise ValueError(f"object message of {len(message)} bytes is shorter than its header")
@@ -120,7 +130,7 @@ def decode(message: bytes | memoryview) -> Any:
     if start > len(message):
         raise ValueError(f"object message header says {n} bytes but only {len(message)} arrived")
     tree = json.loads(bytes(message[_HEADER.size:start]).decode())
-    return _Decoder(message[start:]).value(tree)
+    return _Decoder(message[start:]).value(tree, like)
 
 
 class _Decoder:
@@ -141,17 +151,27 @@ class _Decoder:
                 else torch.empty(0, dtype=torch.uint8))
         return flat.view(_DTYPES[dtype]).reshape([int(s) for s in shape])
 
-    def value(self, node: Any) -> Any:
+    def value(self, node: Any, like: Any = None) -> Any:
         if isinstance(node, list):
-            return [self.value(v) for v in node]
+            return [self.value(v, _item(like, i)) for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
             (tag, body), = node.items()
             if tag == "$tuple":
-                return tuple(self.value(v) for v in body)
+                return tuple(self.value(v, _item(like, i)) for i, v in enumerate(body))
             if tag == "$dict":
-                return {_hashable(self.value(k)): self.value(v) for k, v in body}
+                out = {}
+                for k, v in body:
+                    key = _hashable(self.value(k))
+                    out[key] = self.value(v, like.get(key) if isinstance(like, dict) else None)
+                return out
+            if tag == "$dataclass":
+                fields = {k: self.value(v, getattr(like, k, None)) for k, v in body.items()}
+                if dataclasses.is_dataclass(like) and not isinstance(like, type) and \
+                        set(fields) == {f.name for f in dataclasses.fields(like) if f.init}:
+                    return type(like)(**fields)  # the receiver's class, never one the peer names
+                return fields
             if tag == "$bytes":
                 return self._bytes(body)
             if tag == "$dtype":
@@ -165,7 +185,11 @@ class _Decoder:
             if tag == "$ndarray":
                 dtype, shape, off, n = body
                 return self._tensor(dtype, shape, (off, n)).numpy()
-        return {k: self.value(v) for k, v in node.items()}
+        return {k: self.value(v, like.get(k) if isinstance(like, dict) else None) for k, v in node.items()}
+
+
+def _item(like: Any, i: int) -> Any:
+    return like[i] if isinstance(like, (list, tuple)) and i < len(like) else None
 
 
 def _hashable(key: Any) -> Any:
@@ -198,7 +222,7 @@ def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
     buf = _as_tensor(data, device) if comm.rank == root else torch.empty(n, dtype=torch.uint8, device=device)
     if n:
         comm._broadcast(buf, root).wait()
-    return obj if comm.rank == root else decode(buf.cpu().numpy().tobytes())
+    return obj if comm.rank == root else decode(buf.cpu().numpy().tobytes(), like=obj)
 
 
 def allgather_object(comm, obj: Any) -> list:
@@ -214,4 +238,4 @@ def allgather_object(comm, obj: Any) -> list:
     everyone = torch.empty(width * comm.size, dtype=torch.uint8, device=device)
     comm._allgather(padded, everyone).wait()
     rows = everyone.cpu().view(comm.size, width)
-    return [decode(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(comm.size)]
+    return [decode(rows[r, : int(sizes[r])].numpy().tobytes(), like=obj) for r in range(comm.size)]

@@ -88,3 +88,18 @@ def test_local_communicator_uses_the_same_contract():
     assert comm.bcast_obj({"k": b"v"}) == {"k": b"v"}
     with pytest.raises(TypeError, match="never pickle"):
         comm.allgather_obj({1, 2})
+
+
+def test_dataclasses_come_back_as_the_receivers_class_or_a_dict():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Stats:
+        loss: float = 0.0
+        ntokens: int = 0
+
+    mine = Stats(1.5, 7)
+    assert decode(encode(Stats(2.5, 3)), like=mine) == Stats(2.5, 3)
+    assert decode(encode([Stats(2.5, 3)]), like=[mine]) == [Stats(2.5, 3)]
+    assert decode(encode(Stats(2.5, 3))) == {"loss": 2.5, "ntokens": 3}  # no class named by a peer
+    assert commopt.create_communicator("local").allgather_obj(mine) == [mine]
