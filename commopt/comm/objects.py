@@ -212,13 +212,29 @@ def _as_tensor(data: bytes, device: str = "cpu") -> torch.Tensor:
     return t.to(device)
 
 
+def _encode_or_none(obj: Any) -> tuple[bytes | None, TypeError | None]:
+    try:
+        return encode(obj), None
+    except TypeError as exc:
+        return None, exc
+
+
 def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
-    """``obj`` of rank ``root`` on every rank (the root gets its own object back)."""
+    """``obj`` of rank ``root`` on every rank (the root gets its own object back).
+
+    If the root cannot encode ``obj`` it still sends a length (-1), so every rank raises
+    instead of the others waiting for bytes that never come.
+    """
     device = getattr(comm, "object_device", "cpu")  # nccl process groups move CUDA tensors only
-    data = encode(obj) if comm.rank == root else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    data, error = _encode_or_none(obj) if comm.rank == root else (b"", None)
+    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
     comm._broadcast(size, root).wait()
     n = int(size.item())
+    if error is not None:
+        raise error
+    if n < 0:
+        raise TypeError(f"rank {comm.rank}: bcast_obj: rank {root} could not send its object "
+                        f"(its own error says why)")
     buf = _as_tensor(data, device) if comm.rank == root else torch.empty(n, dtype=torch.uint8, device=device)
     if n:
         comm._broadcast(buf, root).wait()
@@ -226,12 +242,20 @@ def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
 
 
 def allgather_object(comm, obj: Any) -> list:
-    """Every rank's ``obj``, in rank order."""
+    """Every rank's ``obj``, in rank order (every rank raises if one cannot send its own)."""
     device = getattr(comm, "object_device", "cpu")
-    mine = _as_tensor(encode(obj), device)
+    data, error = _encode_or_none(obj)
+    mine = _as_tensor(data or b"", device)
     sizes = torch.zeros(comm.size, dtype=torch.int64, device=device)
-    comm._allgather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), sizes).wait()
+    comm._allgather(torch.tensor([-1 if data is None else mine.numel()], dtype=torch.int64,
+                                 device=device), sizes).wait()
     sizes = sizes.cpu()
+    if error is not None:
+        raise error
+    bad = [r for r in range(comm.size) if sizes[r] < 0]
+    if bad:
+        raise TypeError(f"rank {comm.rank}: allgather_obj: ranks {bad} could not send their "
+                        f"objects (their own errors say why)")
     width = int(sizes.max().item())
     padded = torch.zeros(width, dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
