@@ -249,7 +249,7 @@ class Communicator(ABC):
         if not self.debug or self.size == 1:
             return
         mine = (op, int(buf.numel()), str(buf.dtype), root)
-        everyone = Communicator._allgather_obj(self, mine)
+        everyone = self._allgather_obj(mine)
         if any(sig != everyone[0] for sig in everyone):
             groups: dict[tuple, list[int]] = {}
             for r, sig in enumerate(everyone):
