@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.base import Communicator, CompletedWork, Work
 
 _DONE = CompletedWork()
 _OWNS_INIT = False  # True when this module called hvd.init() (and so may shut it down)

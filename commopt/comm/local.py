@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.base import Communicator, CompletedWork, Work
 
 _DONE = CompletedWork()
 

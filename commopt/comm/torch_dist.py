@@ -20,12 +20,11 @@ import atexit
 import contextlib
 import datetime
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.base import Communicator, CompletedWork, Work
 from commopt.comm.launcher import detect_launcher
 
 _DONE = CompletedWork()
