@@ -107,11 +107,13 @@ def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
     # Under torchrun (TORCHELASTIC_USE_AGENT_STORE) the agent already serves the store.
     host_it = rank == 0 and env_flag("TORCHELASTIC_USE_AGENT_STORE") is not True
     try:
-        if host_it:
-            listener = _listen(addr, port)  # on the given address only, not on every interface
+        listener = _listen(addr, port) if host_it else None
+        if listener is not None:
             # The store takes the socket over (and closes it): Python must not close it too.
             store = dist.TCPStore(addr, port, size, True, timeout=limit, wait_for_workers=False,
                                   master_listen_fd=listener.detach())
+        elif host_it:  # MASTER_ADDR names no interface here (a NAT or service address)
+            store = dist.TCPStore(addr, port, size, True, timeout=limit, wait_for_workers=False)
         else:
             store = dist.TCPStore(addr, port, size, False, timeout=limit)
     except OSError as exc:
@@ -165,14 +167,28 @@ def env_flag(name: str) -> bool | None:
 
 
 def _listen(addr: str, port: int):
-    import socket
+    """A socket listening on ``addr`` only; None when ``addr`` is not an address of this host.
 
-    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
-    family, _, _, _, sockaddr = infos[0]
+    In that case (a service or NAT address, as on Kubernetes) the store listens on every
+    interface, as torch does, and says so.
+    """
+    import errno
+    import socket
+    import sys
+
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(sockaddr)
-    sock.listen(256)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(256)
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+        print(f"commopt: MASTER_ADDR {addr} is not an address of this host; the rendezvous "
+              f"store listens on every interface, port {port}", file=sys.stderr, flush=True)
+        return None
     return sock
 
 
