@@ -61,7 +61,7 @@ def render(doc: dict) -> str:
     run = doc.get("run", {})
     counts: dict[str, int] = {}
     for c in cases:
-        key = "known gap" if c["outcome"].startswith("known gap") else c["outcome"]
+        key = c["outcome"].split(":")[0]  # "known gap: why", "skipped: why" -> the kind
         counts[key] = counts.get(key, 0) + 1
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no cases recorded"
     lines = [

@@ -50,6 +50,7 @@ class Case:
     def __init__(self, request, name: str, expected: str, transport: str = "-", ranks: int = 1):
         self.name, self.expected, self.transport, self.ranks = name, expected, transport, ranks
         self.seconds: float | None = None
+        self.skipped: str | None = None
         self._request = request
 
     def run(self, fn, *args, **kwargs):
@@ -59,8 +60,11 @@ class Case:
             return fn(*args, **kwargs)
         except AssertionError as exc:
             return exc
+        except pytest.skip.Exception as exc:  # e.g. no mpirun here: a row saying so, no time
+            self.skipped = str(exc)
+            raise
         finally:
-            self.seconds = time.monotonic() - t
+            self.seconds = None if self.skipped else time.monotonic() - t
 
     def ranks_failed(self, transport: str, code: str, nprocs: int, *, timeout: float,
                      env: dict | None = None, args=()) -> str:
@@ -89,7 +93,8 @@ def case(request):
         f"known gap: {xfail.kwargs.get('reason', '')}" if xfail else "passed"
     for c in made:
         _RECORDS.append({"case": c.name, "transport": c.transport, "ranks": c.ranks,
-                         "expected": c.expected, "outcome": outcome,
+                         "expected": c.expected,
+                         "outcome": f"skipped: {c.skipped}" if c.skipped else outcome,
                          "seconds": None if c.seconds is None else round(c.seconds, 2),
                          "test": request.node.nodeid})
 
