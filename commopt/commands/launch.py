@@ -54,14 +54,16 @@ def install_signal_handlers() -> None:
     """Ctrl-C raises KeyboardInterrupt, SIGTERM/SIGHUP raise Terminated(128 + signal).
 
     Installed first thing (before torch or anything slow could be imported), so a signal
-    that comes during start-up stops the launch like one that comes later.
+    that comes during start-up stops the launch like one that comes later. A signal the
+    parent set to be ignored (``nohup``, a background job) stays ignored.
     """
     def terminated(signum, frame):
         raise Terminated(128 + signum)
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, terminated)
+    for sig, handler in ((signal.SIGINT, signal.default_int_handler),
+                         (signal.SIGTERM, terminated), (signal.SIGHUP, terminated)):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handler)
 
 
 def _fail(msg: str) -> int:
