@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
-from commopt.comm.base import Communicator, CompletedWork, Work
 from commopt.comm.errors import CollectiveMismatchError, CommError
+
+# torch is imported on first use, not here: `commopt launch` reads commopt.comm.launcher and
+# must start (and take Ctrl-C) without paying for, or being interrupted inside, import torch.
+_LAZY = {"Communicator": "commopt.comm.base", "CompletedWork": "commopt.comm.base",
+         "Work": "commopt.comm.base"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'commopt.comm' has no attribute {name!r}")
 
 # name -> (module, class). Modules are imported only when their name is asked for, so an
 # optional dependency that is missing affects only its own backend.
@@ -35,10 +43,10 @@ _BACKENDS = {
 }
 _ALIASES = {"nccl": "pure_nccl", "gloo": "torch", "naive": "mpi", "single": "local"}
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
 
@@ -46,22 +54,25 @@ def communicator_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def parse_dtype(value) -> torch.dtype | None:
+def parse_dtype(value):
     """``None``, a torch dtype, a NumPy dtype or one of the names float32/float16/bfloat16."""
+    import torch
+
+    allowed = {n: getattr(torch, t) for n, t in _DTYPE_NAMES.items()}
     if value is None or isinstance(value, torch.dtype):
-        if value is not None and value not in _DTYPES.values():
+        if value is not None and value not in allowed.values():
             raise ValueError(f"allreduce_grad_dtype must be float32, float16 or bfloat16, got {value}")
         return value
     name = getattr(value, "name", None) or str(value)
     name = name.replace("torch.", "").replace("numpy.", "")
-    if name not in _DTYPES:
+    if name not in allowed:
         raise ValueError(
             f"unknown allreduce_grad_dtype {value!r}: use one of float32, float16, bfloat16 (or None)"
         )
-    return _DTYPES[name]
+    return allowed[name]
 
 
-def create_communicator(name: str = "mpi", *, allreduce_grad_dtype=None, **options) -> Communicator:
+def create_communicator(name: str = "mpi", *, allreduce_grad_dtype=None, **options):
     """Create the communicator called ``name``; ``options`` go to its constructor.
 
     ``allreduce_grad_dtype`` ("float16", "bfloat16", "float32" or a torch dtype) is the
@@ -75,7 +86,33 @@ def create_communicator(name: str = "mpi", *, allreduce_grad_dtype=None, **optio
     module_name, class_name = _BACKENDS[key]
     module = importlib.import_module(module_name)
     cls = getattr(module, class_name)
-    return cls(allreduce_grad_dtype=parse_dtype(allreduce_grad_dtype), **options)
+    comm = cls(allreduce_grad_dtype=parse_dtype(allreduce_grad_dtype), **options)
+    if key != "local":
+        _check_world_matches_launcher(comm, name)
+    return comm
+
+
+def _check_world_matches_launcher(comm, name: str) -> None:
+    """A world of one where the launcher started N ranks means N separate one-rank jobs.
+
+    That is what the ``mpi`` communicator sees under torchrun (MPI knows nothing of torchrun's
+    processes): every process would train alone and silently. Refuse, naming the fix.
+    """
+    from commopt.comm.launcher import detect_launcher
+
+    info = detect_launcher()
+    if comm.size != 1 or info.size <= 1:
+        return
+    fits = "torch" if info.name == "torchrun" else "mpi" if info.is_mpi else None
+    use = [n for n in (fits, "auto") if n and (n in _BACKENDS or n in _ALIASES) and n != name]
+    hint = " or ".join(f"create_communicator({n!r})" for n in use) or "a communicator of this launcher"
+    comm.finalize()
+    raise CommError(
+        f"rank {info.rank}: the {name!r} communicator sees a world of one, but {info.name} "
+        f"started {info.size} processes (its environment says rank {info.rank} of {info.size}): "
+        f"each would train alone. Under {info.name} use {hint}, or start the job with "
+        f"the launcher this communicator needs (mpirun or `commopt launch` for 'mpi')."
+    )
 
 
 __all__ = [

@@ -20,7 +20,6 @@ order they were issued.
 from __future__ import annotations
 
 import os
-import pickle
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -166,12 +165,17 @@ class Communicator(ABC):
         self._barrier()
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a picklable object from ``root``; returns it on every rank."""
+        """Broadcast ``obj`` from ``root``; returns it on every rank.
+
+        ``obj`` is made of JSON values, tuples, bytes, tensors, NumPy arrays and dtypes; it
+        travels as JSON plus raw bytes through this communicator's ``broadcast``, never as
+        pickle (see commopt.comm.objects). Anything else raises ``TypeError``.
+        """
         self._check_root(root)
         return self._bcast_obj(obj, root)
 
     def allgather_obj(self, obj: Any) -> list:
-        """Gather a picklable object from every rank; returns the list in rank order."""
+        """Every rank's ``obj`` (same kinds as ``bcast_obj``), as a list in rank order."""
         return self._allgather_obj(obj)
 
     def split(self, color: int, key: int | None = None) -> "Communicator":
@@ -213,11 +217,17 @@ class Communicator(ABC):
     @abstractmethod
     def _barrier(self) -> None: ...
 
-    @abstractmethod
-    def _bcast_obj(self, obj: Any, root: int) -> Any: ...
+    # Objects travel as JSON + raw bytes over the tensor primitives above (no pickle). A
+    # backend overrides these only to move the same bytes another way.
+    def _bcast_obj(self, obj: Any, root: int) -> Any:
+        from commopt.comm.objects import broadcast_object
 
-    @abstractmethod
-    def _allgather_obj(self, obj: Any) -> list: ...
+        return broadcast_object(self, obj, root)
+
+    def _allgather_obj(self, obj: Any) -> list:
+        from commopt.comm.objects import allgather_object
+
+        return allgather_object(self, obj)
 
     @abstractmethod
     def _split(self, color: int, key: int) -> "Communicator": ...
@@ -266,11 +276,3 @@ def _check_contiguous(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_contiguous():
         raise ValueError(f"{what}: the tensor must be contiguous (call .contiguous() first)")
-
-
-def dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads(data: bytes) -> Any:
-    return pickle.loads(data)

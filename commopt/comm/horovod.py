@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from commopt.comm.base import CompletedWork, Communicator, Work, dumps, loads
+from commopt.comm.base import Communicator, CompletedWork, Work
 
 _DONE = CompletedWork()
 _OWNS_INIT = False  # True when this module called hvd.init() (and so may shut it down)
@@ -187,28 +187,8 @@ class HorovodCommunicator(Communicator):
     def _barrier(self) -> None:
         self._hvd.barrier(process_set=self._ps)
 
-    # Horovod's broadcast_object/allgather_object compare global ranks and have no process set
-    # in 0.28, so objects travel as pickled bytes over this communicator's own collectives.
-    def _bcast_obj(self, obj: Any, root: int) -> Any:
-        data = torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8) if self.rank == root else None
-        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
-        self._broadcast(size, root).wait()
-        if self.rank != root:
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._broadcast(data, root).wait()
-        return obj if self.rank == root else loads(data.numpy().tobytes())
-
-    def _allgather_obj(self, obj: Any) -> list:
-        mine = torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8)
-        sizes = torch.zeros(self.size, dtype=torch.int64)
-        self._allgather(torch.tensor([mine.numel()], dtype=torch.int64), sizes).wait()
-        width = int(sizes.max().item())
-        padded = torch.zeros(width, dtype=torch.uint8)
-        padded[: mine.numel()] = mine
-        everyone = torch.empty(width * self.size, dtype=torch.uint8)
-        self._allgather(padded, everyone).wait()
-        rows = everyone.view(self.size, width)
-        return [loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
+    # Objects (bcast_obj/allgather_obj) use the base class's JSON + bytes path over this
+    # communicator's own collectives: Horovod's *_object helpers pickle and have no process set.
 
     def _split(self, color: int, key: int) -> "HorovodCommunicator":
         if self._ps is not self._hvd.global_process_set:

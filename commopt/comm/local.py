@@ -10,12 +10,9 @@
 """
 from __future__ import annotations
 
-import copy
-from typing import Any
-
 import torch
 
-from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.base import Communicator, CompletedWork, Work
 
 _DONE = CompletedWork()
 
@@ -44,12 +41,6 @@ class LocalCommunicator(Communicator):
 
     def _barrier(self) -> None:
         return None
-
-    def _bcast_obj(self, obj: Any, root: int) -> Any:
-        return copy.deepcopy(obj)
-
-    def _allgather_obj(self, obj: Any) -> list:
-        return [copy.deepcopy(obj)]
 
     def _split(self, color: int, key: int) -> "LocalCommunicator":
         return LocalCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype)

@@ -17,14 +17,14 @@ fp16 and bf16 themselves).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.base import Communicator, CompletedWork, Work
 from commopt.comm.launcher import detect_launcher
 
 _DONE = CompletedWork()
@@ -45,8 +45,33 @@ class _TorchWork(Work):
         return self._work.is_completed()
 
 
-def init_default_group(backend: str | None = None, timeout_s: float = 600) -> None:
-    """Create torch.distributed's default group from the launcher's environment."""
+#: Seconds every rank waits for the others to reach the rendezvous (store connect and join).
+RENDEZVOUS_TIMEOUT_ENV = "COMMOPT_RENDEZVOUS_TIMEOUT"
+DEFAULT_RENDEZVOUS_S = 30.0
+
+
+def rendezvous_timeout(value: float | None = None) -> float:
+    """``value``, else $COMMOPT_RENDEZVOUS_TIMEOUT, else 30 s."""
+    if value is None:
+        raw = os.environ.get(RENDEZVOUS_TIMEOUT_ENV, "")
+        try:
+            value = float(raw) if raw else DEFAULT_RENDEZVOUS_S
+        except ValueError:
+            raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={raw!r}: give seconds, e.g. 30") from None
+    if value <= 0:
+        raise ValueError(f"the rendezvous timeout must be positive seconds, got {value}")
+    return float(value)
+
+
+def init_default_group(backend: str | None = None, timeout_s: float = 600,
+                       rendezvous_timeout_s: float | None = None) -> None:
+    """Create torch.distributed's default group from the launcher's environment.
+
+    The ranks first meet in a TCP store (rank 0 hosts it, listening on MASTER_ADDR only;
+    under torchrun its agent does) and every rank registers there: a rank that is missing
+    after ``rendezvous_timeout_s`` (default 30 s) ends the others with its number, instead
+    of leaving them in the group's creation for the collective ``timeout_s``.
+    """
     if dist.is_initialized():
         return
     info = detect_launcher()
@@ -63,11 +88,108 @@ def init_default_group(backend: str | None = None, timeout_s: float = 600) -> No
                 "launch with torchrun, mpirun or `commopt launch --launcher torch`"
             )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, rank=info.rank, world_size=info.size,
+    store = _rendezvous(info.rank, info.size, env["MASTER_ADDR"], int(env.get("MASTER_PORT", "0")),
+                        rendezvous_timeout(rendezvous_timeout_s))
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     # A group left alive at interpreter exit can abort the process in torch's destructors
     # ("terminate called without an active exception"): destroy the one we created.
     atexit.register(_destroy_default_group)
+
+
+def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
+    """The store every rank reached, once all ``size`` ranks have registered in it."""
+    from commopt.comm.errors import CommError
+
+    where = f"{addr}:{port}"
+    limit = datetime.timedelta(seconds=wait_s)
+    hint = f"(${RENDEZVOUS_TIMEOUT_ENV} sets how long to wait, now {wait_s:g}s)"
+    # Under torchrun (TORCHELASTIC_USE_AGENT_STORE) the agent already serves the store.
+    host_it = rank == 0 and env_flag("TORCHELASTIC_USE_AGENT_STORE") is not True
+    try:
+        listener = _listen(addr, port) if host_it else None
+        if listener is not None:
+            # The store takes the socket over (and closes it): Python must not close it too.
+            store = dist.TCPStore(addr, port, size, True, timeout=limit, wait_for_workers=False,
+                                  master_listen_fd=listener.detach())
+        elif host_it:  # MASTER_ADDR names no interface here (a NAT or service address)
+            store = dist.TCPStore(addr, port, size, True, timeout=limit, wait_for_workers=False)
+        else:
+            store = dist.TCPStore(addr, port, size, False, timeout=limit)
+    except OSError as exc:
+        raise CommError(f"rank {rank}: cannot listen on the rendezvous address {where} "
+                        f"(MASTER_ADDR/MASTER_PORT): {exc}. Give an address of this host and "
+                        f"a free port.") from None
+    except RuntimeError as exc:
+        raise CommError(
+            f"rank {rank}: could not reach the torch.distributed rendezvous at {where} within "
+            f"{wait_s:g}s: rank 0 (or torchrun's agent) hosts it there. Is rank 0 running, and "
+            f"are MASTER_ADDR/MASTER_PORT its address? {hint} [{str(exc).splitlines()[0]}]"
+        ) from None
+    # Elastic restarts reuse the agent's store: keys of an earlier attempt must not count.
+    joined = dist.PrefixStore(f"commopt-join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    joined.set(f"rank{rank}", "1")
+    # Rank 0 judges (it waits for every rank) and posts the verdict; the others read it, so
+    # every rank's error names the same missing ranks.
+    if rank == 0:
+        try:
+            joined.wait([f"rank{r}" for r in range(size)], limit)
+            verdict = "ok"
+        except RuntimeError:
+            verdict = ",".join(str(r) for r in range(size) if not joined.check([f"rank{r}"]))
+        joined.set("verdict", verdict)
+        if verdict != "ok":  # keep the store up until the others have read it (briefly)
+            present = [r for r in range(1, size) if str(r) not in verdict.split(",")]
+            with contextlib.suppress(RuntimeError):
+                joined.wait([f"read{r}" for r in present], datetime.timedelta(seconds=5))
+    else:
+        try:
+            joined.wait(["verdict"], limit + datetime.timedelta(seconds=10))
+            verdict = joined.get("verdict").decode()
+        except RuntimeError:
+            raise CommError(f"rank {rank}: the rendezvous at {where} closed or went silent while "
+                            f"this rank waited for the others: rank 0, which hosts it, ended "
+                            f"{hint}") from None
+        if verdict != "ok":
+            joined.set(f"read{rank}", "1")
+    if verdict != "ok":
+        raise CommError(
+            f"rank {rank}: ranks [{verdict}] of {size} did not reach the rendezvous at {where} "
+            f"within {wait_s:g}s (they ended before creating their communicator, or never "
+            f"started) {hint}"
+        )
+    return store
+
+
+def env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value is None else value.strip().lower() in ("1", "true", "yes")
+
+
+def _listen(addr: str, port: int):
+    """A socket listening on ``addr`` only; None when ``addr`` is not an address of this host.
+
+    In that case (a service or NAT address, as on Kubernetes) the store listens on every
+    interface, as torch does, and says so.
+    """
+    import errno
+    import socket
+    import sys
+
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(256)
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+        print(f"commopt: MASTER_ADDR {addr} is not an address of this host; the rendezvous "
+              f"store listens on every interface, port {port}", file=sys.stderr, flush=True)
+        return None
+    return sock
 
 
 def _destroy_default_group() -> None:
@@ -78,11 +200,11 @@ def _destroy_default_group() -> None:
             pass
 
 
-def _free_port() -> int:
+def _free_port(addr: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 
@@ -93,13 +215,16 @@ def _share_master_over_mpi() -> None:
     from commopt.comm.mpi import _mpi
 
     world = _mpi().COMM_WORLD
-    mine = None
+    # A fixed 256-byte buffer (Bcast), not mpi4py's pickling bcast: "address port", padded.
+    buf = bytearray(256)
     if world.Get_rank() == 0:
         ifname = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("COMMOPT_DATA_IFNAME")
         addr = _address_of(ifname) if ifname else socket.gethostbyname(socket.gethostname())
-        mine = (addr, _free_port())
-    addr, port = world.bcast(mine, root=0)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+        text = f"{addr} {_free_port(addr)}".encode()
+        buf[:len(text)] = text
+    world.Bcast(buf, root=0)
+    addr, port = bytes(buf).rstrip(b"\0").decode().split()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(int(port))
 
 
 def _address_of(ifname: str) -> str:
@@ -117,18 +242,23 @@ class TorchCommunicator(Communicator):
 
     Options: ``group`` (a ProcessGroup; default: the default group, created if needed),
     ``backend`` ("gloo" or "nccl", used only when the default group is created here),
-    ``timeout_s`` (collective timeout of a group created here).
+    ``timeout_s`` (collective timeout of a group created here), ``rendezvous_timeout_s``
+    (how long ranks wait for each other when the group is created here; default
+    $COMMOPT_RENDEZVOUS_TIMEOUT or 30 s).
     """
 
     name = "torch"
 
     def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, group=None,
-                 backend: str | None = None, timeout_s: float = 600, _order: list[int] | None = None):
+                 backend: str | None = None, timeout_s: float = 600,
+                 rendezvous_timeout_s: float | None = None, _order: list[int] | None = None):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         if group is None:
-            init_default_group(backend, timeout_s)
+            init_default_group(backend, timeout_s, rendezvous_timeout_s)
         self.group = group
         self.backend = dist.get_backend(group)
+        # Where bcast_obj/allgather_obj stage their bytes: nccl moves CUDA tensors only.
+        self.object_device = "cuda" if self.backend == "nccl" else "cpu"
         self.size = dist.get_world_size(group)
         # torch numbers a group's members by global rank; split() may ask for another order
         # (by key). _order[i] is the group rank of our rank i; identity in the common case.
@@ -184,15 +314,8 @@ class TorchCommunicator(Communicator):
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def _bcast_obj(self, obj: Any, root: int) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global[root], group=self.group)
-        return box[0]
-
-    def _allgather_obj(self, obj: Any) -> list:
-        out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return [out[g] for g in self._order]
+    # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
+    # (torch's *_object helpers pickle what peers send), on the device the backend moves.
 
     def _split(self, color: int, key: int) -> "TorchCommunicator":
         # new_group must be called by every rank of the parent for every new group.

@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -45,6 +46,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the command each rank runs, after --")
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP, raised where the launcher is so the job is stopped in order."""
+
+
+def install_signal_handlers() -> None:
+    """Ctrl-C raises KeyboardInterrupt, SIGTERM/SIGHUP raise Terminated(128 + signal).
+
+    Installed first thing (before torch or anything slow could be imported), so a signal
+    that comes during start-up stops the launch like one that comes later. A signal the
+    parent set to be ignored (``nohup``, a background job) stays ignored.
+    """
+    def terminated(signum, frame):
+        raise Terminated(128 + signum)
+
+    for sig, handler in ((signal.SIGINT, signal.default_int_handler),
+                         (signal.SIGTERM, terminated), (signal.SIGHUP, terminated)):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handler)
+
+
 def _fail(msg: str) -> int:
     print(f"commopt launch: {msg}", file=sys.stderr)
     return 2
@@ -56,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("commopt launch: interrupted; the job is stopped", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(f"commopt launch: terminated by signal {int(exc.code) - 128}; the job is stopped",
+              file=sys.stderr)
+        return int(exc.code)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -66,7 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         from commopt.testbed import cleanup_stale
 
         removed = cleanup_stale()
-        print(f"removed {len(removed)} stale namespaces" + (f": {' '.join(removed)}" if removed else ""))
+        print(f"removed {len(removed)} stale namespaces and work directories"
+              + (f": {' '.join(removed)}" if removed else ""))
         return 0
     if not command:
         return _fail("give the command to run after --, e.g. commopt launch -n 2 -- python train.py")

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print("commopt tune: every point failed; nothing written", file=sys.stderr)
         return 1
     baseline = next((r for r in results if not r.point and r.rows), None)
-    with open(args.out, "w") as f:
-        f.write(tune.env_file_text(best, command=command, large_from=large_from, baseline=baseline))
+    tune.write_env_file(args.out, tune.env_file_text(best, command=command, large_from=large_from,
+                                                      baseline=baseline))
     print(f"\nbest: {tune.describe(best.point)} -> {args.out} (source it before launching)")
     return 0 if all(not r.error for r in results) else 1

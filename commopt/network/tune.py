@@ -17,6 +17,7 @@ practice: socket settings matter above about 1 MB), and the best is written as a
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -244,7 +245,7 @@ def env_file_text(best: PointResult, *, command: str, large_from: int = DEFAULT_
     score = best.score(large_from)
     lines = [
         "# Written by commopt tune on " + time.strftime("%Y-%m-%d %H:%M:%S"),
-        f"# command: {command}",
+        f"# command: {comment_safe(command)}",
         f"# best of the sweep: mean all-reduce bus bandwidth {score:.4g} GB/s over messages "
         f">= {_size(large_from)}"
         + (f" ({score / baseline.score(large_from):.2f}x the defaults' "
@@ -252,8 +253,41 @@ def env_file_text(best: PointResult, *, command: str, large_from: int = DEFAULT_
     ]
     if not best.point:
         lines.append("# the defaults won: nothing to export")
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in best.point.items()]
+    lines += [f"export {env_name(k)}={shlex.quote(v)}" for k, v in best.point.items()]
     return "\n".join(lines) + "\n"
+
+
+def comment_safe(text: str) -> str:
+    """``text`` on one comment line: a newline in it would end the comment and run as shell.
+
+    >>> comment_safe("python -c 'x\\nrm -rf ~'")
+    "python -c 'x\\\\nrm -rf ~'"
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def write_env_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file beside it, then a rename.
+
+    A reader never sees half a file, and a symlink at ``path`` is replaced, not followed.
+    """
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # what open(path, "w") would have given, not mkstemp's 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 # -- running ----------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ off everywhere, so no packet can leave the namespaces of the run.
     ...     subprocess.run(cluster.host_argv(1, ["ip", "-br", "addr"]))
 
 Everything is removed on exit, on an exception, on Ctrl-C and on SIGTERM/SIGHUP. A run killed
-with SIGKILL leaves its namespaces behind; the next run that takes the same slot (or
-``cleanup_stale()``, ``commopt launch --cleanup``) removes them.
+with SIGKILL leaves its namespaces and its work directory (``$TMPDIR/commopt-testbed<s>-*``)
+behind; the next run that takes the same slot (or ``cleanup_stale()``, ``commopt launch
+--cleanup``) removes them.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ CTL_IFNAME = "ctl0"
 MAX_SLOTS = 250
 MAX_HOSTS = 253
 ETC_NETNS = Path("/etc/netns")
+WORKDIR_PREFIX = "commopt-testbed"
 _LOCK_DIRS = ("/run/commopt-testbed", os.path.join(tempfile.gettempdir(), "commopt-testbed"))
 
 
@@ -158,9 +160,11 @@ def cleanup_stale() -> list[str]:
     existing = list_namespaces()
     if ETC_NETNS.is_dir():  # a run killed between writing these and creating namespaces
         existing += [p.name for p in ETC_NETNS.iterdir() if p.name not in existing]
+    workdirs = _workdirs()
     for slot in range(MAX_SLOTS):
         names = _slot_namespaces(slot, existing)
-        if not names and not _lock_path(slot).exists():
+        dirs = workdirs.get(slot, [])
+        if not names and not dirs and not _lock_path(slot).exists():
             continue
         fd = _try_lock(slot)
         if fd is None:
@@ -168,9 +172,22 @@ def cleanup_stale() -> list[str]:
         try:
             _remove_namespaces(names)
             removed += names
+            for d in dirs:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(str(d))
         finally:
             _unlock(slot, fd)  # also drops lock files of old runs
     return removed
+
+
+def _workdirs() -> dict[int, list[Path]]:
+    """Work directories of runs (``commopt-testbed<slot>-*`` in the temp dir), by slot."""
+    found: dict[int, list[Path]] = {}
+    for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+        slot = path.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        if slot.isdigit() and path.is_dir() and not path.is_symlink():
+            found.setdefault(int(slot), []).append(path)
+    return found
 
 
 def list_namespaces() -> list[str]:
@@ -250,11 +267,13 @@ def _allocate(n_hosts: int, rate_bits: int | None) -> EmulatedCluster:
         stale = _slot_namespaces(slot)
         if stale:  # left by a run that was killed outright: ours now
             _remove_namespaces(stale)
+        for old in _workdirs().get(slot, []):
+            shutil.rmtree(old, ignore_errors=True)
         # Addresses only exist inside this run's namespaces, so runs cannot collide on them;
         # the slot in the third octet just makes `ip addr` output say which run it is.
         hosts = [Host(i, f"host{i}", f"{PREFIX}{slot}-h{i}", f"10.231.{slot}.{i + 1}",
                       f"10.232.{slot}.{i + 1}") for i in range(n_hosts)]
-        workdir = Path(tempfile.mkdtemp(prefix=f"commopt-testbed{slot}-"))
+        workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{slot}-"))
         return EmulatedCluster(slot=slot, rate_bits=rate_bits, hosts=hosts,
                                switch=f"{PREFIX}{slot}-sw", data_cidr=f"10.231.{slot}.0/24",
                                ctl_cidr=f"10.232.{slot}.0/24", head_ip=f"10.232.{slot}.254",

@@ -306,7 +306,7 @@ def load_checkpoint(directory: Path, comm, cfg: Config, device, which: str = "la
         if not path.is_file():
             raise RecipeError(f"--resume: {path} is missing; was the checkpoint written by "
                               f"{comm.size} ranks, on a folder every rank can read?")
-    shared = torch.load(shared_path, map_location=device, weights_only=False)
+    shared = torch.load(shared_path, map_location=device, weights_only=True)
     if shared.get("format") != CHECKPOINT_FORMAT:
         raise RecipeError(f"--resume: {shared_path} is not a checkpoint of this recipe")
     if shared["world_size"] != comm.size:
@@ -318,7 +318,7 @@ def load_checkpoint(directory: Path, comm, cfg: Config, device, which: str = "la
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise RecipeError(f"--resume: settings differ from the checkpoint's run ({detail}); "
                           "use the same options to resume exactly")
-    own = torch.load(own_path, map_location=device, weights_only=False)
+    own = torch.load(own_path, map_location=device, weights_only=True)
     return shared, own
 
 

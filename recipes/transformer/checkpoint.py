@@ -53,8 +53,8 @@ def save_checkpoint(state: dict, save_dir: str, *, epoch: int, num_updates: int,
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    # The file holds plain Python values (argparse options, tokenizer bytes) next to tensors.
-    return torch.load(path, map_location=map_location, weights_only=False)
+    # Plain values (option dict, tokenizer bytes, RNG tuples) and tensors: no pickled code.
+    return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def average_model_states(states: list[dict]) -> dict:

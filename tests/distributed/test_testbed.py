@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +55,11 @@ def assert_run_gone(slot: int, links_before: set[str]) -> None:
     assert left == [], f"namespaces of run {slot} survived: {left}"
     assert not any(p.name.startswith(f"commopt{slot}-") for p in ETC_NETNS.glob("*"))
     assert root_links() == links_before, "the run changed the root namespace's interfaces"
+    assert workdirs(slot) == [], f"work directories of run {slot} survived"
+
+
+def workdirs(slot: int) -> list[Path]:
+    return sorted(Path(tempfile.gettempdir()).glob(f"commopt-testbed{slot}-*"))
 
 
 # -- set-up and teardown -----------------------------------------------------------------------
@@ -131,8 +137,11 @@ def test_cleanup_after_sigkill():
     p.kill()
     p.wait(timeout=30)
     assert any(n.startswith(f"commopt{slot}-") for n in list_namespaces())
+    left = workdirs(slot)
+    assert left, "a SIGKILLed run leaves its work directory"
     r = launch("--cleanup")
     assert r.returncode == 0 and f"commopt{slot}-h0" in r.stdout, r.stdout + r.stderr
+    assert all(str(d) in r.stdout for d in left), r.stdout
     assert_run_gone(slot, before)
 
 

@@ -198,3 +198,30 @@ def test_emulated_cluster_refuses_clearly_without_root(launch, monkeypatch):
             pass
     code, _, err = launch("-n", "2", "--link", "1gbit", "--launcher", "torch", "--", "true")
     assert code == 2 and "cannot emulate a cluster here" in err and "root" in err
+
+
+@pytest.mark.parametrize("typo, fix", [("--timout", "--timeout"), ("--dryrun", "--dry-run"),
+                                       ("--lnk", "--link"), ("--launcer=torch", "--launcher")])
+def test_an_unknown_option_before_the_command_is_an_error_with_a_suggestion(launch, capfd, typo, fix):
+    with pytest.raises(SystemExit) as info:
+        launch("-n", "2", "--dry-run", typo, "60", "--", "echo", "ran")
+    err = capfd.readouterr().err
+    assert info.value.code == 2
+    assert f"did you mean {fix}?" in err and "go after --" in err
+    assert "ran" not in capfd.readouterr().out  # nothing was started
+
+
+def test_an_unknown_option_of_another_subcommand_is_named(capfd):
+    with pytest.raises(SystemExit):
+        main(["tune", "--dryrun"])
+    assert "did you mean --dry-run?" in capfd.readouterr().err
+
+
+def test_launch_imports_no_torch():
+    """`commopt launch` starts without torch (slow, and a Ctrl-C inside it was lost)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "commopt", "launch", "-n", "2",
+                        "--launcher", "torch", "--dry-run", "--", "true"], capture_output=True,
+                       text=True, timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line]
+    assert "commopt.commands.launch" in imported and "torch" not in imported

@@ -161,3 +161,30 @@ def test_sweep_repeats_round_robin_and_skips_a_failed_point(tmp_path):
     assert seen[-1] == (5, 5)
     with pytest.raises(ValueError, match="at least 1"):
         tune.sweep([{}], ["true"], repeats=0)
+
+
+def test_nothing_from_argv_runs_when_the_env_file_is_sourced(tmp_path):
+    """A newline or $(...) in the recorded command (it comes from argv) stays a comment."""
+    import shlex
+
+    best = res({"OMPI_MCA_btl_tcp_links": "4"}, [(2**20, 0.1)])
+    command = shlex.join(["commopt", "bench", "--bench-args",
+                          "x\ntouch injected-newline\n$(touch injected-subst) `touch injected-tick`"])
+    env = tmp_path / "best.env"
+    tune.write_env_file(str(env), tune.env_file_text(best, command=command))
+    out = subprocess.run(["bash", "-c", f"source {env}; echo $OMPI_MCA_btl_tcp_links"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.env"]
+    assert "injected-newline" in env.read_text()  # recorded, as an escaped comment
+
+
+def test_env_file_is_replaced_atomically_and_a_symlink_is_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    out = tmp_path / "tune.env"
+    out.symlink_to(victim)
+    tune.write_env_file(str(out), "export A=1\n")
+    assert victim.read_text() == "keep me\n"
+    assert not out.is_symlink() and out.read_text() == "export A=1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tune.env", "victim"]  # no temp file left
