@@ -12,8 +12,8 @@ Three implementations produce bit-identical wires for the same inputs and key:
 warning, when the library is not built). The environment variable ``COMMOPT_KERNELS``
 (``native``, ``triton`` or ``reference``) overrides that choice for CPU tensors;
 ``COMMOPT_KERNELS=triton`` routes every codec through the Triton source under the interpreter
-on a machine without a GPU (commopt sets ``TRITON_INTERPRET=1`` there when it is the first to
-import triton; elsewhere set it yourself): slow, meant for tests.
+on a machine without a GPU (commopt sets ``TRITON_INTERPRET=1`` there before it loads the
+kernels; on a GPU machine set it yourself): slow, meant for tests.
 
     >>> import torch
     >>> from commopt import kernels
@@ -154,8 +154,9 @@ def _env_choice() -> str | None:
 def _triton():
     """The Triton kernels module; on a machine without a GPU, under the interpreter.
 
-    ``TRITON_INTERPRET`` is read when triton decorates the kernels, so it is set before the
-    first import of triton, and only where torch sees no GPU (compiled kernels could not run).
+    Triton reads ``TRITON_INTERPRET`` when it decorates its own and commopt's kernels, so it
+    is set before triton's first import, and only where torch sees no GPU (compiled kernels
+    could not run there).
     """
     if "triton" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -179,15 +180,15 @@ def _check_triton(device: torch.device) -> str:
     if device.type == "cpu" and not interpreted:
         raise ValueError(
             "impl='triton' on CPU tensors runs under Triton's interpreter, but triton was "
-            "imported compiled for the GPU: set TRITON_INTERPRET=1 (or COMMOPT_KERNELS=triton) "
-            "before the first import of triton, or move the tensors to the GPU"
+            "imported compiled for the GPU: set TRITON_INTERPRET=1 before triton is first "
+            "imported, or move the tensors to the GPU"
         )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"impl='triton' needs CUDA (or, interpreted, CPU) tensors, got {device}")
     if device.type == "cuda" and interpreted:
         raise ValueError(
-            "the Triton kernels were loaded under the interpreter (TRITON_INTERPRET=1 or "
-            "COMMOPT_KERNELS=triton); unset it to run them compiled on CUDA tensors"
+            "the Triton kernels were loaded under the interpreter (TRITON_INTERPRET=1); unset "
+            "it to run them compiled on CUDA tensors"
         )
     return "triton"
 

@@ -186,11 +186,20 @@ def _cast_decode_kernel(wire_ptr, out_ptr, n, alpha, HAS_ALPHA: tl.constexpr,
                         ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    v = tl.load(wire_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(wire_ptr + i, mask=ok, other=0.0)
+    if wire_ptr.dtype.element_ty == tl.bfloat16:
+        # exact on the bits (the interpreter's own conversion mishandles subnormals)
+        v = (w.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = w.to(tl.float32)
     _store(out_ptr, i, ok, v, alpha, HAS_ALPHA, ACCUMULATE)
 
 
 INTERPRETED = type(_cast_encode_kernel).__name__ == "InterpretedFunction"
+if INTERPRETED != (type(tl.max).__name__ == "InterpretedFunction"):
+    raise ImportError(
+        "TRITON_INTERPRET changed between the import of triton and of commopt's kernels; set it "
+        "(or leave it unset) before triton is first imported")
 #: elements (or wire bytes) per program: the interpreter pays per program, a GPU per register.
 BLOCK = 8192 if INTERPRETED else 1024
 _LAUNCH = {} if INTERPRETED else {"enable_fp_fusion": False, "num_warps": 4}
