@@ -29,6 +29,7 @@ def test_bad_impl_and_device_requests_raise():
 
 def test_missing_triton_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "commopt.kernels.triton", None)  # makes the import fail
+    monkeypatch.delattr(kernels, "triton", raising=False)
     with pytest.raises(ImportError, match=r"pip install triton==3\.7\.1"):
         kernels._triton()
 
