@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import warnings
 
 import torch
@@ -152,14 +151,7 @@ def _env_choice() -> str | None:
 
 
 def _triton():
-    """The Triton kernels module; on a machine without a GPU, under the interpreter.
-
-    Triton reads ``TRITON_INTERPRET`` when it decorates its own and commopt's kernels, so it
-    is set before triton's first import, and only where torch sees no GPU (compiled kernels
-    could not run there).
-    """
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    """The Triton kernels module; on a machine without a GPU, under the interpreter."""
     try:
         from commopt.kernels import triton as _triton_kernels
     except ImportError as err:

@@ -15,11 +15,34 @@ QSGD encode is two launches: one program per group of buckets writes each bucket
 the ``8 // bits`` elements of that byte (so buckets need not start on a byte). l2 norms of
 buckets wider than ``MAX_WIDTH`` come from the reference's torch code (same tree, same
 device); max norms of any width are computed in the kernel.
+
+    >>> import torch
+    >>> from commopt import kernels
+    >>> device = "cpu" if kernels.triton_interpreted() else "cuda"
+    >>> x = torch.linspace(-1, 1, 1000)
+    >>> wire = torch.empty(kernels.qsgd_nbytes(1000, bits=4, bucket_size=100), dtype=torch.uint8)
+    >>> kernels.qsgd_encode(x, wire, bits=4, levels=7, bucket_size=100, key=(1, 2), impl="reference")
+    >>> on_device = torch.empty(wire.numel(), dtype=torch.uint8, device=device)
+    >>> kernels.qsgd_encode(x.to(device), on_device, bits=4, levels=7, bucket_size=100, key=(1, 2),
+    ...                     impl="triton")
+    >>> torch.equal(on_device.cpu(), wire)
+    True
 """
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it decorates its own and these kernels, so it is set
+# before triton's first import, and only where torch sees no GPU (compiled kernels could
+# not run there).
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 #: widest bucket whose l2 norm the kernel sums itself (a power of two).
 MAX_WIDTH = 4096
@@ -216,8 +239,6 @@ def _grid(work: int, per_program: int) -> tuple[int]:
 
 def _steps(x, out, *, bits, levels, bucket_size, norm, scale, scale_bytes):
     """Write the scales into ``out`` and return the float32 step of every bucket."""
-    import torch
-
     from commopt.kernels import reference as _ref
 
     n = x.numel()
