@@ -61,12 +61,22 @@ def _lowbias32(x):
     return x
 
 
+@triton.jit
+def _start(PER_PROGRAM: tl.constexpr, WIDE: tl.constexpr):
+    # int32 indices unless the buffer needs 64 bits: dividing by the bucket size is a
+    # runtime division per element, several times dearer in 64 bits on a GPU
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    return pid * PER_PROGRAM
+
+
 @triton.jit(do_not_specialize=["levels"])
 def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchunks, levels,
                        scale, HAS_SCALE: tl.constexpr, L2: tl.constexpr, PRE_NORMS: tl.constexpr,
                        HALF: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
-                       LOG2W: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+                       LOG2W: tl.constexpr, WIDE: tl.constexpr):
+    rows = _start(ROWS, WIDE) + tl.arange(0, ROWS)
     row_ok = rows < nb
     cols = tl.arange(0, WIDTH)
     if PRE_NORMS:
@@ -121,8 +131,9 @@ def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchu
 @triton.jit(do_not_specialize=["levels", "k0", "k1"])
 def _qsgd_quantize_kernel(x_ptr, steps_ptr, payload_ptr, n, payload_bytes, bucket, levels, k0, k1,
                           scale, HAS_SCALE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                          BITS: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr):
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                          BITS: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
+                          WIDE: tl.constexpr):
+    byte = _start(BLOCK, WIDE) + tl.arange(0, BLOCK)
     e = tl.arange(0, PER_BYTE)
     i = byte[:, None] * PER_BYTE + e[None, :]
     ok = i < n
@@ -160,8 +171,8 @@ def _store(out_ptr, offs, ok, v, alpha, HAS_ALPHA: tl.constexpr, ACCUMULATE: tl.
 @triton.jit
 def _qsgd_decode_kernel(wire_ptr, out_ptr, n, nb, bucket, alpha, HAS_ALPHA: tl.constexpr,
                         ACCUMULATE: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
-                        PER_BYTE: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                        PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    i = _start(BLOCK, WIDE) + tl.arange(0, BLOCK)
     ok = i < n
     b = i // bucket
     if HALF:
@@ -225,12 +236,21 @@ if INTERPRETED != (type(tl.max).__name__ == "InterpretedFunction"):
         "(or leave it unset) before triton is first imported")
 #: elements (or wire bytes) per program: the interpreter pays per program, a GPU per register.
 BLOCK = 8192 if INTERPRETED else 1024
+#: elements of the bucket-norm tile (several buckets per program when they are narrow).
+TILE = 2048
 _LAUNCH = {} if INTERPRETED else {"enable_fp_fusion": False, "num_warps": 4}
 
 
 def _i32(word: int) -> int:
     # a 32-bit key word as the signed int Triton passes as i32 (bitcast back in the kernel)
     return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _wide(n: int, bucket_size: int) -> bool:
+    # every index a program forms, masked lanes and a last partial tile included, stays
+    # below 2^31 in int32 (with room: a wrapped index would pass the `< n` masks)
+    nb = -(-n // bucket_size)
+    return (nb + max(BLOCK, TILE) + 1) * max(bucket_size, MAX_WIDTH) + 8 * BLOCK >= 2**31
 
 
 def _grid(work: int, per_program: int) -> tuple[int]:
@@ -252,12 +272,12 @@ def _steps(x, out, *, bits, levels, bucket_size, norm, scale, scale_bytes):
         padded = torch.nn.functional.pad(y, (0, nb * bucket_size - n)).view(nb, bucket_size)
         norms = _ref._bucket_norm(padded, "l2").contiguous()
     width = min(width, MAX_WIDTH)
-    rows = max(1, (BLOCK // 4) // width)
+    rows = max(1, TILE // width)
     _qsgd_steps_kernel[_grid(nb, rows)](
         x, norms if norms is not None else steps, out, steps, n, nb, bucket_size,
         -(-bucket_size // width), levels, scale, HAS_SCALE=scale != 1.0, L2=l2,
         PRE_NORMS=norms is not None, HALF=scale_bytes == 2, ROWS=rows, WIDTH=width,
-        LOG2W=width.bit_length() - 1, **_LAUNCH)
+        LOG2W=width.bit_length() - 1, WIDE=_wide(n, bucket_size), **_LAUNCH)
     return steps
 
 
@@ -276,7 +296,7 @@ def qsgd_encode(x, out, *, bits, levels, bucket_size, key, norm, stochastic, sca
     _qsgd_quantize_kernel[_grid(payload.numel(), BLOCK // per_byte)](
         x, steps, payload, n, payload.numel(), bucket_size, levels, _i32(key[0]), _i32(key[1]),
         scale, HAS_SCALE=scale != 1.0, STOCHASTIC=bool(stochastic), BITS=bits, PER_BYTE=per_byte,
-        BLOCK=BLOCK // per_byte, **_LAUNCH)
+        BLOCK=BLOCK // per_byte, WIDE=_wide(n, bucket_size), **_LAUNCH)
 
 
 def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scale_bytes) -> None:
@@ -286,7 +306,7 @@ def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scal
     _qsgd_decode_kernel[_grid(n, BLOCK)](
         wire, out, n, -(-n // bucket_size), bucket_size, alpha, HAS_ALPHA=alpha != 1.0,
         ACCUMULATE=bool(accumulate), HALF=scale_bytes == 2, BITS=bits, PER_BYTE=8 // bits,
-        BLOCK=BLOCK, **_LAUNCH)
+        BLOCK=BLOCK, WIDE=_wide(n, bucket_size), **_LAUNCH)
 
 
 def cast_encode(x, out, *, scale) -> None:

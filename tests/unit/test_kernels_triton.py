@@ -115,7 +115,10 @@ def test_qsgd_triton_matches_reference(x, cfg, data):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("norm", ["max", "l2"])
-def test_qsgd_across_program_boundaries(small_blocks, bits, norm):
+@pytest.mark.parametrize("wide", [False, True], ids=["int32-index", "int64-index"])
+def test_qsgd_across_program_boundaries(small_blocks, monkeypatch, bits, norm, wide):
+    # int64 indices are taken from 2^31 elements on; forced here on a small buffer
+    monkeypatch.setattr(triton_kernels, "_wide", lambda n, bucket_size: wide)
     # 1000 elements in blocks of 256: four programs, the last one ragged; bucket 37 crosses them
     x = torch.randn(1000, generator=torch.Generator().manual_seed(bits)) * 5
     x[500] = float("inf")

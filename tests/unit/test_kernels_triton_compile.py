@@ -31,15 +31,17 @@ assert not tk.INTERPRETED
 variants = [
     (tk._qsgd_steps_kernel, {"x_ptr": "*fp32", "norms_ptr": "*fp32", "out_ptr": "*u8", "steps_ptr": "*fp32",
      "n": "i64", "nb": "i64", "bucket": "i32", "nchunks": "i32", "levels": "i32", "scale": "fp32"},
-     [dict(HAS_SCALE=True, L2=l2, PRE_NORMS=False, HALF=half, ROWS=r, WIDTH=w, LOG2W=w.bit_length() - 1)
-      for l2, half, r, w in ((True, True, 2, 128), (False, False, 1, 4096), (True, False, 256, 1))]),
+     [dict(HAS_SCALE=True, L2=l2, PRE_NORMS=False, HALF=half, ROWS=r, WIDTH=w, LOG2W=w.bit_length() - 1,
+           WIDE=wide) for l2, half, r, w, wide in ((True, True, 16, 128, False), (False, False, 1, 4096, True),
+                                                    (True, False, 2048, 1, False))]),
     (tk._qsgd_quantize_kernel, {"x_ptr": "*fp32", "steps_ptr": "*fp32", "payload_ptr": "*u8", "n": "i64",
      "payload_bytes": "i64", "bucket": "i32", "levels": "i32", "k0": "i32", "k1": "i32", "scale": "fp32"},
-     [dict(HAS_SCALE=True, STOCHASTIC=s, BITS=b, PER_BYTE=8 // b, BLOCK=1024 // (8 // b))
-      for s, b in ((True, 4), (False, 2), (True, 8))]),
+     [dict(HAS_SCALE=True, STOCHASTIC=s, BITS=b, PER_BYTE=8 // b, BLOCK=1024 // (8 // b), WIDE=w)
+      for s, b, w in ((True, 4, False), (False, 2, True), (True, 8, False))]),
     (tk._qsgd_decode_kernel, {"wire_ptr": "*u8", "out_ptr": "*fp32", "n": "i64", "nb": "i64", "bucket": "i32",
      "alpha": "fp32"},
-     [dict(HAS_ALPHA=True, ACCUMULATE=True, HALF=h, BITS=b, PER_BYTE=8 // b, BLOCK=1024) for h, b in ((True, 4), (False, 2))]),
+     [dict(HAS_ALPHA=True, ACCUMULATE=True, HALF=h, BITS=b, PER_BYTE=8 // b, BLOCK=1024, WIDE=w)
+      for h, b, w in ((True, 4, False), (False, 2, True))]),
     (tk._cast_encode_kernel, {"x_ptr": "*fp32", "out_ptr": "*bf16", "n": "i64", "scale": "fp32"},
      [dict(HAS_SCALE=True, BLOCK=1024)]),
     (tk._cast_encode_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp16", "n": "i64", "scale": "fp32"},
@@ -85,6 +87,8 @@ def test_kernels_compile_for_nvidia_and_amd_with_exact_arithmetic():
             assert "fma.rn.f32" not in code and "fma.rn.f64" not in code, f"contracted multiply-add in {where}"
             assert "div.full.f32" not in code and "div.approx" not in code, f"approximate division in {where}"
             assert "sqrt.approx" not in code, f"approximate square root in {where}"
+            if r["constexprs"].get("WIDE") is False:
+                assert "div.s64" not in code and "rem.s64" not in code, f"64-bit division in {where}"
             if r["kernel"] == "_qsgd_steps_kernel":
                 assert "div.rn.f32" in code
                 if r["constexprs"]["L2"]:
