@@ -10,10 +10,12 @@ On a machine without a GPU the same source runs under Triton's interpreter
 (``TRITON_INTERPRET=1`` before triton is first imported) on CPU tensors; that is how CI
 executes it. :func:`commopt.kernels.triton_interpreted` says which mode this process got.
 
-QSGD encode is two launches: one program per group of buckets writes each bucket's scale
-(and its float32 step to a scratch array), then one lane per wire byte quantises and packs
-the ``8 // bits`` elements of that byte (so buckets need not start on a byte). l2 norms of
-buckets wider than ``MAX_WIDTH`` come from the reference's torch code (same tree, same
+QSGD encode with max norms reads ``x`` once when its buckets start on a byte
+(``bucket * bits % 8 == 0``) and fit a tile (``<= MAX_WIDTH``): each program holds whole buckets, takes their norms,
+writes their scales and packs their codes. Otherwise it is two launches: one program per
+group of buckets writes each bucket's scale (and its float32 step to a scratch array), then
+one lane per wire byte quantises and packs the ``8 // bits`` elements of that byte. l2 norms
+of buckets wider than ``MAX_WIDTH`` come from the reference's torch code (same tree, same
 device); max norms of any width are computed in the kernel.
 
     >>> import torch
@@ -71,41 +73,27 @@ def _start(PER_PROGRAM: tl.constexpr, WIDE: tl.constexpr):
     return pid * PER_PROGRAM
 
 
-@triton.jit(do_not_specialize=["levels"])
-def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchunks, levels,
-                       scale, HAS_SCALE: tl.constexpr, L2: tl.constexpr, PRE_NORMS: tl.constexpr,
-                       HALF: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
-                       LOG2W: tl.constexpr, WIDE: tl.constexpr):
-    rows = _start(ROWS, WIDE) + tl.arange(0, ROWS)
-    row_ok = rows < nb
-    cols = tl.arange(0, WIDTH)
-    if PRE_NORMS:
-        m = tl.load(norms_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        bitmax = tl.zeros((ROWS,), dtype=tl.int32)
-        sq = tl.zeros((ROWS, WIDTH), dtype=tl.float64)
-        for c in range(0, nchunks):
-            j = c * WIDTH + cols
-            idx = rows[:, None] * bucket + j[None, :]
-            ok = row_ok[:, None] & (j[None, :] < bucket) & (idx < n)
-            y = tl.load(x_ptr + idx, mask=ok, other=0.0)
-            if HAS_SCALE:
-                y = y * scale
-            if L2:  # one chunk only (the wrapper sees to it)
-                y64 = y.to(tl.float64)
-                sq = y64 * y64
-            else:
-                # max of |y| through the bit patterns: exact, and NaN sorts above Inf
-                bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                bitmax = tl.maximum(bitmax, tl.max(bits, axis=1))
-        if L2:
-            # the reference's tree: element j pairs with j + width/2, then halves again
-            for k in tl.static_range(LOG2W):
-                sq = tl.sum(tl.reshape(sq, (ROWS, 2, WIDTH >> (k + 1))), axis=1)
-            m = tl.sqrt(tl.sum(sq, axis=1)).to(tl.float32)
-        else:
-            m = bitmax.to(tl.float32, bitcast=True)
-    # level spacing: norm / levels rounded up so that levels * step >= norm
+@triton.jit
+def _tile_norm(y, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2W: tl.constexpr):
+    """l2 norm of each row of a (ROWS, WIDTH) tile (zeros beyond the bucket), as the reference."""
+    y64 = y.to(tl.float64)
+    sq = y64 * y64
+    # the reference's tree: element j pairs with j + width/2, then the halves again
+    for k in tl.static_range(LOG2W):
+        sq = tl.sum(tl.reshape(sq, (ROWS, 2, WIDTH >> (k + 1))), axis=1)
+    return tl.sqrt(tl.sum(sq, axis=1)).to(tl.float32)
+
+
+@triton.jit
+def _bitmax(y):
+    # max of |y| per row through the bit patterns: exact, and NaN sorts above Inf
+    return tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def _store_steps(m, rows, row_ok, out_ptr, levels, HALF: tl.constexpr):
+    """Level spacing of each bucket from its norm ``m``; writes the scales, returns the steps."""
+    # norm / levels rounded up so that levels * step >= norm
     step = tl.div_rn(m, levels.to(tl.float32))
     bump = step.to(tl.float64) * levels < m.to(tl.float64)
     step = tl.where(bump, (step.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), step)
@@ -125,22 +113,12 @@ def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchu
     byte = ((word[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8)
     dst = rows[:, None] * nbytes + tl.arange(0, nbytes)[None, :]
     tl.store(out_ptr + dst, byte, mask=row_ok[:, None])
-    tl.store(steps_ptr + rows, step, mask=row_ok)
+    return step
 
 
-@triton.jit(do_not_specialize=["levels", "k0", "k1"])
-def _qsgd_quantize_kernel(x_ptr, steps_ptr, payload_ptr, n, payload_bytes, bucket, levels, k0, k1,
-                          scale, HAS_SCALE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                          BITS: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
-                          WIDE: tl.constexpr):
-    byte = _start(BLOCK, WIDE) + tl.arange(0, BLOCK)
-    e = tl.arange(0, PER_BYTE)
-    i = byte[:, None] * PER_BYTE + e[None, :]
-    ok = i < n
-    y = tl.load(x_ptr + i, mask=ok, other=0.0)
-    if HAS_SCALE:
-        y = y * scale
-    step = tl.load(steps_ptr + i // bucket, mask=ok, other=1.0)
+@triton.jit
+def _quantize(y, step, i, ok, levels, k0, k1, STOCHASTIC: tl.constexpr, BITS: tl.constexpr):
+    """The sign+level code of each ``y`` (element index ``i``; 0 where not ``ok``)."""
     valid = (step > 0.0) & (step < float("inf"))
     t = tl.div_rn(tl.abs(y), tl.where(valid, step, 1.0))
     t = tl.where(valid, t, 0.0)
@@ -154,7 +132,81 @@ def _qsgd_quantize_kernel(x_ptr, steps_ptr, payload_ptr, n, payload_bytes, bucke
         up = frac >= 0.5
     q = tl.minimum(low.to(tl.int32) + up.to(tl.int32), levels)
     neg = (y < 0.0) & (q > 0)
-    code = tl.where(ok, q | (neg.to(tl.int32) << (BITS - 1)), 0)
+    return tl.where(ok, q | (neg.to(tl.int32) << (BITS - 1)), 0)
+
+
+@triton.jit(do_not_specialize=["levels", "k0", "k1"])
+def _qsgd_encode_fused_kernel(x_ptr, out_ptr, payload_ptr, n, nb, bucket, levels, k0, k1, scale,
+                              HAS_SCALE: tl.constexpr, HALF: tl.constexpr,
+                              STOCHASTIC: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+                              ROWS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    # One pass, max norms: ROWS whole buckets per program, held in one tile; buckets start on
+    # a byte (bucket * BITS % 8 == 0), so each row packs its own bytes.
+    rows = _start(ROWS, WIDE) + tl.arange(0, ROWS)
+    row_ok = rows < nb
+    cols = tl.arange(0, WIDTH)
+    idx = rows[:, None] * bucket + cols[None, :]
+    ok = row_ok[:, None] & (cols[None, :] < bucket) & (idx < n)
+    y = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    if HAS_SCALE:
+        y = y * scale
+    m = _bitmax(y).to(tl.float32, bitcast=True)
+    step = _store_steps(m, rows, row_ok, out_ptr, levels, HALF)
+    code = _quantize(y, step[:, None], idx, ok, levels, k0, k1, STOCHASTIC, BITS)
+    shifts = tl.arange(0, PER_BYTE) * BITS
+    packed = tl.sum(tl.reshape(code, (ROWS, WIDTH // PER_BYTE, PER_BYTE)) << shifts[None, None, :], axis=2)
+    col_byte = tl.arange(0, WIDTH // PER_BYTE)
+    first = rows[:, None] * (bucket // PER_BYTE) + col_byte[None, :]
+    keep = row_ok[:, None] & (col_byte[None, :] * PER_BYTE < bucket) & (first * PER_BYTE < n)
+    tl.store(payload_ptr + first, packed.to(tl.uint8), mask=keep)
+
+
+@triton.jit(do_not_specialize=["levels"])
+def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchunks, levels,
+                       scale, HAS_SCALE: tl.constexpr, L2: tl.constexpr, PRE_NORMS: tl.constexpr,
+                       HALF: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
+                       LOG2W: tl.constexpr, WIDE: tl.constexpr):
+    # Two-pass encode, pass 1: the scales, and the steps for pass 2.
+    rows = _start(ROWS, WIDE) + tl.arange(0, ROWS)
+    row_ok = rows < nb
+    cols = tl.arange(0, WIDTH)
+    if PRE_NORMS:
+        m = tl.load(norms_ptr + rows, mask=row_ok, other=0.0)
+    elif L2:  # the whole bucket in one tile (wider ones come with PRE_NORMS)
+        idx = rows[:, None] * bucket + cols[None, :]
+        y = tl.load(x_ptr + idx, mask=row_ok[:, None] & (cols[None, :] < bucket) & (idx < n), other=0.0)
+        if HAS_SCALE:
+            y = y * scale
+        m = _tile_norm(y, ROWS, WIDTH, LOG2W)
+    else:  # any width, in chunks of WIDTH
+        bitmax = tl.zeros((ROWS,), dtype=tl.int32)
+        for c in range(0, nchunks):
+            j = c * WIDTH + cols
+            idx = rows[:, None] * bucket + j[None, :]
+            y = tl.load(x_ptr + idx, mask=row_ok[:, None] & (j[None, :] < bucket) & (idx < n), other=0.0)
+            if HAS_SCALE:
+                y = y * scale
+            bitmax = tl.maximum(bitmax, _bitmax(y))
+        m = bitmax.to(tl.float32, bitcast=True)
+    step = _store_steps(m, rows, row_ok, out_ptr, levels, HALF)
+    tl.store(steps_ptr + rows, step, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["levels", "k0", "k1"])
+def _qsgd_quantize_kernel(x_ptr, steps_ptr, payload_ptr, n, payload_bytes, bucket, levels, k0, k1,
+                          scale, HAS_SCALE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                          BITS: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
+                          WIDE: tl.constexpr):
+    # Two-pass encode, pass 2: one lane per wire byte (buckets may start inside a byte).
+    byte = _start(BLOCK, WIDE) + tl.arange(0, BLOCK)
+    e = tl.arange(0, PER_BYTE)
+    i = byte[:, None] * PER_BYTE + e[None, :]
+    ok = i < n
+    y = tl.load(x_ptr + i, mask=ok, other=0.0)
+    if HAS_SCALE:
+        y = y * scale
+    step = tl.load(steps_ptr + i // bucket, mask=ok, other=1.0)
+    code = _quantize(y, step, i, ok, levels, k0, k1, STOCHASTIC, BITS)
     packed = tl.sum(code << (e * BITS)[None, :], axis=1)  # disjoint bits: the sum is an or
     tl.store(payload_ptr + byte, packed.to(tl.uint8), mask=byte < payload_bytes)
 
@@ -290,9 +342,22 @@ def qsgd_encode(x, out, *, bits, levels, bucket_size, key, norm, stochastic, sca
     if n == 0:
         payload.zero_()
         return
+    per_byte = 8 // bits
+    width = 1 << max(0, (bucket_size - 1).bit_length())
+    if norm == "max" and bucket_size % per_byte == 0 and width <= MAX_WIDTH:
+        # buckets start on a byte and fit a tile: one pass over x. (Not for l2: Triton 3.7
+        # takes minutes to compile the norm tree and the quantiser in one kernel.)
+        code_bytes = (n * bits + 7) // 8
+        payload[code_bytes:].zero_()
+        rows = max(1, TILE // width)
+        _qsgd_encode_fused_kernel[_grid(nb, rows)](
+            x, out, payload, n, nb, bucket_size, levels, _i32(key[0]), _i32(key[1]), scale,
+            HAS_SCALE=scale != 1.0, HALF=scale_bytes == 2, STOCHASTIC=bool(stochastic),
+            BITS=bits, PER_BYTE=per_byte, ROWS=rows, WIDTH=width, WIDE=_wide(n, bucket_size),
+            **_LAUNCH)
+        return
     steps = _steps(x, out, bits=bits, levels=levels, bucket_size=bucket_size, norm=norm,
                    scale=scale, scale_bytes=scale_bytes)
-    per_byte = 8 // bits
     _qsgd_quantize_kernel[_grid(payload.numel(), BLOCK // per_byte)](
         x, steps, payload, n, payload.numel(), bucket_size, levels, _i32(key[0]), _i32(key[1]),
         scale, HAS_SCALE=scale != 1.0, STOCHASTIC=bool(stochastic), BITS=bits, PER_BYTE=per_byte,

@@ -29,6 +29,11 @@ from commopt.kernels import triton as tk
 
 assert not tk.INTERPRETED
 variants = [
+    (tk._qsgd_encode_fused_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "payload_ptr": "*u8", "n": "i64",
+     "nb": "i64", "bucket": "i32", "levels": "i32", "k0": "i32", "k1": "i32", "scale": "fp32"},
+     [dict(HAS_SCALE=True, HALF=half, STOCHASTIC=st, BITS=b, PER_BYTE=8 // b, ROWS=r, WIDTH=w, WIDE=wide)
+      for half, st, b, r, w, wide in ((False, True, 4, 16, 128, False), (True, True, 2, 16, 128, False),
+                                      (False, False, 8, 1, 4096, True))]),
     (tk._qsgd_steps_kernel, {"x_ptr": "*fp32", "norms_ptr": "*fp32", "out_ptr": "*u8", "steps_ptr": "*fp32",
      "n": "i64", "nb": "i64", "bucket": "i32", "nchunks": "i32", "levels": "i32", "scale": "fp32"},
      [dict(HAS_SCALE=True, L2=l2, PRE_NORMS=False, HALF=half, ROWS=r, WIDTH=w, LOG2W=w.bit_length() - 1,
@@ -89,11 +94,11 @@ def test_kernels_compile_for_nvidia_and_amd_with_exact_arithmetic():
             assert "sqrt.approx" not in code, f"approximate square root in {where}"
             if r["constexprs"].get("WIDE") is False:
                 assert "div.s64" not in code and "rem.s64" not in code, f"64-bit division in {where}"
-            if r["kernel"] == "_qsgd_steps_kernel":
+            if r["kernel"] in ("_qsgd_steps_kernel", "_qsgd_encode_fused_kernel"):
                 assert "div.rn.f32" in code
-                if r["constexprs"]["L2"]:
+                if r["constexprs"].get("L2"):
                     assert "sqrt.rn.f64" in code
-        elif r["kernel"] in ("_qsgd_steps_kernel", "_qsgd_quantize_kernel"):
+        elif r["kernel"] in ("_qsgd_steps_kernel", "_qsgd_quantize_kernel", "_qsgd_encode_fused_kernel"):
             # AMD has no division instruction: the IEEE one is a scale/fma/fixup sequence
             assert "v_div_fixup_f32" in code, f"approximate division in {where}"
         else:  # the decode and cast kernels: multiply, then add, never fused
