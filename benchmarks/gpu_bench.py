@@ -46,8 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_codec(name: str):
-    import torch  # noqa: F401 - imported before commopt's codecs on purpose: the kernels need it
-
+    """The codec a row of the report names (two QSGD variants beside the registry's names)."""
     from commopt.codecs import QSGD, get_codec
 
     if name == "qsgd4-l2":
