@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit test-distributed bench clean horovod
+.PHONY: setup demo test test-unit test-distributed bench clean horovod gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,21 @@ test-distributed: setup
 BENCH_ARGS ?=
 bench: setup
 	$(PY) -m commopt bench step $(BENCH_ARGS)
+
+# On a machine with a GPU: CuPy with NCCL for torch's CUDA version (pure_nccl), tests/gpu and
+# the Triton kernel tests on the device, then benchmarks/gpu_bench.py, which writes
+# $(GPU_RESULT) and docs/benchmarks-gpu.md. Triton itself comes with CUDA builds of torch.
+GPU_RESULT ?= benchmarks/results/gpu.json
+gpu-check: setup
+	@$(PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'make gpu-check needs a GPU: torch ' + torch.__version__ + ' sees none')"
+	@cuda=$$($(PY) -c "import torch; print((torch.version.cuda or '').split('.')[0])"); \
+	if [ -n "$$cuda" ]; then \
+	  $(PY) -m pip install -q -c $(VENV)/constraints.txt "cupy-cuda$${cuda}x" && \
+	  $(PY) -c "from cupy.cuda import nccl; assert nccl.available, 'CuPy found no NCCL: pip install nvidia-nccl-cu$$cuda'"; \
+	else echo "[gpu-check] ROCm torch: no CuPy/NCCL, the pure_nccl tests skip"; fi
+	$(PY) -m pytest -q -ra tests/gpu tests/unit/test_kernels_triton.py tests/unit/test_codec_contract.py $(PYTEST_ARGS)
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 1 $(PY) benchmarks/gpu_bench.py \
+	  --json $(GPU_RESULT) --report docs/benchmarks-gpu.md
 
 # Horovod 0.28.1 from source against the pinned torch (the wheel is kept in .horovod/).
 horovod: setup

@@ -47,11 +47,11 @@ fi
 stamp="$VENV/.commopt-deps"
 deps_hash=$(cat pyproject.toml setup.py | sha1sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
-  log "installing commopt with its extras (dev, recipes)"
+  log "installing commopt with its extras (dev, recipes, triton: the GPU kernels, run interpreted in the tests)"
   "${PIP[@]}" setuptools wheel
   # The constraint keeps torch at the pinned build whatever an extra asks for.
   echo "$TORCH_PIN" > "$VENV/constraints.txt"
-  "${PIP[@]}" -c "$VENV/constraints.txt" --no-build-isolation -e ".[dev,recipes]"
+  "${PIP[@]}" -c "$VENV/constraints.txt" --no-build-isolation -e ".[dev,recipes,triton]"
   echo "$deps_hash" > "$stamp"
 fi
 

@@ -4,11 +4,16 @@ Three implementations produce bit-identical wires for the same inputs and key:
 
 * ``"native"``: C++ in ``commopt_ext/cpu_kernels.cpp`` (built by ``pip install``), for CPU
   tensors; multi-threaded with ``threads`` (default ``torch.get_num_threads()``).
-* ``"cuda"``: ``commopt_ext/*.cu`` compiled at run time through CuPy, for CUDA tensors.
+* ``"triton"``: Triton kernels (``commopt.kernels.triton``), the GPU implementation (NVIDIA
+  and AMD). On CPU tensors they run under Triton's interpreter, which is how CI executes them.
 * ``"reference"``: plain torch (``commopt.kernels.reference``), any device; the spec.
 
-``impl=None`` picks native for CPU tensors (reference, with one warning, when the library
-is not built) and CUDA for CUDA tensors.
+``impl=None`` picks triton for CUDA tensors and native for CPU tensors (reference, with one
+warning, when the library is not built). The environment variable ``COMMOPT_KERNELS``
+(``native``, ``triton`` or ``reference``) overrides that choice for CPU tensors;
+``COMMOPT_KERNELS=triton`` routes every codec through the Triton source under the interpreter
+on a machine without a GPU (commopt sets ``TRITON_INTERPRET=1`` there before it loads the
+kernels; on a GPU machine set it yourself): slow, meant for tests.
 
     >>> import torch
     >>> from commopt import kernels
@@ -23,6 +28,7 @@ is not built) and CUDA for CUDA tensors.
 """
 from __future__ import annotations
 
+import os
 import struct
 import warnings
 
@@ -30,7 +36,11 @@ import torch
 
 from commopt.kernels import reference as _ref
 
-IMPLS = ("native", "cuda", "reference")
+IMPLS = ("native", "triton", "reference")
+#: the environment variable that picks the implementation for CPU tensors.
+ENV_VAR = "COMMOPT_KERNELS"
+#: the triton release torch 2.13's CUDA build depends on (the ``triton`` extra pins it).
+TRITON_PIN = "triton==3.7.1"
 NORMS = ("max", "l2")
 QSGD_BITS = (2, 4, 8)
 CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -100,7 +110,9 @@ def _pick(impl: str | None, *tensors: torch.Tensor) -> str:
     device = devices.pop()
     if impl is None:
         if device.type == "cuda":
-            return "cuda"
+            return _check_triton(device)
+        impl = _env_choice() if device.type == "cpu" else None
+    if impl is None:
         if device.type == "cpu":
             if native_available():
                 return "native"
@@ -119,8 +131,8 @@ def _pick(impl: str | None, *tensors: torch.Tensor) -> str:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "native" and device.type != "cpu":
         raise ValueError(f"impl='native' needs CPU tensors, got {device}")
-    if impl == "cuda" and device.type != "cuda":
-        raise ValueError(f"impl='cuda' needs CUDA tensors, got {device}")
+    if impl == "triton":
+        return _check_triton(device)
     if impl == "native" and not native_available():
         raise RuntimeError(
             "impl='native' requested but commopt_ext._cpu is not built; run "
@@ -129,13 +141,55 @@ def _pick(impl: str | None, *tensors: torch.Tensor) -> str:
     return impl
 
 
+def _env_choice() -> str | None:
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if not choice:
+        return None
+    if choice not in IMPLS:
+        raise ValueError(f"{ENV_VAR}={choice!r}: must be one of {IMPLS} (or unset)")
+    return choice
+
+
+def _triton():
+    """The Triton kernels module; on a machine without a GPU, under the interpreter."""
+    try:
+        from commopt.kernels import triton as _triton_kernels
+    except ImportError as err:
+        raise ImportError(
+            f"commopt's GPU codec kernels need Triton ({err}): pip install {TRITON_PIN} "
+            "(CUDA builds of torch bring it), or pass impl='reference' to use plain torch"
+        ) from err
+    return _triton_kernels
+
+
+def triton_interpreted() -> bool:
+    """True when the Triton kernels run under the interpreter (CPU tensors) in this process."""
+    return _triton().INTERPRETED
+
+
+def _check_triton(device: torch.device) -> str:
+    interpreted = _triton().INTERPRETED
+    if device.type == "cpu" and not interpreted:
+        raise ValueError(
+            "impl='triton' on CPU tensors runs under Triton's interpreter, but triton was "
+            "imported compiled for the GPU: set TRITON_INTERPRET=1 before triton is first "
+            "imported, or move the tensors to the GPU"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"impl='triton' needs CUDA (or, interpreted, CPU) tensors, got {device}")
+    if device.type == "cuda" and interpreted:
+        raise ValueError(
+            "the Triton kernels were loaded under the interpreter (TRITON_INTERPRET=1); unset "
+            "it to run them compiled on CUDA tensors"
+        )
+    return "triton"
+
+
 def _backend(impl: str):
     if impl == "native":
         return _native()
-    if impl == "cuda":
-        from commopt.kernels import cuda as _cuda_kernels
-
-        return _cuda_kernels
+    if impl == "triton":
+        return _triton()
     return _ref
 
 

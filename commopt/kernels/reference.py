@@ -1,6 +1,6 @@
 """Plain-torch reference of every codec kernel: the executable specification.
 
-The native (C++) and CUDA kernels must produce bit-identical wires to these functions for
+The native (C++) and Triton kernels must produce bit-identical wires to these functions for
 the same inputs and key; ``tests/unit/test_kernels_*.py`` check that with hypothesis.
 They run on any device torch supports, so they are also the fallback when no native
 kernel is available. See docs/codecs.md for the wire formats and the random numbers.

@@ -1,4 +1,9 @@
-"""pure_nccl and CUDA tensors over mpi/gloo. Skipped without CUDA (and CuPy), with the reason."""
+"""pure_nccl, torch's nccl backend and CUDA tensors over mpi/gloo, with codecs on the device.
+
+Skipped without CUDA (and CuPy for pure_nccl), with the reason. A world of one on one GPU
+checks the paths end to end; two ranks need two GPUs for NCCL (it refuses two ranks on one
+device), so the one-GPU two-rank test uses mpi and gloo.
+"""
 import pytest
 import torch
 
@@ -38,7 +43,7 @@ def test_cuda_tensors_two_ranks(backend):
     code = f"""
 import torch, commopt
 torch.cuda.set_device(0)
-comm = commopt.create_communicator({backend!r})
+comm = commopt.create_communicator({backend!r}{", backend='gloo'" if backend == "torch" else ""})
 t = torch.full((1000,), float(comm.rank + 1), device="cuda")
 comm.allreduce(t)
 assert torch.all(t == 3.0), t[:4]
@@ -62,3 +67,34 @@ comm.allreduce(t); assert torch.all(t == 3.0)
 print("ok")
 """, 2, timeout=180)
     assert [o.strip() for o in out] == ["ok", "ok"]
+
+
+@cuda
+@pytest.mark.parametrize("comm_name", ["pure_nccl", "torch"])
+def test_codecs_reduce_cuda_tensors_in_a_world_of_one(comm_name):
+    # every codec's Triton kernels inside the scatter-reduce collective, on the device
+    if comm_name == "pure_nccl":
+        _needs_cupy()
+    runner = run_mpi if comm_name == "pure_nccl" else run_torch
+    extra = ", backend='nccl'" if comm_name == "torch" else ""
+    out = runner(f"""
+import torch, commopt
+from commopt import collectives
+from commopt.codecs import RngKey, get_codec
+torch.cuda.set_device(0)
+comm = commopt.create_communicator({comm_name!r}{extra})
+if {comm_name!r} == "torch":
+    assert comm.backend == "nccl", comm.backend
+x = torch.randn(100_003, device="cuda")
+for name in ("none", "fp16", "bf16", "qsgd8", "qsgd4", "qsgd2", "qsgd4+ef"):
+    codec = get_codec(name)
+    t = x.clone()
+    collectives.allreduce(comm, t, codec, algorithm="scatter_reduce", rng=RngKey(0, 0, 1), key="b")
+    # a world of one: the result is decode(encode(x)), within the codec's error bound
+    bound = {"none": 0, "fp16": 2**-11, "bf16": 2**-8, "qsgd8": 1 / 127, "qsgd4": 1 / 7,
+             "qsgd2": 1.0, "qsgd4+ef": 1 / 7}[name] * 1.01
+    assert t.is_cuda and float((t - x).abs().max()) <= bound * float(x.abs().max()), name
+comm.finalize()
+print("ok")
+""", 1, timeout=300)
+    assert out[0].strip() == "ok"

@@ -1,11 +1,19 @@
-"""One contract every Codec must meet, run over every codec commopt ships."""
+"""One contract every Codec must meet, run over every codec commopt ships.
+
+Every test runs twice: with the default kernels for CPU tensors (native, or the reference
+where the library is not built) and with ``COMMOPT_KERNELS=triton``, i.e. through the Triton
+GPU kernels under Triton's interpreter.
+"""
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
+
+from commopt import kernels
 
 from commopt.codecs import QSGD, Codec, ErrorFeedback, RngKey, get_codec
 from tests.unit.codec_helpers import float_tensors
@@ -27,6 +35,18 @@ def _all_codecs():
 
 
 CODECS = _all_codecs()
+
+
+@pytest.fixture(autouse=True, params=["default", "triton"])
+def kernel_impl(request, monkeypatch):
+    """The kernels behind every codec call of the test (see the module docstring)."""
+    if request.param == "triton":
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("needs triton: pip install triton==3.7.1 (commopt[triton])")
+        if not kernels.triton_interpreted():
+            pytest.skip("triton is compiled for the GPU here; CPU tensors need TRITON_INTERPRET=1")
+        monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    return request.param
 
 
 def _bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +93,7 @@ def test_attributes(codec):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(x=float_tensors(max_size=700).filter(lambda t: t.numel() == 0 or t.abs().max() < 3e4))
 def test_round_trip_within_the_codec_bound(name, x):
     codec = CODECS[name]()  # fresh per example: error feedback would carry residuals over

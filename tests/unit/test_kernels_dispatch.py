@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commopt import kernels
-from commopt.kernels import cuda as _cuda_kernels, native as _native_kernels
+from commopt.kernels import native as _native_kernels
 
 
 def test_cpu_tensors_use_native_when_built():
@@ -20,22 +20,33 @@ def test_bad_impl_and_device_requests_raise():
     x = torch.randn(4)
     with pytest.raises(ValueError, match="impl must be one of"):
         kernels._pick("fast", x)
-    with pytest.raises(ValueError, match="CUDA tensors"):
-        kernels._pick("cuda", x)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kernels._pick("cuda", x)  # the raw CUDA path is gone: CUDA tensors use triton
     meta = torch.empty(4, device="meta")
     with pytest.raises(ValueError, match="one device"):
         kernels._pick(None, x, meta)
 
 
-def test_missing_cupy_names_the_package(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
-    with pytest.raises(ImportError, match="pip install cupy-cuda12x"):
-        _cuda_kernels._cupy()
+def test_missing_triton_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "commopt.kernels.triton", None)  # makes the import fail
+    monkeypatch.delattr(kernels, "triton", raising=False)
+    with pytest.raises(ImportError, match=r"pip install triton==3\.7\.1"):
+        kernels._triton()
 
 
-def test_cuda_source_ships_next_to_the_native_library():
-    assert _cuda_kernels.source_path().name == "codec_kernels.cu"
-    assert _cuda_kernels.source_path().exists()
+def test_environment_variable_picks_the_cpu_implementation(monkeypatch):
+    x = torch.randn(10)
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")
+    assert kernels._pick(None, x) == "reference"
+    monkeypatch.setenv(kernels.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="COMMOPT_KERNELS='fastest'"):
+        kernels._pick(None, x)
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    if kernels.triton_interpreted():
+        assert kernels._pick(None, x) == "triton"
+    else:  # a GPU machine: CPU tensors need the interpreter, set before triton's import
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            kernels._pick(None, x)
 
 
 def test_missing_native_library_falls_back_with_one_warning(monkeypatch):
