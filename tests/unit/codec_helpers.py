@@ -8,7 +8,7 @@ from commopt import kernels
 
 #: float32 values hypothesis may draw, denormals and extremes included (no NaN/Inf).
 finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
-#: the kernel implementations testable on this machine (CUDA has its own tests in tests/gpu).
+#: the kernel implementations testable on this machine (the Triton kernels run on GPUs in tests/gpu and under the interpreter in tests/unit/test_kernels_triton.py).
 CPU_IMPLS = ["reference"] + (["native"] if kernels.native_available() else [])
 
 
