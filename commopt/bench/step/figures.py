@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from commopt.bench.step.configs import CONFIGS, allreduce_limit_s
+from commopt.bench.step.floor import floor_s
 
 
 def efficiency(step_s: float, compute_s: float) -> float:
@@ -64,6 +65,10 @@ class Row:
     cpu_s: float | None = None     # one rank's process CPU time (all threads) per step
     cpu_busy: float | None = None  # that CPU time / wall time during the timed steps (cores)
     ranks_agree: bool | None = None
+    codec_s: float | None = None   # one step's codec arithmetic on one rank (floor.py)
+    floor_s: float | None = None   # max(compute + codec, link limit)
+    floor_ratio: float | None = None  # step / floor
+    bound: str | None = None       # "processor" or "link": what the rank CPU says limits it
     error: str | None = None
 
 
@@ -100,6 +105,12 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.speedup = base_step / row.step_s
         if row.wire_bytes is not None:
             row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
+        codecs = [rd["codec_s"] for rd in r["rounds"] if rd.get("codec_s") is not None]
+        row.codec_s = statistics.median(codecs) if codecs else None
+        if row.codec_s is not None:  # reports from before the floor have no codec time
+            row.floor_s = floor_s(row.compute_s, row.codec_s, row.limit_s)
+            row.floor_ratio = row.step_s / row.floor_s if row.floor_s else None
+        row.bound = bound(row)
         paired = [e for rd in r["rounds"] for e in (rd.get("block_efficiency") or [])]
         if paired:  # each block against the compute-only steps right after it
             row.efficiency = statistics.median(paired)
@@ -109,6 +120,16 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.comm_wait = comm_wait_share(row.step_s, row.compute_s)
         rows.append(row)
     return rows
+
+
+def bound(row: Row) -> str | None:
+    """"processor" when the rank keeps >= 0.8 of a core busy and that CPU time exceeds the
+    link's limit (the link cannot be what holds the step), "link" when it does not."""
+    if row.cpu_busy is None or row.cpu_s is None:
+        return None
+    if row.cpu_busy >= 0.8 and (row.limit_s is None or row.cpu_s > row.limit_s):
+        return "processor"
+    return "link" if row.limit_s is not None else None
 
 
 def check_targets(role: str, rows: list[Row]) -> list[str]:
@@ -160,11 +181,16 @@ def merge_rounds(entries: list[dict]) -> dict:
         first = ranks[min(ranks)]
         rounds.append({key: first.get(key) for key in ("step_times", "compute_times",
                                                        "block_efficiency", "backward_times",
-                                                       "cpu_per_step", "losses", "eval_loss")})
+                                                       "cpu_per_step", "codec_s", "losses",
+                                                       "eval_loss")})
         rounds[-1]["rank_step_medians"] = [statistics.median(ranks[r]["step_times"])
                                            for r in sorted(ranks)]
         agree = agree and len({ranks[r]["checksum"] for r in ranks}) == 1
     first = entries[0]
-    return {"rounds": rounds, "batch": first["batch"], "size": first["size"],
-            "wire_bytes": first["wire_bytes"], "params": first["params"], "ranks_agree": agree}
+    merged = {"rounds": rounds, "batch": first["batch"], "size": first["size"],
+              "wire_bytes": first["wire_bytes"], "params": first["params"], "ranks_agree": agree}
+    profiles = {str(e["rank"]): e["profile"] for e in entries if e.get("profile")}
+    if profiles:
+        merged["profile"] = profiles
+    return merged
 
