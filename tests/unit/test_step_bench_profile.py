@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from commopt.bench import profile_report as pr
 from commopt.bench import profile_step as ps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def test_a_thread_asleep_in_a_wait_is_told_from_one_running():
     # an asleep sample counts as time blocked in its phase, never as CPU
     threads = ps.attribute([(7, "MainThread", asleep, 3), (7, "MainThread", running, 1)], {7: ("python", 0.04, 5, 1)})
     assert threads[7]["samples"] == {"pack": 1} and threads[7]["blocked"] == {"wait/poll": 3}
-    rows = ps.thread_rows({"steps": 2, "rate": 100, "wall_s": 0.04, "threads": {"7": threads[7]}})
+    rows = pr.thread_rows({"steps": 2, "rate": 100, "wall_s": 0.04, "threads": {"7": threads[7]}})
     assert rows["training"]["pack"] == pytest.approx(20.0)       # 40 ms of CPU over 2 steps
     assert rows["training"]["blocked"] == pytest.approx(15.0)    # 3 of 4 samples of a 20 ms step
 

@@ -68,7 +68,7 @@ def print_model(model: str, info: dict, rows: list[Row], n: int, plan, targets: 
         print("target: " + line)
     profiled = _profiles({"models": {model: info}})
     if profiled:
-        from commopt.bench.profile_step import profile_table
+        from commopt.bench.profile_report import profile_table
 
         print(f"\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
         print(profile_table(profiled))
@@ -76,7 +76,7 @@ def print_model(model: str, info: dict, rows: list[Row], n: int, plan, targets: 
 
 
 def _profiles(report: dict) -> list:
-    from commopt.bench.profile_step import report_entries
+    from commopt.bench.profile_report import report_entries
 
     return report_entries(report)
 
@@ -101,7 +101,7 @@ def markdown_report(report: dict) -> str:
         out += [f"- target: {t}" for t in info["targets"]] + [""]
         profiled = _profiles({"models": {model: info}})
         if profiled:
-            from commopt.bench.profile_step import profile_table
+            from commopt.bench.profile_report import profile_table
 
             out += ["Profile of rank 0, ms per step (CPU by phase; asleep: time blocked in a "
                     "wait):", "", profile_table(profiled, markdown=True), ""]
@@ -170,7 +170,7 @@ def write_outputs(report: dict, args) -> None:
         Path(args.sim_measurements).write_text(json.dumps(entries, indent=1) + "\n")
         print(f"wrote {args.sim_measurements} ({len(entries)} entries)")
     if getattr(args, "profile_plot", None):
-        from commopt.bench.profile_step import plot_profile
+        from commopt.bench.profile_report import plot_profile
 
         entries = _profiles(report)
         if entries:
