@@ -107,6 +107,27 @@ def report_entries(report: dict, rank: str = "0", link_label: bool = False) -> l
     return out
 
 
+def reattribute(report: dict, workdir: str) -> int:
+    """Classify again the raw py-spy samples a run kept in its ``--workdir`` (after a change of
+    :data:`~commopt.bench.profile_step.PHASE_RULES`), keeping each thread's measured CPU.
+    Returns how many profiles were redone."""
+    from commopt.bench.profile_step import attribute, parse_raw
+
+    done = 0
+    for model, info in report["models"].items():
+        for config, raw in info.get("raw", {}).items():
+            for rank, prof in (raw.get("profile") or {}).items():
+                found = sorted(Path(workdir).glob(f"{model}-*.json.{config}.rank{rank}.pyspy.txt"))
+                if not found:
+                    continue
+                cpu = {int(tid): (t["os_name"], t["cpu_s"], t.get("switches", 0), t.get("preempted", 0))
+                       for tid, t in prof["threads"].items() if t["os_name"]}
+                threads = attribute(parse_raw(found[-1].read_text(errors="replace")), cpu)
+                prof["threads"] = {str(tid): t for tid, t in threads.items()}
+                done += 1
+    return done
+
+
 def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = "") -> None:
     """Stacked bars: each thread's CPU ms per step by phase and its time asleep, per profiled
     configuration, with the timed step and its floor marked."""
@@ -173,11 +194,20 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", default="0", help="whose profile (default rank 0)")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write the stacked-bar PNG")
+    parser.add_argument("--samples", metavar="WORKDIR", nargs="+",
+                        help="one --workdir per report: classify its kept py-spy samples again "
+                             "and write the report back (its measured times stay as they were)")
     args = parser.parse_args(argv)
+    if args.samples and len(args.samples) != len(args.reports):
+        parser.error("give one --samples folder per report, in the same order")
     entries = []
-    for path in args.reports:
-        entries += report_entries(json.loads(Path(path).read_text()), args.rank,
-                                  link_label=len(args.reports) > 1)
+    for k, path in enumerate(args.reports):
+        report = json.loads(Path(path).read_text())
+        if args.samples:
+            redone = reattribute(report, args.samples[k])
+            Path(path).write_text(json.dumps(report, indent=1))
+            print(f"{path}: {redone} profile(s) classified again from {args.samples[k]}")
+        entries += report_entries(report, args.rank, link_label=len(args.reports) > 1)
     if not entries:
         raise SystemExit("no profile in these reports: run commopt bench step with --profile")
     print(profile_table(entries))

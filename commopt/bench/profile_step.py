@@ -51,8 +51,9 @@ PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "result (concurrent/", "_poll")),
     ("decode", ("commopt_qsgd_decode", "commopt_cast_decode", "decode (commopt/",
                 "decode_scaled (commopt/", "decompress (torch/distributed/algorithms")),
+    # DDP's hooks: what is not decompress is compression (PowerSGD's P, Q and error feedback)
     ("encode", ("commopt_qsgd_encode", "commopt_cast_encode", "encode (commopt/",
-                "powerSGD_hook (torch/", "compress_hook (torch/", "_orthogonalize")),
+                "/ddp_comm_hooks/", "_orthogonalize")),
     # unpack before pack: "unpack (" contains "pack ("
     ("unpack", ("unpack (commopt/", "Reducer::finalize_backward", "Reducer::finalize_bucket")),
     ("pack", ("pack_nonfinite", "pack (commopt/", "zero_grads_into (commopt/",
@@ -62,7 +63,9 @@ PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
                       "mca_", "(commopt/comm/", "all_reduce (torch/distributed",
                       "allreduce (torch/distributed")),
     ("apply", ("(torch/optim/", "_single_tensor_sgd", "_multi_tensor_sgd")),
-    ("backward", ("autograd::", "backward (torch/", "_engine_run_backward", "Backward0")),
+    # not "autograd::" alone: torch's Python bindings of every op are torch::autograd::THPVariable_*
+    ("backward", ("autograd::Engine", "autograd::generated", "Backward", "AccumulateGrad",
+                  "backward (torch/", "_engine_run_backward")),
     ("forward", ("(torch/nn/modules/", "forward (", "_call_impl (torch/")),
     ("commopt Python", ("(commopt/",)),
 )

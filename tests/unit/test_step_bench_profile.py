@@ -109,3 +109,27 @@ def test_step_bench_profile_runs_py_spy_on_every_rank(tmp_path):
     assert main["cpu_s"] > 0 and sum(main["samples"].values()) + sum(main["blocked"].values()) > 0
     assert "profile of rank 0" in proc.stdout and (tmp_path / "p.png").stat().st_size > 0
     assert raw["rounds"][0]["codec_s"] > 0
+
+
+def test_a_torch_op_called_from_python_is_not_backward():
+    # torch binds every op as torch::autograd::THPVariable_*: that names no phase by itself
+    frames = _STEP + ["GradientReducer.pack (commopt/reducer.py:218)",
+                      "torch::autograd::THPVariable_copy_ (libtorch_python.so)", "at::native::copy_ (libtorch_cpu.so)"]
+    assert ps.classify(frames) == "pack"
+    gloo_callback = ["0x7f4a0bf278ec (libc.so.6)", "c10d::ProcessGroupGloo::runLoop (libtorch_cpu.so)",
+                     "powerSGD_hook.<locals>.compute_qs (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py:640)",
+                     "torch::autograd::THPVariable_matmul (libtorch_python.so)", "mkl_blas_def_xsgemm (libtorch_cpu.so)"]
+    assert ps.classify(gloo_callback) == "encode"
+
+
+def test_kept_samples_can_be_classified_again_keeping_the_measured_cpu(tmp_path):
+    stack = "thread (11): MainThread;train_step (commopt/bench/step/worker.py:117);" \
+            "GradientReducer.pack (commopt/reducer.py:218);at::native::copy_ (libtorch_cpu.so) 9\n"
+    (tmp_path / "mlp-0.json.commopt-qsgd4.rank0.pyspy.txt").write_text(stack)
+    old = {"name": "MainThread", "os_name": "python", "role": "training", "cpu_s": 0.5, "switches": 3,
+           "preempted": 1, "samples": {"other": 9}, "blocked": {}, "unclassified": {}}
+    report = {"models": {"mlp": {"raw": {"commopt-qsgd4": {"profile": {"0": {
+        "steps": 5, "rate": 100, "wall_s": 1.0, "threads": {"11": old}}}}}}}}
+    assert pr.reattribute(report, str(tmp_path)) == 1
+    new = report["models"]["mlp"]["raw"]["commopt-qsgd4"]["profile"]["0"]["threads"]["11"]
+    assert new["samples"] == {"pack": 9} and new["cpu_s"] == 0.5 and new["switches"] == 3
