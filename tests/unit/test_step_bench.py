@@ -162,7 +162,7 @@ def test_tables_have_one_line_per_configuration():
     assert len(md) == 2 + 2 and all(line.count("|") == len(rp.TABLE_COLUMNS) + 1 for line in md)
     # no codec time recorded (a report from before the floor): codec, floor and ratio empty
     assert md_cells(md[2]) == ["ddp-fp32", "1000 (800-1300)", "100", "900", "800", "-", "-", "-",
-                               "processor", "16.0", "1.00x", "10%", "90%", "1.0000"]
+                               "link", "16.0", "1.00x", "10%", "90%", "1.0000"]
     assert md_cells(md[3])[:2] == ["commopt-qsgd4", "failed: RuntimeError: boom"]
 
 
@@ -320,7 +320,8 @@ def test_floor_is_compute_plus_codec_or_the_link_and_the_ratio_is_step_over_floo
     a, b = figures.summarize({"ddp-fp32": slow_link, "commopt-qsgd4": fast_link}, 2, 1e9)
     assert a.floor_s == pytest.approx(0.8) and a.floor_ratio == pytest.approx(1.25)
     assert b.floor_s == pytest.approx(0.15) and b.floor_ratio == pytest.approx(2.0)
-    # 0.9 cores busy, 270 ms of CPU against an 8 ms link: the processor holds the step
+    # the floor is the wire (800 ms) for one, compute + codec (150 ms against 8 ms) for the other
+    assert a.bound == "link"
     assert b.bound == "processor" and rp.table_cells(b)[5:9] == ["50", "150", "2.00x", "processor"]
 
 

@@ -123,13 +123,13 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
 
 
 def bound(row: Row) -> str | None:
-    """"processor" when the rank keeps >= 0.8 of a core busy and that CPU time exceeds the
-    link's limit (the link cannot be what holds the step), "link" when it does not."""
-    if row.cpu_busy is None or row.cpu_s is None:
+    """Which term makes the floor: "link" when the wire time exceeds compute + codec, else
+    "processor" (the step's own processor work is the least it can take). The rank CPU
+    column says how much of a core the rank got: on a shared machine, less than one."""
+    if row.compute_s is None:
         return None
-    if row.cpu_busy >= 0.8 and (row.limit_s is None or row.cpu_s > row.limit_s):
-        return "processor"
-    return "link" if row.limit_s is not None else None
+    work = row.compute_s + (row.codec_s or 0.0)
+    return "link" if row.limit_s is not None and row.limit_s > work else "processor"
 
 
 def check_targets(role: str, rows: list[Row]) -> list[str]:
