@@ -44,13 +44,18 @@ def thread_rows(profile: dict) -> dict[str, dict[str, float]]:
         row["blocked"] = row.get("blocked", 0.0) + spacing_ms * sum(t["blocked"].values()) / steps
         row["switches"] = row.get("switches", 0.0) + t.get("switches", 0) / steps
         row["preempted"] = row.get("preempted", 0.0) + t.get("preempted", 0) / steps
+    if "training" in rows:  # the rest of its wall time: runnable without a core, or paused
+        row = rows["training"]
+        row["queued"] = max(0.0, 1e3 * profile["wall_s"] / steps - row["cpu"] - row["blocked"])
     order = ["training", "collectives driver", "MPI worker", "gloo transport", "autograd", "other threads"]
     return {k: rows[k] for k in sorted(rows, key=lambda r: order.index(r) if r in order else 99)}
 
 
 def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False) -> str:
     """A table of ms per step: for each (label, rank's profile, row figures) its threads by
-    phase and all threads together; under it, each step beside its floor.
+    phase and all threads together; under it, each step beside its floor. The training
+    thread's CPU, time asleep and time without a core (runnable but not running, or paused
+    by py-spy) add up to the profiled step.
 
         >>> prof = {"steps": 2, "rate": 100, "wall_s": 0.2, "threads": {"1": {
         ...     "role": "training", "cpu_s": 0.1, "samples": {"backward": 3, "pack": 1},
@@ -63,7 +68,7 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
     """
     from commopt._tables import table
 
-    head = ("thread", *COLUMNS, "CPU", "asleep", "switches", "preempted")
+    head = ("thread", *COLUMNS, "CPU", "asleep", "no core", "switches", "preempted")
     lines, notes = [], []
     fmt = lambda v: "-" if not v else f"{v:.1f}" if v < 10 else f"{v:.0f}"  # noqa: E731
     for label, prof, fig in entries:
@@ -71,11 +76,12 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
         total: dict[str, float] = {}
         for role, row in rows.items():
             lines.append([f"{label}: {role}", *(fmt(row.get(c)) for c in COLUMNS), fmt(row["cpu"]),
-                          fmt(row["blocked"]), fmt(row["switches"]), fmt(row["preempted"])])
+                          fmt(row["blocked"]), fmt(row.get("queued")) if role == "training" else "",
+                          fmt(row["switches"]), fmt(row["preempted"])])
             for k, v in row.items():
                 total[k] = total.get(k, 0.0) + v
         lines.append([f"{label}: all threads", *(fmt(total.get(c)) for c in COLUMNS),
-                      fmt(total.get("cpu")), "", fmt(total.get("switches")), fmt(total.get("preempted"))])
+                      fmt(total.get("cpu")), "", "", fmt(total.get("switches")), fmt(total.get("preempted"))])
         note = [f"profiled steps {1e3 * prof['wall_s'] / prof['steps']:.0f} ms on average"]
         if fig.get("step_s"):
             note.append(f"timed step {fig['step_s'] * 1e3:.0f} ms")
@@ -93,15 +99,17 @@ _COLOURS = {"forward": "#a6cee3", "backward": "#1f78b4", "pack": "#b2df8a", "NaN
             "other": "#b15928", "native": "#999999"}
 
 
-def report_entries(report: dict, rank: str = "0", link_label: bool = False) -> list[tuple[str, dict, dict]]:
-    """(label, rank's profile, row figures) of every profiled configuration of a step report."""
+def report_entries(report: dict, rank: str = "0", link_label: bool = False,
+                   only: list[str] | None = None) -> list[tuple[str, dict, dict]]:
+    """(label, rank's profile, row figures) of every profiled configuration of a step report
+    (``only``: of those "model/config" or "config" names)."""
     out = []
     link = (report.get("link_rate") or "unshaped") if link_label else None
     for model, info in report["models"].items():
         rows = {r["config"]: r for r in info.get("rows", [])}
         for config, raw in info.get("raw", {}).items():
             prof = (raw.get("profile") or {}).get(rank)
-            if prof:
+            if prof and (not only or config in only or f"{model}/{config}" in only):
                 label = f"{model} {config}" + (f" ({link})" if link else "")
                 out.append((label, prof, rows.get(config, {})))
     return out
@@ -138,9 +146,9 @@ def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(entries), 1, figsize=(10, 1.2 + 1.15 * sum(
-        len(thread_rows(p)) + 1 for _, p, _ in entries) / max(1, len(entries)) * len(entries) / 2.2),
-        squeeze=False)
+    heights = [len(thread_rows(p)) + 1 for _, p, _ in entries]
+    fig, axes = plt.subplots(len(entries), 1, figsize=(10, 1.6 + 0.32 * sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     right = 0.0
     for ax, (label, prof, figs) in zip(axes[:, 0], entries):
         rows = thread_rows(prof)
@@ -152,10 +160,13 @@ def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = 
                 if v:
                     ax.barh(y, v, left=left, color=_COLOURS[phase], label=phase, edgecolor="white", lw=0.3)
                     left += v
-            if role == "training" and rows[role]["blocked"]:  # the step's wall time, all of it
-                ax.barh(y, rows[role]["blocked"], left=left, color="white", edgecolor="#777777",
-                        hatch="///", lw=0.5, label="asleep (waiting)")
-                left += rows[role]["blocked"]
+            if role == "training":  # the rest of the profiled step's wall time
+                for key, hatch, lab in (("blocked", "///", "asleep (waiting)"),
+                                        ("queued", "...", "runnable, no core free (or paused by py-spy)")):
+                    if rows[role].get(key):
+                        ax.barh(y, rows[role][key], left=left, color="white", edgecolor="#777777",
+                                hatch=hatch, lw=0.5, label=lab)
+                        left += rows[role][key]
             right = max(right, left)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         step = figs.get("step_s")
@@ -165,19 +176,23 @@ def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = 
         if figs.get("floor_s"):
             ax.axvline(figs["floor_s"] * 1e3, color="k", ls="--", lw=1.2,
                        label="floor: max(compute + codec, link)")
+        profiled = 1e3 * prof["wall_s"] / prof["steps"]
+        ax.axvline(profiled, color="#777777", ls=":", lw=1.2,
+                   label="profiled step (wall; py-spy pauses the process per sample)")
+        right = max(right, profiled)
         ax.set_title(label, fontsize=9, loc="left")
     for ax in axes[:, 0]:
         ax.set_xlim(0, right * 1.05)
-    axes[-1, 0].set_xlabel("ms per step, one rank: CPU by phase (solid); the training thread's "
-                           "time asleep (hatched)")
+    axes[-1, 0].set_xlabel("ms per step, one rank: each thread's CPU by phase (solid); the training "
+                           "thread's time asleep and runnable without a core (hatched)")
     legend = {}
     for ax in axes[:, 0]:
         for handle, lab in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(lab, handle)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=6,
+    fig.tight_layout(rect=(0, 0.9 / fig.get_figheight(), 1, 1 - 0.1 / fig.get_figheight()))
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=4,
                bbox_to_anchor=(0.5, 0.0))
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -194,6 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", default="0", help="whose profile (default rank 0)")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write the stacked-bar PNG")
+    parser.add_argument("--only", help="comma-separated configurations (config or model/config)")
     parser.add_argument("--samples", metavar="WORKDIR", nargs="+",
                         help="one --workdir per report: classify its kept py-spy samples again "
                              "and write the report back (its measured times stay as they were)")
@@ -207,7 +223,8 @@ def main(argv=None) -> int:
             redone = reattribute(report, args.samples[k])
             Path(path).write_text(json.dumps(report, indent=1))
             print(f"{path}: {redone} profile(s) classified again from {args.samples[k]}")
-        entries += report_entries(report, args.rank, link_label=len(args.reports) > 1)
+        entries += report_entries(report, args.rank, link_label=len(args.reports) > 1,
+                                  only=args.only.split(",") if args.only else None)
     if not entries:
         raise SystemExit("no profile in these reports: run commopt bench step with --profile")
     print(profile_table(entries))
