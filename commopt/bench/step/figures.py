@@ -152,10 +152,11 @@ def check_targets(role: str, rows: list[Row]) -> list[str]:
                          f"({hook.config}, {hook.step_s * 1e3:.0f} ms) "
                          f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
             if best.cpu_s is not None and best.limit_s is not None:
-                bound = "the processor" if best.cpu_busy >= 0.8 and best.cpu_s > best.limit_s else "the link"
+                floor = (f"; step / floor {best.floor_ratio:.2f}x (floor {best.floor_s * 1e3:.0f} ms, "
+                         f"set by the {best.bound})") if best.floor_ratio else ""
                 lines.append(f"best commopt's rank keeps {best.cpu_busy:.2f} cores busy "
                              f"({best.cpu_s * 1e3:.0f} ms of CPU per {best.step_s * 1e3:.0f} ms step) "
-                             f"against a link limit of {best.limit_s * 1e3:.0f} ms: bound by {bound}")
+                             f"against a link limit of {best.limit_s * 1e3:.0f} ms{floor}")
     elif role == "compute":
         eff = [r for r in commopt if r.efficiency is not None]
         if eff:
