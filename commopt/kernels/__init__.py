@@ -335,3 +335,70 @@ def nonfinite(x: torch.Tensor, *, impl: str | None = None, threads: int | None =
         return _native().nonfinite(x, threads=threads)
     return not bool(torch.isfinite(x).all())
 # ----------------------------------------------------------------------------- end pack and check
+
+
+# ----------------------------------------------------------------------------- reduce and encode
+# The reduce step of a scatter-reduce allreduce in one pass: decode-accumulate every peer's
+# chunk into the own one and encode the sum, without storing the sum and reading it back.
+
+def qsgd_reduce_encode(
+    mine: torch.Tensor,
+    wires,
+    out: torch.Tensor,
+    *,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    key: tuple[int, int],
+    alpha: float = 1.0,
+    scale: float = 1.0,
+    norm: str = "max",
+    stochastic: bool = True,
+    scale_bytes: int = 4,
+    write_back: bool = False,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Encode ``mine + alpha * decode(w)`` (each of ``wires`` in turn) times ``scale`` into ``out``.
+
+    The same bytes as ``qsgd_decode(w, mine, accumulate=True, alpha=alpha)`` for every ``w``
+    followed by ``qsgd_encode(mine, out, scale=scale, key=key)``; ``mine`` (float32) is left
+    as it was unless ``write_back``. Every wire has the layout of ``out``.
+
+        >>> import torch
+        >>> x, peer = torch.linspace(-1, 1, 256), torch.linspace(1, -1, 256)
+        >>> cfg = dict(bits=4, levels=7, bucket_size=128)
+        >>> w = torch.empty(qsgd_nbytes(256, bits=4, bucket_size=128), dtype=torch.uint8)
+        >>> qsgd_encode(peer, w, key=(1, 2), **cfg)
+        >>> fused, twice = torch.empty_like(w), torch.empty_like(w)
+        >>> qsgd_reduce_encode(x, [w], fused, key=(3, 4), alpha=2.0, scale=0.5, **cfg)
+        >>> y = x.clone(); qsgd_decode(w, y, accumulate=True, alpha=2.0, **cfg)
+        >>> qsgd_encode(y, twice, key=(3, 4), scale=0.5, **cfg)
+        >>> torch.equal(fused, twice)
+        True
+    """
+    _check_qsgd(bits, levels, bucket_size, norm, scale_bytes)
+    _check_flat("mine", mine, torch.float32)
+    if mine.numel() > MAX_ENCODE_NUMEL:
+        raise ValueError(f"one encode takes at most {MAX_ENCODE_NUMEL} elements; split the buffer")
+    nbytes = qsgd_nbytes(mine.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
+    _check_flat("out", out, torch.uint8, nbytes)
+    wires = list(wires)
+    for j, w in enumerate(wires):
+        _check_flat(f"wires[{j}]", w, torch.uint8, nbytes)
+    k0, k1 = (int(k) & 0xFFFFFFFF for k in key)
+    which = _pick(impl, mine, out, *wires)
+    if which == "native":
+        _native().qsgd_reduce_encode(mine, wires, out, bits=bits, levels=levels,
+                                     bucket_size=bucket_size, key=(k0, k1), norm=norm,
+                                     stochastic=stochastic, scale=_scale32(scale),
+                                     alpha=_scale32(alpha), scale_bytes=scale_bytes,
+                                     write_back=write_back, threads=threads)
+        return
+    acc = mine if write_back else mine.clone()
+    for w in wires:
+        qsgd_decode(w, acc, bits=bits, levels=levels, bucket_size=bucket_size, accumulate=True,
+                    alpha=alpha, scale_bytes=scale_bytes, impl=which)
+    qsgd_encode(acc, out, bits=bits, levels=levels, bucket_size=bucket_size, key=(k0, k1),
+                norm=norm, stochastic=stochastic, scale=scale, scale_bytes=scale_bytes, impl=which)
+# ----------------------------------------------------------------------------- end reduce and encode

@@ -210,3 +210,44 @@ def test_native_library_releases_the_gil():
     lib = _native_kernels.load()
     assert isinstance(lib, ctypes.CDLL) and not isinstance(lib, ctypes.PyDLL)
     assert lib._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI == 0
+
+
+# ---- reduce and encode (kernels.qsgd_reduce_encode) against decode-then-encode
+
+@settings(max_examples=60, deadline=None)
+@given(mine=float_tensors(max_size=40_000), cfg=qsgd_configs, data=st.data(), peers=st.integers(0, 3),
+       alpha=st.sampled_from([1.0, 2.0, -1.0, 0.75]), write_back=st.booleans(),
+       threads=st.sampled_from([1, 2, 3]))
+def test_qsgd_reduce_encode_native_matches_decode_then_encode(mine, cfg, data, peers, alpha, write_back,
+                                                              threads):
+    n = mine.numel()
+    levels = _levels(cfg, data)
+    layout = dict(bits=cfg["bits"], levels=levels, bucket_size=cfg["bucket_size"],
+                  scale_bytes=cfg["scale_bytes"])
+    nbytes = kernels.qsgd_nbytes(n, bits=cfg["bits"], bucket_size=cfg["bucket_size"],
+                                 scale_bytes=cfg["scale_bytes"])
+    wires = []
+    for j in range(peers):
+        w = torch.empty(nbytes, dtype=torch.uint8)
+        peer = torch.randn(n, generator=torch.Generator().manual_seed(j)) * (j + 1)
+        kernels.qsgd_encode(peer, w, key=(j, 7), norm=cfg["norm"], impl="reference", **layout)
+        wires.append(w)
+    enc = dict(key=cfg["key"], norm=cfg["norm"], stochastic=cfg["stochastic"], scale=cfg["scale"])
+    got, want = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    fused_mine = mine.clone()
+    kernels.qsgd_reduce_encode(fused_mine, wires, got, alpha=alpha, write_back=write_back, impl="native",
+                               threads=threads, **enc, **layout)
+    acc = mine.clone()
+    for w in wires:
+        kernels.qsgd_decode(w, acc, accumulate=True, alpha=alpha, impl="reference", **layout)
+    kernels.qsgd_encode(acc, want, impl="reference", **enc, **layout)
+    assert torch.equal(got, want)
+    assert bits_equal(fused_mine, acc if write_back else mine)
+
+
+def test_qsgd_reduce_encode_rejects_a_wire_of_another_layout():
+    mine, out = torch.zeros(256), torch.empty(kernels.qsgd_nbytes(256, bits=4, bucket_size=128), dtype=torch.uint8)
+    short = torch.empty(out.numel() - 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"wires\[0\] has"):
+        kernels.qsgd_reduce_encode(mine, [short], out, bits=4, levels=7, bucket_size=128, key=(0, 0),
+                                   impl="native")
