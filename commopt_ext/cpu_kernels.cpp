@@ -272,7 +272,6 @@ struct Scratch {
   std::vector<int32_t> codes = std::vector<int32_t>(kBlock);
   std::vector<float> steps;
   std::vector<double> l2;
-  std::vector<float> sum;  // qsgd_reduce_encode: one group's partial sum
 };
 
 // Encode elements [g0, g1): whole buckets, g0 on a byte boundary of the codes.
@@ -488,40 +487,6 @@ int commopt_qsgd_decode(const uint8_t* wire, float* out, int64_t n, int bits, in
   const uint8_t* payload = wire + nb * scale_bytes;
   for_groups(n, group_size(bucket, bits), threads, false, 0,
              [&](int64_t g0, int64_t g1, Scratch& s) { decode_group(wire, payload, out, g0, g1, a, s); });
-  return 0;
-}
-
-// The reduce step of a ring or scatter-reduce allreduce in one pass per group: for each group
-// of whole buckets, t = mine; t += alpha * decode(wires[j]) for j = 0..k-1 in order; encode
-// t * scale into out (a QSGD wire of n elements, key (k0, k1)); with write_back, mine = t.
-// The same bits as qsgd_decode(accumulate) k times then qsgd_encode, without storing the sum
-// and reading it back. Every wire has out's layout (bits, levels, bucket, scale_bytes).
-// Returns 0, or -1 on bad arguments.
-int commopt_qsgd_reduce_encode(float* mine, const uint8_t* const* wires, int64_t k, uint8_t* out,
-                               int64_t n, int bits, int levels, int64_t bucket, int norm_l2_flag,
-                               int stochastic, uint32_t k0, uint32_t k1, float scale, float alpha,
-                               int scale_bytes, int write_back, int threads) {
-  if (bad_qsgd(n, bits, levels, bucket, scale_bytes) || bucket > 0x7FFFFFFF || k < 0) return -1;
-  const int64_t nb = (n + bucket - 1) / bucket;
-  const int64_t head = nb * scale_bytes, code_bytes = (n * bits + 7) / 8;
-  const int64_t total = qsgd_nbytes(n, bits, bucket, scale_bytes);
-  std::memset(out + head + code_bytes, 0, static_cast<size_t>(total - head - code_bytes));
-  if (n == 0) return 0;
-  const QsgdArgs enc{n, bits, levels, static_cast<int>(bucket), norm_l2_flag, stochastic,
-                     scale_bytes, k0, k1, scale, 0};
-  const QsgdArgs dec{n, bits, levels, static_cast<int>(bucket), 0, 0, scale_bytes, 0, 0, alpha, 1};
-  const int64_t group = group_size(bucket, bits);
-  uint8_t* payload = out + head;
-  for_groups(n, group, threads, norm_l2_flag != 0, pow2_at_least(bucket),
-             [&](int64_t g0, int64_t g1, Scratch& s) {
-    s.sum.resize(static_cast<size_t>(group));
-    std::memcpy(s.sum.data(), mine + g0, static_cast<size_t>(g1 - g0) * sizeof(float));
-    // The group kernels index by element: shift the scratch so that index g0 is its start.
-    float* t = s.sum.data() - g0;
-    for (int64_t j = 0; j < k; ++j) decode_group(wires[j], wires[j] + head, t, g0, g1, dec, s);
-    encode_group(t, out, payload, g0, g1, enc, s);
-    if (write_back) std::memcpy(mine + g0, s.sum.data(), static_cast<size_t>(g1 - g0) * sizeof(float));
-  });
   return 0;
 }
 

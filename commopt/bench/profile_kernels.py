@@ -1,14 +1,11 @@
-"""Micro benchmark: packing a bucket and checking it for NaN/Inf, two passes against one; the
-reduce step of a scatter-reduce (decode-accumulate then encode) against the fused kernel.
+"""Micro benchmark: packing a bucket and checking it for NaN/Inf, two passes against one.
 
 Before (what a reducer does with torch ops): copy each gradient into its slot of the bucket,
 then ``torch.isfinite(flat.sum())``: the data is read twice. After: the native
 ``kernels.pack_nonfinite``, one pass. Likewise the check alone after the reduction:
 ``torch.isfinite(flat.sum())`` against ``kernels.nonfinite``. Beside them, the physical limit
 on this machine: a plain ``copy_`` of the same bytes (one read and one write) and a plain read
-(``flat.max()``). The reduce step: half the gradient (the own chunk of 2 ranks) plus a peer's
-4-bit chunk, encoded again, in two kernels or in ``kernels.qsgd_reduce_encode``. Every
-variant runs in turn, repeated, so load changes hit all alike.
+(``flat.max()``). Every variant runs in turn, repeated, so load changes hit all alike.
 
     python -m commopt.bench.profile_kernels --json benchmarks/results/profile-kernels.json
 
@@ -53,18 +50,6 @@ def run(shapes, repeats: int, threads: int) -> dict:
         pieces.append((g.reshape(-1), offset, g.numel()))
         offset += g.numel()
 
-    # The reduce step of a 2-rank scatter-reduce with 4-bit QSGD: the own half of the
-    # gradient plus the peer's decoded half, encoded again for the allgather.
-    half = flat[: numel // 2].clone()
-    q = dict(bits=4, levels=7, bucket_size=128)
-    nbytes = kernels.qsgd_nbytes(half.numel(), bits=4, bucket_size=128)
-    peer, reduced = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    kernels.qsgd_encode(torch.randn(half.numel()), peer, key=(1, 2), **q)
-
-    def decode_then_encode():
-        kernels.qsgd_decode(peer, half, accumulate=True, alpha=2.0, threads=threads, **q)
-        kernels.qsgd_encode(half, reduced, key=(3, 4), scale=0.5, threads=threads, **q)
-
     def pack_two_passes():
         for src, off, n in pieces:
             flat[off: off + n].copy_(src)
@@ -78,9 +63,6 @@ def run(shapes, repeats: int, threads: int) -> dict:
         "check: isfinite(flat).all() [exact, torch]": lambda: not bool(torch.isfinite(flat).all()),
         "check: native nonfinite [after]": lambda: kernels.nonfinite(flat, threads=threads),
         "check limit: flat.max() (one read)": lambda: flat.max(),
-        "reduce: qsgd4 decode-accumulate, then encode [before]": decode_then_encode,
-        "reduce: native qsgd_reduce_encode [after]": lambda: kernels.qsgd_reduce_encode(
-            half, [peer], reduced, key=(3, 4), alpha=2.0, scale=0.5, threads=threads, **q),
     }
     for fn in variants.values():  # warm-up: page in, load the library
         fn()

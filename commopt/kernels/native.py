@@ -66,9 +66,6 @@ def load():
     lib.commopt_nonfinite.restype = i32
     lib.commopt_pack_nonfinite.argtypes = [vp, vp, vp, i64, vp, i32]
     lib.commopt_pack_nonfinite.restype = i32
-    lib.commopt_qsgd_reduce_encode.argtypes = [vp, vp, i64, vp, i64, i32, i32, i64, i32, i32, u32,
-                                               u32, f32, f32, i32, i32, i32]
-    lib.commopt_qsgd_reduce_encode.restype = i32
     _lib = lib
     return _lib
 
@@ -134,13 +131,3 @@ def pack_nonfinite(pieces, dst, *, threads=None) -> bool:
     if rc < 0:
         _check(rc, "pack_nonfinite")
     return bool(rc)
-
-
-def qsgd_reduce_encode(mine, wires, out, *, bits, levels, bucket_size, key, norm, stochastic,
-                       scale, alpha, scale_bytes, write_back, threads=None) -> None:
-    ptrs = (ctypes.c_void_p * max(1, len(wires)))(*[w.data_ptr() for w in wires])
-    rc = load().commopt_qsgd_reduce_encode(
-        mine.data_ptr(), ptrs, len(wires), out.data_ptr(), mine.numel(), bits, levels, bucket_size,
-        1 if norm == "l2" else 0, 1 if stochastic else 0, key[0], key[1], scale, alpha, scale_bytes,
-        1 if write_back else 0, _threads(threads))
-    _check(rc, "qsgd_reduce_encode")
