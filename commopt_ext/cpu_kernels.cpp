@@ -411,11 +411,53 @@ void for_ranges(int64_t n, int threads, RangeFn fn) {
   for (int64_t c = 0; c < nchunks; ++c) fn(c * kChunk, (c + 1) * kChunk < n ? (c + 1) * kChunk : n);
 }
 
+// ---------------------------------------------------------------- copy and NaN/Inf check
+// A float is NaN or +-Inf iff its exponent bits are all ones: |bits| >= 0x7F800000. The max of
+// |bits| over a range vectorises like norm_max; one compare at the end gives the flag.
+COMMOPT_CLONES
+uint32_t max_abs_bits(const float* x, int64_t lo, int64_t hi) {
+  uint32_t m = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    uint32_t b = f2u(x[i]) & 0x7FFFFFFFu;
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+// Copies x[lo, hi) to out[lo, hi) and returns the max |bits| of what it copied: one pass
+// over the data instead of a copy followed by a check.
+COMMOPT_CLONES
+uint32_t copy_max_abs_bits(const float* x, float* out, int64_t lo, int64_t hi) {
+  uint32_t m = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float v = x[i];
+    out[i] = v;
+    uint32_t b = f2u(v) & 0x7FFFFFFFu;
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+// fn(lo, hi) -> uint32_t over [0, n) in chunks (threads when large); the max of the results.
+template <typename RangeFn>
+uint32_t max_over_ranges(int64_t n, int threads, RangeFn fn) {
+  constexpr int64_t kChunk = 1 << 16;
+  if (n < kParallelMin || threads <= 1) return n > 0 ? fn(0, n) : 0u;
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  uint32_t m = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : m)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    uint32_t r = fn(c * kChunk, (c + 1) * kChunk < n ? (c + 1) * kChunk : n);
+    m = r > m ? r : m;
+  }
+  return m;
+}
+
 }  // namespace
 
 extern "C" {
 
-int commopt_abi_version() { return 2; }
+int commopt_abi_version() { return 3; }
 
 // x: n float32; out: qsgd_nbytes(n) bytes. norm_l2: 0 max-abs, 1 l2. Returns 0, or -1 on bad
 // arguments. The random word of element i is rand_word(i, k0, k1).
@@ -462,6 +504,40 @@ int commopt_cast_decode(const void* wire, float* out, int64_t n, int dtype, int 
     cast_decode_range(wire, out, lo, hi, dtype, alpha, accumulate);
   });
   return 0;
+}
+
+// 1 if some x[i] is NaN or +-Inf, else 0 (-1 on bad arguments). Every element is read: the
+// answer does not depend on the split over threads.
+int commopt_nonfinite(const float* x, int64_t n, int threads) {
+  if (n < 0) return -1;
+  const uint32_t m = max_over_ranges(n, threads, [&](int64_t lo, int64_t hi) {
+    return max_abs_bits(x, lo, hi);
+  });
+  return m >= 0x7F800000u ? 1 : 0;
+}
+
+// Packs pieces into one float32 buffer and checks them in the same pass: piece k copies
+// numels[k] floats from srcs[k] to dst + offsets[k] (srcs[k] NULL: writes zeros). Returns 1 if
+// some copied value is NaN or +-Inf, else 0; -1 on bad arguments. Pieces must not overlap.
+int commopt_pack_nonfinite(const float* const* srcs, const int64_t* offsets, const int64_t* numels,
+                           int64_t pieces, float* dst, int threads) {
+  if (pieces < 0) return -1;
+  for (int64_t k = 0; k < pieces; ++k)
+    if (numels[k] < 0 || offsets[k] < 0) return -1;
+  uint32_t m = 0;
+  for (int64_t k = 0; k < pieces; ++k) {
+    float* out = dst + offsets[k];
+    const float* x = srcs[k];
+    if (x == nullptr) {
+      std::memset(out, 0, static_cast<size_t>(numels[k]) * sizeof(float));
+      continue;
+    }
+    const uint32_t r = max_over_ranges(numels[k], threads, [&](int64_t lo, int64_t hi) {
+      return copy_max_abs_bits(x, out, lo, hi);
+    });
+    m = r > m ? r : m;
+  }
+  return m >= 0x7F800000u ? 1 : 0;
 }
 
 }  // extern "C"

@@ -318,3 +318,74 @@ def cast_decode(
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).cast_decode(wire, out, **kwargs)
+
+
+# ----------------------------------------------------------------------------- pack and check
+# One pass over the gradient where there were two: the copy into the bucket and the NaN/Inf
+# check (``pack_nonfinite``), and the check alone after the reduction (``nonfinite``).
+# Exact: a value is flagged iff it is NaN or +-Inf (``flat.sum()`` can also overflow).
+
+def _check_pieces(pieces, dst: torch.Tensor) -> list[tuple]:
+    out, end = [], dst.numel()
+    for k, piece in enumerate(pieces):
+        src, offset, numel = piece
+        offset, numel = int(offset), int(numel)
+        if offset < 0 or numel < 0 or offset + numel > end:
+            raise ValueError(f"piece {k} writes [{offset}, {offset + numel}) outside dst's {end} elements")
+        if src is not None:
+            _check_flat(f"piece {k}'s source", src, torch.float32, numel)
+            if src.device != dst.device:
+                raise ValueError(f"piece {k}'s source is on {src.device}, dst on {dst.device}")
+        out.append((src, offset, numel))
+    ranges = sorted((o, o + n) for _, o, n in out if n)
+    if any(b[0] < a[1] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError("pieces overlap in dst: give each its own range")
+    return out
+
+
+def pack_nonfinite(pieces, dst: torch.Tensor, *, impl: str | None = None,
+                   threads: int | None = None) -> bool:
+    """Copy ``pieces`` into float32 ``dst``; True if a copied value is NaN or +-Inf.
+
+    Each piece is ``(src, offset, numel)``: ``src`` (float32, contiguous, ``numel``
+    elements, or None for zeros) goes to ``dst[offset:offset + numel]``. One pass over the
+    data; what ``dst`` holds outside the pieces is neither written nor checked.
+
+        >>> import torch
+        >>> dst = torch.full((5,), 7.0)
+        >>> pack_nonfinite([(torch.tensor([1.0, 2.0]), 0, 2), (None, 2, 2)], dst)
+        False
+        >>> dst.tolist()
+        [1.0, 2.0, 0.0, 0.0, 7.0]
+        >>> pack_nonfinite([(torch.tensor([float("inf")]), 4, 1)], dst)
+        True
+    """
+    _check_flat("dst", dst, torch.float32)
+    checked = _check_pieces(pieces, dst)
+    which = _pick(impl, dst)
+    if which == "native":
+        return _native().pack_nonfinite(checked, dst, threads=threads)
+    bad = False
+    for src, offset, numel in checked:
+        part = dst[offset: offset + numel]
+        if src is None:
+            part.zero_()
+        else:
+            part.copy_(src.reshape(-1))
+            bad = bad or not bool(torch.isfinite(part).all())
+    return bad
+
+
+def nonfinite(x: torch.Tensor, *, impl: str | None = None, threads: int | None = None) -> bool:
+    """True if float32 ``x`` (contiguous) holds a NaN or +-Inf: one read of every element.
+
+        >>> import torch
+        >>> nonfinite(torch.tensor([1.0, -3e38])), nonfinite(torch.tensor([0.0, float("nan")]))
+        (False, True)
+    """
+    _check_flat("x", x, torch.float32)
+    which = _pick(impl, x)
+    if which == "native":
+        return _native().nonfinite(x, threads=threads)
+    return not bool(torch.isfinite(x).all())
+# ----------------------------------------------------------------------------- end pack and check

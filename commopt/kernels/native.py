@@ -1,5 +1,9 @@
 """ctypes binding of the C++ kernels in ``commopt_ext/cpu_kernels.cpp`` (``commopt_ext._cpu``).
 
+The library is loaded with ``ctypes.CDLL``, which releases the GIL for the length of every
+call: a kernel running on the collectives' thread leaves the training thread free to run
+Python (``ctypes.PyDLL`` would hold it).
+
 Called through :mod:`commopt.kernels`, which validates arguments first; these functions
 trust their inputs (contiguous CPU tensors of the right dtype and size).
 """
@@ -13,7 +17,7 @@ from pathlib import Path
 import torch
 
 #: must match commopt_abi_version() in cpu_kernels.cpp.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _lib = None
 _load_error: str | None = None
@@ -58,6 +62,10 @@ def load():
     lib.commopt_cast_encode.restype = i32
     lib.commopt_cast_decode.argtypes = [vp, vp, i64, i32, i32, f32, i32]
     lib.commopt_cast_decode.restype = i32
+    lib.commopt_nonfinite.argtypes = [vp, i64, i32]
+    lib.commopt_nonfinite.restype = i32
+    lib.commopt_pack_nonfinite.argtypes = [vp, vp, vp, i64, vp, i32]
+    lib.commopt_pack_nonfinite.restype = i32
     _lib = lib
     return _lib
 
@@ -104,3 +112,22 @@ def cast_decode(wire, out, *, accumulate, alpha, threads=None) -> None:
                                     _DTYPE_CODE[wire.dtype], 1 if accumulate else 0, alpha,
                                     _threads(threads))
     _check(rc, "cast_decode")
+
+
+def nonfinite(x, *, threads=None) -> bool:
+    rc = load().commopt_nonfinite(x.data_ptr(), x.numel(), _threads(threads))
+    if rc < 0:
+        _check(rc, "nonfinite")
+    return bool(rc)
+
+
+def pack_nonfinite(pieces, dst, *, threads=None) -> bool:
+    """``pieces``: (float32 source or None for zeros, offset into ``dst``, numel) each."""
+    count = len(pieces)
+    srcs = (ctypes.c_void_p * count)(*[None if src is None else src.data_ptr() for src, _, _ in pieces])
+    offsets = (ctypes.c_int64 * count)(*[int(off) for _, off, _ in pieces])
+    numels = (ctypes.c_int64 * count)(*[int(n) for _, _, n in pieces])
+    rc = load().commopt_pack_nonfinite(srcs, offsets, numels, count, dst.data_ptr(), _threads(threads))
+    if rc < 0:
+        _check(rc, "pack_nonfinite")
+    return bool(rc)

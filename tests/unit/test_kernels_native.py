@@ -133,3 +133,80 @@ def test_native_rejects_bad_arguments_with_an_error():
     assert lib.commopt_qsgd_encode(x.data_ptr(), out.data_ptr(), 8, 3, 3, 4, 0, 1, 0, 0, 1.0, 4, 1) == -1
     with pytest.raises(ValueError, match="bits must be one of"):
         kernels.qsgd_encode(x, out, bits=3, levels=3, bucket_size=4, key=(0, 0), impl="native")
+
+
+# ---- pack and check (kernels.pack_nonfinite, kernels.nonfinite) against the reference
+
+_SPECIALS = [float("nan"), float("inf"), float("-inf"), -float("nan")]
+
+
+@st.composite
+def _pieces(draw):
+    """Float32 pieces (some None: zeros), each maybe holding a NaN/Inf, laid out with gaps."""
+    pieces, offset = [], draw(st.integers(0, 5))
+    for _ in range(draw(st.integers(0, 5))):
+        if draw(st.integers(0, 4)) == 0:
+            n = draw(st.integers(0, 300))
+            pieces.append((None, offset, n))
+        else:
+            x = draw(float_tensors(max_size=70_000))  # past the threads' cut-over (32768)
+            if x.numel() and draw(st.booleans()):
+                x[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(_SPECIALS))
+            pieces.append((x, offset, x.numel()))
+        offset += pieces[-1][2] + draw(st.integers(0, 3))
+    return pieces, offset
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=_pieces(), threads=st.sampled_from([1, 2, 3]))
+def test_pack_nonfinite_native_matches_reference(case, threads):
+    pieces, size = case
+    fill = torch.full((size,), 5.0)
+    got, want = fill.clone(), fill.clone()
+    flag = kernels.pack_nonfinite(pieces, got, impl="native", threads=threads)
+    ref_flag = kernels.pack_nonfinite(pieces, want, impl="reference")
+    assert bits_equal(got, want)
+    assert flag == ref_flag
+    expect = any(src is not None and not bool(torch.isfinite(src).all()) for src, _, _ in pieces)
+    assert flag == expect
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=float_tensors(max_size=100_000), where=st.floats(0, 1), special=st.sampled_from(_SPECIALS + [None]),
+       threads=st.sampled_from([1, 2, 4]))
+def test_nonfinite_native_matches_reference(x, where, special, threads):
+    if special is not None and x.numel():
+        x[min(int(where * x.numel()), x.numel() - 1)] = special
+    assert kernels.nonfinite(x, impl="native", threads=threads) == kernels.nonfinite(x, impl="reference")
+    assert kernels.nonfinite(x, impl="native") == (not bool(torch.isfinite(x).all()))
+
+
+def test_nonfinite_is_exact_where_a_sum_overflows():
+    # flat.sum() of two large finite values is Inf: the check by sum flags it, this one not.
+    x = torch.tensor([3e38, 3e38])
+    assert not bool(torch.isfinite(x.sum()))
+    assert kernels.nonfinite(x, impl="native") is False
+
+
+def test_pack_nonfinite_rejects_bad_pieces_with_an_error():
+    dst = torch.zeros(10)
+    with pytest.raises(ValueError, match="outside dst"):
+        kernels.pack_nonfinite([(torch.ones(4), 8, 4)], dst, impl="native")
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.pack_nonfinite([(torch.ones(4), 0, 4), (None, 3, 2)], dst, impl="native")
+    with pytest.raises(TypeError, match="float32"):
+        kernels.pack_nonfinite([(torch.ones(4, dtype=torch.float64), 0, 4)], dst, impl="native")
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.pack_nonfinite([(torch.ones(8)[::2], 0, 4)], dst, impl="native")
+    assert torch.equal(dst, torch.zeros(10))  # nothing written by a refused call
+
+
+def test_native_library_releases_the_gil():
+    # ctypes.CDLL drops the GIL for each foreign call; ctypes.PyDLL (a subclass) would keep it.
+    import ctypes
+
+    from commopt.kernels import native as _native_kernels
+
+    lib = _native_kernels.load()
+    assert isinstance(lib, ctypes.CDLL) and not isinstance(lib, ctypes.PyDLL)
+    assert lib._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI == 0

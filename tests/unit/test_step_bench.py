@@ -160,8 +160,9 @@ def test_tables_have_one_line_per_configuration():
     assert "failed: RuntimeError: boom" in text[-1]
     md = rp.markdown_table(rows).splitlines()
     assert len(md) == 2 + 2 and all(line.count("|") == len(rp.TABLE_COLUMNS) + 1 for line in md)
-    assert md_cells(md[2]) == ["ddp-fp32", "1000 (800-1300)", "100", "900", "800", "16.0", "1.00x", "10%",
-                               "90%", "1.0000"]
+    # no codec time recorded (a report from before the floor): codec, floor and ratio empty
+    assert md_cells(md[2]) == ["ddp-fp32", "1000 (800-1300)", "100", "900", "800", "-", "-", "-",
+                               "link", "16.0", "1.00x", "10%", "90%", "1.0000"]
     assert md_cells(md[3])[:2] == ["commopt-qsgd4", "failed: RuntimeError: boom"]
 
 
@@ -290,7 +291,7 @@ def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
     assert cli.run(args) == 0
     text = md.read_text()
     row = next(md_cells(line) for line in text.splitlines() if line.startswith("| commopt-qsgd4-db"))
-    assert row[:5] == ["commopt-qsgd4-db", "250 (200-325)", "200", "225", "104"] and row[6] == "4.00x"
+    assert row[:5] == ["commopt-qsgd4-db", "250 (200-325)", "200", "225", "104"] and row[rp.TABLE_COLUMNS.index("speed-up")] == "4.00x"
     assert "target >= 5x: NOT met" in text and "commopt-qsgd4-db" in capsys.readouterr().out
 
 
@@ -308,3 +309,35 @@ def test_bench_step_is_a_real_subcommand_and_a_missing_module_is_an_error(monkey
     monkeypatch.setitem(bench.BENCHMARKS, "warp-drive", "a benchmark whose module is missing")
     with pytest.raises(ImportError, match="commopt.bench.warp-drive is missing from this installation"):
         bench.add_arguments(argparse.ArgumentParser())
+
+
+def test_floor_is_compute_plus_codec_or_the_link_and_the_ratio_is_step_over_floor():
+    slow_link = _result(1.0, wire=100_000_000, compute=0.1)   # link limit 800 ms
+    fast_link = _result(0.3, wire=1_000_000, compute=0.1)     # link limit 8 ms
+    for res in (slow_link, fast_link):
+        for rd in res["rounds"]:
+            rd["codec_s"] = 0.05
+    a, b = figures.summarize({"ddp-fp32": slow_link, "commopt-qsgd4": fast_link}, 2, 1e9)
+    assert a.floor_s == pytest.approx(0.8) and a.floor_ratio == pytest.approx(1.25)
+    assert b.floor_s == pytest.approx(0.15) and b.floor_ratio == pytest.approx(2.0)
+    # the floor is the wire (800 ms) for one, compute + codec (150 ms against 8 ms) for the other
+    assert a.bound == "link"
+    assert b.bound == "processor" and rp.table_cells(b)[5:9] == ["50", "150", "2.00x", "processor"]
+
+
+def test_codec_seconds_measures_each_kind_of_configuration():
+    from commopt.bench.step import configs, floor
+
+    shapes = [(64, 48), (64,)]
+    for name in ("ddp-fp32", "ddp-fp16", "ddp-powersgd1", "commopt-fp32", "commopt-fp16",
+                 "commopt-qsgd4", "commopt-qsgd4+ef"):
+        assert 0 < floor.codec_seconds(configs.CONFIGS[name], shapes, 2, repeats=1) < 5, name
+
+
+def test_merge_rounds_keeps_each_ranks_profile():
+    entries = [{"config": "ddp-fp32", "round": 0, "rank": r, "size": 2, "batch": 8,
+                "step_times": [1.0], "compute_times": [0.5], "checksum": 1.0, "wire_bytes": 4,
+                "params": 1, "codec_s": 0.01, "profile": {"steps": 2, "rank": r}} for r in (0, 1)]
+    merged = figures.merge_rounds(entries)
+    assert merged["rounds"][0]["codec_s"] == 0.01
+    assert sorted(merged["profile"]) == ["0", "1"] and merged["profile"]["1"]["rank"] == 1

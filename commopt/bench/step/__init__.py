@@ -35,6 +35,10 @@ Columns of the table (one per model):
   time says the step is bound by the processor, not by the link;
 - link limit: the time the link needs for this configuration's gradient allreduce,
   2(n-1)/n x wire bytes / rate: the physical limit beside the measured time;
+- codec: one step's codec arithmetic on one rank (encode and decode at the kernels' speed,
+  PowerSGD's factorisation, fp16 casts), measured on every rank at once after the blocks;
+- floor: max(compute + codec, link limit), what no schedule can remove on these hosts;
+  step/floor the measured step over it; bound: the floor's larger term (link or processor);
 - samples/s: n x per-rank batch / step time;
 - speed-up: DDP fp32's step time / this step time;
 - efficiency: e = t / (t0 n), t the samples/s of the n ranks, t0 that of one rank alone
@@ -42,6 +46,9 @@ Columns of the table (one per model):
 - comm wait: 1 - efficiency, the share of a step spent beyond compute: waiting for the
   network and the CPU work of sending (copies, codecs);
 - final loss: cross-entropy on a fixed held-out batch after the last step (first round).
+
+``--profile`` runs a few more steps of each configuration under py-spy and reports each
+thread's CPU per phase (``commopt.bench.profile_step``, ``commopt.bench.profile_report``).
 
 The JSON (``--json``) also holds every step time, the time to the end of backward (DDP waits
 for its last buckets inside backward, commopt in ``step()``), each rank's medians and losses.
@@ -54,7 +61,7 @@ with double buffering (``-db``: reduction during the next step).
 The modules, one job each: ``configs`` (what each configuration is, its wire bytes, how a rank
 builds it), ``models`` (the models and their synthetic tasks), ``worker`` (one rank of a job),
 ``driver`` (the jobs under ``commopt launch``, the emulated link, restarts), ``figures`` (the
-arithmetic from raw timings), ``report`` (tables, markdown, JSON, plot), ``sim_export``
+arithmetic from raw timings), ``floor`` (the codec time and the floor), ``report`` (tables, markdown, JSON, plot), ``sim_export``
 (``--sim-measurements`` for the simulator's validation) and ``cli`` (the options).
 
     >>> import argparse

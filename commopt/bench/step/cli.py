@@ -56,6 +56,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective-timeout", type=float, default=300,
                         help="seconds a rank waits in one collective before the job fails and "
                              "restarts without that configuration (default 300)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each configuration's first round, run --profile-steps more "
+                             "steps under py-spy (pip install py-spy) and report each thread's CPU "
+                             "per phase (pack, NaN check, encode, send/receive, decode, unpack, "
+                             "apply ...) beside the floor")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="steps profiled per configuration (default 5)")
+    parser.add_argument("--profile-rate", type=int, default=100,
+                        help="py-spy samples per second (default 100)")
+    parser.add_argument("--profile-plot", metavar="PATH",
+                        help="with --profile: write a stacked-bar PNG of CPU per thread and phase")
     parser.add_argument("--json", metavar="PATH", help="write every figure and raw timing as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time per configuration")

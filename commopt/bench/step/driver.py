@@ -74,6 +74,9 @@ def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Pat
         worker += ["--system-malloc"]
     if args.block:
         worker += ["--block", str(args.block)]
+    if getattr(args, "profile", False):
+        worker += ["--profile", "--profile-steps", str(args.profile_steps),
+                   "--profile-rate", str(args.profile_rate)]
     argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
             "--launcher", args.launcher, "--timeout", str(args.timeout)]
     if plan.link_arg:

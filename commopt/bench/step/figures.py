@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from commopt.bench.step.configs import CONFIGS, allreduce_limit_s
+from commopt.bench.step.floor import floor_s
 
 
 def efficiency(step_s: float, compute_s: float) -> float:
@@ -64,6 +65,10 @@ class Row:
     cpu_s: float | None = None     # one rank's process CPU time (all threads) per step
     cpu_busy: float | None = None  # that CPU time / wall time during the timed steps (cores)
     ranks_agree: bool | None = None
+    codec_s: float | None = None   # one step's codec arithmetic on one rank (floor.py)
+    floor_s: float | None = None   # max(compute + codec, link limit)
+    floor_ratio: float | None = None  # step / floor
+    bound: str | None = None       # "processor" or "link": what the rank CPU says limits it
     error: str | None = None
 
 
@@ -100,6 +105,12 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.speedup = base_step / row.step_s
         if row.wire_bytes is not None:
             row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
+        codecs = [rd["codec_s"] for rd in r["rounds"] if rd.get("codec_s") is not None]
+        row.codec_s = statistics.median(codecs) if codecs else None
+        if row.codec_s is not None:  # reports from before the floor have no codec time
+            row.floor_s = floor_s(row.compute_s, row.codec_s, row.limit_s)
+            row.floor_ratio = row.step_s / row.floor_s if row.floor_s else None
+        row.bound = bound(row)
         paired = [e for rd in r["rounds"] for e in (rd.get("block_efficiency") or [])]
         if paired:  # each block against the compute-only steps right after it
             row.efficiency = statistics.median(paired)
@@ -109,6 +120,16 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.comm_wait = comm_wait_share(row.step_s, row.compute_s)
         rows.append(row)
     return rows
+
+
+def bound(row: Row) -> str | None:
+    """Which term makes the floor: "link" when the wire time exceeds compute + codec, else
+    "processor" (the step's own processor work is the least it can take). The rank CPU
+    column says how much of a core the rank got: on a shared machine, less than one."""
+    if row.compute_s is None:
+        return None
+    work = row.compute_s + (row.codec_s or 0.0)
+    return "link" if row.limit_s is not None and row.limit_s > work else "processor"
 
 
 def check_targets(role: str, rows: list[Row]) -> list[str]:
@@ -131,10 +152,11 @@ def check_targets(role: str, rows: list[Row]) -> list[str]:
                          f"({hook.config}, {hook.step_s * 1e3:.0f} ms) "
                          f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
             if best.cpu_s is not None and best.limit_s is not None:
-                bound = "the processor" if best.cpu_busy >= 0.8 and best.cpu_s > best.limit_s else "the link"
+                floor = (f"; step / floor {best.floor_ratio:.2f}x (floor {best.floor_s * 1e3:.0f} ms, "
+                         f"set by the {best.bound})") if best.floor_ratio else ""
                 lines.append(f"best commopt's rank keeps {best.cpu_busy:.2f} cores busy "
                              f"({best.cpu_s * 1e3:.0f} ms of CPU per {best.step_s * 1e3:.0f} ms step) "
-                             f"against a link limit of {best.limit_s * 1e3:.0f} ms: bound by {bound}")
+                             f"against a link limit of {best.limit_s * 1e3:.0f} ms{floor}")
     elif role == "compute":
         eff = [r for r in commopt if r.efficiency is not None]
         if eff:
@@ -160,11 +182,16 @@ def merge_rounds(entries: list[dict]) -> dict:
         first = ranks[min(ranks)]
         rounds.append({key: first.get(key) for key in ("step_times", "compute_times",
                                                        "block_efficiency", "backward_times",
-                                                       "cpu_per_step", "losses", "eval_loss")})
+                                                       "cpu_per_step", "codec_s", "losses",
+                                                       "eval_loss")})
         rounds[-1]["rank_step_medians"] = [statistics.median(ranks[r]["step_times"])
                                            for r in sorted(ranks)]
         agree = agree and len({ranks[r]["checksum"] for r in ranks}) == 1
     first = entries[0]
-    return {"rounds": rounds, "batch": first["batch"], "size": first["size"],
-            "wire_bytes": first["wire_bytes"], "params": first["params"], "ranks_agree": agree}
+    merged = {"rounds": rounds, "batch": first["batch"], "size": first["size"],
+              "wire_bytes": first["wire_bytes"], "params": first["params"], "ranks_agree": agree}
+    profiles = {str(e["rank"]): e["profile"] for e in entries if e.get("profile")}
+    if profiles:
+        merged["profile"] = profiles
+    return merged
 

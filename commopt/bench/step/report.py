@@ -19,7 +19,8 @@ def _fmt(value, spec, unit=""):
 
 
 TABLE_COLUMNS = ("configuration", "step ms (rounds)", "compute ms", "rank CPU ms", "link limit ms",
-                 "samples/s", "speed-up", "efficiency", "comm wait", "final loss")
+                 "codec ms", "floor ms", "step/floor", "bound", "samples/s", "speed-up",
+                 "efficiency", "comm wait", "final loss")
 
 
 def table_cells(row: Row) -> list[str]:
@@ -34,7 +35,8 @@ def table_cells(row: Row) -> list[str]:
     if row.step_rounds and len(row.step_rounds) > 1:
         step += f" ({min(row.step_rounds) * 1e3:.0f}-{max(row.step_rounds) * 1e3:.0f})"
     return [row.config, step, _fmt(ms(row.compute_s), ".0f"), _fmt(ms(row.cpu_s), ".0f"),
-            _fmt(ms(row.limit_s), ".0f"), _fmt(row.samples_per_s, ".1f"),
+            _fmt(ms(row.limit_s), ".0f"), _fmt(ms(row.codec_s), ".0f"), _fmt(ms(row.floor_s), ".0f"),
+            _fmt(row.floor_ratio, ".2f", "x"), row.bound or "-", _fmt(row.samples_per_s, ".1f"),
             _fmt(row.speedup, ".2f", "x"), _fmt(pct(row.efficiency), ".0f", "%"),
             _fmt(pct(row.comm_wait), ".0f", "%"), _fmt(row.final_loss, ".4f")]
 
@@ -64,7 +66,19 @@ def print_model(model: str, info: dict, rows: list[Row], n: int, plan, targets: 
             print(f"warning: {row.config}: the ranks' parameters differ after training")
     for line in info["targets"] if targets else []:
         print("target: " + line)
+    profiled = _profiles({"models": {model: info}})
+    if profiled:
+        from commopt.bench.profile_report import profile_table
+
+        print(f"\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
+        print(profile_table(profiled))
     print(flush=True)
+
+
+def _profiles(report: dict) -> list:
+    from commopt.bench.profile_report import report_entries
+
+    return report_entries(report)
 
 
 def markdown_report(report: dict) -> str:
@@ -85,6 +99,12 @@ def markdown_report(report: dict) -> str:
                     f"needs {info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per allreduce on this "
                     f"link.", ""]
         out += [f"- target: {t}" for t in info["targets"]] + [""]
+        profiled = _profiles({"models": {model: info}})
+        if profiled:
+            from commopt.bench.profile_report import profile_table
+
+            out += ["Profile of rank 0, ms per step (CPU by phase; asleep: time blocked in a "
+                    "wait):", "", profile_table(profiled, markdown=True), ""]
     return "\n".join(out)
 
 
@@ -149,6 +169,13 @@ def write_outputs(report: dict, args) -> None:
             raise SystemExit(f"commopt bench step: {exc}") from None
         Path(args.sim_measurements).write_text(json.dumps(entries, indent=1) + "\n")
         print(f"wrote {args.sim_measurements} ({len(entries)} entries)")
+    if getattr(args, "profile_plot", None):
+        from commopt.bench.profile_report import plot_profile
+
+        entries = _profiles(report)
+        if entries:
+            plot_profile(entries, args.profile_plot, title=report["link"])
+            print(f"wrote {args.profile_plot}")
     if args.plot:
         try:
             plot_step_times(report, args.plot)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from commopt.bench.step.configs import (CONFIGS, StepConfig, commopt_wire_bytes, ddp_wire_bytes,
                                         wrap_commopt, wrap_ddp)
+from commopt.bench.step.floor import codec_seconds
 from commopt.bench.step.models import MODELS, param_shapes
 
 #: Lines a worker prints for the driver to pass on (progress); everything else goes to the log.
@@ -55,7 +56,9 @@ def run_worker(args: argparse.Namespace) -> int:
         cfg = CONFIGS[name]
         if comm.rank == 0:
             print(f"{PROGRESS}start {index} {name}", flush=True)
-        rec = _run_config(cfg, spec, comm, gloo, args)
+        # --profile: the first time each configuration runs (its first round).
+        profile = getattr(args, "profile", False) and name not in schedule[:index]
+        rec = _run_config(cfg, spec, comm, gloo, args, profile=profile)
         rec.update(index=index, config=name, kind=cfg.kind, rank=comm.rank, size=comm.size)
         records.append(rec)
         out.write_text(json.dumps(records))  # after each one: a later failure keeps these
@@ -70,7 +73,7 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
+def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) -> dict:
     """Build, warm up, time and tear down one configuration on this rank."""
     import torch
     import torch.nn.functional as F
@@ -99,13 +102,14 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     # Double buffering restarts its pipeline after each pause: one untimed step per block,
     # for every configuration so that all train the same number of steps.
     restarts = n_blocks - 1
+    profile_steps = (1 + args.profile_steps) if profile else 0  # one to restart, then profiled
     batches = [spec.batch(step=i, rank=rank, size=batch)
-               for i in range(args.warmup + steps + restarts)]
+               for i in range(args.warmup + steps + restarts + profile_steps)]
     feed = iter(batches)
     step_times, backward_times, losses, compute_times, block_eff = [], [], [], [], []
     block_cpu = []  # this process's CPU seconds (every thread) per timed step, per block
 
-    def train_step(timed: bool) -> None:
+    def train_step(timed: bool) -> float:
         x, y = next(feed)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -118,6 +122,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
         if timed:
             step_times.append(end - start)
             backward_times.append(after_backward - start)
+        return end - start
 
     def twin_step(j: int) -> float:
         x, y = batches[args.warmup + j % steps]
@@ -147,10 +152,19 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
         twins = [twin_step(j) for j in range(args.compute_steps or count)]
         compute_times += twins
         block_eff.append(statistics.median(twins) / statistics.median(step_times[first:]))
+    # The floor's codec time: this configuration's arithmetic on the gradient, every rank at
+    # once (the same sharing of the cores as the compute twin), nothing in flight.
+    gloo.allgather_obj(None)
+    codec_s = codec_seconds(cfg, shapes, comm.size)
     with torch.no_grad():
         ex, ey = spec.eval_batch()
         eval_loss = float(F.cross_entropy(model(ex), ey))
         checksum = float(sum(p.double().sum() for p in model.parameters()))
+    prof = None
+    if profile:  # after the figures above: the profiler's pauses cannot touch them
+        prof = _profile_steps(cfg, args, rank, train_step, gloo)
+        if cfg.kind == "commopt":
+            opt.flush()
     if cfg.kind == "commopt":
         opt.close()
     del net, opt, inner, model, twin, twin_opt
@@ -158,7 +172,24 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args) -> dict:
     gloo.allgather_obj(None)  # the next configuration starts on every rank together
     return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
             "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
-            "cpu_per_step": block_cpu,
+            "cpu_per_step": block_cpu, "codec_s": codec_s, "profile": prof,
             "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
             "params": sum(math.prod(s) for s in shapes)}
 
+
+
+def _profile_steps(cfg: StepConfig, args, rank: int, train_step, gloo) -> dict:
+    """``args.profile_steps`` more steps under py-spy, with every thread's CPU from /proc."""
+    from commopt.bench.profile_step import PySpy, attribute, cpu_delta, parse_raw, thread_cpu
+
+    train_step(timed=False)  # double buffering: restart the pipeline flushed after the blocks
+    spy = PySpy(Path(f"{args.result}.{cfg.name}.rank{rank}.pyspy.txt"), rate=args.profile_rate)
+    spy.start()
+    gloo.allgather_obj(None)  # both ranks sampled from here on
+    before, wall = thread_cpu(), time.perf_counter()
+    times = [train_step(timed=False) for _ in range(args.profile_steps)]
+    after, wall = thread_cpu(), time.perf_counter() - wall
+    text = spy.stop()
+    threads = attribute(parse_raw(text), cpu_delta(before, after))
+    return {"steps": args.profile_steps, "rate": args.profile_rate, "wall_s": wall,
+            "step_times": times, "threads": {str(tid): t for tid, t in threads.items()}}

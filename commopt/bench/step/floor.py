@@ -1,0 +1,102 @@
+"""The floor of a training step: what no scheduling can remove on these hosts.
+
+floor = max(compute + codec, link limit): the step's compute (the twin's, measured at the
+same moment), the processor time of the configuration's own arithmetic on the gradient
+(``codec_seconds``: encode, decode and reduce at the kernels' measured speed on this rank),
+and the wire time, which at best hides entirely behind the other two. Everything a step
+takes above its floor is overhead of the implementation (copies, checks, Python, polling,
+waiting for a shared core) or wire time that the schedule did not hide.
+
+    >>> floor_s(compute_s=0.08, codec_s=0.02, limit_s=0.107)
+    0.107
+    >>> floor_s(compute_s=0.08, codec_s=0.04, limit_s=None)
+    0.12
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def floor_s(compute_s: float | None, codec_s: float | None, limit_s: float | None) -> float | None:
+    """max(compute + codec, link limit); None without a compute time."""
+    if compute_s is None:
+        return None
+    return max(compute_s + (codec_s or 0.0), limit_s or 0.0)
+
+
+def _ring_passes(n: int) -> tuple[float, float]:
+    """Encodes and decodes of the whole gradient one rank does in a ring allreduce of n ranks:
+    reduce-scatter encodes and decodes (n-1)/n of it, allgather encodes 1/n, decodes (n-1)/n."""
+    return 1.0, 2.0 * (n - 1) / n
+
+
+def _commopt_work(cfg, numel: int, n: int):
+    """A function doing one step's codec arithmetic of commopt configuration ``cfg``."""
+    import torch
+
+    from commopt.codecs import RngKey, get_codec
+
+    grad, acc = torch.randn(numel), torch.zeros(numel)
+    enc, dec = _ring_passes(n)
+    codec = get_codec("fp32" if cfg.wire == "fp32" else cfg.wire)
+    wire = torch.empty(codec.encoded_nbytes(numel), dtype=torch.uint8)
+    if cfg.wire == "fp32":  # the transport sums fp32 as it receives: one add pass per decode
+        def work():
+            for _ in range(round(dec)):
+                acc.add_(grad)
+        return work
+    step = [0]
+
+    def work():
+        step[0] += 1
+        codec.encode(grad, wire, scale=1.0 / n, rng=RngKey(0, 0, step[0]), key="floor")
+        for _ in range(round(dec)):
+            codec.decode(wire, acc, accumulate=True)
+    return work
+
+
+def _ddp_work(cfg, shapes, n: int):
+    """One step's hook arithmetic of DDP configuration ``cfg``, with torch's own operations."""
+    import math
+
+    import torch
+
+    grads = [torch.randn(s) for s in shapes]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if cfg.wire == "fp32":
+        return lambda: flat.add_(flat)  # gloo's sum of the received bucket
+    if cfg.wire == "fp16":
+        def work():  # fp16_compress_hook: divide, cast down, (sum), cast back
+            half = flat.div(n).to(torch.float16)
+            half.add_(half)
+            flat.copy_(half)
+        return work
+    rank = cfg.powersgd_rank
+    mats = [g.reshape(g.shape[0], -1) for g in grads
+            if g.dim() > 1 and (g.shape[0] + math.prod(g.shape[1:])) * rank * 2 < g.numel()]
+    state = [(torch.zeros_like(m), torch.randn(m.shape[1], rank)) for m in mats]
+
+    def work():  # PowerSGD's arithmetic: error feedback, P = MQ, orthonormal P, Q = M^T P, PQ^T
+        for m, (err, q) in zip(mats, state):
+            m.add_(err)
+            p = m @ q
+            p = torch.linalg.qr(p).Q
+            q.copy_(m.t() @ p)
+            err.copy_(m - p @ q.t())
+    return work
+
+
+def codec_seconds(cfg, shapes, n: int, repeats: int = 3) -> float:
+    """Median seconds of one step's codec arithmetic for ``cfg`` on this rank (1 rank's share)."""
+    import math
+
+    numel = sum(math.prod(s) for s in shapes)
+    work = _ddp_work(cfg, shapes, n) if cfg.kind == "ddp" else _commopt_work(cfg, numel, n)
+    work()  # warm-up: page in, first-call costs
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
