@@ -514,7 +514,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """The mean of ``loss`` over the ranks (same type back: tensor or number; None stays)."""
         if loss is None or self.comm.size == 1:
             return loss
-        value = torch.tensor([float(loss)], dtype=torch.float64)
+        value = torch.tensor([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)],
+                             dtype=torch.float64)
         self.comm.allreduce(value)
         mean = value.item() / self.comm.size
         if isinstance(loss, torch.Tensor):
