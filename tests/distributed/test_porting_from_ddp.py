@@ -13,7 +13,7 @@ from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = r'''
+COMMON = r'''
 import copy, sys
 import torch
 import commopt
@@ -77,6 +77,9 @@ def clipped_sgd_reference(start, steps, stale=False):
     return ref
 
 
+'''
+
+CLIPPING = r'''
 # 1. clip_grad_norm_ between backward() and step(), default mode: clips the average
 model = make_model()
 opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, model=model)
@@ -138,6 +141,9 @@ for step in range(3):
     scaler.update()
 check(model, clipped_sgd_reference(start, 3), "GradScaler unscale_ + clip")
 
+'''
+
+CLOSURE = r'''
 # 2. LBFGS: every closure call's loss and gradients are averaged over the ranks
 model = make_model()
 opt = create_multi_node_optimizer(
@@ -166,35 +172,40 @@ for step in range(3):
 assert len(set(comm.allgather_obj(calls))) == 1, "the ranks evaluated the closure different times"
 check(model, ref, "LBFGS step(closure)", tol=1e-4)
 
-# 4. a DDP model: refused, whether wrapped before or after the optimizer
-if backend == "torch":
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    net = make_model()
-    ddp = DDP(net)
-    for kwargs in ({"model": ddp}, {"model": net}, {}):
-        try:
-            create_multi_node_optimizer(torch.optim.SGD(ddp.parameters(), lr=LR), comm, **kwargs)
-            raise AssertionError(f"rank {r}: a DDP model was accepted ({kwargs})")
-        except ValueError as e:
-            assert "DistributedDataParallel" in str(e) and "ddp_model.module" in str(e), e
-    net = make_model()
-    opt = create_multi_node_optimizer(torch.optim.SGD(net.parameters(), lr=LR), comm)
-    late = DDP(net)  # wrapped after the optimizer: the first step notices
-    loss_fn(late, *batch(0, r)).backward()
-    try:
-        opt.step()
-        raise AssertionError(f"rank {r}: DDP wrapped after the optimizer went unnoticed")
-    except ValueError as e:
-        assert "commopt_hook" in str(e), e
-print("ok", r)
 '''
 
+DDP_MODEL = r'''
+# 4. a DDP model: refused, whether wrapped before or after the optimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+net = make_model()
+ddp = DDP(net)
+for kwargs in ({"model": ddp}, {"model": net}, {}):
+    try:
+        create_multi_node_optimizer(torch.optim.SGD(ddp.parameters(), lr=LR), comm, **kwargs)
+        raise AssertionError(f"rank {r}: a DDP model was accepted ({kwargs})")
+    except ValueError as e:
+        assert "DistributedDataParallel" in str(e) and "ddp_model.module" in str(e), e
+net = make_model()
+opt = create_multi_node_optimizer(torch.optim.SGD(net.parameters(), lr=LR), comm)
+late = DDP(net)  # wrapped after the optimizer: the first step notices
+loss_fn(late, *batch(0, r)).backward()
+try:
+    opt.step()
+    raise AssertionError(f"rank {r}: DDP wrapped after the optimizer went unnoticed")
+except ValueError as e:
+    assert "commopt_hook" in str(e), e
+'''
 
-def test_ddp_script_habits_under_torch_distributed():
-    out = run_torch(SCRIPT, nprocs=2, timeout=180, args=["torch"])
+END = 'print("ok", r)\n'
+
+
+@pytest.mark.parametrize("part", ["clipping", "closure", "ddp"])
+def test_under_torch_distributed(part):
+    code = {"clipping": CLIPPING, "closure": CLOSURE, "ddp": DDP_MODEL}[part]
+    out = run_torch(COMMON + code + END, nprocs=2, timeout=120, args=["torch"])
     assert out == ["ok 0\n", "ok 1\n"]
 
 
-def test_ddp_script_habits_under_mpi():
-    out = run_mpi(SCRIPT, nprocs=2, timeout=180, args=["mpi"])
+def test_clipping_and_closure_under_mpi():
+    out = run_mpi(COMMON + CLIPPING + CLOSURE + END, nprocs=2, timeout=180, args=["mpi"])
     assert out == ["ok 0\n", "ok 1\n"]
