@@ -88,7 +88,9 @@ def refuse_ddp(params, model=None) -> None:
     import gc
 
     ours = {id(p) for p in params}
-    for obj in gc.get_objects():  # once per wrapper (and at its first step): a few ms
+    # One pass over the heap, at construction and at the first step (about 0.1 s for 170k
+    # objects on a busy 2-core machine): DDP leaves no mark on the parameters it hooks.
+    for obj in gc.get_objects():
         if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
             raise ValueError("these parameters belong to a torch.nn.parallel.DistributedDataParallel "
                              "model, which averages their gradients during backward, and commopt "
