@@ -117,6 +117,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._skip_sync = False  # inside skip_synchronize()
         self._guard = clipping.GradWriteGuard()  # .grad writes before the reduction
         self._backward_queued = False  # the end-of-backward callback is queued
+        self._averaged: list = []  # param.grad as the last synchronize() left them
         self._ddp_checked = False  # the first step looks for DDP again (DDP wrapped later)
         init_hook_tables(self)
         self._inner = optimizer
@@ -278,7 +279,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if self.double_buffering or not self.overlap:
             return
         if self._current is None:
-            if self._reduced is not None:
+            if self._reduced is not None and self._reducer.params[index].grad is self._averaged[index]:
+                # The averages were not applied (GradScaler skipped the step) and this backward
+                # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
                 raise RuntimeError(
                     "a second backward() before step(): the gradients of the first were averaged "
                     "already. Call optimizer.zero_grad() between steps; for gradient accumulation, "
@@ -392,6 +395,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.finish()
             red.unpack(self.zero_fill)
             self._reduced = red
+            self._averaged = [p.grad for p in self._reducer.params]  # (second-backward check)
             self._dirty = False
 
     def wait(self) -> None:
@@ -430,6 +434,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         loss = None
+        self._backward_queued = False  # (a backward that raised never ran its callback)
         if not self._ddp_checked:  # DDP may have wrapped the model after this optimizer
             self._ddp_checked = True
             with self._own_reads():

@@ -221,7 +221,7 @@ def lbfgs_run(wrap, comm=None, steps=3, **options):
             out = loss(model, step)
             out.backward()
             return out
-        losses.append(float(opt.step(closure)))
+        losses.append(float(opt.step(closure).detach()))
     return model, losses
 
 
@@ -250,3 +250,21 @@ def test_second_backward_after_averaging_names_zero_grad_and_no_sync(comm):
     loss(model, 2).backward()
     opt.step()
     assert opt.applied_steps == 1
+
+
+def test_grad_scaler_skipped_step_then_model_zero_grad(comm):
+    """GradScaler skips opt.step() on overflow; model.zero_grad() must then start afresh."""
+    model, ref = mlp(), mlp()
+    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(3):
+        model.zero_grad()
+        out = loss(model, step) * (float("inf") if step == 1 else 1.0)
+        scaler.scale(out).backward()
+        scaler.step(opt)
+        scaler.update()
+        if step != 1:
+            ref_opt.zero_grad(); loss(ref, step).backward(); ref_opt.step()
+    assert opt.applied_steps == 2 and scaler.get_scale() == 2.0 ** 7
+    assert torch.allclose(flat(model), flat(ref), atol=1e-6)
