@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -271,10 +272,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
             return
-        if not self._backward_queued:
+        if not self._backward_queued and not _in_nested_backward():
             # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
-            self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._queue_backward_done()
         self._dirty = True
         if self.double_buffering or not self.overlap:
             return
@@ -289,6 +289,14 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 )
             self._current = self._start()
         self._current.mark_ready(index)
+        if self._current.issued == len(self._reducer.buckets) and not self._backward_queued:
+            # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
+            # finishing at its end is safe, as DDP's reducer does.
+            self._queue_backward_done()
+
+    def _queue_backward_done(self) -> None:
+        self._backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
         self._reduced = None
@@ -648,6 +656,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self.remove_hooks()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _in_nested_backward() -> bool:
+    """Whether this hook runs in a backward started by an autograd Function's backward.
+
+    Reentrant activation checkpointing runs such inner backward passes; a callback queued
+    there would run at the end of the inner pass, before the outer one has produced the
+    other gradients. Its trace is torch's trampoline for Python backward functions on this
+    thread's stack (a few dozen frames, looked at once per backward).
+    """
+    trampoline = torch.autograd.function.BackwardCFunction.apply.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is trampoline:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _GradReady:

@@ -268,3 +268,29 @@ def test_grad_scaler_skipped_step_then_model_zero_grad(comm):
             ref_opt.zero_grad(); loss(ref, step).backward(); ref_opt.step()
     assert opt.applied_steps == 2 and scaler.get_scale() == 2.0 ** 7
     assert torch.allclose(flat(model), flat(ref), atol=1e-6)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_finishes_at_the_end_of_the_outer_backward(comm, reentrant):
+    """Reentrant checkpointing runs inner backward passes: the averages must wait for all of them."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, ref = mlp(), mlp()
+    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm,
+                                      bucket_cap_mb=1e-5)  # a bucket per tensor
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(2):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 5, generator=g), 100 * torch.randn(6, 3, generator=g)
+        x.requires_grad_(reentrant)  # a reentrant checkpoint needs an input that requires grad
+        hidden = checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=reentrant)
+        out = checkpoint(model[2], hidden, use_reentrant=reentrant)
+        torch.nn.functional.mse_loss(out, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        ref_opt.zero_grad()
+        loss(ref, step).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+    assert torch.allclose(flat(model), flat(ref), atol=1e-7)
