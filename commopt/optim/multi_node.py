@@ -326,6 +326,59 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         finally:
             self._no_sync = previous
 
+    # -- synchronisation ------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the reduction now: afterwards ``param.grad`` holds the averaged gradients.
+
+        Call it before ``GradScaler.unscale_`` or gradient clipping so they see the averages;
+        ``step()`` then applies those gradients as they are. With double buffering,
+        ``synchronize()`` sends this step's gradients and puts the averaged gradients of the
+        previous step (the ones ``step()`` will apply) into ``param.grad``.
+        """
+        self._guard.clear()  # an explicit call: the gradients in .grad now are the ones to send
+        with self._own_reads():
+            if self.double_buffering:
+                if not self._db.exchanged:
+                    self._ensure_layout()
+                    self._db_exchange(scale=1.0)
+                return
+            if self._reduced is not None and not self._dirty and self._current is None:
+                return  # already averaged since the last backward
+            self._ensure_layout()
+            red = self._current if self._current is not None else self._start()
+            self._current = None
+            red.finish()
+            red.unpack(self.zero_fill)
+            self._reduced = red
+            self._averaged = [p.grad for p in self._reducer.params]  # (second-backward check)
+            self._dirty = False
+
+    def wait(self) -> None:
+        """Block until every reduction this optimizer has started is complete.
+
+        Afterwards no gradient of this optimizer is in flight: the averages of every bucket
+        sent so far are in their buffers (``step()``/``flush()`` still decide what is
+        applied), and an error a reduction met is raised here. Gradients travel on the
+        optimizer's private communicator, so waiting on the communicator you passed in
+        waits on nothing; call this instead, e.g. before timing or tearing down:
+
+            >>> import torch, commopt
+            >>> comm = commopt.create_communicator("local")
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = commopt.create_multi_node_optimizer(
+            ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model,
+            ...     double_buffering=True)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> opt.step()   # sends this step's gradients; applies nothing yet
+            >>> opt.wait()   # that reduction has completed
+            >>> opt.flush(); opt.applied_steps
+            1
+        """
+        driver.drain(self._data_comm)
+
+    _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
+
+    # -- end of backward, skip_synchronize ----------------------------------------------------
     def _backward_done(self) -> None:
         """End of a backward that reached our hooks (autograd's final callback).
 
@@ -378,58 +431,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             "step() inside optimizer.skip_synchronize() but the gradients of this step were not "
             "averaged yet: call optimizer.synchronize() after backward() and before step()"
         )
-
-    # -- synchronisation ------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Finish the reduction now: afterwards ``param.grad`` holds the averaged gradients.
-
-        Call it before ``GradScaler.unscale_`` or gradient clipping so they see the averages;
-        ``step()`` then applies those gradients as they are. With double buffering,
-        ``synchronize()`` sends this step's gradients and puts the averaged gradients of the
-        previous step (the ones ``step()`` will apply) into ``param.grad``.
-        """
-        self._guard.clear()  # an explicit call: the gradients in .grad now are the ones to send
-        with self._own_reads():
-            if self.double_buffering:
-                if not self._db.exchanged:
-                    self._ensure_layout()
-                    self._db_exchange(scale=1.0)
-                return
-            if self._reduced is not None and not self._dirty and self._current is None:
-                return  # already averaged since the last backward
-            self._ensure_layout()
-            red = self._current if self._current is not None else self._start()
-            self._current = None
-            red.finish()
-            red.unpack(self.zero_fill)
-            self._reduced = red
-            self._averaged = [p.grad for p in self._reducer.params]  # (second-backward check)
-            self._dirty = False
-
-    def wait(self) -> None:
-        """Block until every reduction this optimizer has started is complete.
-
-        Afterwards no gradient of this optimizer is in flight: the averages of every bucket
-        sent so far are in their buffers (``step()``/``flush()`` still decide what is
-        applied), and an error a reduction met is raised here. Gradients travel on the
-        optimizer's private communicator, so waiting on the communicator you passed in
-        waits on nothing; call this instead, e.g. before timing or tearing down:
-
-            >>> import torch, commopt
-            >>> comm = commopt.create_communicator("local")
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = commopt.create_multi_node_optimizer(
-            ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model,
-            ...     double_buffering=True)
-            >>> model(torch.ones(1, 2)).sum().backward()
-            >>> opt.step()   # sends this step's gradients; applies nothing yet
-            >>> opt.wait()   # that reduction has completed
-            >>> opt.flush(); opt.applied_steps
-            1
-        """
-        driver.drain(self._data_comm)
-
-    _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
 
     # -- step -----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
