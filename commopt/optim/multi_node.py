@@ -279,7 +279,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if self.double_buffering or not self.overlap:
             return
         if self._current is None:
-            if self._reduced is not None and self._reducer.params[index].grad is self._averaged[index]:
+            if self._reduced is not None and self._adds_to_averages(index):
                 # The averages were not applied (GradScaler skipped the step) and this backward
                 # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
                 raise RuntimeError(
@@ -293,6 +293,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
             # finishing at its end is safe, as DDP's reducer does.
             self._queue_backward_done()
+
+    def _adds_to_averages(self, index: int) -> bool:
+        """Whether parameter ``index``'s gradient is still the tensor synchronize() left."""
+        ref = self._averaged[index] if index < len(self._averaged) else None
+        grad = self._reducer.params[index].grad
+        return ref is not None and grad is not None and ref() is grad
 
     def _queue_backward_done(self) -> None:
         self._backward_queued = True
@@ -350,7 +356,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.finish()
             red.unpack(self.zero_fill)
             self._reduced = red
-            self._averaged = [p.grad for p in self._reducer.params]  # (second-backward check)
+            self._averaged = [None if p.grad is None else weakref.ref(p.grad)  # (second-backward
+                              for p in self._reducer.params]                  # check)
             self._dirty = False
 
     def wait(self) -> None:
