@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -41,11 +42,12 @@ from commopt import driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
+from commopt.optim import clipping
 from commopt.optim.checkpoint import (
     STATE_VERSION, check_compatible, codec_states_of_rank, gather_codec_states,
 )
 from commopt.optim.double_buffering import DoubleBuffer
-from commopt.optim.options import check_arguments, resolve_codecs
+from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
@@ -67,6 +69,7 @@ def create_multi_node_optimizer(
     model: torch.nn.Module | None = None,
     seed: int | None = None,
     algorithm: str = "auto",
+    clip_grad_norm: float | None = None,
 ) -> "MultiNodeOptimizer":
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
 
@@ -77,7 +80,10 @@ def create_multi_node_optimizer(
     in ``allreduce_grad_dtype``). ``model`` (optional) names the parameters in errors and
     has its buffers broadcast from rank 0 with the parameters. ``seed`` keys stochastic
     rounding (default: rank 0's ``torch.initial_seed()``). ``algorithm`` is passed to
-    ``commopt.collectives.allreduce``.
+    ``commopt.collectives.allreduce``. ``clip_grad_norm`` (optional) clips the averaged
+    gradients the inner step applies to this global L2 norm (the same decision on every rank;
+    with double buffering, the gradients of the step being applied); the norm before clipping
+    is in ``last_grad_norm``.
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
     ``add_param_group()``, ``flush()`` and ``state_dict()`` in the same order.
@@ -86,6 +92,7 @@ def create_multi_node_optimizer(
         optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
         allreduce_grad_dtype=allreduce_grad_dtype, compression=compression, overlap=overlap,
         bucket_cap_mb=bucket_cap_mb, policy=policy, model=model, seed=seed, algorithm=algorithm,
+        clip_grad_norm=clip_grad_norm,
     )
 
 
@@ -98,13 +105,21 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, comm, *, double_buffering=False, zero_fill=True,
                  allreduce_grad_dtype=None, compression=None, overlap=True, bucket_cap_mb=25,
-                 policy=None, model=None, seed=None, algorithm="auto"):
+                 policy=None, model=None, seed=None, algorithm="auto", clip_grad_norm=None):
         if isinstance(optimizer, MultiNodeOptimizer):
             raise TypeError(
                 "this optimizer is already wrapped by create_multi_node_optimizer; wrap the "
                 "plain torch optimizer once (use .inner to reach it)"
             )
         check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb)
+        refuse_ddp([p for g in optimizer.param_groups for p in g["params"]], model)
+        self.clip_grad_norm = clipping.check_max_norm(clip_grad_norm)
+        self.last_grad_norm: float | None = None  # before clipping, when clip_grad_norm is set
+        self._skip_sync = False  # inside skip_synchronize()
+        self._guard = clipping.GradWriteGuard()  # .grad writes before the reduction
+        self._backward_queued = False  # the end-of-backward callback is queued
+        self._averaged: list = []  # param.grad as the last synchronize() left them
+        self._ddp_checked = False  # the first step looks for DDP again (DDP wrapped later)
         init_hook_tables(self)
         self._inner = optimizer
         self.comm = comm
@@ -177,6 +192,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``). The fastest choice for large models; ``None`` grads
         (the default) cost one copy per step and a fresh allocation per backward.
         """
+        if not self.double_buffering and self._current is None:
+            self._reduced = None  # averages not applied (a skipped step) are discarded
+        self._guard.clear()
         buffer = self._db.buffer if self.double_buffering else 0
         in_flight = self._current is not None and not self.double_buffering
         if (not set_to_none and self.zero_fill and self._reducer is not None and not in_flight
@@ -254,12 +272,37 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
             return
+        if not self._backward_queued and not _in_nested_backward():
+            # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
+            self._queue_backward_done()
         self._dirty = True
         if self.double_buffering or not self.overlap:
             return
         if self._current is None:
+            if self._reduced is not None and self._adds_to_averages(index):
+                # The averages were not applied (GradScaler skipped the step) and this backward
+                # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
+                raise RuntimeError(
+                    "a second backward() before step(): the gradients of the first were averaged "
+                    "already. Call optimizer.zero_grad() between steps; for gradient accumulation, "
+                    "run all but the last backward inside `with optimizer.no_sync():`."
+                )
             self._current = self._start()
         self._current.mark_ready(index)
+        if self._current.issued == len(self._reducer.buckets) and not self._backward_queued:
+            # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
+            # finishing at its end is safe, as DDP's reducer does.
+            self._queue_backward_done()
+
+    def _adds_to_averages(self, index: int) -> bool:
+        """Whether parameter ``index``'s gradient is still the tensor synchronize() left."""
+        ref = self._averaged[index] if index < len(self._averaged) else None
+        grad = self._reducer.params[index].grad
+        return ref is not None and grad is not None and ref() is grad
+
+    def _queue_backward_done(self) -> None:
+        self._backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
         self._reduced = None
@@ -298,6 +341,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``synchronize()`` sends this step's gradients and puts the averaged gradients of the
         previous step (the ones ``step()`` will apply) into ``param.grad``.
         """
+        self._guard.clear()  # an explicit call: the gradients in .grad now are the ones to send
         with self._own_reads():
             if self.double_buffering:
                 if not self._db.exchanged:
@@ -312,6 +356,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.finish()
             red.unpack(self.zero_fill)
             self._reduced = red
+            self._averaged = [None if p.grad is None else weakref.ref(p.grad)  # (second-backward
+                              for p in self._reducer.params]                  # check)
             self._dirty = False
 
     def wait(self) -> None:
@@ -339,6 +385,60 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
 
+    # -- end of backward, skip_synchronize ----------------------------------------------------
+    def _backward_done(self) -> None:
+        """End of a backward that reached our hooks (autograd's final callback).
+
+        ``overlap=True`` without double buffering: finish the reduction, so ``param.grad``
+        holds the averaged gradients when ``backward()`` returns, as under DDP (clipping,
+        GradScaler and logging then see the averages; the wait moves from ``step()`` to
+        here). Otherwise the gradients stay local until ``step()``: remember their version
+        counters, so that ``step()`` can tell a write (a clip) before the reduction.
+        """
+        self._backward_queued = False
+        if self._no_sync:
+            return
+        if self.overlap and not self.double_buffering:
+            self.synchronize()
+        else:
+            self._guard.record(self._reducer.params)
+
+    def _check_no_local_writes(self) -> None:
+        """Raise if ``.grad`` was written between backward and this implicit reduction."""
+        reducer = self._reducer
+        written = self._guard.written(reducer.params, reducer.names)
+        self._guard.clear()
+        if written:
+            mode = "double_buffering=True" if self.double_buffering else "overlap=False"
+            raise clipping.write_before_reduction_error(written, mode)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block applies the gradients ``synchronize()`` averaged, as is.
+
+        Horovod's pattern for changing the averaged gradients before the step (clipping)::
+
+            loss.backward()
+            optimizer.synchronize()            # param.grad: the averaged gradients
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+
+        A ``step()`` inside the block without a ``synchronize()`` since the last backward
+        raises instead of applying local gradients.
+        """
+        previous, self._skip_sync = self._skip_sync, True
+        try:
+            yield
+        finally:
+            self._skip_sync = previous
+
+    def _not_synchronized_error(self) -> RuntimeError:
+        return RuntimeError(
+            "step() inside optimizer.skip_synchronize() but the gradients of this step were not "
+            "averaged yet: call optimizer.synchronize() after backward() and before step()"
+        )
+
     # -- step -----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
         """Average the gradients over all ranks and apply them with the inner optimizer.
@@ -350,14 +450,21 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        self._backward_queued = False  # (a backward that raised never ran its callback)
+        if not self._ddp_checked:  # DDP may have wrapped the model after this optimizer
+            self._ddp_checked = True
+            with self._own_reads():
+                refuse_ddp(self._all_params(), self._model_ref() if self._model_ref else None)
         with self._own_reads():
-            if self.double_buffering:
+            if closure is not None:
+                loss = self._step_with_closure(closure)
+            elif self.double_buffering:
                 self._step_double_buffered()
             else:
                 if self._reduced is None or self._dirty or self._current is not None:
+                    if self._skip_sync:
+                        raise self._not_synchronized_error()
+                    self._check_no_local_writes()
                     self.synchronize()
                 red, self._reduced = self._reduced, None
                 self._apply(red.wait())
@@ -379,9 +486,62 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "(buckets %s); %d step(s) skipped so far", self.applied_steps + self.skipped_steps,
                     result.bad_buckets, self.skipped_steps)
             return
+        self._clip()
         self._inner.step()
         self.applied_steps += 1
         self.last_step_skipped = False
+
+    def _clip(self) -> None:
+        """``clip_grad_norm=``: clip the averaged gradients about to be applied."""
+        if self.clip_grad_norm is not None:
+            self.last_grad_norm = clipping.clip_grad_norm(self._reducer.params, self.clip_grad_norm)
+
+    # -- closures (LBFGS) -------------------------------------------------------------------------
+    def _step_with_closure(self, closure: Callable[[], Any]):
+        """``inner.step(closure)`` where every closure call returns averaged loss and gradients.
+
+        The closure re-evaluates the loss and its gradients (LBFGS calls it several times per
+        step); each call's gradients are averaged over the ranks before the inner optimizer
+        reads them, and so is the loss it returns, so that every rank takes the same
+        line-search and convergence decisions (the same number of closure calls: otherwise
+        the ranks would wait on each other forever).
+        """
+        if self.double_buffering:
+            raise ValueError(
+                "step(closure) re-evaluates the gradients within the step, which double "
+                "buffering (gradients applied one step late) cannot do: create the optimizer "
+                "with double_buffering=False for closure optimizers such as LBFGS"
+            )
+        if self._skip_sync:
+            raise RuntimeError("step(closure) inside skip_synchronize(): the closure's gradients "
+                               "are averaged by step() itself; call step(closure) outside it")
+
+        def averaged_closure():
+            self._reduced = None  # the previous evaluation's gradients are consumed
+            self._guard.clear()
+            with torch.enable_grad():
+                loss = closure()
+            self.synchronize()
+            self._clip()
+            return self._average_loss(loss)
+
+        loss = self._inner.step(averaged_closure)
+        self._reduced = None
+        self.applied_steps += 1
+        self.last_step_skipped = False
+        return loss
+
+    def _average_loss(self, loss):
+        """The mean of ``loss`` over the ranks (same type back: tensor or number; None stays)."""
+        if loss is None or self.comm.size == 1:
+            return loss
+        value = torch.tensor([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)],
+                             dtype=torch.float64)
+        self.comm.allreduce(value)
+        mean = value.item() / self.comm.size
+        if isinstance(loss, torch.Tensor):
+            return torch.tensor(mean, dtype=loss.dtype, device=loss.device)
+        return mean
 
     # -- double buffering -------------------------------------------------------------------------
     def _grad_scale(self) -> float:
@@ -400,6 +560,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _step_double_buffered(self) -> None:
         scale = self._grad_scale()
         if not self._db.exchanged:
+            if self._skip_sync:
+                raise self._not_synchronized_error()
+            if not (getattr(self, "found_inf", None) is not None and self.grad_scale is None):
+                self._check_no_local_writes()  # (GradScaler.unscale_ writes them: allowed)
+            self._guard.clear()
             self._ensure_layout()
             self._db_exchange(scale)
         elif scale != 1.0:
@@ -499,6 +664,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self.remove_hooks()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _in_nested_backward() -> bool:
+    """Whether this hook runs in a backward started by an autograd Function's backward.
+
+    Reentrant activation checkpointing runs such inner backward passes; a callback queued
+    there would run at the end of the inner pass, before the outer one has produced the
+    other gradients. Its trace is torch's trampoline for Python backward functions on this
+    thread's stack (a few dozen frames, looked at once per backward).
+    """
+    trampoline = torch.autograd.function.BackwardCFunction.apply.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is trampoline:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _GradReady:

@@ -134,8 +134,12 @@ def test_overlap_sends_buckets_during_backward(comm):
     model = mlp()
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
                                       bucket_cap_mb=0.0001)
+    seen = []  # buckets on their way when the last gradient (the first layer's) arrives
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(opt._current.issued))
     loss(model, 0).backward()
-    assert opt._current is not None and opt._current.issued == len(opt.buckets) > 1
+    assert seen and 0 < seen[0] and len(opt.buckets) > 1, "buckets were sent during backward"
+    # backward() returns with the averages in .grad (DDP's contract): nothing left in flight
+    assert opt._current is None and opt._reduced.issued == len(opt.buckets)
     opt.step()
     off = create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm, overlap=False)
     assert off._current is None
@@ -180,7 +184,7 @@ def test_add_param_group_adds_hooks_and_buckets(comm):
     opt.add_param_group({"params": head.parameters(), "lr": 0.01})
     assert sum(len(b.slots) for b in opt.buckets) == 6
     head(model(data(0)[0])).sum().backward()
-    assert opt._current is not None and opt._current.issued == len(opt.buckets)
+    assert opt._current is None and opt._reduced.issued == len(opt.buckets)
     opt.step()
 
 
