@@ -51,7 +51,7 @@ Columns of the table (one per model):
 thread's CPU per phase (``commopt.bench.profile_step``, ``commopt.bench.profile_report``).
 
 The JSON (``--json``) also holds every step time, the time to the end of backward (DDP waits
-for its last buckets inside backward, commopt in ``step()``), each rank's medians and losses.
+for its last buckets inside backward, and so does commopt with overlap; with double buffering nothing waits), each rank's medians and losses.
 
 Configurations: DDP fp32 (gloo), DDP with ``fp16_compress_hook``, DDP with the
 PowerSGD hook at rank 1 and 4 (one bucket: see ``POWERSGD_BUCKET_MB``); commopt with fp32,
