@@ -30,6 +30,7 @@ class RankSpec:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel picks it; not reserved, so use it soon)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
