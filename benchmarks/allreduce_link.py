@@ -367,7 +367,7 @@ def main(argv=None) -> int:
         for t in data["targets"]:
             print(f"{'MET ' if t['met'] else 'MISS'} {t['target']}: {t['measured']}")
     if args.sim_measurements:
-        from commopt.bench.sweep import parse_size
+        from commopt.bench.sizes import parse_size
 
         sizes = [parse_size(x) for x in args.sim_sizes.split(",")] if args.sim_sizes else None
         Path(args.sim_measurements).write_text(

@@ -17,7 +17,7 @@ HELP = "check versions, interfaces and network variables; print a cloud profile'
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from commopt.network.profiles import PROFILES
+    from commopt.network.cloud_profiles import PROFILES
 
     parser.add_argument("--profile", choices=list(PROFILES),
                         help="print the environment to export for this cloud, one reason per line: "
@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commopt.network.cloud_profiles import profile_env, render
     from commopt.network.doctor import diagnose
     from commopt.network.probe import collect_snapshot
-    from commopt.network.profiles import profile_env, render
 
     snapshot = collect_snapshot()
     if args.profile:

@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 
 from commopt.testbed.agent import host_prefix
-from commopt.testbed.mpi import cluster_env
+from commopt.testbed.mpirun import cluster_env
 from commopt.testbed.netns import EmulatedCluster
 
 #: On an emulated cluster host0's namespace is fresh, so a fixed port is always free there.

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from commopt.sim import (ModelProfile, Plan, from_benchmark, get_codec, get_machine, list_machines,
+from commopt.sim import (ModelProfile, Plan, from_benchmark, get_codec_cost, get_machine, list_machines,
                          list_profiles, load_profile, simulate)
 from commopt.sim.machines import Machine
 from commopt.sim.model_specs import BUILDERS
@@ -109,7 +109,7 @@ def test_codec_speeds_from_the_codec_benchmark(tmp_path):
     with pytest.raises(ValueError, match="no entry for codec 'qsgd8'"):
         from_benchmark(str(path), "qsgd8")
     with pytest.raises(ValueError, match="unknown codec"):
-        get_codec("zip")
+        get_codec_cost("zip")
 
 
 def test_profile_a_real_module_on_the_cpu():
