@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from commopt._tables import table
-from recipes.common import RecipeError, create_comm, state_digest
+from recipes.common import RecipeError, create_communicator, state_digest
 from recipes.resnet50.data import EpochBatches
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "qsgd4+ef", "db")
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.epochs <= 0 or args.batch_size <= 0:
             raise RecipeError("--epochs and --batch-size must be > 0")
         torch.set_num_threads(1)  # ranks share the cores
-        comm = create_comm(args.communicator)
+        comm = create_communicator(args.communicator)
         if args.batch_size % comm.size:
             raise RecipeError(f"--batch-size {args.batch_size} must be divisible by the {comm.size} ranks")
     except (RecipeError, ValueError) as exc:
