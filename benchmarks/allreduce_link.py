@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from commopt._tables import table
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 CONFIGS = {
@@ -225,26 +227,25 @@ def markdown(data, summary) -> str:
     rate = summary["link_bits_per_s"]
     lines = []
     for codec in dict.fromkeys(r["codec"] for r in summary["rows"]):
-        lines += [f"#### {codec}", "",
-                  "| size | wire | comm | time (median) | rounds min-max | limit | x limit | busbw GB/s | effbw GB/s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        body = []
         for size in sorted({r["size"] for r in summary["rows"] if r["codec"] == codec}):
             for config in CONFIGS:
                 r = _row(summary, config, codec, size)
                 if r is None:
                     continue
-                lines.append(
-                    f"| {_size(size)} | {_size(r['wire_bytes']) if r['wire_bytes'] >= 1024 else r['wire_bytes']} "
-                    f"| {LABELS[config]} | {r['time_s'] * 1e3:.1f} ms "
-                    f"| {r['time_min_s'] * 1e3:.1f}-{r['time_max_s'] * 1e3:.1f} "
-                    f"| {r['limit_s'] * 1e3:.1f} ms | {r['x_limit']:.2f} | {r['busbw_gbps']:.3f} "
-                    f"| {r['effbw_gbps']:.3f} |")
-        lines.append("")
+                body.append([_size(size), _size(r["wire_bytes"]) if r["wire_bytes"] >= 1024 else r["wire_bytes"],
+                             LABELS[config], f"{r['time_s'] * 1e3:.1f} ms",
+                             f"{r['time_min_s'] * 1e3:.1f}-{r['time_max_s'] * 1e3:.1f}",
+                             f"{r['limit_s'] * 1e3:.1f} ms", f"{r['x_limit']:.2f}", f"{r['busbw_gbps']:.3f}",
+                             f"{r['effbw_gbps']:.3f}"])
+        head = ["size", "wire", "comm", "time (median)", "rounds min-max", "limit", "x limit", "busbw GB/s",
+                "effbw GB/s"]
+        lines += [f"#### {codec}", "", table(head, body, markdown=True, align="l" * len(head)), ""]
     lines += [f"Link {rate / 1e9:g} Gbit/s: busbw cannot exceed {rate / 8e9:.3f} GB/s "
               f"({rate / 8e9 * TCP_PAYLOAD:.3f} GB/s of TCP payload at MTU 1500).", "",
-              "| target | measured | met |", "|---|---|---|"]
-    for t in targets(data, summary):
-        lines.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
+              table(["target", "measured", "met"],
+                    [[t["target"], t["measured"], "yes" if t["met"] else "no"] for t in targets(data, summary)],
+                    markdown=True, align="lll")]
     lines += ["", "Commands (one round; rounds repeat them in this order):", ""]
     seen = set()
     for run in data["runs"]:
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
         for t in data["targets"]:
             print(f"{'MET ' if t['met'] else 'MISS'} {t['target']}: {t['measured']}")
     if args.sim_measurements:
-        from commopt.bench.sweep import parse_size
+        from commopt.bench.sizes import parse_size
 
         sizes = [parse_size(x) for x in args.sim_sizes.split(",")] if args.sim_sizes else None
         Path(args.sim_measurements).write_text(

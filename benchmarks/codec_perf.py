@@ -24,6 +24,7 @@ import time
 import torch
 
 from commopt import kernels
+from commopt._tables import table
 from commopt.codecs import get_codec
 
 QSGD_CASES = [  # (label, bits, bucket, norm, stochastic)
@@ -155,16 +156,18 @@ def render(cpu: dict, cuda: dict | None) -> str:
         f"CPU: {cpu['device']}, threads={cpu['threads']}, buffer {cpu['numel'] * 4 / 2**20:.0f} MiB fp32",
         "memcpy: dst.copy_(src) of the same buffer, timed in alternation with each native kernel",
         "",
-        "| codec | wire / fp32 | memcpy GB/s | native enc GB/s | ref enc GB/s | enc x ref | enc / memcpy "
-        "| native dec GB/s | ref dec GB/s | dec x ref | dec / memcpy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    body = []
     for r in cpu["rows"]:
         mc, ne, re_, nd, rd = (r.get(k, float("nan")) for k in
                                ("memcpy", "native_encode", "reference_encode", "native_decode",
                                 "reference_decode"))
-        lines.append(f"| {r['codec']} | {r['wire_ratio']:.4f} | {mc:.2f} | {ne:.2f} | {re_:.3f} | "
-                     f"{ne / re_:.0f}x | {ne / mc:.0%} | {nd:.2f} | {rd:.3f} | {nd / rd:.0f}x | {nd / mc:.0%} |")
+        body.append([r["codec"], f"{r['wire_ratio']:.4f}", f"{mc:.2f}", f"{ne:.2f}", f"{re_:.3f}",
+                     f"{ne / re_:.0f}x", f"{ne / mc:.0%}", f"{nd:.2f}", f"{rd:.3f}", f"{nd / rd:.0f}x",
+                     f"{nd / mc:.0%}"])
+    head = ["codec", "wire / fp32", "memcpy GB/s", "native enc GB/s", "ref enc GB/s", "enc x ref",
+            "enc / memcpy", "native dec GB/s", "ref dec GB/s", "dec x ref", "dec / memcpy"]
+    lines.append(table(head, body, markdown=True, align="l" * len(head)))
     q4 = cpu["rows"][0]
     mc = q4["memcpy"]
     checks = [
@@ -184,10 +187,9 @@ def render(cpu: dict, cuda: dict | None) -> str:
     else:
         bw = cuda["device_bandwidth_GBps"]
         lines.append(f"CUDA: {cuda['device']}, device copy bandwidth {bw:.0f} GB/s")
-        lines.append("| codec | encode GB/s | encode / bandwidth | decode GB/s |")
-        lines.append("|---|---|---|---|")
-        for r in cuda["rows"]:
-            lines.append(f"| {r['codec']} | {r['encode']:.0f} | {r['encode'] / bw:.0%} | {r['decode']:.0f} |")
+        lines.append(table(["codec", "encode GB/s", "encode / bandwidth", "decode GB/s"],
+                           [[r["codec"], f"{r['encode']:.0f}", f"{r['encode'] / bw:.0%}", f"{r['decode']:.0f}"]
+                            for r in cuda["rows"]], markdown=True, align="llll"))
     return "\n".join(lines)
 
 

@@ -152,21 +152,21 @@ def driver(args) -> None:
           f"{args.ranks} ranks, link {args.link or 'loopback'}, codec {args.compression or 'fp32'}, "
           f"bucket_cap_mb {args.bucket_cap_mb:g}")
     print()
-    print("| mode | step time (ms) | / max(compute, communication) |")
-    print("|---|---|---|")
-    for mode in TIMED_MODES:
-        if mode in med:
-            print(f"| {mode} | {med[mode] * 1e3:.0f} | {med[mode] / bound:.2f} |")
+    sys.path.insert(0, str(REPO))  # run as a script from anywhere, like the ranks it starts
+    from commopt._tables import table
+
+    print(table(["mode", "step time (ms)", "/ max(compute, communication)"],
+                [[mode, f"{med[mode] * 1e3:.0f}", f"{med[mode] / bound:.2f}"] for mode in TIMED_MODES if mode in med],
+                markdown=True, align="lll"))
     print(f"\nperfect overlap: max(compute, communication) = {bound * 1e3:.0f} ms; no overlap: "
           f"compute + communication = {(compute + comm) * 1e3:.0f} ms")
     print()
     ddp_peak = max(memory["ddp"]["peak_mb"])
     grad = memory["ddp"]["grad_mb"]
-    print("| mode | peak RSS per rank (MiB, max over ranks) | vs DDP (MiB) | vs DDP (gradient sizes) |")
-    print("|---|---|---|---|")
-    for mode in MEMORY_MODES:
-        peak = max(memory[mode]["peak_mb"])
-        print(f"| {mode} | {peak:.0f} | {peak - ddp_peak:+.0f} | {(peak - ddp_peak) / grad:+.2f} |")
+    peaks = {mode: max(memory[mode]["peak_mb"]) for mode in MEMORY_MODES}
+    print(table(["mode", "peak RSS per rank (MiB, max over ranks)", "vs DDP (MiB)", "vs DDP (gradient sizes)"],
+                [[mode, f"{peak:.0f}", f"{peak - ddp_peak:+.0f}", f"{(peak - ddp_peak) / grad:+.2f}"]
+                 for mode, peak in peaks.items()], markdown=True, align="llll"))
     print(f"\none gradient-sized buffer = {grad:.0f} MiB")
 
 

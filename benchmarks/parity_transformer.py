@@ -135,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             "train_s_mean": round(statistics.mean(r["train_time"] for r in results[name]), 1),
             "within_1_bleu": passed,
         })
-    print("| config | flags | test BLEU per seed | mean | vs fp32 | valid NLL (bits) | train s/run | within 1 BLEU |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        seeds = ", ".join(f"{b:.2f}" for b in r["bleu_per_seed"])
-        print(f"| {r['config']} | `{r['flags']}` | {seeds} | {r['bleu_mean']:.2f} | {r['delta_vs_fp32']:+.2f} | "
-              f"{r['valid_nll_mean']:.4f} | {r['train_s_mean']:.0f} | {'yes' if r['within_1_bleu'] else 'NO'} |")
+    from commopt._tables import table  # the repository is on sys.path by now
+
+    head = ["config", "flags", "test BLEU per seed", "mean", "vs fp32", "valid NLL (bits)", "train s/run",
+            "within 1 BLEU"]
+    print(table(head, [[r["config"], f"`{r['flags']}`", ", ".join(f"{b:.2f}" for b in r["bleu_per_seed"]),
+                        f"{r['bleu_mean']:.2f}", f"{r['delta_vs_fp32']:+.2f}", f"{r['valid_nll_mean']:.4f}",
+                        f"{r['train_s_mean']:.0f}", "yes" if r["within_1_bleu"] else "NO"] for r in rows],
+                markdown=True, align="l" * len(head)))
     print(f"total {time.time() - started:.0f} s; runs in {work}")
     if args.json:
         from recipes.transformer.presets import PRESETS

@@ -22,6 +22,7 @@ import re
 import sys
 from pathlib import Path
 
+from commopt._tables import table
 from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
 from commopt.sim.effects import (EFFECT_TOLERANCE, FASTSOCKET_SEQS, all_effects, chainermn_network_comparison,
@@ -37,12 +38,7 @@ DEFAULT_MEASURED = (RESULTS / "sim-testbed-1gbit.json", RESULTS / "sim-testbed-s
 
 
 def _table(header, rows, markdown):
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header] + rows)
+    return table(header, rows, markdown=markdown, align="l" * len(header))
 
 
 def published_table(markdown: bool, measured: dict) -> str:

@@ -1,5 +1,10 @@
-"""Pieces every recipe shares: launcher-aware communicator choice, the device, the commopt
-command-line options, machine-readable logs and a progress display.
+"""Pieces every recipe shares, one helper per job: launcher-aware communicator creation, the
+device and CPU threads, the commopt command-line options and optimizer factory, machine-readable
+logs and a progress display, and atomic checkpoint writes.
+
+``--communicator auto`` picks ``mpi`` under mpirun/mpiexec/srun, ``torch`` under torchrun and
+``local`` for a single process. Under srun with ``--communicator torch`` the Slurm variables
+stand in for torchrun's (``MASTER_ADDR`` must still be exported).
 
     >>> communicator_for_launcher("torchrun"), communicator_for_launcher("openmpi")
     ('torch', 'mpi')
@@ -69,24 +74,52 @@ def check_commopt_arguments(args: argparse.Namespace) -> None:
         raise RecipeError(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
 
 
-def create_comm(name: str):
-    """The communicator ``name`` ("auto" picks from the launcher)."""
+def _slurm_as_torchrun() -> None:
+    """torch.distributed reads torchrun's variables; derive them from Slurm's under srun."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    if "MASTER_ADDR" not in env:
+        raise RecipeError(
+            "--communicator torch under srun needs MASTER_ADDR: "
+            "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)"
+        )
+    env.setdefault("MASTER_PORT", "29500")
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
+def create_communicator(requested: str = "auto"):
+    """The commopt communicator for this process (``auto`` picks from the launcher)."""
     import commopt
 
-    if name == "auto":
-        name = communicator_for_launcher(launch_info().name)
+    name = communicator_for_launcher(launch_info().name) if requested == "auto" else requested
+    if name == "torch":
+        _slurm_as_torchrun()
     return commopt.create_communicator(name)
 
 
-def pick_device(choice: str = "auto") -> torch.device:
-    """cuda:<local rank> when CUDA is there (or asked for), else cpu. Call before the comm."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+def choose_device(requested: str = "auto") -> torch.device:
+    """``cuda:<local rank>`` when CUDA is there (or asked for), else the CPU.
+
+    Called before the communicator starts, so NCCL resources land on the right GPU.
+    """
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RecipeError("--device cuda: no CUDA device visible to this process")
     local = launch_info().local_rank % torch.cuda.device_count()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
+
+
+def set_cpu_threads(requested: int | None, ranks_per_node: int) -> int:
+    """Threads per rank: the request, else $OMP_NUM_THREADS, else cores / ranks on this node."""
+    if requested is None:
+        env = os.environ.get("OMP_NUM_THREADS")
+        requested = int(env) if env else max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
+    torch.set_num_threads(requested)
+    return requested
 
 
 def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=None, seed=None):
@@ -175,8 +208,14 @@ class Progress:
             self.bar.close()
 
 
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary name, then rename: a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_save(obj, path: str | os.PathLike) -> None:
+    """torch.save to a temporary name, then rename: a crash never leaves half a file.
+
+    The folder is created when missing; the temporary name carries the process id, so two
+    processes saving the same path never write into one temporary file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)

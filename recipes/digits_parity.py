@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from recipes.common import RecipeError, create_comm, state_digest
+from commopt._tables import table
+from recipes.common import RecipeError, create_communicator, state_digest
 from recipes.resnet50.data import EpochBatches
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "qsgd4+ef", "db")
@@ -141,16 +142,16 @@ def summarize(runs: list[dict], configs: list[str], tolerance: float = TOLERANCE
 
 
 def markdown(summary: dict, world_size: int, seeds: list[int], epochs: int) -> str:
-    lines = [f"| configuration | mean top-1 (%) | seeds {', '.join(map(str, seeds))} (%) | "
-             f"vs fp32 (points) | within {summary['tolerance_points']:g} point |",
-             "|---|---|---|---|---|"]
+    head = ["configuration", "mean top-1 (%)", f"seeds {', '.join(map(str, seeds))} (%)", "vs fp32 (points)",
+            f"within {summary['tolerance_points']:g} point"]
+    body = []
     for r in summary["rows"]:
         per = " / ".join(f"{100 * a:.2f}" for a in r["accuracies"])
         delta = "-" if r["delta_points"] is None else f"{r['delta_points']:+.2f}"
         ok = "-" if r["within_tolerance"] is None else ("yes" if r["within_tolerance"] else "NO")
-        lines.append(f"| {r['config']} | {100 * r['mean_accuracy']:.2f} | {per} | {delta} | {ok} |")
-    lines.append(f"\n{world_size} ranks, {epochs} epochs, load_digits test split of 360 images.")
-    return "\n".join(lines)
+        body.append([r["config"], f"{100 * r['mean_accuracy']:.2f}", per, delta, ok])
+    return (table(head, body, markdown=True, align="l" * len(head))
+            + f"\n\n{world_size} ranks, {epochs} epochs, load_digits test split of 360 images.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.epochs <= 0 or args.batch_size <= 0:
             raise RecipeError("--epochs and --batch-size must be > 0")
         torch.set_num_threads(1)  # ranks share the cores
-        comm = create_comm(args.communicator)
+        comm = create_communicator(args.communicator)
         if args.batch_size % comm.size:
             raise RecipeError(f"--batch-size {args.batch_size} must be divisible by the {comm.size} ranks")
     except (RecipeError, ValueError) as exc:

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from commopt._tables import table
+
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")
 MPIRUN_LOCAL = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
@@ -153,9 +155,8 @@ def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) 
 
 
 def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: dict) -> str:
-    head = ["| configuration | " + " | ".join(f"{n} rank{'s' * (n > 1)}: img/s (e)" for n in ranks)
-            + f" | time to top-1 {meta['target']:g} at {max(ranks)} ranks (s) |",
-            "|---|" + "---|" * (len(ranks) + 1)]
+    head = (["configuration"] + [f"{n} rank{'s' * (n > 1)}: img/s (e)" for n in ranks]
+            + [f"time to top-1 {meta['target']:g} at {max(ranks)} ranks (s)"])
     rows = []
     for c in configs:
         cells = []
@@ -168,14 +169,14 @@ def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: di
                 cells.append(f"{r['images_per_s']:.1f}{e}")
         top = next((x for x in results if x["ranks"] == max(ranks) and x["config"] == c), {})
         ttt = top.get("time_to_target_s")
-        rows.append(f"| {c} | " + " | ".join(cells) + f" | {'not reached' if ttt is None else f'{ttt:.1f}'} |")
+        rows.append([c, *cells, "not reached" if ttt is None else f"{ttt:.1f}"])
     best = f", fastest of {meta['repeats']} runs" if meta.get("repeats", 1) > 1 else ""
     notes = [f"\nLink: {meta['link_note']}. {meta['steps']} steps{best}, {meta['per_rank_batch']} images "
              f"per rank per step, preset {meta['preset']}; e = t / (t0 * n) with t0 the 1-rank fp32 "
              "throughput. Physical limit here: the ranks share this machine's "
              f"{os.cpu_count()} cores, so compute alone caps n-rank throughput at about "
              f"min(n, {os.cpu_count()}) x t0."]
-    return "\n".join(head + rows + notes)
+    return "\n".join([table(head, rows, markdown=True, align="l" * len(head))] + notes)
 
 
 def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path) -> bool:

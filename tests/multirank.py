@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
+
+from commopt.testbed.torch_dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -32,12 +33,6 @@ PYTHON = sys.executable
 
 def mpirun_available() -> bool:
     return shutil.which("mpirun") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _base_env(env: dict | None) -> dict:

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from commopt.bench.sweep import parse_size, sizes
+from commopt.bench.sizes import parse_size, sizes
 
 DEFAULT_CODECS = "fp32"
 SCHEMA_VERSION = 1

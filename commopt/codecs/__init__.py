@@ -11,11 +11,11 @@ See docs/codecs.md for each codec's wire format, error bound and when to pick it
 from commopt.codecs.base import Codec, RngKey
 from commopt.codecs.cast import CastCodec, NoneCodec
 from commopt.codecs.error_feedback import ErrorFeedback
-from commopt.codecs.policy import CompressionPolicy, aligned_offsets
+from commopt.codecs.policy import CompressionPolicy
 from commopt.codecs.qsgd import QSGD
 from commopt.codecs.registry import codec_names, get_codec
 
 __all__ = [
     "Codec", "RngKey", "CastCodec", "NoneCodec", "QSGD", "ErrorFeedback", "CompressionPolicy",
-    "aligned_offsets", "get_codec", "codec_names",
+    "get_codec", "codec_names",
 ]

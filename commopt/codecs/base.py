@@ -104,12 +104,6 @@ class Codec(ABC):
         else:
             torch.mul(tmp, alpha, out=out)
 
-    def wire_numel(self, numel: int) -> int:
-        """Number of ``wire_dtype`` elements of the wire (linear codecs only)."""
-        if self.wire_dtype is None:
-            raise TypeError(f"codec {self.name} has no typed wire")
-        return self.encoded_nbytes(numel) // torch.empty((), dtype=self.wire_dtype).element_size()
-
     # Stateful codecs (error feedback) override these; the state is plain tensors.
     def state_dict(self) -> dict[str, Any]:
         return {}

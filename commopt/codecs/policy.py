@@ -12,8 +12,9 @@ cast dtype (``uncompressed="fp16"``). Defaults and their sources:
   parameters (published MLPerf reference). These are 1-D in common models, so the pattern
   only matters for unusual shapes.
 
-Quantisation buckets never straddle two tensors: :func:`aligned_offsets` places each
-tensor of a flat buffer at a multiple of the codec's ``alignment``.
+Quantisation groups never straddle two tensors: the reducer's bucket layout
+(``commopt.reducer.layout``) places each tensor of a flat buffer at a multiple of the codec's
+``alignment``.
 
     >>> policy = CompressionPolicy()
     >>> policy.should_compress("layer1.conv.weight", (64, 64, 3, 3))
@@ -22,8 +23,6 @@ tensor of a flat buffer at a multiple of the codec's ``alignment``.
     False
     >>> policy.should_compress("fc.weight", (10, 50))     # 500 < 1024 elements
     False
-    >>> aligned_offsets([300, 5, 128], alignment=128)
-    ([0, 384, 512], 640)
 """
 from __future__ import annotations
 
@@ -31,8 +30,6 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
-
-from commopt.codecs.base import Codec
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 DEFAULT_EXCLUDE = (r"(^|\.)bias$", r"(^|\.)(bn|batchnorm|norm|ln|layernorm|layer_norm)[^.]*\.")
@@ -73,26 +70,3 @@ class CompressionPolicy:
         if math.prod(shape) < self.min_compress_numel:
             return False
         return not any(p.search(name) for p in self._patterns)
-
-    def codec_for(self, name: str, shape: Iterable[int], codec: Codec) -> Codec:
-        """``codec`` when the tensor is compressed, else the uncompressed fallback codec."""
-        if self.should_compress(name, shape):
-            return codec
-        from commopt.codecs.registry import get_codec
-
-        return get_codec(self.uncompressed)
-
-
-def aligned_offsets(numels: Sequence[int], alignment: int) -> tuple[list[int], int]:
-    """Start offsets placing each tensor at a multiple of ``alignment``, and the total size.
-
-    Padding elements between tensors are zeros; with ``alignment = codec.alignment`` no
-    quantisation bucket holds elements of two tensors.
-    """
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1, got {alignment}")
-    offsets, pos = [], 0
-    for n in numels:
-        offsets.append(pos)
-        pos += -(-int(n) // alignment) * alignment
-    return offsets, pos

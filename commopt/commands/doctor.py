@@ -11,11 +11,13 @@ import argparse
 import json
 import sys
 
+from commopt._tables import table
+
 HELP = "check versions, interfaces and network variables; print a cloud profile's environment"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from commopt.network.profiles import PROFILES
+    from commopt.network.cloud_profiles import PROFILES
 
     parser.add_argument("--profile", choices=list(PROFILES),
                         help="print the environment to export for this cloud, one reason per line: "
@@ -26,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commopt.network.cloud_profiles import profile_env, render
     from commopt.network.doctor import diagnose
     from commopt.network.probe import collect_snapshot
-    from commopt.network.profiles import profile_env, render
 
     snapshot = collect_snapshot()
     if args.profile:
@@ -51,16 +53,19 @@ def format_report(snapshot: dict, findings: list) -> str:
     lines = ["Versions"]
     for k, v in (snapshot.get("versions") or {}).items():
         lines.append(f"  {k:<20} {v or '-'}")
-    lines.append("Network interfaces")
-    for i in snapshot.get("interfaces") or []:
-        speed = f"{i['speed_mbps']} Mbit/s" if i.get("speed_mbps") else "speed n/a"
-        extra = ", ".join(filter(None, [i.get("address"), i.get("driver"), f"mtu {i.get('mtu')}"
-                                        if i.get("mtu") else None, "loopback" if i.get("loopback") else None]))
-        lines.append(f"  {i['name']:<12} {i.get('state', '?'):<8} {speed:<14} {extra}")
+    interfaces = snapshot.get("interfaces") or []
+    lines.append("Network interfaces" + ("" if interfaces else ": none found"))
+    if interfaces:
+        rows = [[i["name"], i.get("state", "?"), f"{i['speed_mbps']} Mbit/s" if i.get("speed_mbps") else "n/a",
+                 ", ".join(filter(None, [i.get("address"), i.get("driver"),
+                                         f"mtu {i.get('mtu')}" if i.get("mtu") else None,
+                                         "loopback" if i.get("loopback") else None]))] for i in interfaces]
+        lines += _indented(table(["name", "state", "speed", "address, driver, mtu"], rows, align="llll"))
     rdma = snapshot.get("rdma_devices") or []
     lines.append("RDMA devices" + ("" if rdma else ": none"))
-    for d in rdma:
-        lines.append(f"  {d['name']:<12} {d['kind']:<11} driver {d.get('driver') or '?'}")
+    if rdma:
+        lines += _indented(table(["name", "kind", "driver"],
+                                 [[d["name"], d["kind"], d.get("driver") or "?"] for d in rdma], align="lll"))
     plugins = snapshot.get("nccl_net_plugins") or []
     lines.append("NCCL network plugins" + ("" if plugins else ": none found"))
     lines += [f"  {p}" for p in plugins]
@@ -90,3 +95,7 @@ def format_report(snapshot: dict, findings: list) -> str:
     lines.append("")
     lines.append(f"Recommended environment: commopt doctor --profile {suggestion}")
     return "\n".join(lines)
+
+
+def _indented(text: str) -> list[str]:
+    return ["  " + line for line in text.splitlines()]

@@ -141,7 +141,7 @@ def _run_local(args, command: list[str]) -> int:
     n, k = args.nprocs, args.ranks_per_host
     env = _thread_env(n)
     if args.launcher == "mpi":
-        from commopt.testbed.mpi import mpirun_local_argv
+        from commopt.testbed.mpirun import mpirun_local_argv
 
         argv = mpirun_local_argv(n, command, ranks_per_node=k)
         if args.dry_run:
@@ -187,7 +187,7 @@ def _run_emulated(args, command: list[str]) -> int:
                   f"links {format_rate(rate)}; data {cluster.data_cidr} on "
                   f"{cluster.data_ifname}, run {cluster.slot}", file=sys.stderr, flush=True)
             if args.launcher == "mpi":
-                from commopt.testbed.mpi import mpirun_cluster_argv
+                from commopt.testbed.mpirun import mpirun_cluster_argv
 
                 argv = cluster.head_argv(mpirun_cluster_argv(cluster, n, k, command))
                 return run_processes([argv], envs=[env], names=["mpirun"],

@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _list() -> int:
-    from commopt.sim import get_machine, list_codecs, list_machines, list_profiles, load_profile
+    from commopt.sim import get_machine, list_codec_costs, list_machines, list_profiles, load_profile
 
     print("machines:")
     for name in list_machines():
@@ -90,7 +90,7 @@ def _list() -> int:
     print("models:")
     for name in list_profiles():
         print(f"  {name:20s} {load_profile(name).description}")
-    print("codecs:", ", ".join(list_codecs()))
+    print("codecs:", ", ".join(list_codec_costs()))
     from commopt.sim.software import SOFTWARE
     from commopt.sim.transport import TRANSPORTS
 
@@ -105,8 +105,8 @@ def _list() -> int:
 
 
 def _profile(args, machine):
+    from commopt.sim.model_profiles import list_profiles, load_profile
     from commopt.sim.profiler import profile_named_model
-    from commopt.sim.profiles import list_profiles, load_profile
 
     prof = profile_named_model(args.profile_model, batch=args.profile_batch, image_size=args.profile_image_size,
                                iterations=args.profile_iters, threads=args.profile_threads)

@@ -14,6 +14,7 @@ import time
 import torch
 
 import commopt
+from commopt._tables import table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -65,9 +66,7 @@ def main(argv=None) -> int:
             if not ok:
                 raise SystemExit(f"rank {r}: {comm.name} {tag} allreduce gave a wrong sum")
     if world_rank == 0:
-        print(f"{'communicator':<12} {'ranks':>5} {'dtype':>5} {'MiB':>6} {'ms':>8}  result")
-        for row in rows:
-            print(f"{row[0]:<12} {row[1]!s:>5} {row[2]:>5} {row[3]:>6} {row[4]:>8}  {row[5]}")
+        print(table(["communicator", "ranks", "dtype", "MiB", "ms", "result"], rows, align="lrrrrl"))
     return 0
 
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion
+from packaging.version import Version as PackagingVersion
+
 Version = tuple[int, int, int]
 
 # name -> (first version that reads it, first version that no longer reads it).
@@ -115,18 +118,19 @@ class VariableCheck:
 
 
 def parse_version(text: str | tuple | None) -> Version | None:
-    """'2.21.5' or (2, 21, 5) -> (2, 21, 5); None stays None."""
+    """'2.21.5' or (2, 21, 5) -> (2, 21, 5); None stays None (PEP 440 parsing by packaging).
+
+    >>> parse_version("2.12"), parse_version("2.21.5+cuda12.4")
+    ((2, 12, 0), (2, 21, 5))
+    """
     if text is None:
         return None
-    if isinstance(text, tuple):
-        parts = list(text)
-    else:
-        parts = [p for p in str(text).strip().split(".") if p != ""]
     try:
-        nums = [int(p) for p in parts[:3]]
-    except ValueError:
+        release = tuple(int(p) for p in text) if isinstance(text, tuple) else \
+            PackagingVersion(str(text).strip()).release
+    except (InvalidVersion, ValueError, TypeError):
         raise ValueError(f"not a version: {text!r} (expected like '2.21.5')") from None
-    return tuple(nums + [0] * (3 - len(nums)))  # type: ignore[return-value]
+    return (release + (0, 0, 0))[:3]  # type: ignore[return-value]
 
 
 def decode_nccl_version_code(code: int) -> Version:

@@ -28,6 +28,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from commopt._tables import table
 from commopt.network.doctor import NCCL_MAX_SOCKET_THREADS, NCCL_MAX_SOCKETS
 
 # The default sweeps. NCCL over sockets: threads x sockets per thread (64 sockets at most).
@@ -232,11 +233,7 @@ def format_table(ranked: list[PointResult], large_from: int = DEFAULT_LARGE_FROM
         body.append([str(i), describe(res.point), f"{res.score(large_from):.4g}", *runs, ratio]
                     + [f"{by[s]:.4g}" if s in by else "" for s in sizes])
     ncols = max(len(row) for row in [head] + body)
-    rows = [row + [""] * (ncols - len(row)) for row in [head] + body]
-    widths = [max(len(row[c]) for row in rows) for c in range(ncols)]
-    lines = ["  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return table(head + [""] * (ncols - len(head)), body, align="l" * ncols)
 
 
 def env_file_text(best: PointResult, *, command: str, large_from: int = DEFAULT_LARGE_FROM,

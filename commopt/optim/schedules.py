@@ -9,7 +9,7 @@
 
 The functions take the position in training (a step, or a fractional epoch) and return the
 LR, so a recipe can set ``group["lr"]`` itself and resume exactly from a step count alone.
-``PolyWarmup`` and ``StepWarmup`` wrap them as ``torch.optim.lr_scheduler.LRScheduler``.
+``PolyWarmup`` and ``StepWarmup`` are the same schedules as torch's ``LambdaLR``.
 
     >>> poly_warmup_lr(0, base_lr=10.0, total_steps=100, warmup_steps=10)
     0.0
@@ -22,9 +22,10 @@ LR, so a recipe can set ``group["lr"]`` itself and resume exactly from a step co
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = [
     "poly_warmup_lr", "step_warmup_lr", "PolyWarmup", "StepWarmup", "LarsDefaults",
@@ -87,8 +88,21 @@ def chainermn_step_lr(epoch: float, base_lr: float) -> float:
     return step_warmup_lr(epoch, base_lr=base_lr)
 
 
-class PolyWarmup(LRScheduler):
-    """``poly_warmup_lr`` as a per-step LR scheduler; each group's initial LR is its base LR.
+def _relative(schedule, base: float, step: int) -> float:
+    """``schedule``'s LR at ``step`` as a multiple of ``base``: what LambdaLR multiplies by."""
+    return schedule(step, base) / base if base else 0.0
+
+
+def _lambdas(optimizer, last_epoch: int, schedule) -> list:
+    # LambdaLR multiplies each group's initial LR by its lambda; on resume (last_epoch >= 0)
+    # the initial LR is the one torch kept in the group, as for every torch scheduler.
+    key = "initial_lr" if last_epoch >= 0 else "lr"
+    return [functools.partial(_relative, schedule, g[key]) for g in optimizer.param_groups]
+
+
+class PolyWarmup(LambdaLR):
+    """``poly_warmup_lr`` as torch's ``LambdaLR``, stepped once per step; each group's initial
+    LR is its base LR.
 
         >>> import torch
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
@@ -102,16 +116,14 @@ class PolyWarmup(LRScheduler):
         poly_warmup_lr(0, base_lr=1.0, total_steps=total_steps, warmup_steps=warmup_steps)
         self.total_steps, self.warmup_steps = total_steps, warmup_steps
         self.power, self.end_lr = power, end_lr
-        super().__init__(optimizer, last_epoch)
-
-    def get_lr(self):
-        return [poly_warmup_lr(self.last_epoch, base_lr=base, total_steps=self.total_steps,
-                               warmup_steps=self.warmup_steps, power=self.power, end_lr=self.end_lr)
-                for base in self.base_lrs]
+        schedule = functools.partial(_poly_at, total_steps=total_steps, warmup_steps=warmup_steps,
+                                     power=power, end_lr=end_lr)
+        super().__init__(optimizer, _lambdas(optimizer, last_epoch, schedule), last_epoch)
 
 
-class StepWarmup(LRScheduler):
-    """``step_warmup_lr`` as a per-step LR scheduler (``steps_per_epoch`` steps an epoch)."""
+class StepWarmup(LambdaLR):
+    """``step_warmup_lr`` as torch's ``LambdaLR``, stepped once per step
+    (``steps_per_epoch`` steps an epoch)."""
 
     def __init__(self, optimizer, steps_per_epoch: int, warmup_epochs: float = 5.0,
                  warmup_start_factor: float = 0.1,
@@ -122,14 +134,19 @@ class StepWarmup(LRScheduler):
         self.steps_per_epoch = steps_per_epoch
         self.warmup_epochs, self.warmup_start_factor = warmup_epochs, warmup_start_factor
         self.milestones = tuple(milestones)
-        super().__init__(optimizer, last_epoch)
+        schedule = functools.partial(_step_at, steps_per_epoch=steps_per_epoch,
+                                     warmup_epochs=warmup_epochs,
+                                     warmup_start_factor=warmup_start_factor,
+                                     milestones=self.milestones)
+        super().__init__(optimizer, _lambdas(optimizer, last_epoch, schedule), last_epoch)
 
-    def get_lr(self):
-        epoch = self.last_epoch / self.steps_per_epoch
-        return [step_warmup_lr(epoch, base_lr=base, warmup_epochs=self.warmup_epochs,
-                               warmup_start_factor=self.warmup_start_factor,
-                               milestones=self.milestones)
-                for base in self.base_lrs]
+
+def _poly_at(step, base, **kw):
+    return poly_warmup_lr(step, base_lr=base, **kw)
+
+
+def _step_at(step, base, *, steps_per_epoch, **kw):
+    return step_warmup_lr(step / steps_per_epoch, base_lr=base, **kw)
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,17 @@ per level, GPUs per node) and a communication plan (algorithm, codec, buckets, o
 
 See docs/scaling.md for the model, its validation and its limits.
 """
-from commopt.sim.codec_costs import CodecCost, from_benchmark, get_codec, list_codecs
+from commopt.sim.codec_costs import (
+    CodecCost,
+    from_benchmark,
+    get_codec_cost,
+    list_codec_costs,
+)
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.costs import Link
 from commopt.sim.machines import Machine, get_machine, list_machines
+from commopt.sim.model_profiles import Layer, ModelProfile, list_profiles, load_profile
 from commopt.sim.plan import Plan
-from commopt.sim.profiles import Layer, ModelProfile, list_profiles, load_profile
 from commopt.sim.software import list_software, software_plan
 from commopt.sim.step import Prediction, simulate
 from commopt.sim.sweep import parse_sweep, run_sweep
@@ -23,7 +28,7 @@ from commopt.sim.transport import TRANSPORTS, Transport, parse_nccl_env
 
 __all__ = [
     "simulate", "Plan", "Prediction", "Machine", "Link", "ModelProfile", "Layer", "CodecCost",
-    "get_machine", "list_machines", "load_profile", "list_profiles", "get_codec", "list_codecs",
+    "get_machine", "list_machines", "load_profile", "list_profiles", "get_codec_cost", "list_codec_costs",
     "from_benchmark", "allreduce_time", "parse_sweep", "run_sweep", "software_plan", "list_software",
     "Transport", "TRANSPORTS", "parse_nccl_env",
 ]

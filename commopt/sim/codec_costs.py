@@ -6,10 +6,10 @@ codec benchmark's GB/s of float32 input) and otherwise from a memory-bound model
 kernel streams ``*_bytes_per_elem`` bytes per element at half the device's memory bandwidth
 (an assumption; replace it with measured numbers via :func:`from_benchmark`).
 
-    >>> c = get_codec("qsgd4")
+    >>> c = get_codec_cost("qsgd4")
     >>> c.wire_bytes(1024, grad_bytes=4) / (1024 * 4)
     0.1328125
-    >>> get_codec("fp16").wire_bytes(1000, grad_bytes=4)
+    >>> get_codec_cost("fp16").wire_bytes(1000, grad_bytes=4)
     2000.0
 """
 from __future__ import annotations
@@ -87,11 +87,11 @@ PRESETS: dict[str, CodecCost] = {
 }
 
 
-def list_codecs() -> list[str]:
+def list_codec_costs() -> list[str]:
     return list(PRESETS) + ["qsgd<bits>b<bucket> (e.g. qsgd4b1024)"]
 
 
-def get_codec(name: str | CodecCost) -> CodecCost:
+def get_codec_cost(name: str | CodecCost) -> CodecCost:
     """A codec by name: none, fp16, bf16, qsgd2/4/8 or qsgd<bits>b<bucket>."""
     if isinstance(name, CodecCost):
         return name
@@ -100,7 +100,7 @@ def get_codec(name: str | CodecCost) -> CodecCost:
     m = re.fullmatch(r"qsgd(\d+)b(\d+)", name)
     if m and int(m.group(1)) in (2, 4, 8) and int(m.group(2)) >= 1:
         return _qsgd(int(m.group(1)), int(m.group(2)))
-    raise ValueError(f"unknown codec {name!r}; choose one of: {', '.join(list_codecs())}")
+    raise ValueError(f"unknown codec {name!r}; choose one of: {', '.join(list_codec_costs())}")
 
 
 def _codec_perf_rows(cpu: dict) -> list[dict]:
@@ -148,7 +148,7 @@ def from_benchmark(source: str | dict | list, codec: str | CodecCost) -> CodecCo
         >>> c.encode_s(1e9, memory_GBps=900, grad_bytes=4)     # 4 GB at 4 GB/s
         1.0
     """
-    base = get_codec(codec)
+    base = get_codec_cost(codec)
     if isinstance(source, str):
         if not os.path.exists(source):
             raise FileNotFoundError(f"codec benchmark file {source!r} does not exist")

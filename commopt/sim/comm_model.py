@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from commopt.sim.codec_costs import CodecCost, get_codec
+from commopt.sim.codec_costs import CodecCost, get_codec_cost
 from commopt.sim.costs import Link, pipeline_time
 from commopt.sim.machines import Machine
 
@@ -267,7 +267,7 @@ def allreduce_time(machine: Machine, gpus: int, *, numel: float, grad_bytes: int
     ``piece_bytes``: gradient bytes per piece of the pipelined scatter-reduce/allgather
     (non-linear codecs; 0: one piece, no overlap of codec work and transfers).
     """
-    codec = _with_machine_speeds(get_codec(codec), machine)
+    codec = _with_machine_speeds(get_codec_cost(codec), machine)
     nodes, per_node = machine.layout(gpus)
     if piece_bytes < 0:
         raise ValueError(f"piece size must be >= 0 bytes (0: no pipeline), got {piece_bytes}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.machines import Machine, get_machine
-from commopt.sim.profiles import load_profile
+from commopt.sim.model_profiles import load_profile
 from commopt.sim.software import software_plan
 from commopt.sim.step import simulate
 from commopt.sim.transport import parse_nccl_env

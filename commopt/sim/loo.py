@@ -20,7 +20,7 @@ from typing import Callable
 
 from commopt.sim.costs import Link
 from commopt.sim.machines import get_machine
-from commopt.sim.profiles import load_profile
+from commopt.sim.model_profiles import load_profile
 from commopt.sim.step import simulate
 from commopt.sim.validation import PUBLISHED_ROWS, PublishedRow, TOLERANCE
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from commopt.sim.profiles import PROFILE_DIR, Layer, ModelProfile
+from commopt.sim.model_profiles import PROFILE_DIR, Layer, ModelProfile
 
 NORM_MACS_PER_ELEMENT = 100   # assumption: a normalisation element costs as much time as ~100 MACs
 FORWARD_FRACTION = 1 / 3      # backward about 2/3 of the step

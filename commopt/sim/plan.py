@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from commopt.sim.codec_costs import CodecCost, get_codec
+from commopt.sim.codec_costs import CodecCost, get_codec_cost
 from commopt.sim.comm_model import SRA_PIECE_BYTES
 
 ALGORITHMS = ("auto", "nccl", "ring", "tree", "hierarchical", "sra")
@@ -45,7 +45,7 @@ class Plan:
             raise ValueError(f"copy passes must be >= 0 (gradient-sized copies per step), got {copy_passes}")
         if not piece_mb >= 0:
             raise ValueError(f"piece size must be >= 0 MiB (0: no pipeline), got {piece_mb}")
-        codec = get_codec(codec)
+        codec = get_codec_cost(codec)
         if algorithm in ("ring", "tree") and not codec.linear:
             raise ValueError(f"codec {codec.name} is not linear: a ring or tree would decode and re-encode "
                              "at every hop; use --algorithm sra or hierarchical (or auto)")

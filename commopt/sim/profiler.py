@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from commopt.sim.profiles import Layer, ModelProfile
+from commopt.sim.model_profiles import Layer, ModelProfile
 
 PROFILABLE = ("resnet50",)
 

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from commopt._tables import table
 from commopt.sim.step import Prediction
 
 _COLUMNS = ("nodes", "algorithm", "step ms", "compute ms", "comm ms", "exposed ms", "throughput/s", "speedup",
@@ -32,10 +33,9 @@ def format_table(rows: list[tuple[object, Prediction]], axis: str = "gpus") -> s
     for value, p in rows:
         cells = _cells(p)
         body.append([str(value)] + ([str(p.gpus)] if axis != "gpus" else []) + cells)
-    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header] + body]
     unit = rows[0][1].unit if rows else ""
-    return "\n".join(lines) + (f"\n(throughput in {unit}/s)" if unit else "")
+    text = table(header, body, align="r" * len(header))
+    return text + (f"\n(throughput in {unit}/s)" if unit else "")
 
 
 def to_json(rows: list[tuple[object, Prediction]], *, axis: str, machine, model, plan) -> dict:

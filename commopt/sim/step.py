@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from commopt.sim.codec_costs import MEMORY_EFFICIENCY
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.machines import Machine, get_machine
+from commopt.sim.model_profiles import ModelProfile, load_profile
 from commopt.sim.plan import Plan
-from commopt.sim.profiles import ModelProfile, load_profile
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 from commopt.sim.machines import Machine, get_machine
+from commopt.sim.model_profiles import ModelProfile, load_profile
 from commopt.sim.plan import Plan
-from commopt.sim.profiles import ModelProfile, load_profile
 from commopt.sim.step import Prediction, simulate
 
 NUMERIC = {"gpus": int, "inter_gbps": float, "intra_GBps": float, "bucket_mb": float, "batch": float}

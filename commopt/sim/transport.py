@@ -201,7 +201,7 @@ def parse_nccl_env(text: str) -> dict[str, str]:
 def profile_nccl_env(name: str) -> dict[str, str]:
     """The NCCL variables a ``commopt doctor`` profile sets (advice lines without a value are
     left out; the Fast Socket profile loads its plugin, which the simulator models)."""
-    from commopt.network.profiles import PROFILES, profile_env
+    from commopt.network.cloud_profiles import PROFILES, profile_env
 
     if name not in PROFILES:
         raise ValueError(f"unknown --nccl-env profile {name!r}; give NAME=VALUE words or one of: "

@@ -16,13 +16,13 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-from commopt.sim.codec_costs import get_codec
+from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.costs import GBIT
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
 from commopt.sim.model_specs import V100_FP32_RESNET50
-from commopt.sim.profiles import Layer, ModelProfile, load_profile
+from commopt.sim.model_profiles import Layer, ModelProfile, load_profile
 from commopt.sim.software import software_plan
 from commopt.sim.step import Prediction, simulate
 
@@ -222,7 +222,7 @@ def predict_testbed_allreduce(nbytes: float = 64 * 2**20, hosts: int = 2, codec:
                               machine: str = "testbed-1gbit") -> float:
     """Predicted seconds for one all-reduce of ``nbytes`` float32 bytes on the testbed: the
     transport's ring for linear codecs, commopt's pipelined scatter-reduce/allgather otherwise."""
-    c = get_codec(codec)
+    c = get_codec_cost(codec)
     return allreduce_time(get_machine(machine), hosts, numel=nbytes / 4, grad_bytes=4,
                           algorithm="ring" if c.linear else "sra", codec=c).total_s
 
@@ -338,7 +338,7 @@ def _plan_codec(m: Measurement) -> str:
 def _link_limit_s(m: Measurement, machine: Machine) -> float | None:
     """The gradient's allreduce on the link: 2(n-1)/n x the codec's wire bytes / line rate."""
     try:
-        codec = get_codec(_plan_codec(m))
+        codec = get_codec_cost(_plan_codec(m))
     except ValueError:
         return None
     return physical_allreduce_s(codec.wire_bytes(m.grad_bytes / 4, 4), m.gpus, machine.inter_gbps)

@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 
 from commopt.testbed.agent import host_prefix
-from commopt.testbed.mpi import cluster_env
+from commopt.testbed.mpirun import cluster_env
 from commopt.testbed.netns import EmulatedCluster
 
 #: On an emulated cluster host0's namespace is fresh, so a fixed port is always free there.
@@ -30,6 +30,7 @@ class RankSpec:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel picks it; not reserved, so use it soon)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

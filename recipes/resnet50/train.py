@@ -35,10 +35,10 @@ from recipes.common import (
     atomic_save,
     check_commopt_arguments,
     config_label,
-    create_comm,
+    choose_device,
+    create_communicator,
     launch_info,
     multi_node_optimizer,
-    pick_device,
     state_digest,
 )
 from recipes.resnet50.data import (DataError, EpochBatches, data_source, eval_shard, make_datasets,
@@ -545,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         check_world(cfg, launch_info().size if args.communicator != "local" else 1)
         if args.threads:
             torch.set_num_threads(args.threads)
-        device = pick_device(args.device)
-        comm = create_comm(args.communicator)
+        device = choose_device(args.device)
+        comm = create_communicator(args.communicator)
         check_world(cfg, comm.size)
         summary = train(cfg, args, comm, device)
     except (RecipeError, DataError) as exc:

@@ -18,15 +18,10 @@ import shutil
 
 import torch
 
+from recipes.common import atomic_save
+
 LAST = "checkpoint_last.pt"
 _NUMBERED = re.compile(r"checkpoint_(\d+)_(\d+)\.pt$")
-
-
-def atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def numbered_checkpoints(save_dir: str) -> list[str]:

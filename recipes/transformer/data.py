@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipes.common import atomic_save
 from recipes.transformer.tokenizer import EOS, PAD
 
 
@@ -116,10 +117,7 @@ def load_split(data_dir: str, split: str, src_lang: str, tgt_lang: str, tokenize
     tensors = dict(src_flat=src_flat, src_offsets=src_offsets, tgt_flat=tgt_flat, tgt_offsets=tgt_offsets)
     if cache:
         try:
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            tmp = f"{cache}.tmp{os.getpid()}"
-            torch.save(tensors, tmp)
-            os.replace(tmp, cache)  # atomic: a reader sees the old file or the whole new one
+            atomic_save(tensors, cache)  # a reader sees the old file or the whole new one
         except OSError:
             pass  # a read-only data folder just means no cache
     return TokenizedSplit(**tensors, references=references, sources=sources)

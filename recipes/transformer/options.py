@@ -10,14 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from recipes.common import add_commopt_arguments
 from recipes.transformer.model import ARCHITECTURES
 from recipes.transformer.presets import PRESETS, preset_names
 
-COMMUNICATORS = ("auto", "mpi", "torch", "pure_nccl", "local")
-COMPRESSION_HELP = (
-    "gradient compression: none, fp16, bf16, qsgd4, qsgd8, qsgd4+ef (error feedback), ... "
-    "(any name commopt.create_multi_node_optimizer accepts)"
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,16 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--threads", type=int, help="CPU threads per rank (default: cores / ranks per node)")
 
-    g = p.add_argument_group("commopt (data parallelism)")
-    g.add_argument("--communicator", choices=COMMUNICATORS, default="auto",
-                   help="auto: mpi under mpirun/srun, torch under torchrun, else local")
-    g.add_argument("--allreduce-grad-dtype", choices=["float32", "float16", "bfloat16"],
-                   help="dtype gradients travel in")
-    g.add_argument("--compression", help=COMPRESSION_HELP)
-    g.add_argument("--double-buffering", action="store_true",
-                   help="overlap the allreduce of step t with step t+1 (updates use 1-step-old gradients)")
-    g.add_argument("--no-overlap", action="store_true", help="reduce after backward instead of during it")
-    g.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    add_commopt_arguments(p)
 
     g = p.add_argument_group("checkpoints, validation and logging")
     g.add_argument("--save-interval-updates", type=int, help="save every N updates (0: end of epoch only)")

@@ -33,9 +33,9 @@ if __package__ in (None, ""):  # `python recipes/transformer/train.py`
 
 import torch
 
+from recipes.common import choose_device, create_communicator, multi_node_optimizer, set_cpu_threads
 from recipes.transformer import checkpoint as ckpt
 from recipes.transformer.data import ShardedBatchIterator, collate, load_split, shard_for_rank
-from recipes.transformer.launch import choose_device, create_communicator, set_cpu_threads
 from recipes.transformer.logs import RunLog
 from recipes.transformer.model import Transformer, architecture, count_parameters, label_smoothed_nll_loss
 from recipes.transformer.options import build_parser, parse_args
@@ -98,16 +98,6 @@ def load_data(args, comm, tokenizer, key: str) -> dict:
     return data
 
 
-def multi_node_optimizer(base, comm, args, model):
-    import commopt
-
-    return commopt.create_multi_node_optimizer(
-        base, comm, double_buffering=args.double_buffering,
-        allreduce_grad_dtype=args.allreduce_grad_dtype, compression=args.compression,
-        overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb, model=model, seed=args.seed,
-    )
-
-
 def autocast_context(args, device):
     if args.precision == "fp32":
         return contextlib.nullcontext()
@@ -166,7 +156,7 @@ class Trainer:
         self.model = Transformer(self.cfg, tokenizer.vocab_size).to(device)
         base = torch.optim.Adam(self.model.parameters(), lr=args.warmup_init_lr, betas=args.adam_betas,
                                 eps=args.adam_eps, weight_decay=args.weight_decay)
-        self.optimizer = multi_node_optimizer(base, comm, args, self.model)
+        self.optimizer = multi_node_optimizer(base, comm, args, model=self.model, seed=args.seed)
         self.scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
         batch_sentences = None
         if args.batch_size:

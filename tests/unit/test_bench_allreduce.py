@@ -6,7 +6,7 @@ import json
 import pytest
 
 from commopt.bench.allreduce import bus_factor, make_row, summarize
-from commopt.bench.sweep import parse_size, sizes
+from commopt.bench.sizes import parse_size, sizes
 from commopt.cli import main
 
 

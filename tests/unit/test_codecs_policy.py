@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, aligned_offsets, codec_names, get_codec
+from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, codec_names, get_codec
 
 
 def test_default_policy_follows_the_published_rule():
@@ -33,26 +33,23 @@ def test_policy_is_configurable_and_validates():
         CompressionPolicy(uncompressed="int8")
 
 
-def test_codec_for_falls_back_to_the_uncompressed_codec():
+def test_the_bucket_layout_keeps_quantisation_groups_inside_one_tensor():
+    """The reducer's layout starts every compressed tensor at a multiple of the codec's
+    alignment, so no QSGD group of 128 holds elements of two tensors."""
+    from commopt.reducer.layout import build_buckets
+
+    numels = [300 * 16, 5 * 1024, 128 * 8, 1024, 129 * 8]
+    params = [torch.zeros(n // 8, 8) if n % 8 == 0 else torch.zeros(n) for n in numels]
     codec = QSGD()
-    p = CompressionPolicy(uncompressed="fp16")
-    assert p.codec_for("w", (128, 128), codec) is codec
-    assert p.codec_for("b", (128,), codec).name == "fp16"
-    assert CompressionPolicy().codec_for("b", (128,), codec).name == "none"
-
-
-def test_aligned_offsets_keep_buckets_inside_one_tensor():
-    numels = [300, 5, 128, 1, 0, 129]
-    offsets, total = aligned_offsets(numels, 128)
-    assert offsets == [0, 384, 512, 640, 768, 768] and total == 1024
-    # every bucket of 128 holds elements of one tensor only
-    owner = torch.full((total,), -1)
-    for i, (o, n) in enumerate(zip(offsets, numels)):
-        owner[o:o + n] = i
-    for b in owner.view(-1, 128):
-        assert len(set(b[b >= 0].tolist())) <= 1
-    with pytest.raises(ValueError):
-        aligned_offsets([1], 0)
+    (bucket,) = build_buckets(params, [f"l{i}.weight" for i in range(len(params))], codec=codec,
+                              plain_codec=None, policy=CompressionPolicy(min_compress_numel=0))
+    assert bucket.codec is codec and bucket.numel % 128 == 0
+    owner = torch.full((bucket.numel,), -1)
+    for s in bucket.slots:
+        assert s.offset % codec.alignment == 0
+        owner[s.offset:s.offset + s.numel] = s.param
+    for group in owner.view(-1, 128):
+        assert len(set(group[group >= 0].tolist())) <= 1
 
 
 def test_get_codec_names():

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from commopt.network import nccl_vars, probe
+from commopt.network.cloud_profiles import PROFILES, profile_env, render
 from commopt.network.doctor import diagnose, nccl_ifname_matches
-from commopt.network.profiles import PROFILES, profile_env, render
 
 
 def itf(name, state="up", speed=None, loopback=False):

@@ -14,7 +14,7 @@ import pytest
 
 from commopt.cli import main
 from commopt.testbed.jobs import TIMEOUT_EXIT, run_processes
-from commopt.testbed.mpi import mpirun_local_argv
+from commopt.testbed.mpirun import mpirun_local_argv
 from commopt.testbed.shaping import format_rate, parse_rate, tbf_command
 from commopt.testbed.torch_dist import local_rank_specs
 

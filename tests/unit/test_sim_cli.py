@@ -24,7 +24,8 @@ def test_the_issue_example_prints_a_table():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["gpus", "nodes"])
-    row = lines[header + 1].split()
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}   # the rule under the header
+    row = lines[header + 2].split()
     assert row[0] == "32" and row[1] == "4"
     assert float(row[-1].rstrip("%")) > 90      # double buffering hides the 25 Gbit/s all-reduce
     assert "double-buffering" in lines[0]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commopt.sim import Plan, allreduce_time, get_machine, load_profile, simulate
-from commopt.sim.codec_costs import get_codec
+from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import hierarchical_time, ring_time, sra_time, tree_time
 from commopt.sim.costs import (GBIT, Link, hierarchical_allreduce_time, ring_allreduce_time,
                                ring_reduce_scatter_time, scatter_reduce_allgather_time, tree_allreduce_time)
@@ -138,7 +138,7 @@ def test_codecs_shrink_the_wire_and_nonlinear_ones_need_sra():
 
 
 def test_fp16_cast_of_fp16_gradients_costs_nothing():
-    fp16 = get_codec("fp16")
+    fp16 = get_codec_cost("fp16")
     assert fp16.is_identity(grad_bytes=2) and not fp16.is_identity(grad_bytes=4)
     assert fp16.encode_s(1e9, 900, grad_bytes=2) == 0.0
 
@@ -146,7 +146,7 @@ def test_fp16_cast_of_fp16_gradients_costs_nothing():
 def test_qsgd_sizes_match_commopts_codec():
     codecs = pytest.importorskip("commopt.codecs")
     for bits, bucket in [(2, 128), (4, 128), (8, 128), (4, 1024)]:
-        ours = get_codec(f"qsgd{bits}b{bucket}").wire_bytes(1 << 20, grad_bytes=4)
+        ours = get_codec_cost(f"qsgd{bits}b{bucket}").wire_bytes(1 << 20, grad_bytes=4)
         theirs = codecs.QSGD(bits=bits, bucket_size=bucket).encoded_nbytes(1 << 20)
         assert ours == pytest.approx(theirs, abs=4)   # theirs pads to 4 bytes
 
@@ -261,7 +261,7 @@ def test_scatter_reduce_codec_work_is_what_commopt_does():
     # encode: the n-1 peers' chunks and the own reduced chunk = S; decode: the n-1 received
     # chunks and all n gathered chunks = (2n-1)/n S.
     m = get_machine("testbed-1gbit")
-    qsgd4 = replace(get_codec("qsgd4"), encode_elems_per_s=1e9, decode_elems_per_s=2e9)
+    qsgd4 = replace(get_codec_cost("qsgd4"), encode_elems_per_s=1e9, decode_elems_per_s=2e9)
     for n in (2, 4, 64):
         expected = 1e8 / 1e9 + (2 * n - 1) / n * 1e8 / 2e9
         assert sra_codec_s(qsgd4, m, 1e8, n, grad_bytes=4) == pytest.approx(expected)
@@ -274,7 +274,7 @@ def test_testbed_codec_speeds_come_from_the_codec_benchmark():
     t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
     assert t.codec_s == pytest.approx(64 * 2**20 / 6.74e9 + 1.5 * 64 * 2**20 / 11.3e9)
     # A codec with its own measured speeds keeps them.
-    own = replace(get_codec("qsgd4"), encode_elems_per_s=1e8, decode_elems_per_s=1e8)
+    own = replace(get_codec_cost("qsgd4"), encode_elems_per_s=1e8, decode_elems_per_s=1e8)
     t_own = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec=own)
     assert t_own.codec_s == pytest.approx(2.5 * 16 * 2**20 / 1e8)
 
@@ -331,19 +331,19 @@ def test_pieces_follow_the_piece_size_and_growing_pieces_expose_codec_work():
 def test_hierarchical_with_a_nonlinear_codec_pipelines_each_shard_between_nodes():
     m = get_machine("v100-nvlink-25g")
     numel = 1e8
-    t = hierarchical_pipelined(m, 8, 8, numel, 4, get_codec("qsgd4"))
+    t = hierarchical_pipelined(m, 8, 8, numel, 4, get_codec_cost("qsgd4"))
     intra = 2 * ring_reduce_scatter_time(8, numel * 4, m.intra)     # fp32 inside the node
     inter_wire = 2 * 7 / 8 * t.wire_bytes / m.inter.bandwidth_Bps  # the node's shards share its NIC
     assert t.total_s >= intra + max(inter_wire, t.codec_s) - 1e-12
     assert t.pieces == math.ceil(numel * 4 / 8 / SRA_PIECE_BYTES)   # pieces of one GPU's shard
-    one_piece = hierarchical_pipelined(m, 8, 8, numel, 4, get_codec("qsgd4"), piece_bytes=0)
+    one_piece = hierarchical_pipelined(m, 8, 8, numel, 4, get_codec_cost("qsgd4"), piece_bytes=0)
     assert one_piece.total_s == pytest.approx(
         hierarchical_time(m, 8, 8, numel * 4, t.wire_bytes, linear=False) + t.codec_s)
     assert allreduce_time(m, 64, numel=numel, grad_bytes=4, algorithm="hierarchical",
                           codec="qsgd4").total_s == pytest.approx(t.total_s)
     # The pipeline hides codec work and pays a latency per piece: with the V100's fast codec it
     # hides less than it pays, with a codec as slow as the link it hides a lot.
-    slow = replace(get_codec("qsgd4"), encode_elems_per_s=2e8, decode_elems_per_s=4e8)
+    slow = replace(get_codec_cost("qsgd4"), encode_elems_per_s=2e8, decode_elems_per_s=4e8)
     piped = hierarchical_pipelined(m, 8, 8, numel, 4, slow)
     flat = hierarchical_pipelined(m, 8, 8, numel, 4, slow, piece_bytes=0)
     assert flat.total_s - piped.total_s > 0.5 * min(piped.codec_s, inter_wire)

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from commopt.sim import (ModelProfile, Plan, from_benchmark, get_codec, get_machine, list_machines,
+from commopt.sim import (ModelProfile, Plan, from_benchmark, get_codec_cost, get_machine, list_machines,
                          list_profiles, load_profile, simulate)
 from commopt.sim.machines import Machine
 from commopt.sim.model_specs import BUILDERS
 from commopt.sim.profiler import profile_module, profile_named_model
-from commopt.sim.resnet import _ResNet50, torchvision_resnet50
+from commopt.sim.resnet import resnet50, torchvision_available
 
 
 def test_builtin_profiles_are_the_ones_the_builders_make():
@@ -25,10 +25,9 @@ def test_builtin_profiles_are_the_ones_the_builders_make():
 def test_resnet50_profile_has_torchvisions_parameters():
     profile = load_profile("resnet50")
     assert profile.numel == 25_557_032
-    ours = [(n, p.shape) for n, p in _ResNet50().named_parameters()]
-    tv = torchvision_resnet50()
-    if tv is not None:   # the fallback must be the same network
-        assert ours == [(n, p.shape) for n, p in tv.named_parameters()]
+    ours = [(n, p.shape) for n, p in resnet50(prefer_torchvision=False).named_parameters()]
+    if torchvision_available():   # the fallback must be the same network
+        assert ours == [(n, p.shape) for n, p in resnet50().named_parameters()]
     by_layer = {lay.name: lay.numel for lay in profile.layers}
     assert by_layer["conv1"] == 64 * 3 * 7 * 7 and by_layer["fc"] == 2048 * 1000 + 1000
     assert profile.step_time("v100") == pytest.approx(64 / 1226)
@@ -109,7 +108,7 @@ def test_codec_speeds_from_the_codec_benchmark(tmp_path):
     with pytest.raises(ValueError, match="no entry for codec 'qsgd8'"):
         from_benchmark(str(path), "qsgd8")
     with pytest.raises(ValueError, match="unknown codec"):
-        get_codec("zip")
+        get_codec_cost("zip")
 
 
 def test_profile_a_real_module_on_the_cpu():

@@ -4,7 +4,7 @@ Each variable comes with the reason to set it and where the advice comes from. V
 depend on the machine (the interface to use, the plugin folder, the NCCL version) are filled
 in from a snapshot (see ``probe.py``); without one, a placeholder says what to put there.
 
-    >>> from commopt.network.profiles import profile_env, render
+    >>> from commopt.network.cloud_profiles import profile_env, render
     >>> snap = {"interfaces": [{"name": "ens5", "state": "up", "speed_mbps": 100000}]}
     >>> print(render("aws-tcp", profile_env("aws-tcp", snap)).splitlines()[2])
     export NCCL_SOCKET_IFNAME=ens5  # the data interface (fastest up interface here); NCCL and its bootstrap otherwise may pick another [published: AWS TCP practice]
