@@ -136,7 +136,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # Gradients travel on a private duplicate of ``comm``: reductions in flight (double
         # buffering keeps one in flight between steps) never interleave with collectives
         # the application, or another wrapper, issues on ``comm`` meanwhile.
-        self._data_comm = comm.split(0, comm.rank) if comm.size > 1 else comm
+        # A stream-ordered communicator (pure_nccl, torch+nccl) is used as it is: the calling
+        # thread issues everything in program order, the same on every rank, and a second
+        # NCCL communicator fed in another order could deadlock (docs/design.md).
+        private = comm.size > 1 and not getattr(comm, "stream_ordered", False)
+        self._data_comm = comm.split(0, comm.rank) if private else comm
+        # The private communicator is released by close(), or when this optimizer is dropped.
+        self._release = weakref.finalize(self, self._data_comm.finalize) if private else None
+        if self._release is not None:
+            self._release.atexit = False
         self._rebuild(broadcast=True)
 
     # -- torch.optim.Optimizer surface ------------------------------------------------------
@@ -485,8 +493,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.remove_hooks()
         self._db.drop()
         self._current = self._reduced = None
-        if self._data_comm is not self.comm:
-            self._data_comm.finalize()
+        if self._release is not None:
+            self._release()  # finalizes the private communicator once
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""
