@@ -287,7 +287,9 @@ class TorchCommunicator(Communicator):
 
     def codec_stream(self, device=None):
         """nccl: the side stream commopt's collectives run their codec kernels on (per device)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         stream = self._codec_streams.get(device)
         if stream is None:
             stream = self._codec_streams[device] = self.streams.new_stream(device)

@@ -26,16 +26,18 @@ from commopt import collectives
 from commopt.collectives.choice import choose_algorithm
 from commopt.comm.nccl import NcclCommunicator
 from commopt.comm.stream_trace import StreamTrace
+from commopt.comm.mpi.transport import live_mpi_communicators
 
 out = {}
 
 def run(name, body):
     trace = StreamTrace()
-    threads0 = threading.active_count()
+    threads0, comms0 = threading.active_count(), live_mpi_communicators()
     comm = NcclCommunicator(_streams=trace)
     info = body(comm, trace) or {}
     comm.finalize()
     info["threads_grew"] = threading.active_count() - threads0
+    info["mpi_comms_grew"] = live_mpi_communicators() - comms0
     out[name] = {"ops": [list(map(str, op)) for op in trace.ops], "lines": trace.lines(), **info}
 
 def plain(comm, trace):
@@ -162,6 +164,7 @@ def test_finalize_destroys_every_nccl_communicator_and_thread(traces, scenario):
         destroyed = [op[2] for op in sc["ops"] if op[0] == "nccl-destroy"]
         assert inits and sorted(inits) == sorted(destroyed), f"rank {rank}: {inits} vs {destroyed}"
         assert sc["threads_grew"] <= 0, f"rank {rank}: {sc['threads_grew']} thread(s) left"
+        assert sc["mpi_comms_grew"] == 0, f"rank {rank}: {sc['mpi_comms_grew']} MPI communicator(s) left"
 
 
 # -- in-process checks of the CUDA staging (ordering logic and buffer kinds, no GPU) ---------
