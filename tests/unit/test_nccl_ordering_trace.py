@@ -54,6 +54,13 @@ def hierarchical(comm, trace):
     collectives.allreduce(comm, flat, None, algorithm="hierarchical")
     return {"auto": algo, "node_names": comm.node_names}
 
+def pipelined(comm, trace):
+    from commopt.codecs import get_codec
+    flat = torch.randn(4096)
+    collectives.allreduce(comm, flat, get_codec("qsgd8"), algorithm="scatter_reduce",
+                          piece_bytes=4096, async_op=True).wait()
+    return {}
+
 def training(double_buffering):
     def body(comm, trace):
         torch.manual_seed(0)
@@ -71,6 +78,7 @@ def training(double_buffering):
     return body
 
 run("plain", plain)
+run("pipelined", pipelined)
 run("overlap", training(False))
 run("double_buffering", training(True))
 if int(os.environ["OMPI_COMM_WORLD_SIZE"]) == 4:
@@ -110,6 +118,33 @@ def test_caller_stream_recorded_then_comm_stream_waits_then_enqueue(traces):
         assert ops[back][2] == side, f"rank {rank}: Work.wait() did not order the caller's stream"
         done = max(i for i, op in enumerate(ops[:back]) if op[0] == "record" and op[3] == comm_stream)
         assert done > enq and ops[back][3] == ops[done][2], f"rank {rank}: waited on {ops[back]}"
+
+
+def test_pipelined_scatter_reduce_issues_in_the_documented_order_on_one_stream(traces):
+    """The codec pipeline (scatter 0, scatter 1, gather 0, scatter 2, gather 1, ...) is
+    enqueued by the calling thread on the communication stream, with the stream current for
+    the codec work in between; one wait, at issue, and no other stream involved."""
+    for rank, t in enumerate(traces):
+        sc = t["pipelined"]
+        enq = enqueues(sc)
+        kinds = [w for _, w in enq]
+        pieces = kinds.count("alltoall")
+        assert pieces >= 3 and kinds.count("allGather") == pieces, f"rank {rank}: {kinds}"
+        want = ["alltoall", "alltoall"]
+        for k in range(pieces):
+            want.append("allGather")
+            if k + 2 < pieces:
+                want.append("alltoall")
+        assert kinds == want, f"rank {rank}: {kinds}"
+        stream = enq[0][0]
+        assert {s for s, _ in enq} == {stream}
+        ops = sc["ops"]
+        use = next(i for i, op in enumerate(ops) if op[0] == "use" and op[2] == stream)
+        end = next(i for i, op in enumerate(ops) if op[0] == "end-use" and op[2] == stream)
+        assert all(use < i < end for i, op in enumerate(ops) if op[0] == "enqueue"), f"rank {rank}"
+        assert len([op for op in ops if op[0] == "wait" and op[2] == stream]) == 1
+        assert {op[1] for op in ops} == {"MainThread"}
+    assert len({tuple(enqueues(t["pipelined"])) for t in traces}) == 1
 
 
 @pytest.mark.parametrize("scenario", ["overlap", "double_buffering"])
@@ -154,7 +189,7 @@ def test_hierarchical_plan_is_chosen_and_stays_on_one_stream(traces):
         assert len(waits) == 1, f"rank {rank}: the plan's stages crossed streams: {waits}"
 
 
-@pytest.mark.parametrize("scenario", ["plain", "overlap", "double_buffering", "hierarchical"])
+@pytest.mark.parametrize("scenario", ["plain", "pipelined", "overlap", "double_buffering", "hierarchical"])
 def test_finalize_destroys_every_nccl_communicator_and_thread(traces, scenario):
     """Finding 4: finalize() destroys every NCCL communicator it (and its splits) created and
     leaves no thread behind (the bootstrap MPI communicators' workers included)."""
