@@ -328,8 +328,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         Afterwards no gradient of this optimizer is in flight: the averages of every bucket
         sent so far are in their buffers (``step()``/``flush()`` still decide what is
         applied), and an error a reduction met is raised here. Gradients travel on the
-        optimizer's private communicator, so waiting on the communicator you passed in
-        waits on nothing; call this instead, e.g. before timing or tearing down:
+        optimizer's private communicator (on stream-ordered transports, on yours), so
+        call this rather than waiting on the communicator, e.g. before timing or tearing down:
 
             >>> import torch, commopt
             >>> comm = commopt.create_communicator("local")
