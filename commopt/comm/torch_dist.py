@@ -14,9 +14,10 @@ must issue operations in the same order. With nccl the communicator is stream-or
 (``stream_ordered``, see :mod:`commopt.comm.streams`): torch's ProcessGroupNCCL enqueues on
 its stream after the caller's current stream, ``Work.wait()`` makes the caller's current
 stream wait, ``Work.synchronize()`` blocks the host, and commopt's collectives run their
-codec kernels inline on the calling thread, on a side stream of this communicator. Dtypes a backend cannot sum are summed in fp32 on
-a copy, which is correct but carries 32 bits (gloo in torch >= 2.1 and nccl >= 2.10 sum
-fp16 and bf16 themselves).
+codec kernels inline on the calling thread, on a side stream of this communicator.
+
+Dtypes a backend cannot sum are summed in fp32 on a copy, which is correct but carries 32
+bits (gloo in torch >= 2.1 and nccl >= 2.10 sum fp16 and bf16 themselves).
 """
 from __future__ import annotations
 
