@@ -36,7 +36,7 @@ import torch
 
 from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
 
-__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device"]
+__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device", "idle", "release_when_idle"]
 
 _DONE = CompletedWork()
 
@@ -145,6 +145,25 @@ def drain(comm: Communicator) -> None:
     drv = _DRIVERS.get(comm)
     if drv is not None:
         drv.drain()
+
+
+def idle(comm: Communicator) -> bool:
+    """Whether nothing submitted on ``comm`` is still running or queued."""
+    last = _LAST_INLINE.get(comm)
+    if last is None:
+        drv = _DRIVERS.get(comm)
+        last = drv._last if drv is not None else None
+    return last is None or last.is_completed()
+
+
+def release_when_idle(comm: Communicator) -> None:
+    """``comm.finalize()`` if nothing of ``comm``'s is in flight (else MPI's exit frees it).
+
+    For a communicator dropped by the garbage collector, which may run on any thread at any
+    time: finalizing one with reductions in flight would strand the peers in a collective.
+    """
+    if idle(comm):
+        comm.finalize()
 
 
 def _drain_all_at_exit() -> None:

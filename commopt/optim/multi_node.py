@@ -142,7 +142,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         private = comm.size > 1 and not getattr(comm, "stream_ordered", False)
         self._data_comm = comm.split(0, comm.rank) if private else comm
         # The private communicator is released by close(), or when this optimizer is dropped.
-        self._release = weakref.finalize(self, self._data_comm.finalize) if private else None
+        self._release = weakref.finalize(self, driver.release_when_idle, self._data_comm) if private else None
         if self._release is not None:
             self._release.atexit = False
         self._rebuild(broadcast=True)
@@ -494,7 +494,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._db.drop()
         self._current = self._reduced = None
         if self._release is not None:
-            self._release()  # finalizes the private communicator once
+            self._release()  # finalizes the private communicator once (drained above)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""
