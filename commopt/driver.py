@@ -15,8 +15,14 @@ produced the job (autograd's backward hooks, the optimizer's step, DDP's comm ho
     >>> seen
     ['after the reductions so far']
 
-A world of one with no worker yet runs the job at once on the caller's thread. The
-workers' threads are named ``commopt-collectives``; at interpreter exit every worker is
+A world of one with no worker yet runs the job at once on the caller's thread. A
+stream-ordered communicator (``comm.stream_ordered``: pure_nccl, torch with nccl) never gets
+a worker: its jobs run inline, on the calling thread, in issue order, with the
+communicator's stream current after it waited for the caller's current stream
+(:func:`commopt.comm.streams.issue_after_caller`); their Work is an event on that stream.
+A host thread would see another current stream than the one that produced the data, and
+would interleave the NCCL calls of two communicators in an order that can differ by rank.
+The workers' threads are named ``commopt-collectives``; at interpreter exit every worker is
 drained before the thread pools stop (see :func:`_drain_all_at_exit`).
 """
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
 
-__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device"]
+__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device", "idle", "release_when_idle"]
 
 _DONE = CompletedWork()
 
@@ -90,14 +96,30 @@ def on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None
     return run
 
 
-def submit(comm: Communicator, fn: Callable[[], None], device=None) -> Work:
+# Stream-ordered communicators: the last job's Work, for drain() (weakly keyed as above).
+_LAST_INLINE: "weakref.WeakKeyDictionary[Communicator, Work]" = weakref.WeakKeyDictionary()
+
+
+def _run_inline(comm: Communicator, fn: Callable[[], None], device, keep) -> Work:
+    from commopt.comm.streams import issue_after_caller
+
+    work = issue_after_caller(comm.streams, comm.codec_stream(device), device, fn, keep)
+    _LAST_INLINE[comm] = work
+    return work
+
+
+def submit(comm: Communicator, fn: Callable[[], None], device=None, keep=()) -> Work:
     """Run ``fn`` on ``comm``'s worker after every job submitted on ``comm`` so far.
 
     ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
     the asynchronous allreduces run, so every rank still issues them in the same order.
     ``device``: the CUDA device ``fn`` works on, made current on the worker thread. A world
-    of one that has no worker runs ``fn`` at once and returns a completed Work.
+    of one that has no worker runs ``fn`` at once and returns a completed Work. A
+    stream-ordered communicator runs ``fn`` at once, here, on its stream (``keep``: tensors
+    that stream uses beyond ``fn``'s own allocations, kept alive until it is done).
     """
+    if getattr(comm, "stream_ordered", False):
+        return _run_inline(comm, fn, device, keep)
     if comm.size == 1 and _DRIVERS.get(comm) is None:
         fn()
         return _DONE
@@ -112,10 +134,36 @@ then = submit
 
 
 def drain(comm: Communicator) -> None:
-    """Wait until every job submitted on ``comm`` has finished (re-raises the last error)."""
+    """Wait until every job submitted on ``comm`` has finished (re-raises the last error).
+
+    Stream-ordered communicators: blocks the host until the last job's stream work is done.
+    """
+    last = _LAST_INLINE.get(comm)
+    if last is not None:
+        last.synchronize()
+        return
     drv = _DRIVERS.get(comm)
     if drv is not None:
         drv.drain()
+
+
+def idle(comm: Communicator) -> bool:
+    """Whether nothing submitted on ``comm`` is still running or queued."""
+    last = _LAST_INLINE.get(comm)
+    if last is None:
+        drv = _DRIVERS.get(comm)
+        last = drv._last if drv is not None else None
+    return last is None or last.is_completed()
+
+
+def release_when_idle(comm: Communicator) -> None:
+    """``comm.finalize()`` if nothing of ``comm``'s is in flight (else MPI's exit frees it).
+
+    For a communicator dropped by the garbage collector, which may run on any thread at any
+    time: finalizing one with reductions in flight would strand the peers in a collective.
+    """
+    if idle(comm):
+        comm.finalize()
 
 
 def _drain_all_at_exit() -> None:

@@ -37,7 +37,10 @@ cannot overflow where the mean would not.
 
 Asynchrony: ``async_op=True`` returns a :class:`~commopt.comm.base.Work` at once; the
 reduction runs on the communicator's worker (:mod:`commopt.driver`), in issue order, so every rank issues
-the transport's collectives in the same order. ``flat`` belongs to the reduction until
+the transport's collectives in the same order. On a stream-ordered communicator (pure_nccl,
+torch with nccl) the reduction is enqueued at once by the calling thread on the
+communicator's CUDA stream, after the caller's current stream, and ``wait()`` orders the
+caller's current stream after it. ``flat`` belongs to the reduction until
 the Work completes (native cast codecs encode on the calling thread). Do not call the
 communicator's own collectives while an asynchronous allreduce is in flight: wait first.
 """
@@ -97,8 +100,9 @@ def allreduce(
         return _DONE
     plan = PLANS[algorithm](comm, flat, codec or Exact(flat.dtype), factor, rng, key,
                              piece_bytes)
-    # The stages run on the communicator's worker (a world of one: at once, here).
-    work = driver.submit(comm, plan, device=flat.device)
+    # The stages run on the communicator's worker (a world of one: at once, here); on a
+    # stream-ordered communicator at once, here, enqueued on its stream.
+    work = driver.submit(comm, plan, device=flat.device, keep=(flat,))
     if not async_op:
         work.wait()
     return work

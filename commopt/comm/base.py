@@ -12,10 +12,15 @@ checks that before each call and names the ranks that disagree).
     [1.0, 1.0, 1.0, 1.0]
     >>> comm.allreduce(buf, async_op=True).wait()
 
-Asynchronous forms return a :class:`Work`; ``wait()`` returns once the result is in the
-output tensor (and re-raises any error of the transport). Which thread or stream runs the
-work is documented by each backend; all of them run a communicator's operations in the
-order they were issued.
+Asynchronous forms return a :class:`Work`. After ``wait()`` returns (it re-raises any
+error of the transport), the result is in the output tensor for everything the caller does
+next: host-ordered transports (mpi, gloo, local) have finished, so the host may read it;
+stream-ordered transports (``stream_ordered = True``: pure_nccl, torch with nccl) have
+made the caller's *current CUDA stream* wait for the collective, so every kernel enqueued
+afterwards on that stream sees the result while the host goes on at once. ``synchronize()``
+blocks the host until the result is in memory, on every transport. Which thread or stream
+runs the work is documented by each backend; all of them run a communicator's operations
+in the order they were issued.
 """
 from __future__ import annotations
 
@@ -41,10 +46,15 @@ REDUCIBLE_DTYPES = (
 
 
 class Work:
-    """Handle of an asynchronous operation."""
+    """Handle of an asynchronous operation (the contract: see this module's docstring)."""
 
     def wait(self) -> None:  # pragma: no cover - interface
+        """The result is in place for what the caller does next (host, or its current stream)."""
         raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block the host until the result is in memory (``wait()`` where that already does)."""
+        self.wait()
 
     def is_completed(self) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
@@ -87,6 +97,9 @@ class Communicator(ABC):
     """
 
     name: str = "base"
+    #: True when work is ordered by CUDA streams, issued inline by the calling thread
+    #: (see :mod:`commopt.comm.streams`); False when a host thread completes it.
+    stream_ordered: bool = False
 
     def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None):
         self.allreduce_grad_dtype = allreduce_grad_dtype

@@ -5,12 +5,21 @@
 
 The NCCL communicator is created lazily, on the first collective, so the user sets the
 CUDA device first (as ChainerMN's pure_nccl did): rank 0 makes the unique id, MPI
-broadcasts it, every rank joins. Collectives run on a dedicated CUDA stream that first
-waits for the caller's current stream; ``Work.wait()`` makes the caller's current stream
-wait for the collective (the host does not block). Object helpers, barrier and split run
-over the MPI communicator used for the bootstrap.
+broadcasts it, every rank joins. Object helpers, barrier and split run over the MPI
+communicator used for the bootstrap.
 
-Threads: call from one thread per communicator (NCCL kernels are enqueued in call order).
+Ordering is by CUDA streams, never by host threads (:mod:`commopt.comm.streams`): every
+collective is enqueued from the calling thread. An event recorded on the caller's current
+stream at issue time is what the communication stream waits for; ``Work.wait()`` makes the
+caller's current stream wait for the collective (the host does not block) and
+``Work.synchronize()`` blocks the host. The collectives' algorithms (codec kernels between
+NCCL calls) run inline on the calling thread with the communication stream current
+(:mod:`commopt.driver`). A communicator and every communicator split from it share one
+communication stream, so all their NCCL calls run in one order, the issue order, which is
+the same on every rank when every rank runs the same program.
+
+Threads: call from one thread at a time, in the same order on every rank.
+``finalize()`` destroys the NCCL communicator and frees the bootstrap MPI communicator.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ from typing import Any
 import torch
 
 from commopt.comm.base import Communicator, Work
+from commopt.comm.streams import CudaStreams, issue_after_caller
 
 # ncclDataType_t values (nccl.h); stable across NCCL 2.x.
 _NCCL_DTYPE = {
@@ -40,90 +50,117 @@ def _cupy_nccl():
     return nccl
 
 
-class _StreamWork(Work):
-    def __init__(self, event: torch.cuda.Event):
-        self._event = event
+class _NcclStreams(CudaStreams):
+    """CUDA streams plus the NCCL communicator's lifetime (what StreamTrace records instead)."""
 
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self._event)
+    def nccl_init(self, size: int, rank: int, boot):
+        nccl = _cupy_nccl()
+        uid = nccl.get_unique_id() if rank == 0 else None
+        uid = boot.bcast_obj(uid, root=0)
+        return nccl.NcclCommunicator(size, uid, rank)
 
-    def is_completed(self) -> bool:
-        return self._event.query()
+    def nccl_destroy(self, comm) -> None:
+        comm.destroy()
+
+
+class _Shared:
+    """What a communicator and the ones split from it share: the device and its one stream."""
+
+    def __init__(self, streams):
+        self.streams = streams
+        self.device = None
+        self.stream = None
+
+    def ensure(self):
+        if self.stream is None:
+            self.device = self.streams.current_device()
+            self.stream = self.streams.new_stream(self.device)
+        return self.stream
 
 
 class NcclCommunicator(Communicator):
     """Communicator over NCCL (CUDA tensors only). Options: ``mpi_comm`` for the bootstrap."""
 
     name = "pure_nccl"
+    #: Work is ordered by CUDA streams; the driver issues the collectives inline.
+    stream_ordered = True
 
-    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, mpi_comm=None):
+    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, mpi_comm=None,
+                 _streams=None, _boot=None, _shared: _Shared | None = None):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
-        _cupy_nccl()  # fail early, with the install hint, if CuPy is missing
-        if not torch.cuda.is_available():
-            raise RuntimeError("the 'pure_nccl' communicator needs a CUDA device; use 'mpi' or 'torch' on CPU")
+        if _streams is None and _shared is None:
+            _cupy_nccl()  # fail early, with the install hint, if CuPy is missing
+            if not torch.cuda.is_available():
+                raise RuntimeError("the 'pure_nccl' communicator needs a CUDA device; use 'mpi' "
+                                   "or 'torch' on CPU")
         from commopt.comm.mpi import MPICommunicator
 
-        self._boot = MPICommunicator(mpi_comm=mpi_comm)
+        self._shared = _shared if _shared is not None else _Shared(_streams or _NcclStreams())
+        self.streams = self._shared.streams
+        # The bootstrap: our own duplicate, or (split) the sub-communicator made for us.
+        self._boot = _boot if _boot is not None else MPICommunicator(mpi_comm=mpi_comm)
         self.rank, self.size = self._boot.rank, self._boot.size
         self.intra_rank, self.intra_size = self._boot.intra_rank, self._boot.intra_size
         self.inter_rank, self.inter_size = self._boot.inter_rank, self._boot.inter_size
+        self.node_name = self._boot.node_name
+        self.node_names = list(self._boot.node_names)  # hierarchical reduction needs them
         self._nccl_comm = None
-        self._stream: torch.cuda.Stream | None = None
+        self._finalized = False
+        self._children: list[NcclCommunicator] = []  # split from this one: finalized with it
+
+    def codec_stream(self, device=None):
+        """The communication stream: the collectives' codec kernels run there too."""
+        return self._shared.ensure()
 
     def _ensure(self):
-        """Create the NCCL communicator and stream on first use, on the current device."""
+        """Create the NCCL communicator (and the shared stream) on first use, on the current device."""
+        if self._finalized:
+            raise RuntimeError("this pure_nccl communicator was finalized; create a new one")
         if self._nccl_comm is None:
-            nccl = _cupy_nccl()
-            uid = nccl.get_unique_id() if self.rank == 0 else None
-            uid = self._boot.bcast_obj(uid, root=0)
-            self._stream = torch.cuda.Stream()
-            self._nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+            self._shared.ensure()
+            self._nccl_comm = self.streams.nccl_init(self.size, self.rank, self._boot)
         return self._nccl_comm
 
-    def _launch(self, tensors, enqueue) -> Work:
+    def _launch(self, tensors, what: str, enqueue) -> Work:
         for t in tensors:
-            if not t.is_cuda:
-                raise TypeError("pure_nccl moves CUDA tensors only; use the 'mpi' communicator for CPU tensors")
+            if not self.streams.is_device_tensor(t):
+                raise TypeError("pure_nccl moves CUDA tensors only; use the 'mpi' communicator "
+                                "for CPU tensors")
         comm = self._ensure()
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            enqueue(comm, stream.cuda_stream)
-            for t in tensors:
-                t.record_stream(stream)  # keep the memory alive until the stream is done
-            event = torch.cuda.Event()
-            event.record(stream)
-        return _StreamWork(event)
+        stream = self._shared.stream
+        return issue_after_caller(
+            self.streams, stream, self._shared.device,
+            lambda: self.streams.enqueue(stream, what, lambda s: enqueue(comm, s)), keep=tensors)
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
-        return self._launch([buf], lambda c, s: c.allReduce(
+        return self._launch([buf], "allReduce", lambda c, s: c.allReduce(
             buf.data_ptr(), buf.data_ptr(), buf.numel(), _NCCL_DTYPE[buf.dtype], _NCCL_SUM, s))
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
-        nccl = _cupy_nccl()
         nbytes = send.numel() * send.element_size() // self.size
 
         def enqueue(c, s):
+            nccl = _cupy_nccl()
             nccl.groupStart()
             for peer in range(self.size):
                 c.send(send.data_ptr() + peer * nbytes, nbytes, 1, peer, s)
                 c.recv(recv.data_ptr() + peer * nbytes, nbytes, 1, peer, s)
             nccl.groupEnd()
 
-        return self._launch([send, recv], enqueue)
+        return self._launch([send, recv], "alltoall", enqueue)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         nbytes = send.numel() * send.element_size()
-        return self._launch([send, recv], lambda c, s: c.allGather(
+        return self._launch([send, recv], "allGather", lambda c, s: c.allGather(
             send.data_ptr(), recv.data_ptr(), nbytes, 1, s))
 
     def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
         nbytes = buf.numel() * buf.element_size()
-        return self._launch([buf], lambda c, s: c.bcast(buf.data_ptr(), nbytes, 1, root, s))
+        return self._launch([buf], "bcast", lambda c, s: c.bcast(buf.data_ptr(), nbytes, 1, root, s))
 
     def _barrier(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self._shared.stream is not None:
+            self.streams.synchronize(self.streams.record(self._shared.stream))
         self._boot.barrier()
 
     def _bcast_obj(self, obj: Any, root: int) -> Any:
@@ -133,11 +170,28 @@ class NcclCommunicator(Communicator):
         return self._boot.allgather_obj(obj)
 
     def _split(self, color: int, key: int) -> "NcclCommunicator":
+        # The MPI sub-communicator becomes the child's bootstrap as it is (no second
+        # duplicate, no orphaned worker); the child enqueues on the parent's stream.
         sub = self._boot.split(color, key)
-        return NcclCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, mpi_comm=sub.mpi_comm)
+        child = NcclCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, _boot=sub,
+                                 _shared=self._shared)
+        self._children.append(child)
+        return child
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16)
 
     def finalize(self) -> None:
+        """Wait for the work in flight; destroy the NCCL communicators (this one and those
+        split from it) and free their bootstrap MPI communicators. Safe to call twice."""
+        if self._finalized:
+            return
+        self._finalized = True
+        for child in self._children:
+            child.finalize()
+        self._children = []
+        if self._nccl_comm is not None:
+            self.streams.synchronize(self.streams.record(self._shared.stream))
+            self.streams.nccl_destroy(self._nccl_comm)
+            self._nccl_comm = None
         self._boot.finalize()

@@ -10,9 +10,14 @@ overrides).
 
 Threads: operations are queued on the process group's own threads (gloo) or CUDA stream
 (nccl) in issue order; the public methods may be called from any thread, but all ranks
-must issue operations in the same order. Dtypes a backend cannot sum are summed in fp32 on
-a copy, which is correct but carries 32 bits (gloo in torch >= 2.1 and nccl >= 2.10 sum
-fp16 and bf16 themselves).
+must issue operations in the same order. With nccl the communicator is stream-ordered
+(``stream_ordered``, see :mod:`commopt.comm.streams`): torch's ProcessGroupNCCL enqueues on
+its stream after the caller's current stream, ``Work.wait()`` makes the caller's current
+stream wait, ``Work.synchronize()`` blocks the host, and commopt's collectives run their
+codec kernels inline on the calling thread, on a side stream of this communicator.
+
+Dtypes a backend cannot sum are summed in fp32 on a copy, which is correct but carries 32
+bits (gloo in torch >= 2.1 and nccl >= 2.10 sum fp16 and bf16 themselves).
 """
 from __future__ import annotations
 
@@ -40,6 +45,12 @@ class _TorchWork(Work):
         if self._after is not None:
             after, self._after = self._after, None
             after()
+
+    def synchronize(self) -> None:
+        self.wait()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # nccl's wait() only ordered the current stream: block the host on it as well.
+            torch.cuda.current_stream().synchronize()
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -260,6 +271,12 @@ class TorchCommunicator(Communicator):
         # Where bcast_obj/allgather_obj stage their bytes: nccl moves CUDA tensors only.
         self.object_device = "cuda" if self.backend == "nccl" else "cpu"
         self.size = dist.get_world_size(group)
+        self.stream_ordered = self.backend == "nccl"
+        self._codec_streams: dict = {}
+        if self.stream_ordered:
+            from commopt.comm.streams import CudaStreams
+
+            self.streams = CudaStreams()
         # torch numbers a group's members by global rank; split() may ask for another order
         # (by key). _order[i] is the group rank of our rank i; identity in the common case.
         self._order = list(range(self.size)) if _order is None else list(_order)
@@ -268,6 +285,16 @@ class TorchCommunicator(Communicator):
         # Global rank of each of our ranks, for src arguments.
         self._global = [dist.get_global_rank(group, g) if group is not None else g for g in self._order]
         self._init_topology()
+
+    def codec_stream(self, device=None):
+        """nccl: the side stream commopt's collectives run their codec kernels on (per device)."""
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = self._codec_streams.get(device)
+        if stream is None:
+            stream = self._codec_streams[device] = self.streams.new_stream(device)
+        return stream
 
     # gloo (torch >= 2.1) and nccl (>= 2.10) both sum fp16 and bf16 in C++/CUDA.
     def supports_sum(self, dtype: torch.dtype) -> bool:

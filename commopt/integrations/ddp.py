@@ -158,7 +158,9 @@ def commopt_hook(state: CommoptHookState, bucket: dist.GradBucket) -> torch.futu
         except Exception as exc:  # surface transport errors in DDP's backward
             future.set_exception(exc)
 
-    driver.then(comm, finish)
+    work = driver.then(comm, finish)
+    if getattr(comm, "stream_ordered", False):
+        work.wait()  # DDP reads the bucket on its current stream: after the unpacking
     if step_done:
         state.step += 1
     return future

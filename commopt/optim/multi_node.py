@@ -151,7 +151,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # Gradients travel on a private duplicate of ``comm``: reductions in flight (double
         # buffering keeps one in flight between steps) never interleave with collectives
         # the application, or another wrapper, issues on ``comm`` meanwhile.
-        self._data_comm = comm.split(0, comm.rank) if comm.size > 1 else comm
+        # A stream-ordered communicator (pure_nccl, torch+nccl) is used as it is: the calling
+        # thread issues everything in program order, the same on every rank, and a second
+        # NCCL communicator fed in another order could deadlock (docs/design.md).
+        private = comm.size > 1 and not getattr(comm, "stream_ordered", False)
+        self._data_comm = comm.split(0, comm.rank) if private else comm
+        # The private communicator is released by close(), or when this optimizer is dropped.
+        self._release = weakref.finalize(self, driver.release_when_idle, self._data_comm) if private else None
+        if self._release is not None:
+            self._release.atexit = False
         self._rebuild(broadcast=True)
 
     # -- torch.optim.Optimizer surface ------------------------------------------------------
@@ -366,8 +374,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         Afterwards no gradient of this optimizer is in flight: the averages of every bucket
         sent so far are in their buffers (``step()``/``flush()`` still decide what is
         applied), and an error a reduction met is raised here. Gradients travel on the
-        optimizer's private communicator, so waiting on the communicator you passed in
-        waits on nothing; call this instead, e.g. before timing or tearing down:
+        optimizer's private communicator (on stream-ordered transports, on yours), so
+        call this rather than waiting on the communicator, e.g. before timing or tearing down:
 
             >>> import torch, commopt
             >>> comm = commopt.create_communicator("local")
@@ -650,8 +658,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.remove_hooks()
         self._db.drop()
         self._current = self._reduced = None
-        if self._data_comm is not self.comm:
-            self._data_comm.finalize()
+        if self._release is not None:
+            self._release()  # finalizes the private communicator once (drained above)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""

@@ -43,6 +43,7 @@ from recipes.common import (
 )
 from recipes.resnet50.data import (DataError, EpochBatches, data_source, eval_shard, make_datasets,
                                    make_loader)
+from recipes.precision import PRECISIONS, MixedPrecision
 from recipes.resnet50.model import model_source, resnet50
 from recipes.resnet50.presets import PRESETS, get_preset
 
@@ -81,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-steps", type=int, default=0, help="stop after this many steps in all "
                    "(the schedule still spans --epochs; 0: no limit)")
-    t.add_argument("--amp", choices=("auto", "on", "off"), default="auto",
-                   help="float16 autocast + GradScaler (auto: on with CUDA)")
+    t.add_argument("--amp", choices=PRECISIONS, default="auto",
+                   help="mixed precision: fp16 (autocast + GradScaler, CUDA) or bf16 (autocast, "
+                        "CUDA or CPU); on: fp16 on CUDA, bf16 on the CPU; auto: fp16 with CUDA, "
+                        "else fp32")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     t.add_argument("--threads", type=int, help="torch CPU threads per rank")
     e = p.add_argument_group("evaluation, checkpoints and logs")
@@ -340,7 +343,7 @@ def average_bn_statistics(model, comm) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, dataset, cfg: Config, comm, device, amp: bool) -> dict:
+def evaluate(model, dataset, cfg: Config, comm, device, precision: MixedPrecision) -> dict:
     average_bn_statistics(model, comm)
     model.eval()
     per_rank = max(1, cfg.global_batch // comm.size)
@@ -350,7 +353,7 @@ def evaluate(model, dataset, cfg: Config, comm, device, amp: bool) -> dict:
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+        with precision.autocast():
             out = model(x)
         totals[0] += criterion(out.float(), y).double()
         totals[1] += (out.argmax(1) == y).sum()
@@ -371,9 +374,10 @@ def build_optimizer(model, cfg: Config):
 
 def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
     rank0 = comm.rank == 0
-    amp = args.amp == "on" or (args.amp == "auto" and device.type == "cuda")
-    if amp and device.type != "cuda":
-        raise RecipeError("--amp on needs CUDA; use --amp off (or auto) on the CPU")
+    try:
+        precision = MixedPrecision.resolve(args.amp, device)
+    except ValueError as exc:
+        raise RecipeError(f"--amp {args.amp}: {exc}") from None
     log = JsonLines(args.log_jsonl, rank0)
     torch.manual_seed(cfg.seed)
     train_set, val_set = make_datasets(cfg.data_kind, data_dir=cfg.data_dir, image_size=cfg.image_size,
@@ -385,7 +389,6 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         model = model.to(memory_format=torch.channels_last)
         torch.backends.cudnn.benchmark = True
     opt = multi_node_optimizer(build_optimizer(model, cfg), comm, args, model=model, seed=cfg.seed)
-    scaler = torch.amp.GradScaler("cuda") if amp else None
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
     steps_per_epoch = [len(train_set) // cfg.batch_at(e) for e in range(cfg.epochs)]
@@ -401,15 +404,15 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             for name, buf in model.named_buffers():
                 buf.copy_(own["buffers"][name])
         opt.load_state_dict(shared["optimizer"])
-        if scaler is not None and shared["scaler"] is not None:
-            scaler.load_state_dict(shared["scaler"])
+        if precision.scaler is not None and shared["scaler"] is not None:
+            precision.scaler.load_state_dict(shared["scaler"])
         torch.set_rng_state(own["torch_rng"].cpu())
         if own["cuda_rng"] is not None and device.type == "cuda":
             torch.cuda.set_rng_state(own["cuda_rng"].cpu())
         position = dict(shared["position"])
         del shared, own
     sources = {"model_source": model_source(model), "data_source": data_source(train_set)}
-    log.write(event="config", world_size=comm.size, device=str(device), amp=amp, **sources,
+    log.write(event="config", world_size=comm.size, device=str(device), amp=precision.name, **sources,
               label=config_label(args), resumed_at=position["global_step"], **asdict(cfg))
     progress = Progress(total_steps, position["global_step"], args.progress, rank0)
     if rank0:
@@ -429,11 +432,11 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
 
     def checkpoint():
         if ckpt_dir is not None:
-            path = paused(lambda: save_checkpoint(ckpt_dir, comm, position, model, opt, scaler, cfg))
+            path = paused(lambda: save_checkpoint(ckpt_dir, comm, position, model, opt, precision.scaler, cfg))
             log.write(event="checkpoint", step=position["global_step"], path=str(path))
 
     def run_eval(final: bool = False):
-        result = paused(lambda: evaluate(model, val_set, cfg, comm, device, amp))
+        result = paused(lambda: evaluate(model, val_set, cfg, comm, device, precision))
         now = time.perf_counter()
         log.write(event="eval", step=position["global_step"], epoch=position["epoch"],
                   elapsed_s=round(now - run_start, 3),
@@ -465,16 +468,11 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+            with precision.autocast():
                 out = model(x)
                 loss = criterion(out, y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            precision.backward(loss)
+            precision.step(opt)
             with torch.no_grad():
                 metrics += torch.stack([loss.detach().double() * y.numel(),
                                         (out.argmax(1) == y).sum().double(),

@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # `python recipes/transformer/train.py`
 import torch
 
 from recipes.common import choose_device, create_communicator, multi_node_optimizer, set_cpu_threads
+from recipes.precision import MixedPrecision
 from recipes.transformer import checkpoint as ckpt
 from recipes.transformer.data import ShardedBatchIterator, collate, load_split, shard_for_rank
 from recipes.transformer.logs import RunLog
@@ -98,11 +99,6 @@ def load_data(args, comm, tokenizer, key: str) -> dict:
     return data
 
 
-def autocast_context(args, device):
-    if args.precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.float16 if args.precision == "fp16" else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 # -- random state ---------------------------------------------------------------------------
@@ -157,7 +153,8 @@ class Trainer:
         base = torch.optim.Adam(self.model.parameters(), lr=args.warmup_init_lr, betas=args.adam_betas,
                                 eps=args.adam_eps, weight_decay=args.weight_decay)
         self.optimizer = multi_node_optimizer(base, comm, args, model=self.model, seed=args.seed)
-        self.scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+        self.precision = MixedPrecision.resolve(args.precision, device)
+        self.scaler = self.precision.scaler
         batch_sentences = None
         if args.batch_size:
             batch_sentences = args.batch_size // (comm.size * args.update_freq)
@@ -187,12 +184,12 @@ class Trainer:
         stats = Stats(updates=1)
         for i, sample in enumerate(samples):
             with self._no_sync(i == len(samples) - 1):
-                with autocast_context(args, self.device):
+                with self.precision.autocast():
                     logits = self.model(sample["src_tokens"], sample["prev_output_tokens"])
                 loss, nll = label_smoothed_nll_loss(logits, sample["target"], args.label_smoothing)
                 # per-token mean over this rank's update; the optimizer averages over ranks
                 scaled = loss / local_tokens
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                self.precision.backward(scaled)
             # tensors, not floats: reading them would wait for the GPU at every batch
             stats.add(Stats(loss=loss.detach(), nll=nll.detach(),
                             ntokens=sample["ntokens"], nsentences=sample["nsentences"]))
@@ -205,11 +202,7 @@ class Trainer:
         if clip:
             self.optimizer.synchronize()  # the gradients step() applies, averaged
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.precision.step(self.optimizer)
         self.num_updates += 1
         return stats
 
@@ -229,7 +222,7 @@ class Trainer:
             for b in batches_by_size(split.src_lengths, split.tgt_lengths, indices=idx,
                                      max_tokens=max(self.args.max_tokens or 0, 4096)):
                 sample = collate(split, b, device=self.device)
-                with autocast_context(self.args, self.device):
+                with self.precision.autocast():
                     logits = self.model(sample["src_tokens"], sample["prev_output_tokens"])
                 loss, nll = label_smoothed_nll_loss(logits, sample["target"], self.args.label_smoothing)
                 total.add(Stats(loss=loss, nll=nll, ntokens=sample["ntokens"], nsentences=sample["nsentences"]))
@@ -424,9 +417,10 @@ def run(argv: list[str] | None = None) -> Trainer:
     """Train as the command line says; returns the trainer (tests inspect it)."""
     args = parse_args(argv)
     device = choose_device(args.device)
-    if args.precision == "fp16" and device.type != "cuda":
-        build_parser().error("--precision fp16 needs a GPU (dynamic loss scaling on CUDA); "
-                             "use --precision fp32 or bf16 on a CPU")
+    try:
+        MixedPrecision.resolve(args.precision, device)
+    except ValueError as exc:
+        build_parser().error(f"--precision {args.precision}: {exc}")
     comm = create_communicator(args.communicator)
     if args.batch_size and args.batch_size % (comm.size * args.update_freq):
         build_parser().error(

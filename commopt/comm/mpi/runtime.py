@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 
 __all__ = ["mpi_type", "numpy_view"]
@@ -61,11 +60,16 @@ def mpi_type(dtype: torch.dtype):
     }[dtype]
 
 
-def numpy_view(t: torch.Tensor, as_bytes: bool = False) -> np.ndarray:
-    """A NumPy array sharing memory with the contiguous CPU tensor ``t``."""
+def numpy_view(t: torch.Tensor, as_bytes: bool = False):
+    """An MPI buffer sharing memory with the contiguous tensor ``t``.
+
+    A CPU tensor becomes a NumPy array. A device tensor (CUDA-aware MPI) stays a tensor,
+    viewed with the same word type: mpi4py reads its ``__cuda_array_interface__``
+    (``.numpy()`` would raise, and the interface has no bfloat16).
+    """
     flat = t.reshape(-1)
     if as_bytes:
-        return flat.view(torch.uint8).numpy()
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return flat.view(torch.int16).numpy()
-    return flat.numpy()
+        flat = flat.view(torch.uint8)
+    elif t.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.view(torch.int16)
+    return flat.numpy() if flat.device.type == "cpu" else flat

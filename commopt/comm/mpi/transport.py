@@ -20,7 +20,72 @@ from commopt.comm.mpi.settings import (
 )
 from commopt.comm.mpi.user_ops import sum16_op
 
-__all__ = ["MPICommunicator"]
+__all__ = ["MPICommunicator", "detect_cuda_aware", "live_mpi_communicators", "ready_after_producers"]
+
+#: ids of the MPICommunicators whose MPI communicator is not freed yet (for leak checks).
+_LIVE_COMMS: set[int] = set()
+
+
+def live_mpi_communicators() -> int:
+    """How many MPI communicators commopt created and has not freed (``finalize()`` frees)."""
+    return len(_LIVE_COMMS)
+
+
+#: Environment variable that forces the CUDA-aware path on (1) or off (0).
+CUDA_AWARE_ENV = "COMMOPT_MPI_CUDA_AWARE"
+
+
+def detect_cuda_aware(MPI) -> bool:
+    """Whether the MPI library reads and writes CUDA memory itself; False when unknown.
+
+    $COMMOPT_MPI_CUDA_AWARE decides when set; else ``MPI.Query_cuda_support`` where the
+    mpi4py offers it; else the library's ``MPIX_Query_cuda_support`` (Open MPI, MPICH),
+    looked up through mpi4py's extension module, which links the library. Staging through
+    host memory is always correct, so anything unknown means False.
+    """
+    import os
+
+    forced = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"{CUDA_AWARE_ENV}={forced!r}: give 1 (CUDA-aware MPI) or 0 (stage "
+                             f"CUDA tensors through host memory)")
+        return forced in ("1", "true", "yes", "on")
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None:
+        return bool(query())
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):  # not Open MPI/MPICH, or built without the extension
+        return False
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    return bool(fn())
+
+
+def ready_after_producers(devices, streams=None) -> Callable[[], None]:
+    """A function that blocks until the work so far on each device's current stream is done.
+
+    Called on the issuing thread: the event of each device is recorded on *that device's*
+    current stream (not the current device's), so a tensor on cuda:1 issued while cuda:0
+    is current is still waited for. The worker thread calls the result before it reads.
+    """
+    devices = list(dict.fromkeys(devices))
+    if not devices:
+        return lambda: None
+    if streams is None:
+        from commopt.comm.streams import CudaStreams
+
+        streams = CudaStreams()
+    events = [streams.record(streams.current(d)) for d in devices]
+
+    def wait() -> None:
+        for e in events:
+            streams.synchronize(e)
+
+    return wait
 
 
 class MPICommunicator(Communicator):
@@ -50,12 +115,11 @@ class MPICommunicator(Communicator):
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         # Our own context keeps commopt's messages apart from the application's.
         self.mpi_comm = base.Dup() if _dup else base
+        if self.mpi_comm != MPI.COMM_WORLD:
+            _LIVE_COMMS.add(id(self))  # ours to free in finalize()
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
-        if cuda_aware is None:
-            query = getattr(MPI, "Query_cuda_support", None)
-            cuda_aware = bool(query()) if query is not None else False
-        self.cuda_aware = cuda_aware
+        self.cuda_aware = detect_cuda_aware(MPI) if cuda_aware is None else bool(cuda_aware)
         self.pipeline, self.segment_bytes, self.pipeline_min_bytes = pipeline_settings(
             pipeline, segment_bytes, pipeline_min_bytes)
         self._scratch_buf: torch.Tensor | None = None
@@ -93,9 +157,13 @@ class MPICommunicator(Communicator):
     def _on_worker(self) -> bool:
         return threading.current_thread().name.startswith(self._thread_prefix)
 
-    def _host(self, t: torch.Tensor, fill: bool):
-        """(host tensor, copy-back function) for CUDA tensors; the tensor itself on CPU."""
-        if t.device.type == "cpu" or self.cuda_aware:
+    def _host(self, t: torch.Tensor, fill: bool, path: str = "blocking"):
+        """(host tensor, copy-back function) for CUDA tensors; the tensor itself on CPU.
+
+        CUDA-aware MPI gets CUDA tensors as they are (see :func:`numpy_view`), except on
+        the pipelined path, whose segment arithmetic runs on the host.
+        """
+        if t.device.type == "cpu" or (self.cuda_aware and path != "pipelined"):
             return t, None
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         if fill:
@@ -104,11 +172,7 @@ class MPICommunicator(Communicator):
 
     def _cuda_ready(self, *tensors: torch.Tensor) -> Callable[[], None]:
         """Make the worker wait for the kernels that produce CUDA inputs (not the caller)."""
-        if not any(t.is_cuda for t in tensors):
-            return lambda: None
-        event = torch.cuda.Event()
-        event.record()
-        return event.synchronize
+        return ready_after_producers([t.device for t in tensors if t.is_cuda])
 
     # -- primitives -----------------------------------------------------------------------
     def _allreduce(self, buf: torch.Tensor) -> Work:
@@ -121,7 +185,7 @@ class MPICommunicator(Communicator):
 
         def run():
             ready()
-            host, back = self._host(buf, fill=True)
+            host, back = self._host(buf, fill=True, path=path)
             data = [numpy_view(host), mpi_type(buf.dtype)]
             if path == "pipelined":
                 block = math.ceil(host.numel() / self.size) * host.element_size()
@@ -152,8 +216,8 @@ class MPICommunicator(Communicator):
 
         def run():
             ready()
-            s, _ = self._host(send, fill=True)
-            r, back = self._host(recv, fill=False)
+            s, _ = self._host(send, fill=True, path=path)
+            r, back = self._host(recv, fill=False, path=path)
             sv, rv = numpy_view(s, as_bytes=True), numpy_view(r, as_bytes=True)
             if path == "pipelined":
                 pipelined(self.mpi_comm, sv, rv, self.segment_bytes)
@@ -206,10 +270,13 @@ class MPICommunicator(Communicator):
             min_bytes=self.pipeline_min_bytes) == "pipelined")
 
     def finalize(self) -> None:
-        self._worker.shutdown(wait=True)
+        # Not joining from the worker itself (a last reference dropped there).
+        self._worker.shutdown(wait=not self._on_worker())
         MPI = _mpi()
         if not MPI.Is_finalized() and self.mpi_comm != MPI.COMM_WORLD:
             try:
-                self.mpi_comm.Free()
+                if self.mpi_comm != MPI.COMM_NULL:
+                    self.mpi_comm.Free()
+                    _LIVE_COMMS.discard(id(self))
             except MPI.Exception:  # pragma: no cover - already freed
                 pass

@@ -1,0 +1,158 @@
+"""A recorder of stream and event calls, for testing the ordering logic of the CUDA path.
+
+:class:`StreamTrace` has the methods of :class:`commopt.comm.streams.CudaStreams`; a CUDA
+transport given one (``_streams=``) records what it would ask CUDA to do instead of doing
+it: which event is recorded on which stream, which stream waits on which event, what is
+enqueued where, from which host thread, in which order. No kernel runs and no byte moves:
+this is a test of ordering logic, not a transport (the real transport runs in tests/gpu).
+
+As in CUDA, the current stream is per host thread and per device: a thread that never
+selected one sees the device's default stream.
+
+    >>> trace = StreamTrace()
+    >>> side = trace.new_stream(None)
+    >>> trace.current(None).name, side.name
+    ('default:0', 's1:0')
+    >>> with trace.use(side):
+    ...     trace.current(None).name
+    's1:0'
+    >>> ev = trace.record(side); trace.wait(trace.current(None), ev)
+    >>> trace.lines()
+    ['MainThread use s1:0', 'MainThread end-use s1:0', 'MainThread record e1 on s1:0', 'MainThread wait default:0 on e1']
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["StreamTrace", "TraceStream", "TraceEvent"]
+
+
+@dataclass(frozen=True)
+class TraceStream:
+    name: str
+    device: int
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    name: str
+    stream: TraceStream
+
+
+@dataclass
+class StreamTrace:
+    """Records stream/event calls as ``(op, thread, *args)`` tuples in :attr:`ops`."""
+
+    device: int = 0
+    ops: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self._ids = itertools.count(1)
+        self._events = itertools.count(1)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def _log(self, *entry) -> None:
+        with self._lock:
+            self.ops.append((entry[0], threading.current_thread().name, *entry[1:]))
+
+    def _index(self, device) -> int:
+        if device is None:
+            return getattr(self._local, "device", self.device)
+        index = getattr(device, "index", device)
+        return self.device if index is None else int(index)
+
+    # -- the CudaStreams methods -------------------------------------------------------
+    def current_device(self):
+        return self._index(None)
+
+    def set_device(self, index: int) -> None:
+        """Like torch.cuda.set_device, for the calling thread."""
+        self._local.device = index
+
+    def current(self, device) -> TraceStream:
+        index = self._index(device)
+        return getattr(self._local, "streams", {}).get(index, TraceStream(f"default:{index}", index))
+
+    def new_stream(self, device) -> TraceStream:
+        index = self._index(device)
+        return TraceStream(f"s{next(self._ids)}:{index}", index)
+
+    def record(self, stream: TraceStream) -> TraceEvent:
+        event = TraceEvent(f"e{next(self._events)}", stream)
+        self._log("record", event.name, stream.name)
+        return event
+
+    def wait(self, stream: TraceStream, event: TraceEvent) -> None:
+        self._log("wait", stream.name, event.name)
+
+    @contextlib.contextmanager
+    def use(self, stream: TraceStream):
+        streams = getattr(self._local, "streams", None)
+        if streams is None:
+            streams = self._local.streams = {}
+        previous = streams.get(stream.device)
+        streams[stream.device] = stream
+        self._log("use", stream.name)
+        try:
+            yield
+        finally:
+            if previous is None:
+                del streams[stream.device]
+            else:
+                streams[stream.device] = previous
+            self._log("end-use", stream.name)
+
+    def keep(self, tensor, stream: TraceStream) -> None:
+        self._log("keep", stream.name)
+
+    def enqueue(self, stream: TraceStream, what: str, fn=None) -> None:
+        self._log("enqueue", stream.name, what)  # fn is not called: nothing runs
+
+    def synchronize(self, event: TraceEvent) -> None:
+        self._log("synchronize", event.name)
+
+    def query(self, event: TraceEvent) -> bool:
+        return True
+
+    def is_device_tensor(self, tensor) -> bool:
+        return True
+
+    # -- NCCL communicator lifetime (recorded, never created) ----------------------------
+    def nccl_init(self, size: int, rank: int, boot) -> str:
+        name = f"nccl{next(self._ids)}"
+        self._log("nccl-init", name, size, rank)
+        return name
+
+    def nccl_destroy(self, comm: str) -> None:
+        self._log("nccl-destroy", comm)
+
+    # -- reading the trace ----------------------------------------------------------------
+    def lines(self) -> list[str]:
+        """The trace as text, one call a line: ``thread op args``."""
+        out = []
+        for op, thread, *args in self.ops:
+            if op == "record":
+                out.append(f"{thread} record {args[0]} on {args[1]}")
+            elif op == "wait":
+                out.append(f"{thread} wait {args[0]} on {args[1]}")
+            else:
+                out.append(" ".join([thread, op, *map(str, args)]))
+        return out
+
+    def of(self, op: str) -> list[tuple]:
+        """The recorded calls of kind ``op`` (their arguments, thread dropped)."""
+        return [tuple(args) for o, _, *args in self.ops if o == op]
+
+    def position(self, op: str, *args) -> int:
+        """Index in :attr:`ops` of the first ``op`` call with these leading arguments."""
+        for i, (o, _, *a) in enumerate(self.ops):
+            if o == op and tuple(a[:len(args)]) == args:
+                return i
+        raise AssertionError(f"no {op} {args} in the trace:\n" + "\n".join(self.lines()))
+
+    def threads(self) -> set[str]:
+        return {thread for _, thread, *_ in self.ops}
