@@ -41,9 +41,7 @@ from commopt import driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
-from commopt.optim.checkpoint import (
-    STATE_VERSION, check_compatible, codec_states_of_rank, gather_codec_states,
-)
+from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.options import check_arguments, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
@@ -253,6 +251,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
+            if self._current is not None:  # this step's buckets are already on the wire
+                raise RuntimeError(
+                    "a backward inside optimizer.no_sync() after a backward outside it in the "
+                    "same step: the reduction already started without these gradients. Run "
+                    "every micro-batch but the last inside no_sync() and the last one outside")
             return
         self._dirty = True
         if self.double_buffering or not self.overlap:
@@ -422,18 +425,19 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus commopt's under the key ``"commopt"``.
 
-        commopt's part: step counters, the RNG seed, every rank's codec state (error-feedback
-        residuals) and, with double buffering, the pending averaged gradients. When the codec
-        keeps per-rank state this is a collective call: call it on every rank, save on rank 0.
+        commopt's part: step counters, the RNG seed, this rank's own codec state (error-feedback
+        residuals, which differ per rank) and, with double buffering, the pending averaged
+        gradients. No communication: with error feedback each rank saves its own state dict
+        (``commopt.optim.save_checkpoint`` does, with torch.distributed.checkpoint).
         """
         with self._own_reads():
             self._drain()
             db = self._db.state_dict()  # completes the pending reduction first
-            everyone = gather_codec_states(self.comm, self._reducer.codec_states())
             sd = self._inner.state_dict()
             sd["commopt"] = {
                 "version": STATE_VERSION,
                 "world_size": self.comm.size,
+                "rank": self.comm.rank,
                 "seed": self.seed,
                 "iteration": self._iteration,
                 "applied_steps": self.applied_steps,
@@ -441,7 +445,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "double_buffering": self.double_buffering,
                 "db_buffer": db["db_buffer"],
                 "buckets": [b.key for b in self._reducer.buckets],
-                "codec_states": everyone,
+                "codec_state": self._reducer.codec_states(),  # this rank's own only
                 "pending": db["pending"],
             }
             return sd
@@ -455,8 +459,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            check_compatible(extra, [b.key for b in self._reducer.buckets], self.comm)
-            self._reducer.load_codec_states(codec_states_of_rank(extra, self.comm.rank))
+            check_compatible(extra, [b.key for b in self._reducer.buckets],
+                             rank=self.comm.rank, size=self.comm.size)
+            self._reducer.load_codec_states(own_codec_state(extra, self.comm.rank))
             self.seed = int(extra["seed"])
             self._reducer.seed = self.seed
             self._iteration = int(extra["iteration"])
