@@ -47,10 +47,13 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, *, extra: dict | 
     path = Path(path)
     comm = optimizer.comm
     replicated, own = split_rank_state(optimizer.state_dict())
-    if comm.rank == 0:
-        dcp.save({"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
-                 checkpoint_id=str(path / REPLICATED), no_dist=True)
-    dcp.save({"commopt_rank": own}, checkpoint_id=str(_rank_dir(path, comm.rank)), no_dist=True)
+    with warnings.catch_warnings():  # "no process group: saving in a single process" is intended
+        warnings.simplefilter("ignore", UserWarning)
+        if comm.rank == 0:
+            dcp.save({"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
+                     checkpoint_id=str(path / REPLICATED), no_dist=True)
+        dcp.save({"commopt_rank": own}, checkpoint_id=str(_rank_dir(path, comm.rank)),
+                 no_dist=True)
     comm.barrier()  # the checkpoint is complete when any rank returns
 
 
@@ -98,12 +101,12 @@ def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
 
 
 def _read(directory: Path) -> dict[str, Any]:
-    dcp = _dcp()
+    _dcp()
+    # Reads every key without a template: a fresh optimizer has no state to load into yet.
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     with warnings.catch_warnings():  # "no process group: loading in a single process" is intended
         warnings.simplefilter("ignore", UserWarning)
-        del dcp
         return _load_state_dict_from_keys(checkpoint_id=str(directory))
 
 
