@@ -251,11 +251,14 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
-            if self._current is not None:  # this step's buckets are already on the wire
+            if self._current is not None or self._reduced is not None:
+                # This step's reduction has started (or finished): these gradients would be
+                # added, un-averaged, to what it sends or has already averaged.
                 raise RuntimeError(
-                    "a backward inside optimizer.no_sync() after a backward outside it in the "
-                    "same step: the reduction already started without these gradients. Run "
-                    "every micro-batch but the last inside no_sync() and the last one outside")
+                    "a backward inside optimizer.no_sync() after this step's reduction started "
+                    "(a backward outside no_sync(), or synchronize()): these gradients would "
+                    "miss the average. Run every micro-batch but the last inside no_sync() and "
+                    "the last one outside, then synchronize()/step()")
             return
         self._dirty = True
         if self.double_buffering or not self.overlap:

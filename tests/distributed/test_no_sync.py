@@ -63,17 +63,21 @@ for cfg in [dict(), dict(compression="qsgd4+ef"), dict(double_buffering=True),
             assert torch.equal(a, b), f"{cfg} set_to_none={set_to_none}: parameter {i} differs by {(a - b).abs().max()}"
         assert opt._iteration == 3, f"{cfg}: {opt._iteration} reductions for 3 steps"
 
-# Wrong order: the synchronising backward first, then one inside no_sync.
-model, opt = build()
-x, y = batch(0, 0)
-torch.nn.functional.mse_loss(model(x), y).backward()  # buckets leave during this backward
-try:
-    with opt.no_sync():
-        torch.nn.functional.mse_loss(model(x), y).backward()
-except RuntimeError as e:
-    assert "no_sync" in str(e) and "last" in str(e), e
-else:
-    raise AssertionError("a backward inside no_sync() after the reduction started was accepted")
+# Wrong order: the synchronising backward (or synchronize()) first, then one inside no_sync.
+for overlap, sync in [(True, False), (False, True)]:
+    model, opt = build(overlap=overlap)
+    x, y = batch(0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()  # with overlap, buckets leave here
+    if sync:
+        opt.synchronize()
+    try:
+        with opt.no_sync():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    except RuntimeError as e:
+        assert "no_sync" in str(e) and "last one outside" in str(e), e
+    else:
+        raise AssertionError(f"overlap={overlap} synchronize={sync}: a backward inside "
+                             "no_sync() after the reduction started was accepted")
 print("accumulate ok", r)
 '''
 
