@@ -21,8 +21,7 @@ import sys
 import torch
 import commopt
 from commopt.codecs import CompressionPolicy
-from commopt.optim import create_multi_node_optimizer, save_checkpoint
-from commopt.optim.checkpoint_files import checkpoint_bytes
+from commopt.optim import create_multi_node_optimizer
 
 comm = commopt.create_communicator("mpi")
 r, n = comm.rank, comm.size
@@ -52,6 +51,9 @@ if r == 1:
         assert "rank 0's codec state" in str(e), e
     else:
         raise AssertionError("rank 1 loaded rank 0's residuals")
+from commopt.optim import save_checkpoint
+from commopt.optim.checkpoint_files import checkpoint_bytes
+
 save_checkpoint(sys.argv[1] + "/ckpt", model, opt)
 sizes = checkpoint_bytes(sys.argv[1] + "/ckpt")
 assert sorted(sizes) == ["rank0", "rank1", "replicated"], sizes
