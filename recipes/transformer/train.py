@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # `python recipes/transformer/train.py`
 
 import torch
 
+from commopt.optim.checkpoint import drop_codec_state, has_codec_state
 from recipes.transformer import checkpoint as ckpt
 from recipes.transformer.data import ShardedBatchIterator, collate, load_split, shard_for_rank
 from recipes.transformer.launch import choose_device, create_communicator, set_cpu_threads
@@ -310,7 +311,7 @@ class Trainer:
             raise ValueError("the checkpoint's model differs from --arch and its options; "
                              "resume with the same ones or pass --reset")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(self._own_optimizer_state(state["optimizer"]))
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.num_updates = int(state["num_updates"])
@@ -324,6 +325,21 @@ class Trainer:
             self.iterator.updates_in_epoch = min(self.iterator.updates_in_epoch, self.iterator.updates_per_epoch)
         if self.comm.rank < len(ranks):
             set_rng_state(ranks[self.comm.rank]["rng"])
+
+    def _own_optimizer_state(self, opt_state: dict) -> dict:
+        """The optimizer state this rank can load: the checkpoint file is rank 0's.
+
+        With error feedback each rank's residuals are its own and only rank 0's are in the
+        file; the other ranks (all of them, when the number of ranks changed) restart
+        theirs at zero (commopt.optim.drop_codec_state), which the log says.
+        """
+        extra = opt_state.get("commopt") or {}
+        if (extra.get("version") == 2 and has_codec_state(extra.get("codec_state", {}))
+                and (extra["rank"] != self.comm.rank or extra["world_size"] != self.comm.size)):
+            self.log.write(f"rank {self.comm.rank}: error-feedback residuals restart at zero "
+                           "(the checkpoint holds rank 0's only)")
+            return drop_codec_state(opt_state)
+        return opt_state
 
     # -- the loop ------------------------------------------------------------------------------
     def done(self) -> bool:
