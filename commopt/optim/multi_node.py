@@ -5,7 +5,7 @@ soon as its gradients are ready, the collective NaN/Inf skip and the state dict.
 live beside it: :mod:`~commopt.optim.double_buffering` (the reduction in flight between
 steps), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
 :mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.checkpoint`
-(codec states of every rank). The reducer (:mod:`commopt.reducer`) owns the buckets and
+(what each rank checkpoints). The reducer (:mod:`commopt.reducer`) owns the buckets and
 the codecs; the collectives own the algorithms; :mod:`commopt.driver` owns the threads.
 
 Over 400 lines on purpose: one class, the ``torch.optim.Optimizer`` surface that torch,
@@ -78,7 +78,8 @@ def create_multi_node_optimizer(
     ``commopt.collectives.allreduce``.
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
-    ``add_param_group()``, ``flush()`` and ``state_dict()`` in the same order.
+    ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
+    communication: each rank saves its own).
     """
     return MultiNodeOptimizer(
         optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
