@@ -101,13 +101,19 @@ def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
 
 
 def _read(directory: Path) -> dict[str, Any]:
-    _dcp()
-    # Reads every key without a template: a fresh optimizer has no state to load into yet.
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    dcp = _dcp()
+    # Reads every key without a template (a fresh optimizer has no state to load into yet),
+    # as torch's own dcp_to_torch_save does; no_dist: each rank reads its own parts, with
+    # or without a torch process group.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    state: dict[str, Any] = {}
     with warnings.catch_warnings():  # "no process group: loading in a single process" is intended
         warnings.simplefilter("ignore", UserWarning)
-        return _load_state_dict_from_keys(checkpoint_id=str(directory))
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(directory)),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
 
 
 def _dcp():
