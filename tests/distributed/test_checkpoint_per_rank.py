@@ -12,7 +12,7 @@ import torch
 import commopt
 from commopt.codecs import CompressionPolicy
 from commopt.optim import create_multi_node_optimizer, load_checkpoint
-from tests.multirank import run_mpi
+from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
@@ -82,3 +82,50 @@ def test_each_rank_saves_and_loads_only_its_own_residuals(tmp_path):
     load_checkpoint(tmp_path / "ckpt", model, opt, reset_codec_state=True)
     assert opt.applied_steps == 2
     assert not opt.state_dict()["commopt"]["codec_state"]["compressed"]["residuals"]
+
+
+TORCH_SCRIPT = r'''
+import sys
+import torch
+import torch.distributed as dist
+import commopt
+from commopt.codecs import CompressionPolicy
+from commopt.optim import create_multi_node_optimizer, load_checkpoint, save_checkpoint
+
+comm = commopt.create_communicator("torch")  # a torch process group exists: DCP must not use it
+assert dist.is_initialized()
+r = comm.rank
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm, model=model,
+                                      compression="qsgd4+ef", policy=CompressionPolicy(min_compress_numel=64))
+    return model, opt
+
+
+def train(model, opt, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + r)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 4, generator=g)).backward()
+        opt.step()
+
+
+model, opt = build(0)
+train(model, opt, range(2))
+save_checkpoint(sys.argv[1], model, opt)
+train(model, opt, range(2, 4))
+model2, opt2 = build(7)
+load_checkpoint(sys.argv[1], model2, opt2)
+train(model2, opt2, range(2, 4))
+for i, (p, q) in enumerate(zip(model.parameters(), model2.parameters())):
+    assert torch.equal(p, q), f"parameter {i} differs after resuming"
+print("torch ok", r)
+'''
+
+
+def test_save_load_checkpoint_with_a_torch_process_group(tmp_path):
+    out = run_torch(TORCH_SCRIPT, 2, args=[str(tmp_path / "ckpt")], timeout=180)
+    assert [o.strip() for o in out] == ["torch ok 0", "torch ok 1"]
