@@ -72,6 +72,7 @@ def mlp_opt(comm):
 
 def test_each_rank_saves_and_loads_only_its_own_residuals(tmp_path):
     out = run_mpi(RANK_SCRIPT, 2, args=[str(tmp_path)], timeout=180,
+                  # read only by versions that gathered residuals: fail fast there, not hang
                   env={"COMMOPT_STATE_DICT_TIMEOUT": "5"})
     assert [o.strip() for o in out] == ["per-rank ok 0", "per-rank ok 1"]
     # Resume the 2-rank checkpoint on 1 rank (this process): an error naming both counts...
