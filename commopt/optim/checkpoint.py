@@ -1,81 +1,122 @@
-"""What a MultiNodeOptimizer adds to a checkpoint: the version, and every rank's codec state.
+"""What a MultiNodeOptimizer adds to a checkpoint, and the checks that it fits on load.
 
-The optimizer's ``state_dict()`` stores its part under ``"commopt"`` (counters, seed,
-bucket keys, the pending double-buffered reduction, codec states); this module gathers
-the codec states of every rank (error-feedback residuals differ per rank) without hanging
-when a rank never joins, and checks a checkpoint fits the optimizer it is loaded into.
+The optimizer's ``state_dict()`` stores its part under ``"commopt"``: counters, seed,
+bucket keys, the pending double-buffered reduction (averaged: the same on every rank) and
+*this rank's* codec state (error-feedback residuals differ per rank). Nothing is gathered:
+each rank saves its own communication state, so a checkpoint does not grow with the
+number of ranks and no rank ever holds a peer's residuals (``save_checkpoint`` in
+:mod:`commopt.optim.checkpoint_files` writes the per-rank part with
+``torch.distributed.checkpoint``).
 
-    >>> import commopt
-    >>> gather_codec_states(commopt.create_communicator("local"), {"compressed": {}})
-    [{'compressed': {}}]
+    >>> extra = {"version": STATE_VERSION, "rank": 0, "world_size": 2, "buckets": ["b0"],
+    ...          "codec_state": {"compressed": {"residuals": {}}}}
+    >>> check_compatible(extra, ["b0"], rank=0, size=2)
+    >>> drop_codec_state({"commopt": extra})["commopt"]["codec_state"]
+    {}
 """
 from __future__ import annotations
 
-import os
-import threading
 from typing import Any
 
-from commopt.comm.base import Communicator
+__all__ = ["STATE_VERSION", "check_compatible", "own_codec_state", "drop_codec_state",
+           "has_codec_state", "split_rank_state", "join_rank_state"]
 
-__all__ = ["STATE_VERSION", "STATE_TIMEOUT_ENV", "gather_codec_states", "codec_states_of_rank",
-           "check_compatible"]
+#: 2: each rank's own ``codec_state`` (1: ``codec_states`` of every rank, still loadable).
+STATE_VERSION = 2
 
-STATE_VERSION = 1
-#: seconds a collective ``state_dict()`` waits for the other ranks before failing.
-STATE_TIMEOUT_ENV = "COMMOPT_STATE_DICT_TIMEOUT"
-
-
-def gather_codec_states(comm: Communicator, codec_states: dict) -> list:
-    """Every rank's codec states (a collective call) when any are kept, else just ours."""
-    if comm.size > 1 and any(codec_states.values()):
-        return _allgather_with_timeout(comm, codec_states)
-    return [codec_states]
+_RESUME_HINT = (
+    "resume with the same number of ranks, each rank loading the state it saved "
+    "(commopt.optim.save_checkpoint / load_checkpoint do), or start the residuals afresh "
+    "with commopt.optim.drop_codec_state(state_dict) before load_state_dict (error "
+    "feedback then restarts from zero residuals: the next steps lose the carried error)"
+)
 
 
-def check_compatible(extra: dict[str, Any], bucket_keys: list[str], comm: Communicator) -> None:
+def has_codec_state(codec_state: dict) -> bool:
+    """Whether a codec state holds anything (error-feedback residuals)."""
+    return any(_nonempty(v) for v in codec_state.values())
+
+
+def _nonempty(state) -> bool:
+    if isinstance(state, dict):
+        return any(_nonempty(v) for v in state.values())
+    return state is not None
+
+
+def check_compatible(extra: dict[str, Any], bucket_keys: list[str], *, rank: int,
+                     size: int) -> None:
     """Raise a ValueError saying what to change when ``extra`` cannot be loaded here."""
-    if extra.get("version") != STATE_VERSION:
-        raise ValueError(f"unknown commopt state version {extra.get('version')!r}")
+    version = extra.get("version")
+    if version not in (1, STATE_VERSION):
+        raise ValueError(f"unknown commopt state version {version!r} (this commopt reads 1 "
+                         f"and {STATE_VERSION}): upgrade commopt")
     if extra["buckets"] != bucket_keys:
         raise ValueError(
             "the checkpoint's gradient buckets differ from this optimizer's: load it into "
             "the same model with the same bucket_cap_mb and compression"
         )
-    states = extra["codec_states"]
-    if any(states[0].values()) and len(states) != comm.size:
+    if version == 1:
+        states = extra["codec_states"]
+        if any(has_codec_state(s) for s in states) and len(states) != size:
+            raise ValueError(f"the checkpoint holds codec state (error feedback) of "
+                             f"{len(states)} ranks but this job has {size}: {_RESUME_HINT}")
+        return
+    if not has_codec_state(extra.get("codec_state", {})):
+        return
+    if extra["world_size"] != size:
         raise ValueError(
-            f"the checkpoint holds codec state (error feedback) of {len(states)} ranks but "
-            f"this job has {comm.size}: resume with the same number of ranks"
-        )
+            f"the checkpoint holds codec state (error feedback) saved by rank "
+            f"{extra['rank']} of {extra['world_size']} ranks but this job has {size}: "
+            f"{_RESUME_HINT}")
+    if extra["rank"] != rank:
+        raise ValueError(
+            f"rank {rank}: this state dict holds rank {extra['rank']}'s codec state (error "
+            f"feedback residuals); each rank must load the state it saved itself: "
+            f"{_RESUME_HINT}")
 
 
-def codec_states_of_rank(extra: dict[str, Any], rank: int) -> dict:
-    """This rank's codec states (the only entry when they were not gathered per rank)."""
-    states = extra["codec_states"]
-    return states[rank] if len(states) > 1 else states[0]
+def own_codec_state(extra: dict[str, Any], rank: int) -> dict:
+    """The codec state this rank restores (version 1: its entry of every rank's)."""
+    if extra.get("version") == 1:
+        states = extra["codec_states"]
+        return states[rank] if len(states) > 1 else states[0]
+    return extra.get("codec_state", {})  # DCP drops empty dicts
 
 
-def _allgather_with_timeout(comm: Communicator, obj) -> list:
-    """``comm.allgather_obj`` that fails, instead of hanging, when a rank never joins."""
-    timeout = float(os.environ.get(STATE_TIMEOUT_ENV, "300"))
-    box: dict[str, Any] = {}
+def drop_codec_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an optimizer state dict without codec state: residuals restart at zero.
 
-    def run():
-        try:
-            box["out"] = comm.allgather_obj(obj)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            box["err"] = exc
+    For resuming error feedback with another number of ranks (or from one rank's state on
+    every rank): everything else (inner optimizer, counters, seed) still restores.
+    """
+    sd = dict(state_dict)
+    extra = dict(sd["commopt"])
+    extra.pop("codec_states", None)
+    extra["version"] = STATE_VERSION
+    extra["codec_state"] = {}
+    extra.setdefault("rank", 0)
+    sd["commopt"] = extra
+    return sd
 
-    t = threading.Thread(target=run, name="commopt-state-dict", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise RuntimeError(
-            f"rank {comm.rank}: state_dict() waited {timeout:.0f}s for the other ranks. With "
-            "error feedback it gathers every rank's residuals: call opt.state_dict() on every "
-            f"rank and save it on rank 0 (timeout: ${STATE_TIMEOUT_ENV})"
-        )
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
 
+def split_rank_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(replicated, own)``: what every rank holds alike, and this rank's codec state.
+
+    >>> sd = {"state": {}, "commopt": {"rank": 1, "world_size": 2, "codec_state": {"c": {}}}}
+    >>> split_rank_state(sd)
+    ({'state': {}, 'commopt': {}}, {'rank': 1, 'world_size': 2, 'codec_state': {'c': {}}})
+    >>> join_rank_state(*split_rank_state(sd)) == sd
+    True
+    """
+    replicated = dict(state_dict)
+    extra = dict(replicated["commopt"])
+    own = {k: extra.pop(k) for k in ("rank", "world_size", "codec_state")}
+    replicated["commopt"] = extra
+    return replicated, own
+
+
+def join_rank_state(replicated: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`split_rank_state`."""
+    sd = dict(replicated)
+    sd["commopt"] = {**replicated["commopt"], **own}
+    return sd

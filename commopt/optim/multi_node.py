@@ -5,7 +5,7 @@ soon as its gradients are ready, the collective NaN/Inf skip and the state dict.
 live beside it: :mod:`~commopt.optim.double_buffering` (the reduction in flight between
 steps), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
 :mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.checkpoint`
-(codec states of every rank). The reducer (:mod:`commopt.reducer`) owns the buckets and
+(what each rank checkpoints). The reducer (:mod:`commopt.reducer`) owns the buckets and
 the codecs; the collectives own the algorithms; :mod:`commopt.driver` owns the threads.
 
 Over 400 lines on purpose: one class, the ``torch.optim.Optimizer`` surface that torch,
@@ -43,9 +43,7 @@ from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim import clipping
-from commopt.optim.checkpoint import (
-    STATE_VERSION, check_compatible, codec_states_of_rank, gather_codec_states,
-)
+from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
@@ -86,7 +84,8 @@ def create_multi_node_optimizer(
     is in ``last_grad_norm``.
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
-    ``add_param_group()``, ``flush()`` and ``state_dict()`` in the same order.
+    ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
+    communication: each rank saves its own).
     """
     return MultiNodeOptimizer(
         optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
@@ -279,6 +278,14 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
+            if self._current is not None or self._reduced is not None:
+                # This step's reduction has started (or finished): these gradients would be
+                # added, un-averaged, to what it sends or has already averaged.
+                raise RuntimeError(
+                    "a backward inside optimizer.no_sync() after this step's reduction started "
+                    "(a backward outside no_sync(), or synchronize()): these gradients would "
+                    "miss the average. Run every micro-batch but the last inside no_sync() and "
+                    "the last one outside, then synchronize()/step()")
             return
         if not self._backward_queued and not _in_nested_backward():
             # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
@@ -595,18 +602,19 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus commopt's under the key ``"commopt"``.
 
-        commopt's part: step counters, the RNG seed, every rank's codec state (error-feedback
-        residuals) and, with double buffering, the pending averaged gradients. When the codec
-        keeps per-rank state this is a collective call: call it on every rank, save on rank 0.
+        commopt's part: step counters, the RNG seed, this rank's own codec state (error-feedback
+        residuals, which differ per rank) and, with double buffering, the pending averaged
+        gradients. No communication: with error feedback each rank saves its own state dict
+        (``commopt.optim.save_checkpoint`` does, with torch.distributed.checkpoint).
         """
         with self._own_reads():
             self._drain()
             db = self._db.state_dict()  # completes the pending reduction first
-            everyone = gather_codec_states(self.comm, self._reducer.codec_states())
             sd = self._inner.state_dict()
             sd["commopt"] = {
                 "version": STATE_VERSION,
                 "world_size": self.comm.size,
+                "rank": self.comm.rank,
                 "seed": self.seed,
                 "iteration": self._iteration,
                 "applied_steps": self.applied_steps,
@@ -614,7 +622,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "double_buffering": self.double_buffering,
                 "db_buffer": db["db_buffer"],
                 "buckets": [b.key for b in self._reducer.buckets],
-                "codec_states": everyone,
+                "codec_state": self._reducer.codec_states(),  # this rank's own only
                 "pending": db["pending"],
             }
             return sd
@@ -628,8 +636,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            check_compatible(extra, [b.key for b in self._reducer.buckets], self.comm)
-            self._reducer.load_codec_states(codec_states_of_rank(extra, self.comm.rank))
+            check_compatible(extra, [b.key for b in self._reducer.buckets],
+                             rank=self.comm.rank, size=self.comm.size)
+            self._reducer.load_codec_states(own_codec_state(extra, self.comm.rank))
             self.seed = int(extra["seed"])
             self._reducer.seed = self.seed
             self._iteration = int(extra["iteration"])

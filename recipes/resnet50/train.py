@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from commopt.optim.checkpoint import join_rank_state, split_rank_state
 from commopt.optim.layerwise import LARS
 from commopt.optim.schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
 from recipes.common import (
@@ -262,13 +263,13 @@ def check_world(cfg: Config, world_size: int) -> None:
 # --------------------------------------------------------------------------------------------
 # checkpoints: the replicated state once (rank 0 writes it), each rank's own state beside it.
 # Parameters, the inner optimizer's state and the pending double-buffered gradients are the
-# same on every rank; opt.state_dict() gathers every rank's error-feedback residuals into it.
-# What differs per rank (BN running statistics, RNG states) goes into small per-rank files.
+# same on every rank. What differs per rank (error-feedback residuals, BN running statistics,
+# RNG states) goes into small per-rank files.
 # The folder must be visible to every rank (a shared file system on a cluster).
 
 def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, cfg: Config) -> Path:
     step_dir = directory / f"step-{position['global_step']:08d}"
-    optimizer_state = opt.state_dict()  # a collective call: every rank, same order
+    optimizer_state, optimizer_own = split_rank_state(opt.state_dict())  # no communication
     if comm.rank == 0:
         step_dir.mkdir(parents=True, exist_ok=True)
         atomic_save({
@@ -279,6 +280,7 @@ def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, c
     comm.barrier()
     atomic_save({
         "rank": comm.rank,
+        "optimizer": optimizer_own,  # this rank's error-feedback residuals
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -403,7 +405,7 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 buf.copy_(own["buffers"][name])
-        opt.load_state_dict(shared["optimizer"])
+        opt.load_state_dict(join_rank_state(shared["optimizer"], own["optimizer"]))
         if precision.scaler is not None and shared["scaler"] is not None:
             precision.scaler.load_state_dict(shared["scaler"])
         torch.set_rng_state(own["torch_rng"].cpu())

@@ -44,6 +44,8 @@ def save_checkpoint(state: dict, save_dir: str, *, epoch: int, num_updates: int,
     if keep_last > 0:
         for old in numbered_checkpoints(save_dir)[:-keep_last]:
             os.remove(old)
+            for rank_file in glob.glob(glob.escape(old) + ".rank*"):
+                os.remove(rank_file)  # the ranks' own parts of that checkpoint
     return path
 
 

@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # `python recipes/transformer/train.py`
 
 import torch
 
+from commopt.optim.checkpoint import drop_codec_state, has_codec_state, join_rank_state, split_rank_state
 from recipes.common import choose_device, create_communicator, multi_node_optimizer, set_cpu_threads
 from recipes.precision import MixedPrecision
 from recipes.transformer import checkpoint as ckpt
@@ -282,6 +283,16 @@ class Trainer:
         if self.args.no_save:
             return
         state = self.state_dict()  # collective: every rank takes part
+        # The optimizer's per-rank part (error-feedback residuals) goes to this rank's own
+        # file beside the checkpoint; the rest, the same on every rank, into rank 0's file.
+        state["optimizer"], own = split_rank_state(state["optimizer"])
+        # Rank files only when there is such state; rank 0's file says so, so that a rank
+        # whose file is missing at resume fails instead of losing its residuals silently.
+        state["rank_files"] = self.comm.size if has_codec_state(own["codec_state"]) else 0
+        if state["rank_files"]:
+            for name in (f"checkpoint_{self.iterator.epoch}_{self.num_updates}.pt", ckpt.LAST):
+                ckpt.atomic_save(own, os.path.join(self.args.save_dir, name) + f".rank{self.comm.rank}")
+            self.comm.barrier()  # before rank 0 prunes old checkpoints and their rank files
         if self.comm.rank == 0:
             path = ckpt.save_checkpoint(state, self.args.save_dir, epoch=self.iterator.epoch,
                                         num_updates=self.num_updates, keep_last=self.args.keep_last)
@@ -293,7 +304,7 @@ class Trainer:
             raise ValueError("the checkpoint's model differs from --arch and its options; "
                              "resume with the same ones or pass --reset")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(self._own_optimizer_state(state["optimizer"]))
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.num_updates = int(state["num_updates"])
@@ -307,6 +318,22 @@ class Trainer:
             self.iterator.updates_in_epoch = min(self.iterator.updates_in_epoch, self.iterator.updates_per_epoch)
         if self.comm.rank < len(ranks):
             set_rng_state(ranks[self.comm.rank]["rng"])
+
+    def _own_optimizer_state(self, opt_state: dict) -> dict:
+        """The optimizer state this rank can load: the checkpoint file is rank 0's.
+
+        With error feedback each rank's residuals are in its own ``.rank{r}`` file; a rank
+        that finds another rank's, or a checkpoint of another number of ranks, restarts its
+        residuals at zero (commopt.optim.drop_codec_state), which the log says.
+        """
+        extra = opt_state.get("commopt") or {}
+        if (extra.get("version") == 2 and has_codec_state(extra.get("codec_state", {}))
+                and (extra["rank"] != self.comm.rank or extra["world_size"] != self.comm.size)):
+            self.log.write(f"rank {self.comm.rank}: error-feedback residuals restart at zero "
+                           f"(the checkpoint holds rank {extra['rank']}'s of "
+                           f"{extra['world_size']} ranks)")
+            return drop_codec_state(opt_state)
+        return opt_state
 
     # -- the loop ------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -407,10 +434,26 @@ def _restore_state(args, comm) -> dict | None:
             raise FileNotFoundError(f"--restore-file {path} is missing on every rank")
         return None
     if all(have):
-        return ckpt.load_checkpoint(path)
-    if not have[0]:
+        state = ckpt.load_checkpoint(path)
+    elif not have[0]:
         raise FileNotFoundError(f"{path} exists on some ranks but not on rank 0")
-    return comm.bcast_obj(ckpt.load_checkpoint(path) if comm.rank == 0 else None, 0)
+    else:
+        state = comm.bcast_obj(ckpt.load_checkpoint(path) if comm.rank == 0 else None, 0)
+    extra = state["optimizer"].get("commopt")
+    if extra is not None and "rank" not in extra:  # the per-rank part lives beside it
+        own_path = f"{path}.rank{comm.rank}"
+        if os.path.isfile(own_path):
+            own = ckpt.load_checkpoint(own_path)
+        elif state.get("rank_files") == comm.size:
+            raise FileNotFoundError(
+                f"rank {comm.rank}: {own_path} is missing: the checkpoint keeps each of its "
+                f"{comm.size} ranks' error-feedback residuals in a file of its own. Copy rank "
+                f"{comm.rank}'s file there (resuming with another number of ranks restarts the "
+                f"residuals at zero instead)")
+        else:
+            own = {"rank": comm.rank, "world_size": comm.size, "codec_state": {}}  # none saved
+        state["optimizer"] = join_rank_state(state["optimizer"], own)
+    return state
 
 
 def run(argv: list[str] | None = None) -> Trainer:

@@ -1,8 +1,9 @@
-"""Checkpoints: 2N steps == N steps, save on rank 0, restore in new processes, N steps.
+"""Checkpoints: 2N steps == N steps, save, restore in new processes, N steps.
 
 Bit-identical for the fp32 path, for double buffering (the pending averaged gradients are
-in the checkpoint) and for QSGD with error feedback (residuals of every rank and the RNG
-seed/step restore exactly).
+in the checkpoint) and for QSGD with error feedback (each rank's residuals and the RNG
+seed/step restore exactly). Two ways to save: each rank ``torch.save``s its own
+``opt.state_dict()`` (the model on rank 0), and ``commopt.optim.save_checkpoint`` (DCP).
 """
 import pytest
 
@@ -15,7 +16,7 @@ import sys
 import torch
 import commopt
 from commopt.codecs import CompressionPolicy
-from commopt.optim import create_multi_node_optimizer
+from commopt.optim import create_multi_node_optimizer, load_checkpoint, save_checkpoint
 
 backend, phase, workdir = sys.argv[1], sys.argv[2], sys.argv[3]
 comm = commopt.create_communicator(backend)
@@ -55,25 +56,29 @@ for name, cfg in CONFIGS.items():
     if phase == "first":
         model, opt = build(cfg, seed=0)
         train(model, opt, range(N))
-        state = opt.state_dict()  # collective: every rank's residuals go to rank 0
-        if r == 0:
-            torch.save({"model": model.state_dict(), "opt": state}, path + ".ckpt")
+        state = opt.state_dict()  # this rank's own residuals only: each rank saves its own
+        torch.save({"model": model.state_dict(), "opt": state}, path + f".rank{r}.ckpt")
+        save_checkpoint(path + ".dcp", model, opt, extra={"step": N})
         train(model, opt, range(N, 2 * N))
         if r == 0:
             torch.save([p.detach().clone() for p in model.parameters()], path + ".final")
+        assert state["commopt"]["rank"] == r and state["commopt"]["world_size"] == n
         if cfg.get("compression"):
-            assert len(state["commopt"]["codec_states"]) == n and any(
-                state["commopt"]["codec_states"][q]["compressed"]["residuals"] for q in range(n))
+            assert state["commopt"]["codec_state"]["compressed"]["residuals"]
     else:
         comm.barrier()
-        model, opt = build(cfg, seed=123)  # other weights: the checkpoint must win
-        ckpt = torch.load(path + ".ckpt", weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
-        train(model, opt, range(N, 2 * N))
         final = torch.load(path + ".final")
-        for i, (p, q) in enumerate(zip(model.parameters(), final)):
-            assert torch.equal(p.detach(), q), f"{name}: parameter {i} differs after resuming: {(p - q).abs().max()}"
+        for how in ("torch.save", "save_checkpoint"):
+            model, opt = build(cfg, seed=123)  # other weights: the checkpoint must win
+            if how == "torch.save":
+                ckpt = torch.load(path + f".rank{r}.ckpt", weights_only=False)
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["opt"])
+            else:
+                assert load_checkpoint(path + ".dcp", model, opt) == {"step": N}
+            train(model, opt, range(N, 2 * N))
+            for i, (p, q) in enumerate(zip(model.parameters(), final)):
+                assert torch.equal(p.detach(), q), f"{name} ({how}): parameter {i} differs after resuming: {(p - q).abs().max()}"
 print(f"checkpoint {phase} ok rank {r}")
 '''
 
