@@ -181,11 +181,8 @@ class MPICommunicator(Communicator):
     def _barrier(self) -> None:
         self._call(self.mpi_comm.Barrier)
 
-    def _bcast_obj(self, obj: Any, root: int) -> Any:
-        return self._call(lambda: self.mpi_comm.bcast(obj, root=root))
-
-    def _allgather_obj(self, obj: Any) -> list:
-        return self._call(lambda: self.mpi_comm.allgather(obj))
+    # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
+    # (mpi4py's lowercase bcast/allgather would unpickle what peers send).
 
     def _split(self, color: int, key: int) -> "MPICommunicator":
         sub = self._call(lambda: self.mpi_comm.Split(color, key))
