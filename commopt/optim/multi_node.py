@@ -45,6 +45,7 @@ from commopt.optim.checkpoint import (
     STATE_VERSION, check_compatible, codec_states_of_rank, gather_codec_states,
 )
 from commopt.optim.double_buffering import DoubleBuffer
+from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
@@ -239,6 +240,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 bucket_cap_mb=self.bucket_cap_mb, algorithm=self.algorithm,
                 num_buffers=2 if self.double_buffering else 1, seed=self.seed, grad_views=True,
             )
+            check_same_settings(self)  # every rank's wire settings agree, or all raise
             me = weakref.ref(self)
             for j, i in enumerate(trainable):
                 self._hooks.append(params[i].register_post_accumulate_grad_hook(_GradReady(me, j)))

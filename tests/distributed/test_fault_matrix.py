@@ -205,6 +205,36 @@ def test_an_object_that_cannot_travel_fails_on_every_rank(case, transport):
     assert "Send a list instead" in msg and "rank 0 could not send" in msg, msg
 
 
+SETTINGS = """
+import sys, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+other = comm.rank == 1
+kw = {"compression": dict(compression="qsgd8" if other else "qsgd4"),
+      "allreduce_grad_dtype": dict(allreduce_grad_dtype="float16" if other else "float32"),
+      "bucket_cap_mb": dict(bucket_cap_mb=0.01 if other else 25),
+      "double_buffering": dict(double_buffering=other)}[sys.argv[2]]
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                    model=model, **kw)
+print("unreachable")
+"""
+
+
+@pytest.mark.parametrize("transport, setting", [
+    ("mpi", "compression"), ("torch", "compression"),
+    *[pytest.param(t, s, marks=pytest.mark.slow) for s in
+      ("allreduce_grad_dtype", "bucket_cap_mb", "double_buffering") for t in ("mpi", "torch")]])
+def test_ranks_with_different_settings_fail_at_construction(case, transport, setting):
+    c = case(f"ranks differ in {setting}",
+             "every rank raises SettingsMismatchError at construction naming the setting and "
+             "the ranks on each side", transport, 2)
+    msg = c.ranks_failed(transport, SETTINGS, 2, timeout=90, args=[setting])
+    assert "SettingsMismatchError" in msg and f"{setting}" in msg, msg
+    assert "ranks [0]:" in msg and "ranks [1]:" in msg and "unreachable" not in msg, msg
+    if transport == "torch":  # under mpirun the first rank's abort may cut the other's output
+        assert "2 of 2 ranks failed" in msg, msg
+
+
 # -- API and launcher input ----------------------------------------------------------------------
 
 def test_bad_api_input_is_refused_with_the_fix(case):
