@@ -266,7 +266,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
         self._reduced = None
         red = self._reducer.start(step=self._iteration, buffer=buffer, scale=scale)
-        self._iteration += 1
+        self._iteration = red.step + 1  # a step every rank skipped gave its number back
         return red
 
     @contextlib.contextmanager
@@ -437,7 +437,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "version": STATE_VERSION,
                 "world_size": self.comm.size,
                 "seed": self.seed,
-                "iteration": self._iteration,
+                "iteration": self._iteration - self._reducer.pending_discards,
                 "applied_steps": self.applied_steps,
                 "skipped_steps": self.skipped_steps,
                 "double_buffering": self.double_buffering,
