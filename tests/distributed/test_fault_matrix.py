@@ -235,6 +235,75 @@ def test_ranks_with_different_settings_fail_at_construction(case, transport, set
         assert "2 of 2 ranks failed" in msg, msg
 
 
+SKIPPED_STEP = """
+import sys, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+BAD, STEPS = 3, 7
+CODECS = [None, "fp16", "bf16", "qsgd2", "qsgd4", "qsgd8",
+          "none+ef", "fp16+ef", "bf16+ef", "qsgd2+ef", "qsgd4+ef", "qsgd8+ef"]
+
+def run(codec, db, mode):
+    # mode "one": NaN on rank 1 at step BAD; "all": on every rank; "never": step BAD not run
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), comm, model=model,
+        compression=codec, double_buffering=db, seed=7)
+    data = torch.Generator().manual_seed(100 + comm.rank)
+    for step in range(STEPS):
+        x = torch.randn(16, 64, generator=data)
+        if step == BAD and mode == "never":
+            continue
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        if step == BAD and (mode == "all" or comm.rank == 1):
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+    opt.flush()
+    sd = opt.state_dict()
+    assert sd["commopt"].pop("skipped_steps") == (0 if mode == "never" else 1), mode
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()], sd
+
+def diff(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        ok = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \\
+            torch.equal(a, b)
+        return None if ok else where
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return f"{where} keys"
+        return next((d for k in a if (d := diff(a[k], b[k], f"{where}[{k!r}]"))), None)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where} length"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := diff(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+for codec in CODECS:
+    for db in (False, True):
+        got = run(codec, db, "one")
+        refs = ["all"] if db else ["never", "all"]
+        for ref in refs:
+            d = diff(got, run(codec, db, ref), "(weights, state_dict)")
+            assert d is None, (f"rank {comm.rank}: {codec} double_buffering={db}: NaN on rank 1 "
+                               f"vs '{ref}' reference differ at {d}")
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["torch", pytest.param("mpi", marks=pytest.mark.slow)])
+def test_a_skipped_step_leaves_no_trace(case, transport):
+    c = case("every codec (and +ef), with and without double buffering: a NaN on rank 1 makes "
+             "every rank skip a step",
+             "weights and the whole state dict (residuals, step/RNG counter, momentum) "
+             "bit-identical to the step never having run (double buffering: to NaN on every "
+             "rank)", transport, 2)
+    out = c.run(RUNNERS[transport], SKIPPED_STEP, 2, timeout=300, args=[transport])
+    assert out == ["ok\n"] * 2, out
+
+
 # -- API and launcher input ----------------------------------------------------------------------
 
 def test_bad_api_input_is_refused_with_the_fix(case):
