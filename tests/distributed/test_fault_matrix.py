@@ -164,6 +164,116 @@ def test_a_killed_rank_ends_the_job(case, transport, nprocs):
     assert "rank 1" in msg or "signal 9" in msg or "Killed" in msg or "killed" in msg, msg
 
 
+LEAVES = """
+import sys, time, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+how = sys.argv[2]
+m = torch.nn.Linear(256, 256)
+opt = commopt.create_multi_node_optimizer(torch.optim.SGD(m.parameters(), lr=0.01), comm, model=m)
+for step in range(100):
+    if comm.rank == 1 and step == 5:
+        if how == "return":
+            break          # uneven data: this rank's loop simply ends
+        sys.exit(int(how))
+    opt.zero_grad(); m(torch.randn(8, 256)).sum().backward(); opt.step()
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport, nprocs, how, timeout_env", [
+    ("mpi", 2, "1", None), ("torch", 2, "1", None),
+    pytest.param("mpi", 2, "0", "10", marks=pytest.mark.slow),
+    pytest.param("mpi", 2, "return", "10", marks=pytest.mark.slow),
+    pytest.param("mpi", 4, "1", "10", marks=pytest.mark.slow),
+    pytest.param("torch", 2, "0", None, marks=pytest.mark.slow),
+    pytest.param("torch", 2, "return", None, marks=pytest.mark.slow),
+    pytest.param("torch", 4, "1", None, marks=pytest.mark.slow)])
+def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, timeout_env):
+    what = "returns early (uneven data)" if how == "return" else f"calls sys.exit({how})"
+    bound = f"COMMOPT_EXIT_TIMEOUT={timeout_env} s" if timeout_env else "the default 30 s"
+    c = case(f"rank 1 {what} at step 5 while the others train",
+             f"every rank ends, within 60 s, with a message naming rank 1 as the one that left "
+             f"({'mpi: it aborts the job after ' + bound if transport == 'mpi' else 'gloo: the peers raise CommError naming it'})",
+             transport, nprocs)
+    env = {"COMMOPT_EXIT_TIMEOUT": timeout_env} if timeout_env else None
+    msg = c.ranks_failed(transport, LEAVES, nprocs, timeout=150, env=env, args=[how])
+    if transport == "mpi":
+        assert f"commopt: rank 1 of {nprocs} left the job" in msg, msg
+    else:
+        assert "another rank left the job (rank 1 ended without an error" in msg, msg
+    assert "unreachable" not in msg and c.seconds < 60 + 30, (c.seconds, msg)  # + start-up
+
+
+LONGER_AT_THE_END = """
+import sys, time, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+t = torch.ones(4)
+comm.allreduce(t)
+if comm.rank == 0:
+    time.sleep(4)   # e.g. rank 0 writes a checkpoint while the others have finished
+print("ok", flush=True)
+"""
+
+
+def test_normal_end_with_a_slower_rank_is_not_an_abort(case):
+    c = case("normal end: rank 0 works 4 s longer than the others (COMMOPT_EXIT_TIMEOUT=10)",
+             "exit 0 on every rank: the exit handshake waits for it, no false abort", "mpi", 2)
+    out = c.run(run_mpi, LONGER_AT_THE_END, 2, timeout=120, env={"COMMOPT_EXIT_TIMEOUT": "10"},
+                args=["mpi"])
+    assert out == ["ok\n", "ok\n"], out
+
+
+UNEVEN = """
+import copy, sys, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+n = comm.size
+
+def shard(r):  # rank r has 2 + r batches
+    g = torch.Generator().manual_seed(r)
+    return [torch.randn(4, 8, generator=g) for _ in range(2 + r)]
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+ref = copy.deepcopy(model)
+opt = commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                          model=model)
+with commopt.Join(opt) as join:
+    for x in shard(comm.rank):
+        opt.zero_grad(); model(x).square().mean().backward(); opt.step()
+assert join.shadow_steps == n - 1 - comm.rank, join.shadow_steps
+assert opt.applied_steps == n + 1, opt.applied_steps
+# The same training in one process: each step, the sum of the gradients of the ranks that
+# still have data, divided by every rank (those that ran out contribute zeros).
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+shards = [shard(r) for r in range(n)]
+for s in range(n + 1):
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in range(n):
+        if s < len(shards[r]):
+            ref.zero_grad()
+            ref(shards[r][s]).square().mean().backward()
+            total = [t + p.grad for t, p in zip(total, ref.parameters())]
+    for p, t in zip(ref.parameters(), total):
+        p.grad = t / n
+    ref_opt.step()
+for p, q in zip(model.parameters(), ref.parameters()):
+    assert torch.allclose(p, q, atol=1e-6), (comm.rank, (p - q).abs().max())
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+assert all(torch.equal(flat, other) for other in comm.allgather_obj(flat)), "weights differ"
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["torch", pytest.param("mpi", marks=pytest.mark.slow)])
+def test_uneven_shards_finish_inside_join(case, transport):
+    c = case("uneven shards (rank r has 2 + r batches) inside `with commopt.Join(opt)`",
+             "every rank finishes; ranks that ran out shadow the steps with zeros; weights "
+             "equal on every rank and to the average over all ranks computed in one process",
+             transport, 2)
+    out = c.run(RUNNERS[transport], UNEVEN, 2, timeout=150, args=[transport])
+    assert out == ["ok\n"] * 2, out
+
+
 SHAPES = """
 import sys, torch, commopt
 comm = commopt.create_communicator(sys.argv[1])

@@ -14,7 +14,7 @@ import torch
 
 from commopt.comm.base import Communicator, FutureWork, Work
 from commopt.comm.mpi.p2p import direct_allgather, pairwise_alltoall, ring_allreduce, wait_polled
-from commopt.comm.mpi.runtime import _mpi, mpi_type, numpy_view
+from commopt.comm.mpi.runtime import _mpi, install_exit_handshake, mpi_type, numpy_view
 from commopt.comm.mpi.settings import (
     PIPELINE_ENV, PIPELINE_MIN_ENV, SEGMENT_ENV, pipeline_settings, transfer_path,
 )
@@ -50,6 +50,8 @@ class MPICommunicator(Communicator):
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         # Our own context keeps commopt's messages apart from the application's.
         self.mpi_comm = base.Dup() if _dup else base
+        if mpi_comm is None:  # every rank of the world is here: a rank leaving early aborts
+            install_exit_handshake()
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
         if cuda_aware is None:
