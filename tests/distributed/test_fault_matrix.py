@@ -10,8 +10,9 @@ written by hand).
 Sections: transports (a rank raises, is killed, disagrees, sends what it should not), the
 torch rendezvous, launchers (``commopt launch`` input and signals), the emulated testbed,
 security (no pickle on the object path, checkpoints, ``commopt tune``'s env file), load.
-Cases of issue 15 items 1-3 (a rank leaving through SystemExit, per-rank settings mismatch,
-error feedback after a skipped step) join with their fixes: see PENDING at the end.
+Also: a rank that leaves early (sys.exit, an early return) and ``commopt.Join`` for uneven
+shards, ranks whose optimizer settings differ, and a skipped step leaving no trace in any
+codec's state. Cases still waiting for their fix are listed in PENDING at the end.
 
 Longer than most modules on purpose: the matrix is one table (docs/reliability.md), so its
 cases and their recorder live together; each section is short and independent.
@@ -710,14 +711,7 @@ def test_four_ranks_train_in_step(case, transport):
     assert out == ["ok\n"] * 4, out
 
 
-# -- pending: issue 15 items 1-3 join the matrix with their fixes --------------------------------
+# -- pending: cases that join the matrix with their fixes ---------------------------------------
 # Each entry: (case, expected behaviour, issue item). fault_report lists them as pending
 # until a test above records them; add the test with the fix and delete the entry here.
-PENDING = [
-    ("a rank leaves through sys.exit / returns early (mpi)",
-     "peers end within 60 s naming the rank that left", "15.1"),
-    ("ranks differ in compression / grad dtype / bucket size / double buffering",
-     "every rank fails at construction naming the setting and the ranks", "15.2"),
-    ("qsgd4+ef: a NaN on one rank makes every rank skip the step",
-     "all state bit-identical to the all-skipped reference", "15.3"),
-]
+PENDING: list[tuple[str, str, str]] = []
