@@ -27,6 +27,8 @@ one allreduce of one number per step inside the block.
 """
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 __all__ = ["Join"]
@@ -47,7 +49,7 @@ class Join:
         self._handle = None
         self._shadowing = False
 
-    def __enter__(self) -> "Join":
+    def __enter__(self) -> Self:
         self._handle = self.optimizer.register_step_pre_hook(self._before_step)
         return self
 

@@ -101,6 +101,27 @@ def init_default_group(backend: str | None = None, timeout_s: float = 600,
     atexit.register(_destroy_default_group)
     global _left_store
     _left_store = (dist.PrefixStore("commopt-left", store), info.rank)
+    _install_exit_on_error()
+
+
+def _install_exit_on_error() -> None:
+    """An uncaught exception ends this rank at once, as the mpi backend's MPI_Abort does.
+
+    Otherwise shutdown would wait for reductions still queued (the step's trailer) whose
+    peers are gone: gloo does not fail an operation on a connection that closed before it
+    started, so the rank, and the ranks waiting for it, would hang.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            _note_departure(f"raised {exc_type.__name__}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
@@ -202,14 +223,12 @@ def _listen(addr: str, port: int):
 _left_store = None
 
 
-def _note_departure() -> None:
+def _note_departure(why: str = "ended without an error: its script returned or called sys.exit"
+                    ) -> None:
     """Tell the peers, through the rendezvous store, that this rank is leaving and why."""
     if _left_store is None:
         return
     store, rank = _left_store
-    error = getattr(sys, "last_value", None)  # set when an uncaught exception was printed
-    why = (f"raised {type(error).__name__}" if error is not None
-           else "ended without an error: its script returned or called sys.exit")
     with contextlib.suppress(Exception):  # rank 0's store may be gone already
         store.set(f"rank{rank}", why)
 

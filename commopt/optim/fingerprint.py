@@ -18,7 +18,7 @@ each differing setting and the ranks on each side.
 """
 from __future__ import annotations
 
-__all__ = ["SettingsMismatchError", "wire_settings", "check_same_settings"]
+__all__ = ["SettingsMismatchError", "check_same_settings", "wire_settings"]
 
 
 class SettingsMismatchError(ValueError):
