@@ -99,6 +99,7 @@ def _leave() -> None:
     limit = exit_timeout()
     request = _exit_comm.Ibarrier()
     deadline = time.monotonic() + limit
+    pause = 0.0001  # short at first: at a normal end the others arrive within milliseconds
     while not request.Test():
         if time.monotonic() > deadline:
             sys.stdout.flush()
@@ -111,7 +112,8 @@ def _leave() -> None:
                 f"longer at the end (saving): call comm.barrier() before the others leave.\n")
             sys.stderr.flush()
             world.Abort(1)
-        time.sleep(0.005)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 def mpi_type(dtype: torch.dtype):
