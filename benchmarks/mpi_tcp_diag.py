@@ -63,7 +63,10 @@ def main(argv=None) -> int:
         comm.Barrier()
         t0 = time.perf_counter()
         fn()
-        return max(comm.allgather(time.perf_counter() - t0))
+        mine = np.array([time.perf_counter() - t0])
+        everyone = np.empty(comm.Get_size())
+        comm.Allgather(mine, everyone)  # buffers, not mpi4py's pickling allgather
+        return float(everyone.max())
 
     for test in args.tests.split(","):
         if test == "tcp":
@@ -123,6 +126,17 @@ def _report(rank, test, mib, times, nbytes, rate) -> None:
               f" ms; median {med * 1e3:.0f} ms{limit}", flush=True)
 
 
+def _bcast_address(comm, addr):
+    """Rank 0's (host, port) on every rank, as a fixed 256-byte buffer (never pickle)."""
+    buf = bytearray(256)
+    if addr is not None:
+        text = f"{addr[0]} {addr[1]}".encode()
+        buf[:len(text)] = text
+    comm.Bcast(buf, root=0)
+    host, port = bytes(buf).rstrip(b"\0").decode().split()
+    return host, int(port)
+
+
 def _tcp_exchange(comm, a: np.ndarray, b: np.ndarray):
     """Connect rank 1 to rank 0 over plain TCP; return a function that swaps a into the peer's b."""
     rank = comm.Get_rank()
@@ -130,11 +144,11 @@ def _tcp_exchange(comm, a: np.ndarray, b: np.ndarray):
         listener = socket.socket()
         listener.bind((socket.gethostbyname(socket.gethostname()), 0))
         listener.listen(1)
-        comm.bcast(listener.getsockname(), root=0)
+        _bcast_address(comm, listener.getsockname())
         conn = listener.accept()[0]
         listener.close()
     else:
-        conn = socket.create_connection(comm.bcast(None, root=0))
+        conn = socket.create_connection(_bcast_address(comm, None))
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out, into = memoryview(a).cast("B"), memoryview(b).cast("B")
 

@@ -7,7 +7,7 @@
 """
 __version__ = "0.1.0"
 
-__all__ = ["create_communicator", "create_multi_node_optimizer", "reuse_freed_memory", "__version__"]
+__all__ = ["create_communicator", "create_multi_node_optimizer", "Join", "reuse_freed_memory", "__version__"]
 
 
 def __getattr__(name):
@@ -21,6 +21,10 @@ def __getattr__(name):
         from commopt.optim.multi_node import create_multi_node_optimizer
 
         return create_multi_node_optimizer
+    if name == "Join":
+        from commopt.join import Join
+
+        return Join
     if name == "reuse_freed_memory":
         from commopt.memory import reuse_freed_memory
 

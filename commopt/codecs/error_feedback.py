@@ -17,6 +17,16 @@ The residual lives in the scaled ("sent") domain and is part of ``state_dict``.
 
 A non-finite input is sent as is (the optimizer's check sees it) but is not carried: the
 residual entries it touches are reset to zero, so one bad step cannot poison later ones.
+
+Steps that may be undone: between ``begin_step()`` and the next ``begin_step()``, each key's
+first encode writes its new residual into a second buffer and keeps the old one, so
+``discard_step()`` puts every residual back exactly as it was (the optimizer does this when
+every rank skips a step for NaN/Inf: the healthy ranks' residuals must not keep a gradient
+that was never applied). Costs one more residual-sized buffer per key, no extra pass.
+
+    >>> ef.begin_step(); ef.encode(torch.tensor([0.0, 9.0, 0.0, 0.0]), wire, key="layer1")
+    >>> ef.discard_step(); ef.residual("layer1").tolist()
+    [0.0, 0.4000000059604645, 0.30000001192092896, 0.0]
 """
 from __future__ import annotations
 
@@ -44,6 +54,9 @@ class ErrorFeedback(Codec):
         self.stochastic = inner.stochastic
         self.can_overflow = inner.can_overflow
         self._residuals: dict[Hashable, torch.Tensor] = {}
+        # The open step (begin_step): each key's residual before it (None: the key was new).
+        self._before: dict[Hashable, torch.Tensor | None] | None = None
+        self._spare: dict[Hashable, torch.Tensor] = {}  # buffers the next step writes into
 
     def encoded_nbytes(self, numel: int) -> int:
         return self.inner.encoded_nbytes(numel)
@@ -59,6 +72,7 @@ class ErrorFeedback(Codec):
     ) -> None:
         flat = check_values(self, x, "x")
         r = self._residuals.get(key)
+        keep = self._before is not None and key not in self._before  # first encode this step
         if r is None:
             r = flat * scale if scale != 1.0 else flat.clone()
         else:
@@ -67,9 +81,20 @@ class ErrorFeedback(Codec):
                     f"{self.name}: key {key!r} had {r.numel()} elements before and {flat.numel()} "
                     "now; give each tensor/bucket its own key (or call reset())"
                 )
+            old = r
             if r.device != flat.device:
                 r = r.to(flat.device)
-            r.add_(flat, alpha=scale)
+            if keep:  # the same addition, into another buffer: the old residual stays intact
+                spare = self._spare.pop(key, None)
+                if spare is None or spare.shape != r.shape or spare.device != r.device:
+                    spare = torch.empty_like(r)
+                r = torch.add(r, flat, alpha=scale, out=spare)
+            else:
+                r.add_(flat, alpha=scale)
+            if keep:
+                self._before[key] = old
+        if keep and key not in self._before:
+            self._before[key] = None
         self._residuals[key] = r
         self.inner.encode(r, out, scale=1.0, rng=rng, key=key)
         # r <- y - decode(wire), fused in the decode kernel
@@ -87,12 +112,36 @@ class ErrorFeedback(Codec):
         """The residual kept for ``key`` (None before its first encode)."""
         return self._residuals.get(key)
 
+    def begin_step(self) -> None:
+        """Open a step that :meth:`discard_step` can undo (the open one becomes final)."""
+        for key, old in (self._before or {}).items():
+            if old is not None:
+                self._spare[key] = old
+        self._before = {}
+
+    def discard_step(self) -> None:
+        """Put every residual back as it was at :meth:`begin_step` (the step never happened)."""
+        for key, old in (self._before or {}).items():
+            new = self._residuals.pop(key, None)
+            if old is not None:
+                self._residuals[key] = old
+            if new is not None:
+                self._spare[key] = new
+        if self._before is not None:
+            self._before = {}
+
     def reset(self, key: Hashable | None = ..., /) -> None:
         """Forget the residual of ``key``, or of every key when called without one."""
         if key is ...:
             self._residuals.clear()
+            self._spare.clear()
+            if self._before is not None:
+                self._before = {}
         else:
             self._residuals.pop(key, None)
+            self._spare.pop(key, None)
+            if self._before is not None:
+                self._before.pop(key, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": dict(self._residuals)}
@@ -106,6 +155,9 @@ class ErrorFeedback(Codec):
             if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
                 raise TypeError(f"{self.name}: residual {key!r} must be a float32 tensor")
         self._residuals = {key: value.detach().clone().view(-1) for key, value in residuals.items()}
+        self._spare.clear()
+        if self._before is not None:
+            self._before = {}  # the loaded state is final: nothing to undo
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"

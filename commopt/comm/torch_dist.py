@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,10 @@ class _TorchWork(Work):
         self._after = after
 
     def wait(self) -> None:
-        self._work.wait()
+        try:
+            self._work.wait()
+        except RuntimeError as exc:  # a peer closed its connection: say which rank left, if known
+            raise _explain_departure(exc) from exc
         if self._after is not None:
             after, self._after = self._after, None
             after()
@@ -106,6 +110,29 @@ def init_default_group(backend: str | None = None, timeout_s: float = 600,
     # A group left alive at interpreter exit can abort the process in torch's destructors
     # ("terminate called without an active exception"): destroy the one we created.
     atexit.register(_destroy_default_group)
+    global _left_store
+    _left_store = (dist.PrefixStore("commopt-left", store), info.rank)
+    _install_exit_on_error()
+
+
+def _install_exit_on_error() -> None:
+    """An uncaught exception ends this rank at once, as the mpi backend's MPI_Abort does.
+
+    Otherwise shutdown would wait for reductions still queued (the step's trailer) whose
+    peers are gone: gloo does not fail an operation on a connection that closed before it
+    started, so the rank, and the ranks waiting for it, would hang.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            _note_departure(f"raised {exc_type.__name__}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
@@ -203,7 +230,47 @@ def _listen(addr: str, port: int):
     return sock
 
 
+#: (store, rank) of the group created here: a leaving rank notes there that, and why, it left.
+_left_store = None
+
+
+def _note_departure(why: str = "ended without an error: its script returned or called sys.exit"
+                    ) -> None:
+    """Tell the peers, through the rendezvous store, that this rank is leaving and why."""
+    if _left_store is None:
+        return
+    store, rank = _left_store
+    with contextlib.suppress(Exception):  # rank 0's store may be gone already
+        store.set(f"rank{rank}", why)
+
+
+def _explain_departure(exc: RuntimeError) -> Exception:
+    """``exc``, or a CommError naming the ranks that left (read from the store) if any did."""
+    from commopt.comm.errors import CommError
+
+    if _left_store is None or "closed by peer" not in str(exc) and "Connection reset" not in str(exc):
+        return exc
+    store, rank = _left_store
+    size = dist.get_world_size() if dist.is_initialized() else 0
+    left = {}
+    try:
+        for r in range(size):
+            if r != rank and store.check([f"rank{r}"]):
+                left[r] = store.get(f"rank{r}").decode()
+    except Exception:  # noqa: BLE001 - rank 0 hosts the store: it is the one that left
+        left = {0: "left (its rendezvous store is gone with it)"}
+    if not left:
+        return exc
+    who = "; ".join(f"rank {r} {why}" for r, why in sorted(left.items()))
+    return CommError(
+        f"rank {rank}: a collective failed because another rank left the job ({who}) while this "
+        f"rank still waited for it. Every rank must make the same collective calls: ranks "
+        f"that run out of data early keep stepping inside `with commopt.Join(optimizer):`. "
+        f"[{str(exc).splitlines()[0][:200]}]")
+
+
 def _destroy_default_group() -> None:
+    _note_departure()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -45,6 +45,7 @@ from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim import clipping
 from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
 from commopt.optim.double_buffering import DoubleBuffer
+from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
@@ -264,6 +265,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 bucket_cap_mb=self.bucket_cap_mb, algorithm=self.algorithm,
                 num_buffers=2 if self.double_buffering else 1, seed=self.seed, grad_views=True,
             )
+            check_same_settings(self)  # every rank's wire settings agree, or all raise
             me = weakref.ref(self)
             for j, i in enumerate(trainable):
                 self._hooks.append(params[i].register_post_accumulate_grad_hook(_GradReady(me, j)))
@@ -322,7 +324,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
         self._reduced = None
         red = self._reducer.start(step=self._iteration, buffer=buffer, scale=scale)
-        self._iteration += 1
+        self._iteration = red.step + 1  # a step every rank skipped gave its number back
         return red
 
     @contextlib.contextmanager
@@ -616,7 +618,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "world_size": self.comm.size,
                 "rank": self.comm.rank,
                 "seed": self.seed,
-                "iteration": self._iteration,
+                "iteration": self._iteration - self._reducer.pending_discards,
                 "applied_steps": self.applied_steps,
                 "skipped_steps": self.skipped_steps,
                 "double_buffering": self.double_buffering,

@@ -52,6 +52,7 @@ class GradientReducer:
         self.names = list(names)
         self.algorithm = algorithm
         self.seed = int(seed)
+        self.pending_discards = 0  # skipped steps whose numbers the next start() gives back
         self.buckets = build_buckets(self.params, self.names, codec=codec, plain_codec=plain_codec,
                                      policy=policy, bucket_cap_mb=bucket_cap_mb)
         self.bucket_of = [0] * len(self.params)
@@ -69,8 +70,32 @@ class GradientReducer:
         return sum(b.numel for b in self.buckets)
 
     def start(self, step: int, buffer: int = 0, scale: float = 1.0) -> StepReduction:
-        """Begin reducing this step's gradients into buffer set ``buffer``."""
+        """Begin reducing this step's gradients into buffer set ``buffer``.
+
+        ``step`` keys the random numbers; each step discarded since the last start gives its
+        number back (the returned reduction's ``step`` is ``step - pending_discards``), so
+        the caller's counter should continue from ``reduction.step + 1``.
+        """
+        step -= self.pending_discards
+        self.pending_discards = 0
+        for codec in self._codecs().values():
+            begin = getattr(codec, "begin_step", None)  # stateful codecs (error feedback)
+            if begin is not None:
+                begin()
         return StepReduction(self, step, buffer, scale)
+
+    def discard_step(self) -> None:
+        """Undo the codec state of the step every rank agreed to skip (NaN/Inf somewhere).
+
+        Called on the worker by the step's trailer, before any later step starts: residuals
+        go back to what they were before the step and its step number is given back, so the
+        state is bit-identical to a run in which the step never happened.
+        """
+        for codec in self._codecs().values():
+            discard = getattr(codec, "discard_step", None)
+            if discard is not None:
+                discard()
+        self.pending_discards += 1
 
     # -- per bucket -----------------------------------------------------------------------
     def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor:
@@ -151,6 +176,7 @@ class GradientReducer:
         return out
 
     def load_codec_states(self, states: dict[str, dict]) -> None:
+        self.pending_discards = 0  # the checkpoint's step counter already accounts for them
         codecs = self._codecs()
         for name, state in states.items():
             if name in codecs:

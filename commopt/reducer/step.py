@@ -80,6 +80,8 @@ class StepReduction:
         """On the worker, after every bucket: agree on NaN/Inf and presence (the trailer)."""
         self._result = agree(self.reducer.comm, self.reducer.buckets, self.flats, self._bad,
                              self.present, self.scale)
+        if self._result.nonfinite:  # every rank skips it: leave no trace in codec state
+            self.reducer.discard_step()
 
     # -- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict:

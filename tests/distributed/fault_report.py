@@ -93,7 +93,18 @@ def render(doc: dict) -> str:
                   "These join the matrix with their fixes (issue 15):", "",
                   "| Case | Expected behaviour | Item |", "|---|---|---|"]
         lines += [f"| {_cell(a)} | {_cell(b)} | {item} |" for a, b, item in PENDING]
-    lines += ["", "Known gaps are cases the transport does not meet yet; their tests are marked",
+    lines += ["", "## Ranks that leave early, and uneven data", "",
+              "A rank that leaves without an exception (its script returns, or calls",
+              "`sys.exit`) while the others still train: under `mpi` every rank meets the others",
+              "in a non-blocking barrier when it exits; at a normal end they all arrive and leave",
+              "at once, and a rank left alone waits `COMMOPT_EXIT_TIMEOUT` seconds (default 30)",
+              "for the others, then aborts the job naming itself. Under `torch` (gloo) the",
+              "leaving rank notes why in the rendezvous store and its peers raise `CommError`",
+              "naming it. When shards are uneven by design, train inside",
+              "`with commopt.Join(optimizer):` so that ranks that run out of data keep joining",
+              "the others' steps with zero gradients (the average is over all ranks) until every",
+              "rank is done.", "",
+              "Known gaps are cases the transport does not meet yet; their tests are marked",
               "as expected failures, and fail the suite once the gap is closed, so the mark is",
               "removed with the fix.", ""]
     return "\n".join(lines)

@@ -10,8 +10,9 @@ written by hand).
 Sections: transports (a rank raises, is killed, disagrees, sends what it should not), the
 torch rendezvous, launchers (``commopt launch`` input and signals), the emulated testbed,
 security (no pickle on the object path, checkpoints, ``commopt tune``'s env file), load.
-Cases of issue 15 items 1-3 (a rank leaving through SystemExit, per-rank settings mismatch,
-error feedback after a skipped step) join with their fixes: see PENDING at the end.
+Also: a rank that leaves early (sys.exit, an early return) and ``commopt.Join`` for uneven
+shards, ranks whose optimizer settings differ, and a skipped step leaving no trace in any
+codec's state. Cases still waiting for their fix are listed in PENDING at the end.
 
 Longer than most modules on purpose: the matrix is one table (docs/reliability.md), so its
 cases and their recorder live together; each section is short and independent.
@@ -164,6 +165,116 @@ def test_a_killed_rank_ends_the_job(case, transport, nprocs):
     assert "rank 1" in msg or "signal 9" in msg or "Killed" in msg or "killed" in msg, msg
 
 
+LEAVES = """
+import sys, time, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+how = sys.argv[2]
+m = torch.nn.Linear(256, 256)
+opt = commopt.create_multi_node_optimizer(torch.optim.SGD(m.parameters(), lr=0.01), comm, model=m)
+for step in range(100):
+    if comm.rank == 1 and step == 5:
+        if how == "return":
+            break          # uneven data: this rank's loop simply ends
+        sys.exit(int(how))
+    opt.zero_grad(); m(torch.randn(8, 256)).sum().backward(); opt.step()
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport, nprocs, how, timeout_env", [
+    ("mpi", 2, "1", None), ("torch", 2, "1", None),
+    pytest.param("mpi", 2, "0", "10", marks=pytest.mark.slow),
+    pytest.param("mpi", 2, "return", "10", marks=pytest.mark.slow),
+    pytest.param("mpi", 4, "1", "10", marks=pytest.mark.slow),
+    pytest.param("torch", 2, "0", None, marks=pytest.mark.slow),
+    pytest.param("torch", 2, "return", None, marks=pytest.mark.slow),
+    pytest.param("torch", 4, "1", None, marks=pytest.mark.slow)])
+def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, timeout_env):
+    what = "returns early (uneven data)" if how == "return" else f"calls sys.exit({how})"
+    bound = f"COMMOPT_EXIT_TIMEOUT={timeout_env} s" if timeout_env else "the default 30 s"
+    c = case(f"rank 1 {what} at step 5 while the others train",
+             f"every rank ends, within 60 s, with a message naming rank 1 as the one that left "
+             f"({'mpi: it aborts the job after ' + bound if transport == 'mpi' else 'gloo: the peers raise CommError naming it'})",
+             transport, nprocs)
+    env = {"COMMOPT_EXIT_TIMEOUT": timeout_env} if timeout_env else None
+    msg = c.ranks_failed(transport, LEAVES, nprocs, timeout=150, env=env, args=[how])
+    if transport == "mpi":
+        assert f"commopt: rank 1 of {nprocs} left the job" in msg, msg
+    else:
+        assert "another rank left the job (rank 1 ended without an error" in msg, msg
+    assert "unreachable" not in msg and c.seconds < 60 + 30, (c.seconds, msg)  # + start-up
+
+
+LONGER_AT_THE_END = """
+import sys, time, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+t = torch.ones(4)
+comm.allreduce(t)
+if comm.rank == 0:
+    time.sleep(4)   # e.g. rank 0 writes a checkpoint while the others have finished
+print("ok", flush=True)
+"""
+
+
+def test_normal_end_with_a_slower_rank_is_not_an_abort(case):
+    c = case("normal end: rank 0 works 4 s longer than the others (COMMOPT_EXIT_TIMEOUT=10)",
+             "exit 0 on every rank: the exit handshake waits for it, no false abort", "mpi", 2)
+    out = c.run(run_mpi, LONGER_AT_THE_END, 2, timeout=120, env={"COMMOPT_EXIT_TIMEOUT": "10"},
+                args=["mpi"])
+    assert out == ["ok\n", "ok\n"], out
+
+
+UNEVEN = """
+import copy, sys, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+n = comm.size
+
+def shard(r):  # rank r has 2 + r batches
+    g = torch.Generator().manual_seed(r)
+    return [torch.randn(4, 8, generator=g) for _ in range(2 + r)]
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+ref = copy.deepcopy(model)
+opt = commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                          model=model)
+with commopt.Join(opt) as join:
+    for x in shard(comm.rank):
+        opt.zero_grad(); model(x).square().mean().backward(); opt.step()
+assert join.shadow_steps == n - 1 - comm.rank, join.shadow_steps
+assert opt.applied_steps == n + 1, opt.applied_steps
+# The same training in one process: each step, the sum of the gradients of the ranks that
+# still have data, divided by every rank (those that ran out contribute zeros).
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+shards = [shard(r) for r in range(n)]
+for s in range(n + 1):
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in range(n):
+        if s < len(shards[r]):
+            ref.zero_grad()
+            ref(shards[r][s]).square().mean().backward()
+            total = [t + p.grad for t, p in zip(total, ref.parameters())]
+    for p, t in zip(ref.parameters(), total):
+        p.grad = t / n
+    ref_opt.step()
+for p, q in zip(model.parameters(), ref.parameters()):
+    assert torch.allclose(p, q, atol=1e-6), (comm.rank, (p - q).abs().max())
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+assert all(torch.equal(flat, other) for other in comm.allgather_obj(flat)), "weights differ"
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["torch", pytest.param("mpi", marks=pytest.mark.slow)])
+def test_uneven_shards_finish_inside_join(case, transport):
+    c = case("uneven shards (rank r has 2 + r batches) inside `with commopt.Join(opt)`",
+             "every rank finishes; ranks that ran out shadow the steps with zeros; weights "
+             "equal on every rank and to the average over all ranks computed in one process",
+             transport, 2)
+    out = c.run(RUNNERS[transport], UNEVEN, 2, timeout=150, args=[transport])
+    assert out == ["ok\n"] * 2, out
+
+
 SHAPES = """
 import sys, torch, commopt
 comm = commopt.create_communicator(sys.argv[1])
@@ -189,14 +300,12 @@ comm = commopt.create_communicator(sys.argv[1])
 try:
     comm.bcast_obj({1, 2} if comm.rank == 0 else None)
 except TypeError as exc:
-    print("TypeError", exc, flush=True)
+    print("TypeError", exc, file=sys.stderr, flush=True)  # mpirun blames ranks by stderr
     raise SystemExit(3)
 """
 
 
-@pytest.mark.parametrize("transport", [
-    "torch", pytest.param("mpi", marks=pytest.mark.xfail(
-        strict=True, reason="comm/mpi.py still sends objects with mpi4py's pickling bcast"))])
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
 def test_an_object_that_cannot_travel_fails_on_every_rank(case, transport):
     c = case("bcast_obj of a value that is not JSON/tensors (a set)",
              "TypeError on the root saying what to send; the others raise too instead of waiting",
@@ -205,6 +314,105 @@ def test_an_object_that_cannot_travel_fails_on_every_rank(case, transport):
     msg = str(out)
     assert not hung(msg) and "2 of 2 ranks failed" in msg, msg
     assert "Send a list instead" in msg and "rank 0 could not send" in msg, msg
+
+
+SETTINGS = """
+import sys, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+other = comm.rank == 1
+kw = {"compression": dict(compression="qsgd8" if other else "qsgd4"),
+      "allreduce_grad_dtype": dict(allreduce_grad_dtype="float16" if other else "float32"),
+      "bucket_cap_mb": dict(bucket_cap_mb=0.01 if other else 25),
+      "double_buffering": dict(double_buffering=other)}[sys.argv[2]]
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                    model=model, **kw)
+print("unreachable")
+"""
+
+
+@pytest.mark.parametrize("transport, setting", [
+    ("mpi", "compression"), ("torch", "compression"),
+    *[pytest.param(t, s, marks=pytest.mark.slow) for s in
+      ("allreduce_grad_dtype", "bucket_cap_mb", "double_buffering") for t in ("mpi", "torch")]])
+def test_ranks_with_different_settings_fail_at_construction(case, transport, setting):
+    c = case(f"ranks differ in {setting}",
+             "every rank raises SettingsMismatchError at construction naming the setting and "
+             "the ranks on each side", transport, 2)
+    msg = c.ranks_failed(transport, SETTINGS, 2, timeout=90, args=[setting])
+    assert "SettingsMismatchError" in msg and f"{setting}" in msg, msg
+    assert "ranks [0]:" in msg and "ranks [1]:" in msg and "unreachable" not in msg, msg
+    if transport == "torch":  # under mpirun the first rank's abort may cut the other's output
+        assert "2 of 2 ranks failed" in msg, msg
+
+
+SKIPPED_STEP = """
+import sys, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+BAD, STEPS = 3, 7
+CODECS = [None, "fp16", "bf16", "qsgd2", "qsgd4", "qsgd8",
+          "none+ef", "fp16+ef", "bf16+ef", "qsgd2+ef", "qsgd4+ef", "qsgd8+ef"]
+
+def run(codec, db, mode):
+    # mode "one": NaN on rank 1 at step BAD; "all": on every rank; "never": step BAD not run
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), comm, model=model,
+        compression=codec, double_buffering=db, seed=7)
+    data = torch.Generator().manual_seed(100 + comm.rank)
+    for step in range(STEPS):
+        x = torch.randn(16, 64, generator=data)
+        if step == BAD and mode == "never":
+            continue
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        if step == BAD and (mode == "all" or comm.rank == 1):
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+    opt.flush()
+    sd = opt.state_dict()
+    assert sd["commopt"].pop("skipped_steps") == (0 if mode == "never" else 1), mode
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()], sd
+
+def diff(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        ok = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \\
+            torch.equal(a, b)
+        return None if ok else where
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return f"{where} keys"
+        return next((d for k in a if (d := diff(a[k], b[k], f"{where}[{k!r}]"))), None)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where} length"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := diff(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+for codec in CODECS:
+    for db in (False, True):
+        got = run(codec, db, "one")
+        refs = ["all"] if db else ["never", "all"]
+        for ref in refs:
+            d = diff(got, run(codec, db, ref), "(weights, state_dict)")
+            assert d is None, (f"rank {comm.rank}: {codec} double_buffering={db}: NaN on rank 1 "
+                               f"vs '{ref}' reference differ at {d}")
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["torch", pytest.param("mpi", marks=pytest.mark.slow)])
+def test_a_skipped_step_leaves_no_trace(case, transport):
+    c = case("every codec (and +ef), with and without double buffering: a NaN on rank 1 makes "
+             "every rank skip a step",
+             "weights and the whole state dict (residuals, step/RNG counter, momentum) "
+             "bit-identical to the step never having run (double buffering: to NaN on every "
+             "rank)", transport, 2)
+    out = c.run(RUNNERS[transport], SKIPPED_STEP, 2, timeout=300, args=[transport])
+    assert out == ["ok\n"] * 2, out
 
 
 # -- API and launcher input ----------------------------------------------------------------------
@@ -429,10 +637,7 @@ print("ok", flush=True)
 """
 
 
-@pytest.mark.parametrize("transport, nprocs", [
-    ("torch", 2), ("torch", 4),
-    pytest.param("mpi", 2, marks=pytest.mark.xfail(
-        strict=True, reason="comm/mpi.py still sends objects with mpi4py's pickling bcast"))])
+@pytest.mark.parametrize("transport, nprocs", [("torch", 2), ("torch", 4), ("mpi", 2)])
 def test_objects_between_ranks_are_never_unpickled(case, transport, nprocs):
     c = case("bcast_obj/allgather_obj with pickle disabled in every rank",
              "objects (tensors, bytes, tuples, dtypes) arrive intact; nothing is unpickled",
@@ -506,14 +711,7 @@ def test_four_ranks_train_in_step(case, transport):
     assert out == ["ok\n"] * 4, out
 
 
-# -- pending: issue 15 items 1-3 join the matrix with their fixes --------------------------------
+# -- pending: cases that join the matrix with their fixes ---------------------------------------
 # Each entry: (case, expected behaviour, issue item). fault_report lists them as pending
 # until a test above records them; add the test with the fix and delete the entry here.
-PENDING = [
-    ("a rank leaves through sys.exit / returns early (mpi)",
-     "peers end within 60 s naming the rank that left", "15.1"),
-    ("ranks differ in compression / grad dtype / bucket size / double buffering",
-     "every rank fails at construction naming the setting and the ranks", "15.2"),
-    ("qsgd4+ef: a NaN on one rank makes every rank skip the step",
-     "all state bit-identical to the all-skipped reference", "15.3"),
-]
+PENDING: list[tuple[str, str, str]] = []

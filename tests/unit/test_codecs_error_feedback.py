@@ -100,3 +100,32 @@ def test_wrapper_exposes_inner_and_its_traits():
         ErrorFeedback(q)
     with pytest.raises(TypeError):
         ErrorFeedback("qsgd4")
+
+
+def test_a_discarded_step_leaves_the_residuals_bit_identical():
+    torch.manual_seed(0)
+    steps = [torch.randn(256) for _ in range(4)]
+    ref = get_codec("qsgd4+ef")  # the bad step (index 2) never happens
+    for i, x in enumerate(s for j, s in enumerate(steps) if j != 2):
+        ref.begin_step()
+        _send(ref, x, step=i)
+    ef = get_codec("qsgd4+ef")
+    i = 0
+    for j, x in enumerate(steps):
+        ef.begin_step()
+        _send(ef, x, step=i, scale=0.5 if j == 2 else 1.0)
+        _send(ef, x, key="new" if j == 2 else "b1", step=i)  # a key first seen in the bad step
+        if j == 2:
+            ef.discard_step()
+            continue
+        i += 1
+    assert torch.equal(ef.residual("b0"), ref.residual("b0"))
+    assert ef.residual("new") is None
+
+
+def test_without_begin_step_encode_updates_in_place():
+    ef = get_codec("qsgd4+ef")
+    _send(ef, torch.randn(256))
+    r = ef.residual("b0")
+    _send(ef, torch.randn(256), step=1)
+    assert ef.residual("b0") is r and not ef._spare  # no second buffer unless steps are undoable

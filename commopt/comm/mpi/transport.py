@@ -14,7 +14,7 @@ import torch
 
 from commopt.comm.base import Communicator, FutureWork, Work
 from commopt.comm.mpi.p2p import direct_allgather, pairwise_alltoall, ring_allreduce, wait_polled
-from commopt.comm.mpi.runtime import _mpi, mpi_type, numpy_view
+from commopt.comm.mpi.runtime import _mpi, install_exit_handshake, mpi_type, numpy_view
 from commopt.comm.mpi.settings import (
     PIPELINE_ENV, PIPELINE_MIN_ENV, SEGMENT_ENV, pipeline_settings, transfer_path,
 )
@@ -117,6 +117,8 @@ class MPICommunicator(Communicator):
         self.mpi_comm = base.Dup() if _dup else base
         if self.mpi_comm != MPI.COMM_WORLD:
             _LIVE_COMMS.add(id(self))  # ours to free in finalize()
+        if mpi_comm is None:  # every rank of the world is here: a rank leaving early aborts
+            install_exit_handshake()
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
         self.cuda_aware = detect_cuda_aware(MPI) if cuda_aware is None else bool(cuda_aware)
@@ -245,11 +247,8 @@ class MPICommunicator(Communicator):
     def _barrier(self) -> None:
         self._call(self.mpi_comm.Barrier)
 
-    def _bcast_obj(self, obj: Any, root: int) -> Any:
-        return self._call(lambda: self.mpi_comm.bcast(obj, root=root))
-
-    def _allgather_obj(self, obj: Any) -> list:
-        return self._call(lambda: self.mpi_comm.allgather(obj))
+    # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
+    # (mpi4py's lowercase bcast/allgather would unpickle what peers send).
 
     def _split(self, color: int, key: int) -> "MPICommunicator":
         sub = self._call(lambda: self.mpi_comm.Split(color, key))
