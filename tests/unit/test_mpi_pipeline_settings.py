@@ -96,9 +96,14 @@ def test_paced_wait_naps_through_the_expected_time_in_few_polls(monkeypatch):
 
     monkeypatch.setattr(p2p.time, "sleep", sleep)
     monkeypatch.setattr(p2p.time, "perf_counter", lambda: clock[0])
-    # Completes on the 4th Test: the first Test, then naps of 1/2 of what is left...
-    assert p2p.wait_polled(_Request(4), expect_s=0.008) == pytest.approx(0.007)
-    assert naps == pytest.approx([0.004, 0.002, 0.001])
+    # Completes on the 4th Test: the first Test, then naps of half of what is left, at most
+    # _PACE_MAX_S (so that Open MPI refills the socket before it drains)...
+    assert p2p.wait_polled(_Request(4), expect_s=0.008) == pytest.approx(3 * p2p._PACE_MAX_S)
+    assert naps == pytest.approx([p2p._PACE_MAX_S] * 3)
+    naps.clear()
+    clock[0] = 0.0
+    assert p2p.wait_polled(_Request(4), expect_s=0.0016) == pytest.approx(0.0014)
+    assert naps == pytest.approx([0.0008, 0.0004, 0.0002])
     # Without an expectation: polls with doubling sleeps from 10 us.
     naps.clear()
     p2p.wait_polled(_Request(4), expect_s=0.0)
