@@ -44,10 +44,12 @@ CONFIGS = {
 # The same runs with another checkout of commopt (``--before DIR``): a change measured
 # against the code before it, in the same rounds.
 CONFIGS["mpi-before"] = ("mpi", "mpi", {}, False)
+# The mpi transport's waits polling with short sleeps instead of paced naps.
+CONFIGS["mpi-polled"] = ("mpi", "mpi", {"COMMOPT_MPI_WAIT": "polled"}, False)
 CONFIGS["torch-before"] = ("torch", "torch", {}, False)
 LABELS = {"mpi": "mpi (commopt, pipelined)", "torch": "torch (gloo)",
           "mpi-native": "mpi (Open MPI's own collectives)",
-          "mpi-before": "mpi (commopt, before)", "torch-before": "torch (gloo, before)"}
+          "mpi-before": "mpi (commopt, before)", "mpi-polled": "mpi (commopt, polled waits)", "torch-before": "torch (gloo, before)"}
 TCP_PAYLOAD = 1448 / 1514  # TCP/IPv4 payload per Ethernet frame at MTU 1500
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-VARIANTS = {
+VARIANTS = {  # polled is the default
     "polled": {"COMMOPT_MPI_WAIT": "polled"},
     "paced": {"COMMOPT_MPI_WAIT": "paced"},
     "spin": {"COMMOPT_MPI_WAIT": "spin"},

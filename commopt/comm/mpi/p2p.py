@@ -32,8 +32,8 @@ _TAG_ALLTOALL, _TAG_ALLGATHER, _TAG_RING = 1, 2, 16  # the ring uses _TAG_RING +
 #: takes the core its peer needs), and while it spins it takes the core from the training
 #: thread it should overlap with. Polling with short sleeps costs a wake-up per poll (over a
 #: thousand per step at 1 Gbit/s); a segment's wait is mostly predictable (about the previous
-#: segment's), so the paced wait sleeps through most of it in a few long naps. The kernel's
-#: socket buffers keep the link busy across a nap: Open MPI moves bytes only inside a poll.
+#: segment's), so the paced wait (opt-in) naps through part of it. The kernel's socket
+#: buffers keep the link busy across a nap: Open MPI moves bytes only inside a poll.
 _WAIT_MODE, _POLL_SLEEP_S = wait_settings()
 _FIRST_SLEEP_S = 10e-6
 #: The longest paced nap. Open MPI moves queued send bytes into the socket only inside a
@@ -45,8 +45,8 @@ _PACE_MAX_S = 1e-3
 def wait_polled(req, expect_s: float = 0.0) -> float:
     """Complete ``req``; return how long it took (seconds).
 
-    ``expect_s``: how long the wait is expected to take (paced mode: naps of half the rest
-    of it come first); then polls with sleeps that grow from 10 us to the longest sleep.
+    ``expect_s``: how long the wait is expected to take (paced mode only: naps of half the
+    rest of it, at most _PACE_MAX_S each, come first); then polls with sleeps that grow from 10 us to the longest sleep.
     """
     if _WAIT_MODE == "spin":
         req.Wait()
@@ -145,7 +145,9 @@ def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
         for k in range(width):
             rreq, sreq = pending[t].pop(k)
             if rreq is not None:
-                expect = wait_polled(rreq, expect)
+                # Nap through half of the previous segment's wait only: a wake after the
+                # segment arrived delays its next step's send, and the link idles.
+                expect = wait_polled(rreq, expect / 2)
                 if t < n - 1:
                     lo, hi = recvs[k]
                     buf[lo:hi].add_(tmp[lo - start: hi - start])
@@ -165,14 +167,18 @@ def _exchange(mpi_comm, recv: np.ndarray, chunk: int, send_to, tag: int, seg_byt
         src = (r - i) % n
         for lo, hi in _segments(src * chunk, (src + 1) * chunk, seg_bytes):
             reqs.append(mpi_comm.Irecv(recv[lo:hi], src, tag))
+    receives = len(reqs)
     for i in range(1, n):
         dst = (r + i) % n
         data = send_to(dst)
         for lo, hi in _segments(0, data.size, seg_bytes):
             reqs.append(mpi_comm.Isend(data[lo:hi], dst, tag))
     expect = 0.0
-    for req in reqs:  # receives first, in the order they arrive, at a steady pace
-        expect = wait_polled(req, expect)
+    for i, req in enumerate(reqs):  # receives first, in the order they arrive, at a steady pace
+        if i < receives:
+            expect = wait_polled(req, expect / 2)
+        else:  # a send completes once its bytes are in the socket: no pacing
+            wait_polled(req)
 
 
 def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
