@@ -63,11 +63,11 @@ def test_launch_passes_the_eager_limit_unless_the_environment_sets_one():
 
 def test_wait_mode_and_longest_sleep_from_the_environment():
     from commopt.comm.mpi.settings import wait_settings
-    assert wait_settings({}) == ("polled", pytest.approx(200e-6))
+    assert wait_settings({}) == ("paced", pytest.approx(200e-6))
     assert wait_settings({"COMMOPT_MPI_WAIT": "Polled", "COMMOPT_MPI_POLL_SLEEP_US": "50"}) == \
         ("polled", pytest.approx(50e-6))
     assert wait_settings({"COMMOPT_MPI_POLL_SLEEP_US": "0"})[0] == "spin"  # 0: MPI_Wait
-    with pytest.raises(ValueError, match="COMMOPT_MPI_WAIT='busy': use one of polled, paced, spin"):
+    with pytest.raises(ValueError, match="COMMOPT_MPI_WAIT='busy': use one of paced, polled, spin"):
         wait_settings({"COMMOPT_MPI_WAIT": "busy"})
     for bad in ("fast", "-5", "1e9"):
         with pytest.raises(ValueError, match="COMMOPT_MPI_POLL_SLEEP_US.*microseconds"):

@@ -32,7 +32,7 @@ _TAG_ALLTOALL, _TAG_ALLGATHER, _TAG_RING = 1, 2, 16  # the ring uses _TAG_RING +
 #: takes the core its peer needs), and while it spins it takes the core from the training
 #: thread it should overlap with. Polling with short sleeps costs a wake-up per poll (over a
 #: thousand per step at 1 Gbit/s); a segment's wait is mostly predictable (about the previous
-#: segment's), so the paced wait (opt-in) naps through part of it. The kernel's socket
+#: segment's), so the paced wait (the default) naps through most of it. The kernel's socket
 #: buffers keep the link busy across a nap: Open MPI moves bytes only inside a poll.
 _WAIT_MODE, _POLL_SLEEP_S = wait_settings()
 _FIRST_SLEEP_S = 10e-6
@@ -45,8 +45,8 @@ _PACE_MAX_S = 1e-3
 def wait_polled(req, expect_s: float = 0.0) -> float:
     """Complete ``req``; return how long it took (seconds).
 
-    ``expect_s``: how long the wait is expected to take (paced mode only: naps of half the
-    rest of it, at most _PACE_MAX_S each, come first); then polls with sleeps that grow from 10 us to the longest sleep.
+    ``expect_s``: how long the wait is expected to take (paced mode: naps of half the rest
+    of it, at most _PACE_MAX_S each, come first); then polls with sleeps that grow from 10 us to the longest sleep.
     """
     if _WAIT_MODE == "spin":
         req.Wait()
@@ -145,9 +145,7 @@ def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
         for k in range(width):
             rreq, sreq = pending[t].pop(k)
             if rreq is not None:
-                # Nap through half of the previous segment's wait only: a wake after the
-                # segment arrived delays its next step's send, and the link idles.
-                expect = wait_polled(rreq, expect / 2)
+                expect = wait_polled(rreq, expect)
                 if t < n - 1:
                     lo, hi = recvs[k]
                     buf[lo:hi].add_(tmp[lo - start: hi - start])
@@ -176,7 +174,7 @@ def _exchange(mpi_comm, recv: np.ndarray, chunk: int, send_to, tag: int, seg_byt
     expect = 0.0
     for i, req in enumerate(reqs):  # receives first, in the order they arrive, at a steady pace
         if i < receives:
-            expect = wait_polled(req, expect / 2)
+            expect = wait_polled(req, expect)
         else:  # a send completes once its bytes are in the socket: no pacing
             wait_polled(req)
 

@@ -14,9 +14,9 @@ __all__ = ["PIPELINE_ENV", "SEGMENT_ENV", "PIPELINE_MIN_ENV", "OMPI_TCP_EAGER_DE
 PIPELINE_ENV = "COMMOPT_MPI_PIPELINE"                  # auto (default), on, off
 SEGMENT_ENV = "COMMOPT_MPI_SEGMENT_BYTES"              # default: from the eager limit
 PIPELINE_MIN_ENV = "COMMOPT_MPI_PIPELINE_MIN_BYTES"    # default: DEFAULT_PIPELINE_MIN_BYTES
-WAIT_ENV = "COMMOPT_MPI_WAIT"                          # polled (default), paced, spin
+WAIT_ENV = "COMMOPT_MPI_WAIT"                          # paced (default), polled, spin
 POLL_SLEEP_ENV = "COMMOPT_MPI_POLL_SLEEP_US"           # longest sleep between polls (200)
-_WAIT_MODES = ("polled", "paced", "spin")
+_WAIT_MODES = ("paced", "polled", "spin")
 #: Open MPI's TCP eager limit (bytes, header included) when nothing else says otherwise.
 OMPI_TCP_EAGER_DEFAULT = 64 * 1024
 #: Below this a buffer goes to MPI's own collective: few segments, nothing to pipeline.
@@ -109,20 +109,20 @@ def default_segment_bytes(environ=None) -> int:
 def wait_settings(environ=None) -> tuple[str, float]:
     """(how the worker thread waits for a request, longest sleep between polls in seconds).
 
-    ``polled`` (default): sleeps that double from 10 us up to the longest sleep between
-    polls; ``paced``: a segment's wait first naps (at most 1 ms each) through half of the
-    previous segment's wait, then polls (fewer wake-ups and less processor time for large
-    rings at 1 Gbit/s, but slower on fast links and for short transfers: see
-    docs/benchmarks-allreduce.md); ``spin``: MPI_Wait (Open MPI spins in its progress
+    ``paced`` (default): a segment's receive first naps through the previous segment's
+    wait (each nap half of what remains of it, at most 1 ms), then polls as ``polled`` does
+    (a third of the wake-ups, a quarter less processor time at 1 Gbit/s: see
+    docs/benchmarks-allreduce.md); ``polled``: sleeps that double from 10 us up to the
+    longest sleep between polls; ``spin``: MPI_Wait (Open MPI spins in its progress
     loop; a longest sleep of 0 means the same).
 
         >>> wait_settings({})
-        ('polled', 0.0002)
+        ('paced', 0.0002)
         >>> wait_settings({"COMMOPT_MPI_WAIT": "polled", "COMMOPT_MPI_POLL_SLEEP_US": "0"})
         ('spin', 0.0)
     """
     environ = os.environ if environ is None else environ
-    mode = str(environ.get(WAIT_ENV, "polled")).strip().lower()
+    mode = str(environ.get(WAIT_ENV, "paced")).strip().lower()
     if mode not in _WAIT_MODES:
         raise ValueError(f"{WAIT_ENV}={mode!r}: use one of {', '.join(_WAIT_MODES)}")
     text = environ.get(POLL_SLEEP_ENV, "200")
