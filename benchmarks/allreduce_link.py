@@ -10,7 +10,11 @@ alike), under ``commopt launch -n 2 --link RATE``:
   segment transfers between hosts, commopt launch's TCP eager limit);
 - ``torch``: the same with ``--comm torch`` (gloo), started with ``--launcher torch``;
 - ``mpi-native`` (fp32 only): ``COMMOPT_MPI_PIPELINE=off`` and Open MPI's default TCP eager
-  limit (64 KiB): Open MPI's own collectives, the state before the pipelined path.
+  limit (64 KiB): Open MPI's own collectives, the state before the pipelined path;
+- ``mpi-polled``: ``mpi`` with ``COMMOPT_MPI_WAIT=polled`` (the waits before pacing);
+- ``mpi-before``, ``torch-before``: ``mpi`` and ``torch`` run from another checkout
+  (``--before DIR``, e.g. ``git archive`` of an earlier commit plus the built
+  ``commopt_ext/_cpu*.so``): a change against the code before it, in the same rounds.
 
 Every row of the summary is the median over rounds of the bench's mean time (min-max beside
 it), with the physical limit of the row: the codec's wire bytes through the link,
