@@ -10,7 +10,11 @@ alike), under ``commopt launch -n 2 --link RATE``:
   segment transfers between hosts, commopt launch's TCP eager limit);
 - ``torch``: the same with ``--comm torch`` (gloo), started with ``--launcher torch``;
 - ``mpi-native`` (fp32 only): ``COMMOPT_MPI_PIPELINE=off`` and Open MPI's default TCP eager
-  limit (64 KiB): Open MPI's own collectives, the state before the pipelined path.
+  limit (64 KiB): Open MPI's own collectives, the state before the pipelined path;
+- ``mpi-polled``: ``mpi`` with ``COMMOPT_MPI_WAIT=polled`` (the waits before pacing);
+- ``mpi-before``, ``torch-before``: ``mpi`` and ``torch`` run from another checkout
+  (``--before DIR``, e.g. ``git archive`` of an earlier commit plus the built
+  ``commopt_ext/_cpu*.so``): a change against the code before it, in the same rounds.
 
 Every row of the summary is the median over rounds of the bench's mean time (min-max beside
 it), with the physical limit of the row: the codec's wire bytes through the link,
@@ -43,8 +47,15 @@ CONFIGS = {
                                   "OMPI_MCA_btl_tcp_eager_limit": "65536",
                                   "OMPI_MCA_btl_tcp_rndv_eager_limit": "65536"}, True),
 }
+# The same runs with another checkout of commopt (``--before DIR``): a change measured
+# against the code before it, in the same rounds.
+CONFIGS["mpi-before"] = ("mpi", "mpi", {}, False)
+# The mpi transport's waits polling with short sleeps instead of paced naps.
+CONFIGS["mpi-polled"] = ("mpi", "mpi", {"COMMOPT_MPI_WAIT": "polled"}, False)
+CONFIGS["torch-before"] = ("torch", "torch", {}, False)
 LABELS = {"mpi": "mpi (commopt, pipelined)", "torch": "torch (gloo)",
-          "mpi-native": "mpi (Open MPI's own collectives)"}
+          "mpi-native": "mpi (Open MPI's own collectives)",
+          "mpi-before": "mpi (commopt, before)", "mpi-polled": "mpi (commopt, polled waits)", "torch-before": "torch (gloo, before)"}
 TCP_PAYLOAD = 1448 / 1514  # TCP/IPv4 payload per Ethernet frame at MTU 1500
 
 
@@ -70,7 +81,13 @@ def run_once(args, name: str) -> dict:
         shown = launch_command(args, launcher, bench_command(args, comm, codecs) + ["--json", "OUT.json"])
         cmd = shown[:-1] + [str(out)]
         env = {**os.environ, **extra}
-        proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True,
+        cwd = REPO
+        if name.endswith("-before"):
+            if not args.before:
+                raise SystemExit(f"--configs {name} needs --before DIR (a checkout of the code before)")
+            cwd = Path(args.before).resolve()
+            env["PYTHONPATH"] = str(cwd)
+        proc = subprocess.run(cmd, env=env, cwd=str(cwd), capture_output=True, text=True,
                               timeout=args.timeout + 60)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{name}: exit code {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -79,6 +96,8 @@ def run_once(args, name: str) -> dict:
     doc["environment"] = extra
     doc["shell_command"] = " ".join(f"{k}={v}" for k, v in extra.items()) + (" " if extra else "") + \
         " ".join(["commopt"] + shown[3:]).replace(PY, "python")
+    if name.endswith("-before"):
+        doc["code"] = f"checkout at {cwd}"
     doc["load_average"] = os.getloadavg()[0]
     return doc
 
@@ -340,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=600, help="per run, seconds")
+    ap.add_argument("--before", metavar="DIR",
+                    help="checkout of the code before a change, for the *-before configs")
     ap.add_argument("--out", help="write every run and the summary here (JSON)")
     ap.add_argument("--from", dest="from_", metavar="JSON", help="summarize saved runs instead")
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")

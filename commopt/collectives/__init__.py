@@ -82,7 +82,8 @@ def allreduce(
     result (applied before encoding, with the 1/size of ``average``). ``rng`` keys the
     random numbers of stochastic codecs (each chunk gets its own stream); ``key`` names the
     buffer for stateful codecs (error feedback keeps one residual per key and chunk).
-    ``piece_bytes``: fp32 bytes per piece of the scatter-reduce pipeline (default
+    ``piece_bytes``: fp32 bytes per piece of the scatter-reduce pipeline and of a cast
+    codec's (fp16, bf16) native plan (default
     :data:`PIECE_BYTES`; 0 runs the whole buffer as one piece).
     Returns a Work; with ``async_op=False`` it is already complete.
     """

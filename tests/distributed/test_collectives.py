@@ -173,6 +173,24 @@ for piece_bytes in (1536, 4096 * 4):
     assert ((y - exact).abs() <= bound).all(), f"qsgd4 in pieces of {piece_bytes} B outside the bound"
     checked += 2
 
+# -- the native plan of a cast codec in pieces: as one whole cast (the same bits with 2 ranks,
+# where a sum has one order; with more, the transport may order a piece's sums otherwise) --------------
+exact = (sum(x.double() for x in xs) / n).float()
+for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+    if not comm.supports_sum(dtype):
+        continue
+    codec = get_codec(name)
+    whole = reduce(xs, codec, "native", piece_bytes=0)
+    eps = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
+    tol = (n + 1) * eps * (sum(x.abs() for x in xs) / n + exact.abs()) + 1e-6
+    for piece_bytes in (1536, 4096 * 4):
+        y = reduce(xs, codec, "native", piece_bytes=piece_bytes)
+        same_everywhere(y, f"{name} native pieces of {piece_bytes} B")
+        if n == 2:
+            assert torch.equal(y, whole), f"{name} native in pieces of {piece_bytes} B differs from whole"
+        assert ((y - exact).abs() <= tol).all(), f"{name} native in pieces of {piece_bytes} B: off"
+        checked += 1
+
 # -- asynchronous: many buffers in flight, mixed codecs and algorithms, complete in order --------------
 xs = inputs(4099, seed=9)
 exact = (sum(x.double() for x in xs) / n).float()

@@ -59,3 +59,52 @@ def test_launch_passes_the_eager_limit_unless_the_environment_sets_one():
     j = argv.index("btl_tcp_rndv_eager_limit")
     assert argv[j + 1] == str(TCP_EAGER_LIMIT)
     assert tcp_mca_defaults({"OMPI_MCA_btl_tcp_rndv_eager_limit": "4096"}) == {}
+
+
+def test_wait_mode_and_longest_sleep_from_the_environment():
+    from commopt.comm.mpi.settings import wait_settings
+    assert wait_settings({}) == ("paced", pytest.approx(200e-6))
+    assert wait_settings({"COMMOPT_MPI_WAIT": "Polled", "COMMOPT_MPI_POLL_SLEEP_US": "50"}) == \
+        ("polled", pytest.approx(50e-6))
+    assert wait_settings({"COMMOPT_MPI_POLL_SLEEP_US": "0"})[0] == "spin"  # 0: MPI_Wait
+    with pytest.raises(ValueError, match="COMMOPT_MPI_WAIT='busy': use one of paced, polled, spin"):
+        wait_settings({"COMMOPT_MPI_WAIT": "busy"})
+    for bad in ("fast", "-5", "1e9"):
+        with pytest.raises(ValueError, match="COMMOPT_MPI_POLL_SLEEP_US.*microseconds"):
+            wait_settings({"COMMOPT_MPI_POLL_SLEEP_US": bad})
+
+
+class _Request:
+    """Completes on the n-th Test (a stand-in for an MPI request's polling; not a transport test)."""
+
+    def __init__(self, tests_to_complete: int):
+        self.left = tests_to_complete
+
+    def Test(self):
+        self.left -= 1
+        return self.left <= 0
+
+
+def test_paced_wait_naps_through_the_expected_time_in_few_polls(monkeypatch):
+    from commopt.comm.mpi import p2p
+    monkeypatch.setattr(p2p, "_WAIT_MODE", "paced")
+    naps, clock = [], [0.0]
+
+    def sleep(s):  # a clock that moves only when the wait sleeps
+        naps.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(p2p.time, "sleep", sleep)
+    monkeypatch.setattr(p2p.time, "perf_counter", lambda: clock[0])
+    # Completes on the 4th Test: the first Test, then naps of half of what is left, at most
+    # _PACE_MAX_S (so that Open MPI refills the socket before it drains)...
+    assert p2p.wait_polled(_Request(4), expect_s=0.008) == pytest.approx(3 * p2p._PACE_MAX_S)
+    assert naps == pytest.approx([p2p._PACE_MAX_S] * 3)
+    naps.clear()
+    clock[0] = 0.0
+    assert p2p.wait_polled(_Request(4), expect_s=0.0016) == pytest.approx(0.0014)
+    assert naps == pytest.approx([0.0008, 0.0004, 0.0002])
+    # Without an expectation: polls with doubling sleeps from 10 us.
+    naps.clear()
+    p2p.wait_polled(_Request(4), expect_s=0.0)
+    assert naps == [10e-6, 20e-6]

@@ -9,11 +9,14 @@ import os
 
 __all__ = ["PIPELINE_ENV", "SEGMENT_ENV", "PIPELINE_MIN_ENV", "OMPI_TCP_EAGER_DEFAULT",
            "DEFAULT_PIPELINE_MIN_BYTES", "pipeline_settings", "transfer_path",
-           "default_segment_bytes"]
+           "default_segment_bytes", "WAIT_ENV", "POLL_SLEEP_ENV", "wait_settings"]
 
 PIPELINE_ENV = "COMMOPT_MPI_PIPELINE"                  # auto (default), on, off
 SEGMENT_ENV = "COMMOPT_MPI_SEGMENT_BYTES"              # default: from the eager limit
 PIPELINE_MIN_ENV = "COMMOPT_MPI_PIPELINE_MIN_BYTES"    # default: DEFAULT_PIPELINE_MIN_BYTES
+WAIT_ENV = "COMMOPT_MPI_WAIT"                          # paced (default), polled, spin
+POLL_SLEEP_ENV = "COMMOPT_MPI_POLL_SLEEP_US"           # longest sleep between polls (200)
+_WAIT_MODES = ("paced", "polled", "spin")
 #: Open MPI's TCP eager limit (bytes, header included) when nothing else says otherwise.
 OMPI_TCP_EAGER_DEFAULT = 64 * 1024
 #: Below this a buffer goes to MPI's own collective: few segments, nothing to pipeline.
@@ -101,3 +104,33 @@ def default_segment_bytes(environ=None) -> int:
     limit = environ.get("OMPI_MCA_btl_tcp_eager_limit")
     limit = _parse_bytes(limit, "OMPI_MCA_btl_tcp_eager_limit") if limit else OMPI_TCP_EAGER_DEFAULT
     return max(4096, (limit - _HEADER_SLACK) // 4096 * 4096)
+
+
+def wait_settings(environ=None) -> tuple[str, float]:
+    """(how the worker thread waits for a request, longest sleep between polls in seconds).
+
+    ``paced`` (default): a segment's receive first naps through the previous segment's
+    wait (each nap half of what remains of it, at most 1 ms), then polls as ``polled`` does
+    (a third of the wake-ups, a quarter less processor time at 1 Gbit/s: see
+    docs/benchmarks-allreduce.md); ``polled``: sleeps that double from 10 us up to the
+    longest sleep between polls; ``spin``: MPI_Wait (Open MPI spins in its progress
+    loop; a longest sleep of 0 means the same).
+
+        >>> wait_settings({})
+        ('paced', 0.0002)
+        >>> wait_settings({"COMMOPT_MPI_WAIT": "polled", "COMMOPT_MPI_POLL_SLEEP_US": "0"})
+        ('spin', 0.0)
+    """
+    environ = os.environ if environ is None else environ
+    mode = str(environ.get(WAIT_ENV, "paced")).strip().lower()
+    if mode not in _WAIT_MODES:
+        raise ValueError(f"{WAIT_ENV}={mode!r}: use one of {', '.join(_WAIT_MODES)}")
+    text = environ.get(POLL_SLEEP_ENV, "200")
+    try:
+        sleep_us = float(text)
+    except ValueError:
+        sleep_us = -1.0
+    if not 0 <= sleep_us <= 1e6:
+        raise ValueError(f"{POLL_SLEEP_ENV}={text!r}: give microseconds between 0 and 1000000, "
+                         f"e.g. 200 (0 waits in MPI_Wait)")
+    return ("spin" if sleep_us == 0 else mode), sleep_us / 1e6
