@@ -35,7 +35,7 @@ from torch import nn
 from commopt.codecs import RngKey, get_codec
 from commopt.optim.staleness import predicted_step
 
-MODES = ("db", "comp", "db-lastupd", "db-mom")
+MODES = ("db", "comp", "comp-mix", "comp-avg", "comp-half", "db-lastupd", "db-mom")
 DIVERGED_LOSS = 50.0
 
 
@@ -102,7 +102,7 @@ def _digits_task() -> Task:
                 "accuracy": (out.argmax(1) == yte).float().mean().item()}
 
     return Task("digits", small_cnn, get_batch, loss, evaluate, "loss", steps=220,
-                lr={"sgd": 0.1, "adam": 1e-2, "lars": 2.0}, global_batch=batch)
+                lr={"sgd": 0.1, "adam": 1e-2, "lars": 1.0}, global_batch=batch)
 
 
 class _LazyTasks(dict):
@@ -148,12 +148,13 @@ def parse(label: str) -> tuple[str, str]:
 class _Reducer:
     """Average replica gradients (flat fp32) through a codec, keeping per-replica EF state."""
 
-    def __init__(self, spec: str, replicas: int, seed: int):
+    def __init__(self, spec, replicas: int, seed: int):
         self.n, self.seed = replicas, seed
+        make = spec if callable(spec) else (lambda: get_codec(spec))   # spec: name or codec factory
         self.plain = spec in ("fp32", "none", "")
         if not self.plain:
-            self.send = [get_codec(spec) for _ in range(replicas)]   # one codec (EF state) per rank
-            self.owner = get_codec(spec)
+            self.send = [make() for _ in range(replicas)]   # one codec (EF state) per rank
+            self.owner = make()
 
     def __call__(self, flats: list[torch.Tensor], step: int) -> torch.Tensor:
         if self.plain:
@@ -183,9 +184,15 @@ class _Reducer:
 
 
 def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None = None,
-        lr: float | None = None, replicas: int = 4, eval_every: int | None = None) -> dict:
-    """Train once; returns the validation curve, the final metrics and whether it diverged."""
+        lr: float | None = None, replicas: int = 4, eval_every: int | None = None,
+        codec_factory: Callable | None = None) -> dict:
+    """Train once; returns the validation curve, the final metrics and whether it diverged.
+
+    ``codec_factory`` (a function returning a Codec) replaces the label's codec, e.g. to
+    check that a faulty codec is caught.
+    """
     mode, codec = parse(label)
+    codec = codec_factory or codec
     steps = steps or task.steps
     peak = lr if lr is not None else task.lr[optimizer]
     eval_every = eval_every or max(1, steps // 10)
@@ -224,7 +231,7 @@ def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None 
         losses = []
         for r in range(replicas):
             with torch.no_grad():
-                if mode == "comp" and predicted[r] is not None:
+                if mode.startswith("comp") and predicted[r] is not None:
                     torch._foreach_sub_(params, predicted[r])
                 elif mode == "db-lastupd" and prev_w is not None:
                     torch._foreach_add_(params, torch._foreach_sub(true_w, prev_w))
@@ -247,8 +254,20 @@ def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None 
             pending, avg = avg, pending
         if avg is not None:
             apply(avg)
-        if mode == "comp":
-            predicted = [predicted_step(opt, g) for g in locals_]
+        if mode.startswith("comp"):
+            # the next average, estimated from this rank's own gradient (comp, the component's
+            # rule); the variants: own share exact and the last average for the others'
+            # (comp-mix), the last average only (comp-avg), half the own gradient (comp-half)
+            w_own = {"comp": 1.0, "comp-mix": 1.0 / replicas, "comp-avg": 0.0, "comp-half": 1.0}[mode]
+            if avg is None:
+                w_own = 1.0
+            if mode == "comp-half":
+                estimates = [[x * 0.5 for x in g] for g in locals_]
+            else:
+                estimates = [g if w_own == 1.0 else
+                             [a.lerp(x, w_own) for a, x in zip((p.grad for p in params), g)]
+                             for g in locals_]
+            predicted = [predicted_step(opt, g) for g in estimates]
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             record(step + 1)
     if not diverged and pending is not None:   # flush(): the last average
