@@ -106,8 +106,8 @@ def lr_map(runs):
             scales = sorted({r["lr_scale"] for r in runs if r["task"] == task and r["optimizer"] == opt})
             metric = next(r["metric"] for r in runs if r["task"] == task)
             base_lr = next(r["lr"] / r["lr_scale"] for r in runs if r["task"] == task and r["optimizer"] == opt)
-            lines += [f"**{task}, {OPT_NAMES.get(opt, opt)}** (x1 = peak lr {base_lr:g}; final {metric}, seed 0)", "",
-                      "| configuration | " + " | ".join(f"lr x{s:g}" for s in scales) + " |  (no: did not train)",
+            lines += [f"**{task}, {OPT_NAMES.get(opt, opt)}** (x1 = peak lr {base_lr:g}; final {metric}, seed 0; no: did not train)", "",
+                      "| configuration | " + " | ".join(f"lr x{s:g}" for s in scales) + " |",
                       "|---|" + "---|" * len(scales)]
             for c in ("fp32", "db", "comp"):
                 cells = []
@@ -143,6 +143,7 @@ def plots(runs, configs) -> list[str]:
             ys = [statistics.mean(r["curve"][i][metric] for r in rs) for i in range(n)]
             ax.plot(steps[:n][1:], ys[1:], label=c, lw=2.2 if c in ("fp32", "comp") else 1.2,
                     ls="--" if c.startswith("db") else "-")
+        ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation {metric} (mean of seeds)")
         ax.set_title(f"{task}, {OPT_NAMES.get(opt, opt)}")
@@ -165,7 +166,12 @@ def main() -> int:
         if key not in seen:
             seen.add(key)
             parity.append(r)
-    lrmap = load("accuracy-lr-map*.json")
+    seen_lr, lrmap = set(), []
+    for r in load("accuracy-lr-map*.json") + [r for r in staleness if r["seed"] == 0]:
+        key = (r["task"], r["optimizer"], r["config"], r.get("lr_scale", 1.0))
+        if r["config"] in ("fp32", "db", "comp") and key not in seen_lr:
+            seen_lr.add(key)
+            lrmap.append(r)
     head = (DOC.read_text().split("<!-- generated below -->")[0] if DOC.exists()
             else "# Accuracy\n\n")
     out = [head.rstrip() + "\n", "<!-- generated below -->",
@@ -179,7 +185,7 @@ def main() -> int:
         out += table(parity, CONFIGS, PARITY_TOLERANCE, f"{100 * PARITY_TOLERANCE:g}%")
         names = plots(parity, CONFIGS)
         if names:
-            out += ["Validation curves (mean of the seeds; dashed: plain double buffering):", ""]
+            out += ["Validation curves (mean of the seeds that trained, log scale; dashed: plain double buffering):", ""]
             out += [f"![{n}](plots/{n})" for n in names] + [""]
     if staleness:
         from accuracy_study import REMEDIES
@@ -188,7 +194,7 @@ def main() -> int:
                 "--out benchmarks/results/accuracy-staleness.json`. "
                 f"Target for a remedy: within {100 * STALENESS_TOLERANCE:g}% of fp32.", ""]
         out += table(staleness, REMEDIES, STALENESS_TOLERANCE, f"{100 * STALENESS_TOLERANCE:g}%")
-    if lrmap:
+    if any(r.get("lr_scale", 1.0) != 1.0 for r in lrmap):
         out += ["## Where double buffering is stable: final metric against the learning rate", "",
                 "Command: `python benchmarks/accuracy_study.py lr-map --tasks digits,text "
                 "--out benchmarks/results/accuracy-lr-map.json` (same schedule shape, peak lr scaled).", ""]

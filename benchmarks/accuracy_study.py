@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", default="sgd,adam")
     p.add_argument("--configs", default=None, help="default: the study's list")
     p.add_argument("--seeds", default=None, help="default: 0,1,2 (remedies), 0 (lr-map)")
+    p.add_argument("--scales", default=None, help="lr-map: peak-lr multipliers (default 0.25,0.5,1,2,4)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     remedies = args.study == "remedies"
     configs = args.configs.split(",") if args.configs else (REMEDIES if remedies else ("fp32", "db", "comp"))
     seeds = [int(s) for s in (args.seeds or ("0,1,2" if remedies else "0")).split(",")]
-    scales = (1.0,) if remedies else LR_SCALES
+    scales = (1.0,) if remedies else (tuple(float(x) for x in args.scales.split(",")) if args.scales
+                                      else LR_SCALES)
     for task in args.tasks.split(","):
         for opt in args.optimizers.split(","):
             for scale in scales:
