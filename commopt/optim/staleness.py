@@ -22,7 +22,9 @@ gradient of the step, before any codec; the averaged gradient is in ``param.grad
     ...
     comp.restore()          # end of training / evaluation: params <- true weights
 
-On the first step, with no average to apply yet, call ``predict`` only. Cost: one
+On the first step, with no average to apply yet, call ``predict`` only. The prediction
+uses the hyper-parameters in force when ``predict`` runs: a learning-rate schedule that
+changes the rate before the next step makes it off by that change only. Cost: one
 parameter-sized buffer (the true weights) and, per step, one copy in, one copy out and one
 elementwise pass over the gradients and the optimizer's state (the predicted step).
 ``state_dict()`` holds plain tensors; with the model's and the optimizer's state dicts it
