@@ -193,7 +193,7 @@ def main() -> int:
         out += table(parity, CONFIGS, PARITY_TOLERANCE, f"{100 * PARITY_TOLERANCE:g}%")
         names = plots(parity, CONFIGS)
         if names:
-            out += ["Validation curves (mean of the seeds that trained, log scale; dashed: plain double buffering):", ""]
+            out += ["Validation curves (mean of the seeds that trained, so a row with fewer seeds averages fewer; log scale; dashed: plain double buffering):", ""]
             out += [f"![{n}](plots/{n})" for n in names] + [""]
     if staleness:
         from accuracy_study import REMEDIES
