@@ -1,0 +1,219 @@
+"""Compensated double buffering: take each gradient at the weights it will be applied to.
+
+With double buffering the average of step *t*'s gradients arrives one step late, so it is
+applied at ``w[t+1]`` although it was computed at ``w[t]``. That delay shrinks the stable
+learning rates a lot (momentum SGD at 0.9 on a quadratic: stable for ``lr * h < 0.1``
+instead of ``< 3.8``), so plain double buffering needs a retuned schedule.
+
+``LocalStepPrediction`` removes the staleness to first order: after each step it moves the
+model to a prediction of the *next* weights, made with the optimizer's own update rule from
+this rank's *local* gradient (known at once, while its average is still on the wire). The
+next forward and backward then run at (nearly) the weights their average will be applied
+to. The true weights are kept aside and restored exactly before the optimizer applies an
+average, so every rank's true weights and optimizer state stay bit-identical; only the
+point where each rank takes its gradient differs (by its own local step).
+
+Contract, per rank and per double-buffered step (``local`` is this rank's unscaled fp32
+gradient of the step, before any codec; the averaged gradient is in ``param.grad``)::
+
+    comp.restore()          # params <- true weights (no-op before the first prediction)
+    optimizer.step()        # the stale average, applied at the true weights
+    comp.predict(local)     # keep the true weights, params <- predicted next weights
+    ...
+    comp.restore()          # end of training / evaluation: params <- true weights
+
+On the first step, with no average to apply yet, call ``predict`` only. The prediction
+uses the hyper-parameters in force when ``predict`` runs: a learning-rate schedule that
+changes the rate before the next step makes it off by that change only. Cost: one
+parameter-sized buffer (the true weights) and, per step, one copy in, one copy out and one
+elementwise pass over the gradients and the optimizer's state (the predicted step).
+``state_dict()`` holds plain tensors; with the model's and the optimizer's state dicts it
+restores training exactly. Supported optimizers: ``torch.optim.SGD``, ``Adam``, ``AdamW``
+and ``commopt.optim.layerwise.LARS``.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = torch.optim.SGD([w], lr=0.5, momentum=0.0)
+    >>> comp = LocalStepPrediction(opt)
+    >>> comp.predict([torch.tensor([1.0, -2.0])])   # step 0: nothing applied yet
+    >>> w.data.tolist()                               # the next step's forward runs here
+    [-0.5, 1.0]
+    >>> w.grad = torch.tensor([2.0, -2.0])           # the average of step 0 arrives
+    >>> comp.restore(); opt.step(); w.data.tolist()  # applied at the true weights (zero)
+    [-1.0, 1.0]
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["LocalStepPrediction", "predicted_step"]
+
+
+def _params(optimizer) -> list[tuple[dict, Tensor]]:
+    return [(group, p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _sgd_step(group: dict, state: dict, p: Tensor, g: Tensor) -> Tensor:
+    # torch.optim.SGD: d = g + wd*w; buf = m*buf + (1-dampening)*d (buf = d on the first step)
+    d = g.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else g.clone()
+    m = group["momentum"]
+    if m:
+        buf = state.get("momentum_buffer")
+        nbuf = d.clone() if buf is None else buf.mul(m).add_(d, alpha=1 - group["dampening"])
+        d = d.add(nbuf, alpha=m) if group["nesterov"] else nbuf
+    step = d.mul_(group["lr"])
+    return step.neg_() if group.get("maximize") else step
+
+
+def _adam_step(group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool) -> Tensor:
+    # torch.optim.Adam / AdamW, the step the next call would take with gradient g
+    if group.get("maximize"):
+        g = -g
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if wd and not decoupled:
+        g = g.add(p, alpha=wd)
+    n = float(state["step"]) + 1 if "step" in state else 1.0
+    m = state["exp_avg"] * b1 + g * (1 - b1) if "exp_avg" in state else g * (1 - b1)
+    v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if "exp_avg_sq" in state else g * g * (1 - b2)
+    if group.get("amsgrad") and "max_exp_avg_sq" in state:
+        v = torch.maximum(v, state["max_exp_avg_sq"])
+    denom = v.sqrt_().div_(math.sqrt(1 - b2 ** n)).add_(eps)
+    step = m.div_(denom).mul_(lr / (1 - b1 ** n))
+    if wd and decoupled:
+        step.add_(p, alpha=lr * wd)
+    return step
+
+
+def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    from commopt.optim.layerwise import _skips, trust_ratios
+
+    lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+    skip = _skips(group, params, optimizer._exclude)
+    out = []
+    for p, g, s in zip(params, grads, skip):
+        if s:
+            u = g * lr
+        else:
+            trust = trust_ratios([p], [g], group["trust_coefficient"], wd, group["eps"])[0]
+            u = (g.add(p, alpha=wd) if wd else g) * (trust * lr).to(g.dtype)
+        buf = optimizer.state[p].get("momentum_buffer")
+        out.append(u if buf is None else u.add_(buf, alpha=m))
+    return out
+
+
+def predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """The step ``w - w_next`` that ``optimizer.step()`` would take with ``local_grads``.
+
+    Reads the optimizer's state and hyper-parameters, changes nothing. ``local_grads``
+    follows the order of ``optimizer.param_groups``' parameters; ``None`` means no step.
+    """
+    from commopt.optim.layerwise import LARS
+
+    pairs = _params(optimizer)
+    if len(local_grads) != len(pairs):
+        raise ValueError(f"predicted_step: {len(local_grads)} gradients for {len(pairs)} parameters "
+                         "(pass one per parameter, in param_groups order, None for no gradient)")
+    kind = type(optimizer)
+    with torch.no_grad():
+        if kind is LARS:
+            steps: list[Tensor | None] = [None] * len(pairs)
+            index = 0
+            for group in optimizer.param_groups:
+                idx = [index + i for i, _ in enumerate(group["params"]) if local_grads[index + i] is not None]
+                index += len(group["params"])
+                got = _lars_steps(optimizer, group, [pairs[i][1] for i in idx], [local_grads[i] for i in idx])
+                for i, s in zip(idx, got):
+                    steps[i] = s
+            return steps
+        if kind is torch.optim.SGD:
+            rule = _sgd_step
+        elif kind in (torch.optim.Adam, torch.optim.AdamW):
+            decoupled = kind is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
+            def rule(group, state, p, g):  # noqa: E306
+                return _adam_step(group, state, p, g, decoupled)
+        else:
+            raise TypeError(f"compensated double buffering predicts steps of SGD, Adam, AdamW and LARS, "
+                            f"not {kind.__name__}; use double_buffering=True (plain) with this optimizer")
+        return [None if g is None else rule(group, optimizer.state.get(p, {}), p, g)
+                for (group, p), g in zip(pairs, local_grads)]
+
+
+class LocalStepPrediction:
+    """Keeps the true weights; moves the model to the weights predicted for the next step.
+
+    ``optimizer`` is the inner optimizer (SGD, Adam, AdamW or LARS) whose ``step()`` applies
+    the averaged gradients; see the module docstring for the call order.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        predicted_step(optimizer, [None] * len(_params(optimizer)))  # unsupported: fail now
+        self._weights: list[Tensor] | None = None   # true weights while the model is predicted
+
+    @property
+    def predicting(self) -> bool:
+        """True while the parameters hold predicted weights (the true ones are kept aside)."""
+        return self._weights is not None
+
+    def _tensors(self) -> list[Tensor]:
+        return [p for _, p in _params(self.optimizer)]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the true weights back into the parameters (exact copy). Idempotent."""
+        if self._weights is not None:
+            torch._foreach_copy_(self._tensors(), self._weights)
+            self._weights = None
+
+    @torch.no_grad()
+    def predict(self, local_grads: Sequence[Tensor | None]) -> None:
+        """Keep the true weights and move the parameters by the step ``local_grads`` predicts."""
+        if self._weights is not None:
+            raise RuntimeError("LocalStepPrediction.predict() twice without restore(): call restore() "
+                               "before the optimizer applies the averaged gradients")
+        params = self._tensors()
+        steps = predicted_step(self.optimizer, local_grads)
+        self._weights = [p.detach().clone() for p in params]
+        moved = [(p, s) for p, s in zip(params, steps) if s is not None]
+        if moved:
+            torch._foreach_sub_([p for p, _ in moved], [s.to(p.dtype) for p, s in moved])
+
+    @contextlib.contextmanager
+    def true_weights(self) -> Iterator[None]:
+        """Evaluate at the true weights inside the block, then go back to the predicted ones."""
+        if self._weights is None:
+            yield
+            return
+        params = self._tensors()
+        predicted = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_(params, self._weights)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, predicted)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors: the true weights (``None`` when the parameters hold them)."""
+        return {"weights": None if self._weights is None else [w.clone() for w in self._weights]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        weights = state.get("weights") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or "weights" not in state:
+            raise ValueError("LocalStepPrediction.load_state_dict: expected {'weights': [...] or None} "
+                             "as saved by state_dict()")
+        if weights is None:
+            self._weights = None
+            return
+        params = self._tensors()
+        if len(weights) != len(params) or any(w.shape != p.shape for w, p in zip(weights, params)):
+            raise ValueError("LocalStepPrediction.load_state_dict: the saved weights do not match the "
+                             f"optimizer's {len(params)} parameters (shapes differ); load the state "
+                             "saved with this model")
+        self._weights = [w.detach().to(p.device, p.dtype).clone() for w, p in zip(weights, params)]
