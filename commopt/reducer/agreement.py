@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from commopt import kernels
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.reducer.layout import Bucket
@@ -46,7 +47,7 @@ def agree(comm: Communicator, buckets: Sequence[Bucket], flats: Sequence[torch.T
     """
     n = len(flats)
     local = [float(bool(bad[i]) or (may_overflow(buckets[i].codec, scale)
-                                    and not bool(torch.isfinite(flat.sum()))))
+                                    and has_nonfinite(flat)))
              for i, flat in enumerate(flats)]
     local += [float(p) for p in present]
     # On the buckets' device: a GPU transport (NCCL) reduces device memory only.
@@ -67,3 +68,15 @@ def may_overflow(codec: Codec | None, scale: float) -> bool:
     wire, QSGD with l2 norms or float16 scales) or a scale above 1 pay a second pass.
     """
     return scale > 1.0 or (codec is not None and codec.can_overflow)
+
+
+def has_nonfinite(flat: torch.Tensor) -> bool:
+    """Whether ``flat`` holds a NaN or Inf (exact: huge finite values are no false alarm).
+
+        >>> import torch
+        >>> has_nonfinite(torch.tensor([3e38, 3e38])), has_nonfinite(torch.tensor([float("nan")]))
+        (False, True)
+    """
+    if flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
+        return kernels.nonfinite(flat)  # one native pass, no temporary
+    return not bool(torch.isfinite(flat).all())

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from commopt import collectives
+from commopt import collectives, kernels
 from commopt.codecs.base import Codec, RngKey
 from commopt.comm.base import Communicator, Work
 from commopt.reducer.layout import Bucket, build_buckets, is_view_of, slot_view
@@ -98,14 +98,15 @@ class GradientReducer:
         self.pending_discards += 1
 
     # -- per bucket -----------------------------------------------------------------------
-    def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor:
+    def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         """Copy the bucket's gradients into ``flat`` (zeros for None); local NaN/Inf flag."""
+        pieces, views = [], []
         for s in bucket.slots:
             g = self.params[s.param].grad
             dst = flat[s.offset: s.offset + s.numel]
             if g is None:
                 present[s.param] = False
-                dst.zero_()
+                pieces.append((None, s.offset, s.numel))
                 continue
             if g.is_sparse or g.layout != torch.strided:
                 raise RuntimeError(
@@ -114,12 +115,27 @@ class GradientReducer:
                     "gradient with .to_dense() before step())."
                 )
             present[s.param] = True
-            if not is_view_of(g, dst):  # backward accumulated into the bucket: nothing to copy
-                dst.copy_(g.reshape(-1))
-        for s in bucket.slots:
-            if s.padded > s.numel:  # a NaN decoded into the padding must not stay there
-                flat[s.offset + s.numel: s.offset + s.padded].zero_()
-        # The sum is NaN/Inf iff some element is (short of an fp32 overflow of huge values).
+            if is_view_of(g, dst):  # backward accumulated into the bucket: nothing to copy
+                views.append(dst)
+            else:
+                pieces.append((g.reshape(-1), s.offset, s.numel))
+        # a NaN decoded into the padding must not stay there
+        pieces += [(None, s.offset + s.numel, s.padded - s.numel)
+                   for s in bucket.slots if s.padded > s.numel]
+        if flat.device.type == "cpu" and flat.dtype == torch.float32 and all(
+                src is None or (src.dtype == torch.float32 and src.is_contiguous())
+                for src, _, _ in pieces):
+            # One pass copies and checks (the native kernel); views are checked in place.
+            bad = kernels.pack_nonfinite(pieces, flat)
+            return bad or any(kernels.nonfinite(v) for v in views)
+        for src, offset, numel in pieces:
+            dst = flat[offset: offset + numel]
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src)
+        # On the device, without a host sync: the sum is NaN/Inf iff some element is (short
+        # of an fp32 overflow of huge values).
         return ~torch.isfinite(flat.sum())
 
     def reduce(self, bucket: Bucket, flat: torch.Tensor, step: int, scale: float) -> Work:

@@ -14,7 +14,7 @@ import torch
 from commopt import driver
 from commopt.comm.base import CompletedWork as _DoneWork
 from commopt.comm.base import Work
-from commopt.reducer.agreement import StepResult, agree
+from commopt.reducer.agreement import StepResult, agree, has_nonfinite
 
 if TYPE_CHECKING:  # the reducer starts steps: it imports this module
     from commopt.reducer.gradient_reducer import GradientReducer
@@ -139,7 +139,7 @@ class StepReduction:
         keep = [True] * len(self.present) if zero_fill else result.present
         for i, bucket in enumerate(self.reducer.buckets):
             flat = self.flats[i]
-            if i in result.bad_buckets and bool(torch.isfinite(flat).all()):
+            if i in result.bad_buckets and not has_nonfinite(flat):
                 for s in bucket.slots:
                     flat[s.offset: s.offset + s.numel].fill_(float("nan"))
             self.reducer.unpack(bucket, flat, keep)
