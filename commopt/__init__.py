@@ -7,7 +7,7 @@
 """
 __version__ = "0.1.0"
 
-__all__ = ["create_communicator", "create_multi_node_optimizer", "reuse_freed_memory", "__version__"]
+__all__ = ["__version__", "create_communicator", "create_multi_node_optimizer", "reuse_freed_memory"]
 
 
 def __getattr__(name):

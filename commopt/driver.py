@@ -27,16 +27,17 @@ drained before the thread pools stop (see :func:`_drain_all_at_exit`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
-from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
+from commopt.comm.base import Communicator, CompletedWork, FutureWork, Work
 
-__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device", "idle", "release_when_idle"]
+__all__ = ["Driver", "drain", "driver_for", "idle", "on_device", "release_when_idle", "submit", "then"]
 
 _DONE = CompletedWork()
 
@@ -69,7 +70,7 @@ class Driver:
 
 
 # Keyed weakly by communicator: a worker lives as long as its communicator.
-_DRIVERS: "weakref.WeakKeyDictionary[Communicator, Driver]" = weakref.WeakKeyDictionary()
+_DRIVERS: weakref.WeakKeyDictionary[Communicator, Driver] = weakref.WeakKeyDictionary()
 _DRIVERS_LOCK = threading.Lock()
 
 
@@ -97,7 +98,7 @@ def on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None
 
 
 # Stream-ordered communicators: the last job's Work, for drain() (weakly keyed as above).
-_LAST_INLINE: "weakref.WeakKeyDictionary[Communicator, Work]" = weakref.WeakKeyDictionary()
+_LAST_INLINE: weakref.WeakKeyDictionary[Communicator, Work] = weakref.WeakKeyDictionary()
 
 
 def _run_inline(comm: Communicator, fn: Callable[[], None], device, keep) -> Work:
@@ -173,10 +174,8 @@ def _drain_all_at_exit() -> None:
     while its peers already entered the collective: they would wait forever.
     """
     for drv in list(_DRIVERS.values()):
-        try:
+        with contextlib.suppress(Exception):
             drv.drain()
-        except Exception:  # noqa: BLE001 - reported by whoever waits; nothing to do at exit
-            pass
 
 
 # Runs before concurrent.futures' own exit hook (these hooks run in reverse order).

@@ -21,7 +21,7 @@ non-finite value reaches the decoded gradient, where the optimizer's check catch
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 

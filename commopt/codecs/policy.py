@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 DEFAULT_EXCLUDE = (r"(^|\.)bias$", r"(^|\.)(bn|batchnorm|norm|ln|layernorm|layer_norm)[^.]*\.")

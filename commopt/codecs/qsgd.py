@@ -28,7 +28,7 @@ is NaN: a non-finite gradient is never hidden, and the optimizer's check reports
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 

@@ -7,18 +7,24 @@ choice among them is :mod:`commopt.collectives.choice`'s.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from commopt.collectives.choice import choose_algorithm
 from commopt.collectives.layout import (
-    PHASE_GATHER, PHASE_SCATTER, PIECE_BYTES, chunk_bounds, chunk_rng, scatter_reduce_layout, sub_key,
+    PHASE_GATHER,
+    PHASE_SCATTER,
+    PIECE_BYTES,
+    chunk_bounds,
+    chunk_rng,
+    scatter_reduce_layout,
+    sub_key,
 )
 from commopt.comm.base import Work
 from commopt.comm.topology import hierarchy
 
-__all__ = ["PLANS", "plan_native", "plan_scatter_reduce", "plan_hierarchical"]
+__all__ = ["PLANS", "plan_hierarchical", "plan_native", "plan_scatter_reduce"]
 
 
 # Each plan returns a callable that runs the reduction (on the driver thread, or at once);

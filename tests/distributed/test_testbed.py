@@ -17,8 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from commopt.testbed import (TestbedUnavailable, emulated_cluster, format_rate, measure_link,
-                             parse_rate, unavailable_reason)
+from commopt.testbed import (
+    TestbedUnavailable,
+    emulated_cluster,
+    format_rate,
+    measure_link,
+    parse_rate,
+    unavailable_reason,
+)
 from commopt.testbed.netns import ETC_NETNS, _lock_path, list_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,13 +100,13 @@ def test_hosts_have_two_networks_and_no_way_out():
 
 
 def test_teardown_after_an_exception_and_two_runs_side_by_side():
-    with pytest.raises(RuntimeError, match="boom"):
-        with emulated_cluster(2, "1gbit") as a, emulated_cluster(2, None) as b:
-            assert a.slot != b.slot and not set(a.namespaces) & set(b.namespaces)
-            # A process left running inside a host does not keep its namespace alive.
-            subprocess.Popen(a.host_argv(0, ["sleep", "60"]))
-            names = a.namespaces + b.namespaces
-            raise RuntimeError("boom")
+    with (pytest.raises(RuntimeError, match="boom"),
+          emulated_cluster(2, "1gbit") as a, emulated_cluster(2, None) as b):
+        assert a.slot != b.slot and not set(a.namespaces) & set(b.namespaces)
+        # A process left running inside a host does not keep its namespace alive.
+        subprocess.Popen(a.host_argv(0, ["sleep", "60"]))
+        names = a.namespaces + b.namespaces
+        raise RuntimeError("boom")
     assert not set(names) & set(list_namespaces())
 
 
@@ -146,9 +152,8 @@ def test_cleanup_after_sigkill():
 
 
 def test_clear_refusal_when_it_cannot_run():
-    with pytest.raises(ValueError, match="1 to 253 hosts"):
-        with emulated_cluster(0):
-            pass
+    with pytest.raises(ValueError, match="1 to 253 hosts"), emulated_cluster(0):
+        pass
     assert issubclass(TestbedUnavailable, RuntimeError)
 
 

@@ -70,7 +70,7 @@ def print_model(model: str, info: dict, rows: list[Row], n: int, plan, targets: 
     if profiled:
         from commopt.bench.profile_report import profile_table
 
-        print(f"\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
+        print("\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
         print(profile_table(profiled))
     print(flush=True)
 
