@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from commopt import collectives
+from commopt import collectives, driver
 from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, RngKey, get_codec
 from commopt.codecs.policy import DEFAULT_EXCLUDE, DEFAULT_MIN_COMPRESS_NUMEL
 from commopt.integrations.c10d_comm import C10dCommunicator
@@ -223,7 +223,7 @@ class CommoptProcessGroup(dist.ProcessGroup):
             except Exception as exc:  # the transport's error reaches whoever waits
                 future.set_exception(exc)
 
-        collectives.then(self.comm, finish)
+        driver.then(self.comm, finish)
         return _create_work_from_future(future)
 
 

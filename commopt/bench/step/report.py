@@ -75,7 +75,7 @@ def print_model(model: str, info: dict, rows: list[Row], n: int, plan, targets: 
     print(flush=True)
 
 
-def _profiles(report: dict) -> list:
+def _profiles(report: dict) -> list[tuple[str, dict, dict]]:
     from commopt.bench.profile_report import report_entries
 
     return report_entries(report)
