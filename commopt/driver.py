@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from typing import Any
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -101,15 +102,19 @@ def on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None
 _LAST_INLINE: weakref.WeakKeyDictionary[Communicator, Work] = weakref.WeakKeyDictionary()
 
 
-def _run_inline(comm: Communicator, fn: Callable[[], None], device, keep) -> Work:
+def _run_inline(comm: Communicator, fn: Callable[[], None], device: Any,
+                keep: Sequence[Any]) -> Work:
     from commopt.comm.streams import issue_after_caller
 
-    work = issue_after_caller(comm.streams, comm.codec_stream(device), device, fn, keep)
+    # Only stream-ordered communicators (comm.streams) come here; the base class has no streams.
+    ordered: Any = comm
+    work = issue_after_caller(ordered.streams, ordered.codec_stream(device), device, fn, keep)
     _LAST_INLINE[comm] = work
     return work
 
 
-def submit(comm: Communicator, fn: Callable[[], None], device=None, keep=()) -> Work:
+def submit(comm: Communicator, fn: Callable[[], None], device: Any = None,
+           keep: Sequence[Any] = ()) -> Work:
     """Run ``fn`` on ``comm``'s worker after every job submitted on ``comm`` so far.
 
     ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of

@@ -75,5 +75,5 @@ def chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:
     return RngKey(rng.seed, rng.rank, rng.step, stream)
 
 
-def sub_key(key, suffix: str):
+def sub_key(key: str | None, suffix: str) -> str | None:
     return None if key is None else f"{key}/{suffix}"
