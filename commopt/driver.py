@@ -30,9 +30,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 

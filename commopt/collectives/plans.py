@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from commopt.codecs.base import Codec, RngKey
 from commopt.collectives.choice import choose_algorithm
 from commopt.collectives.layout import (
     PHASE_GATHER,
@@ -21,7 +22,6 @@ from commopt.collectives.layout import (
     scatter_reduce_layout,
     sub_key,
 )
-from commopt.codecs.base import Codec, RngKey
 from commopt.comm.base import Communicator, Work
 from commopt.comm.topology import hierarchy
 
