@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,23 +25,13 @@ from commopt.testbed import (
     unavailable_reason,
 )
 from commopt.testbed.netns import ETC_NETNS, _lock_path, list_namespaces
+from tests.multirank import launch, needs_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.distributed, pytest.mark.netns,
               pytest.mark.skipif(_REASON is not None, reason=f"emulated cluster: {_REASON}")]
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                  reason="mpirun not found: install Open MPI")
-
-
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([PY, "-m", "commopt", "launch", *args], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def root_links() -> set[str]:
