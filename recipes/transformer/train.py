@@ -271,7 +271,7 @@ class Trainer:
         """The checkpoint: rank 0's shared state plus every rank's own (random state)."""
         rank_states = self.comm.allgather_obj({"rng": rng_state()})
         return {
-            "args": dict(vars(self.args).items()),
+            "args": dict(vars(self.args)),
             "model_config": dataclasses.asdict(self.cfg),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
