@@ -3,13 +3,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit test-distributed bench clean horovod gpu-check
+.PHONY: setup demo lint test test-unit test-distributed bench clean horovod gpu-check
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m commopt demo
+
+# The guardrails: lint, the formatter's check and the type checker (config in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
 
 test: setup
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

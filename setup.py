@@ -4,6 +4,7 @@ The library is plain C++ with a C ABI, loaded with ctypes by commopt/kernels.py,
 compiles in seconds and does not depend on torch headers.
 """
 import os
+
 from setuptools import Extension, setup
 
 extra = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-funroll-loops"]

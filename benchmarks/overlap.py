@@ -105,7 +105,7 @@ def rank_main(args) -> None:
 
     steps = {mode: make(mode) for mode in TIMED_MODES if mode != "ddp" or dist.is_initialized()}
     times: dict[str, list[float]] = {mode: [] for mode in steps}
-    for mode, step in steps.items():  # warm-up (allocations, first broadcast, first stale step)
+    for step in steps.values():  # warm-up (allocations, first broadcast, first stale step)
         for _ in range(2):
             step()
     for _ in range(args.repeats):

@@ -25,12 +25,23 @@ from pathlib import Path
 from commopt._tables import table
 from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
-from commopt.sim.effects import (EFFECT_TOLERANCE, FASTSOCKET_SEQS, all_effects, chainermn_network_comparison,
-                                  ec2_socket_ratio, gcp_fastsocket_sensitivity)
+from commopt.sim.effects import (
+    EFFECT_TOLERANCE,
+    FASTSOCKET_SEQS,
+    all_effects,
+    chainermn_network_comparison,
+    ec2_socket_ratio,
+    gcp_fastsocket_sensitivity,
+)
 from commopt.sim.loo import choice_alternatives, leave_one_out
 from commopt.sim.machines import PRESETS
 from commopt.sim.software import software_plan
-from commopt.sim.validation import TOLERANCE, compare_testbed_measurements, load_measurements, published_comparison
+from commopt.sim.validation import (
+    TOLERANCE,
+    compare_testbed_measurements,
+    load_measurements,
+    published_comparison,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Allreduce rows (benchmarks/allreduce_link.py) and training-step rows (commopt bench step).

@@ -51,9 +51,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bo
         except ImportError:
             pass
         else:
-            return tabulate(body, headers=list(headers), tablefmt="simple",
-                            colalign=["left" if a == "l" else "right" for a in align],
-                            disable_numparse=True)
+            return str(tabulate(body, headers=list(headers), tablefmt="simple",
+                                colalign=["left" if a == "l" else "right" for a in align],
+                                disable_numparse=True))
     return _text(headers, body, align)
 
 

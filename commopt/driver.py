@@ -27,16 +27,18 @@ drained before the thread pools stop (see :func:`_drain_all_at_exit`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any
 
 import torch
 
-from commopt.comm.base import CompletedWork, Communicator, FutureWork, Work
+from commopt.comm.base import Communicator, CompletedWork, FutureWork, Work
 
-__all__ = ["Driver", "driver_for", "submit", "then", "drain", "on_device", "idle", "release_when_idle"]
+__all__ = ["Driver", "drain", "driver_for", "idle", "on_device", "release_when_idle", "submit", "then"]
 
 _DONE = CompletedWork()
 
@@ -69,7 +71,7 @@ class Driver:
 
 
 # Keyed weakly by communicator: a worker lives as long as its communicator.
-_DRIVERS: "weakref.WeakKeyDictionary[Communicator, Driver]" = weakref.WeakKeyDictionary()
+_DRIVERS: weakref.WeakKeyDictionary[Communicator, Driver] = weakref.WeakKeyDictionary()
 _DRIVERS_LOCK = threading.Lock()
 
 
@@ -97,18 +99,22 @@ def on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None
 
 
 # Stream-ordered communicators: the last job's Work, for drain() (weakly keyed as above).
-_LAST_INLINE: "weakref.WeakKeyDictionary[Communicator, Work]" = weakref.WeakKeyDictionary()
+_LAST_INLINE: weakref.WeakKeyDictionary[Communicator, Work] = weakref.WeakKeyDictionary()
 
 
-def _run_inline(comm: Communicator, fn: Callable[[], None], device, keep) -> Work:
+def _run_inline(comm: Communicator, fn: Callable[[], None], device: Any,
+                keep: Sequence[Any]) -> Work:
     from commopt.comm.streams import issue_after_caller
 
-    work = issue_after_caller(comm.streams, comm.codec_stream(device), device, fn, keep)
+    # Only stream-ordered communicators (comm.streams) come here; the base class has no streams.
+    ordered: Any = comm
+    work = issue_after_caller(ordered.streams, ordered.codec_stream(device), device, fn, keep)
     _LAST_INLINE[comm] = work
     return work
 
 
-def submit(comm: Communicator, fn: Callable[[], None], device=None, keep=()) -> Work:
+def submit(comm: Communicator, fn: Callable[[], None], device: Any = None,
+           keep: Sequence[Any] = ()) -> Work:
     """Run ``fn`` on ``comm``'s worker after every job submitted on ``comm`` so far.
 
     ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
@@ -173,10 +179,8 @@ def _drain_all_at_exit() -> None:
     while its peers already entered the collective: they would wait forever.
     """
     for drv in list(_DRIVERS.values()):
-        try:
+        with contextlib.suppress(Exception):
             drv.drain()
-        except Exception:  # noqa: BLE001 - reported by whoever waits; nothing to do at exit
-            pass
 
 
 # Runs before concurrent.futures' own exit hook (these hooks run in reverse order).

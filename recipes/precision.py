@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecision", "PRECISIONS"]
+__all__ = ["PRECISIONS", "MixedPrecision"]
 
 #: What a recipe's precision option may say. ``on``: float16 on CUDA, bfloat16 elsewhere;
 #: ``auto``: float16 on CUDA, fp32 elsewhere; ``off``: fp32.
@@ -32,10 +32,10 @@ PRECISIONS = ("auto", "on", "off", "fp32", "fp16", "bf16")
 class MixedPrecision:
     device: torch.device
     dtype: torch.dtype | None  # the autocast dtype; None: fp32 throughout
-    scaler: "torch.amp.GradScaler | None" = None
+    scaler: torch.amp.GradScaler | None = None
 
     @classmethod
-    def resolve(cls, precision: str, device: torch.device) -> "MixedPrecision":
+    def resolve(cls, precision: str, device: torch.device) -> MixedPrecision:
         """The precision ``precision`` means on ``device`` (ValueError says what to use)."""
         cuda = device.type == "cuda"
         if precision not in PRECISIONS:

@@ -25,6 +25,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from commopt.testbed.torch_dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +35,20 @@ PYTHON = sys.executable
 
 def mpirun_available() -> bool:
     return shutil.which("mpirun") is not None
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``commopt launch ARGS`` from the repository, with no launcher's variables inherited (this
+    process may itself run under mpirun, torchrun or Slurm)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([PYTHON, "-m", "commopt", "launch", *args], env=env, cwd=str(REPO),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+needs_mpirun = pytest.mark.skipif(not mpirun_available(), reason="mpirun not found: install Open MPI")
 
 
 def _base_env(env: dict | None) -> dict:

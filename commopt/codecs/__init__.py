@@ -16,6 +16,13 @@ from commopt.codecs.qsgd import QSGD
 from commopt.codecs.registry import codec_names, get_codec
 
 __all__ = [
-    "Codec", "RngKey", "CastCodec", "NoneCodec", "QSGD", "ErrorFeedback", "CompressionPolicy",
-    "get_codec", "codec_names",
+    "QSGD",
+    "CastCodec",
+    "Codec",
+    "CompressionPolicy",
+    "ErrorFeedback",
+    "NoneCodec",
+    "RngKey",
+    "codec_names",
+    "get_codec",
 ]

@@ -1,10 +1,15 @@
 """Checks and typed views of uint8 wire buffers shared by the codecs."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from commopt.codecs.base import Codec
 
-def check_wire(codec, wire: torch.Tensor, numel: int, what: str) -> None:
+
+def check_wire(codec: Codec, wire: torch.Tensor, numel: int, what: str) -> None:
     """Raise a clear error unless ``wire`` is a contiguous uint8 buffer of the exact size."""
     if wire.dtype != torch.uint8:
         raise TypeError(f"{codec.name}: the {what} buffer must be uint8, got {wire.dtype}")
@@ -18,7 +23,7 @@ def check_wire(codec, wire: torch.Tensor, numel: int, what: str) -> None:
         )
 
 
-def check_values(codec, t: torch.Tensor, what: str) -> torch.Tensor:
+def check_values(codec: Codec, t: torch.Tensor, what: str) -> torch.Tensor:
     """``t`` as a flat float32 view; raises unless it is a contiguous float32 tensor."""
     if t.dtype != torch.float32:
         raise TypeError(f"{codec.name}: {what} must be float32, got {t.dtype} (convert it first)")

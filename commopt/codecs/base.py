@@ -22,8 +22,9 @@ they are added (the scatter-reduce/allgather algorithm in commopt.collectives do
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 

@@ -21,7 +21,7 @@ non-finite value reaches the decoded gradient, where the optimizer's check catch
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 
@@ -89,7 +89,7 @@ class CastCodec(Codec):
 class NoneCodec(CastCodec):
     """No compression: float32 on the wire (the baseline every other codec is measured by)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(torch.float32)
 
     def __repr__(self) -> str:

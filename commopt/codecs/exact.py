@@ -5,9 +5,11 @@ build one per buffer dtype when they are given ``codec=None``.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
-from commopt.codecs.base import Codec
+from commopt.codecs.base import Codec, RngKey
 
 __all__ = ["Exact"]
 
@@ -26,6 +28,7 @@ class Exact(Codec):
 
     name = "exact"
     linear = True
+    wire_dtype: torch.dtype
 
     def __init__(self, dtype: torch.dtype):
         self.wire_dtype = dtype
@@ -34,14 +37,15 @@ class Exact(Codec):
     def encoded_nbytes(self, numel: int) -> int:
         return numel * self._itemsize
 
-    def encode(self, x, out, *, scale=1.0, rng=None, key=None) -> None:
+    def encode(self, x: torch.Tensor, out: torch.Tensor, *, scale: float = 1.0,
+               rng: RngKey | None = None, key: Hashable | None = None) -> None:
         dst = out.view(self.wire_dtype)[: x.numel()]
         if scale == 1.0:
             dst.copy_(x)
         else:
             torch.mul(x, scale, out=dst)
 
-    def decode(self, wire, out, *, accumulate=False) -> None:
+    def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
         src = wire.view(self.wire_dtype)[: out.numel()]
         if accumulate:
             out.add_(src)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 DEFAULT_EXCLUDE = (r"(^|\.)bias$", r"(^|\.)(bn|batchnorm|norm|ln|layernorm|layer_norm)[^.]*\.")
@@ -45,7 +45,7 @@ class CompressionPolicy:
     #: codec name for the tensors left out: "none" (float32), "fp16" or "bf16".
     uncompressed: str = "none"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
         if isinstance(self.exclude, str):
@@ -69,4 +69,5 @@ class CompressionPolicy:
             return False
         if math.prod(shape) < self.min_compress_numel:
             return False
-        return not any(p.search(name) for p in self._patterns)
+        patterns: tuple[re.Pattern[str], ...] = self.__dict__["_patterns"]  # see __post_init__
+        return not any(p.search(name) for p in patterns)

@@ -28,7 +28,8 @@ is NaN: a non-finite gradient is never hidden, and the optimizer's check reports
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ class QSGD(Codec):
         self._scale_bytes = 4 if scale_dtype == torch.float32 else 2
         self.name = f"qsgd{bits}"
 
-    def _params(self) -> dict:
+    def _params(self) -> dict[str, Any]:
         return dict(bits=self.bits, levels=self.levels, bucket_size=self.bucket_size,
                     scale_bytes=self._scale_bytes)
 
@@ -98,7 +99,8 @@ class QSGD(Codec):
         check_wire(self, out, flat.numel(), "output")
         if rng is None:
             # Without a key the draw is not reproducible; the reducer always passes one.
-            words = tuple(int(w) for w in torch.randint(0, 2**32, (2,), dtype=torch.int64))
+            lo, hi = (int(w) for w in torch.randint(0, 2**32, (2,), dtype=torch.int64))
+            words = (lo, hi)
         else:
             words = kernels.rng_words(rng.seed, rng.rank, rng.step, rng.stream)
         kernels.qsgd_encode(flat, out, key=words, norm=self.norm, stochastic=self.stochastic,

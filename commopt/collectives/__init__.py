@@ -54,7 +54,7 @@ from commopt.codecs.exact import Exact
 from commopt.collectives.choice import ALGORITHMS, check_arguments, choose_algorithm
 from commopt.collectives.layout import PIECE_BYTES, chunk_bounds, scatter_reduce_layout
 from commopt.collectives.plans import PLANS
-from commopt.comm.base import CompletedWork, Communicator, Work
+from commopt.comm.base import Communicator, CompletedWork, Work
 
 __all__ = [
     "ALGORITHMS", "PIECE_BYTES", "allreduce", "choose_algorithm", "chunk_bounds", "scatter_reduce_layout",

@@ -13,7 +13,7 @@ from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.comm.topology import uniform_nodes
 
-__all__ = ["ALGORITHMS", "choose_algorithm", "native_ok", "check_arguments"]
+__all__ = ["ALGORITHMS", "check_arguments", "choose_algorithm", "native_ok"]
 
 ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
 

@@ -11,8 +11,15 @@ import math
 
 from commopt.codecs.base import RngKey
 
-__all__ = ["PIECE_BYTES", "chunk_bounds", "scatter_reduce_layout", "chunk_rng", "sub_key",
-           "PHASE_SCATTER", "PHASE_GATHER"]
+__all__ = [
+    "PHASE_GATHER",
+    "PHASE_SCATTER",
+    "PIECE_BYTES",
+    "chunk_bounds",
+    "chunk_rng",
+    "scatter_reduce_layout",
+    "sub_key",
+]
 
 #: fp32 bytes per piece of the scatter-reduce pipeline: large enough that a transfer's
 #: fixed cost is small against its wire time, small enough that the codec work of the
@@ -68,5 +75,5 @@ def chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:
     return RngKey(rng.seed, rng.rank, rng.step, stream)
 
 
-def sub_key(key, suffix: str):
+def sub_key(key: str | None, suffix: str) -> str | None:
     return None if key is None else f"{key}/{suffix}"

@@ -7,29 +7,54 @@ choice among them is :mod:`commopt.collectives.choice`'s.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from commopt.codecs.base import Codec, RngKey
 from commopt.collectives.choice import choose_algorithm
 from commopt.collectives.layout import (
-    PHASE_GATHER, PHASE_SCATTER, PIECE_BYTES, chunk_bounds, chunk_rng, scatter_reduce_layout, sub_key,
+    PHASE_GATHER,
+    PHASE_SCATTER,
+    PIECE_BYTES,
+    chunk_bounds,
+    chunk_rng,
+    scatter_reduce_layout,
+    sub_key,
 )
 from commopt.codecs.cast import CastCodec
-from commopt.comm.base import Work
+from commopt.comm.base import Communicator, Work
 from commopt.comm.topology import hierarchy
 
-__all__ = ["PLANS", "plan_native", "plan_scatter_reduce", "plan_hierarchical"]
+__all__ = ["PLANS", "plan_hierarchical", "plan_native", "plan_scatter_reduce"]
+
+
+def _started(work: Work | None) -> Work:
+    """The Work of a collective issued with ``async_op=True`` (which always returns one)."""
+    if work is None:
+        raise RuntimeError("a communicator returned no Work for async_op=True: it breaks the "
+                           "Communicator contract (commopt/comm/base.py)")
+    return work
 
 
 # Each plan returns a callable that runs the reduction (on the driver thread, or at once);
 # the native plan encodes on the caller's thread first, the others do all their work later.
-def plan_native(comm, flat, codec, factor, rng, key, piece_bytes=None) -> Callable[[], None]:
-    if codec.wire_dtype == flat.dtype:
+def plan_native(
+    comm: Communicator, flat: torch.Tensor, codec: Codec, factor: float,
+    rng: RngKey | None, key: str | None, piece_bytes: int | None = None,
+) -> Callable[[], None]:
+    wire_dtype = codec.wire_dtype
+    if wire_dtype is None:  # check_arguments lets only linear codecs (with a wire dtype) here
+        raise ValueError(f"the native algorithm needs a linear codec, not {codec.name!r}")
+    if wire_dtype == flat.dtype:
         # A cast to the buffer's own dtype is the identity: reduce the buffer in place.
         if factor != 1.0:
             flat.mul_(factor)
-        return lambda: comm.allreduce(flat)
+
+        def in_place() -> None:
+            comm.allreduce(flat)
+
+        return in_place
     piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
     if isinstance(codec, CastCodec) and 0 < piece < flat.numel() * flat.element_size():
         return _plan_cast_pieces(comm, flat, codec, factor, piece // flat.element_size())
@@ -37,13 +62,15 @@ def plan_native(comm, flat, codec, factor, rng, key, piece_bytes=None) -> Callab
     codec.encode(flat, wire, scale=factor, rng=rng, key=key)
 
     def finish() -> None:
-        comm.allreduce(wire.view(codec.wire_dtype))
+        comm.allreduce(wire.view(wire_dtype))
         codec.decode(wire, flat, accumulate=False)
 
     return finish
 
 
-def _plan_cast_pieces(comm, flat, codec, factor, piece_elems: int) -> Callable[[], None]:
+def _plan_cast_pieces(
+    comm: Communicator, flat: torch.Tensor, codec: CastCodec, factor: float, piece_elems: int,
+) -> Callable[[], None]:
     """The native plan of a cast codec (fp16, bf16) as a pipeline of pieces.
 
     Casting the whole buffer before the transfer and back after it puts two passes over
@@ -63,7 +90,7 @@ def _plan_cast_pieces(comm, flat, codec, factor, piece_elems: int) -> Callable[[
         works = []
         for lo, hi in bounds:
             codec.encode(flat[lo:hi], typed[lo:hi].view(torch.uint8), scale=factor)
-            works.append(comm.allreduce(typed[lo:hi], async_op=True))
+            works.append(_started(comm.allreduce(typed[lo:hi], async_op=True)))
         for (lo, hi), work in zip(bounds, works):
             work.wait()
             codec.decode(typed[lo:hi].view(torch.uint8), flat[lo:hi], accumulate=False)
@@ -71,8 +98,10 @@ def _plan_cast_pieces(comm, flat, codec, factor, piece_elems: int) -> Callable[[
     return finish
 
 
-def plan_scatter_reduce(comm, flat, codec, factor, rng, key,
-                         piece_bytes: int | None = None) -> Callable[[], None]:
+def plan_scatter_reduce(
+    comm: Communicator, flat: torch.Tensor, codec: Codec, factor: float,
+    rng: RngKey | None, key: str | None, piece_bytes: int | None = None,
+) -> Callable[[], None]:
     """Scatter-reduce then allgather, pipelined over pieces of ``piece_bytes`` fp32 bytes.
 
     Per piece: encode the peers' chunks, alltoall, sum the own chunk in fp32, encode it,
@@ -110,7 +139,7 @@ def plan_scatter_reduce(comm, flat, codec, factor, rng, key,
                                  key=sub_key(key, f"rs{k * size + j}"))
 
         def start_scatter(k: int) -> Work:
-            return comm.alltoall(region(send, k), region(recv, k), async_op=True)
+            return _started(comm.alltoall(region(send, k), region(recv, k), async_op=True))
 
         def reduce_own_chunk(k: int) -> None:
             lo, hi = layout[k][rank]
@@ -134,7 +163,7 @@ def plan_scatter_reduce(comm, flat, codec, factor, rng, key,
         def start_gather(k: int) -> Work:
             # send's piece is free once its alltoall is done: it receives the reduced chunks.
             off = k * span + rank * slot
-            return comm.allgather(recv[off: off + slot], region(send, k), async_op=True)
+            return _started(comm.allgather(recv[off: off + slot], region(send, k), async_op=True))
 
         def decode_piece(k: int) -> None:
             # Every rank, the owner included, decodes the same bytes: identical results.
@@ -146,8 +175,8 @@ def plan_scatter_reduce(comm, flat, codec, factor, rng, key,
         # Two scatters in flight keep the link busy while piece k is summed and encoded.
         # Every rank issues the transport's collectives in the same order:
         # scatter 0, scatter 1, gather 0, scatter 2, gather 1, ...
-        scatters: list[Work | None] = [None] * pieces
-        gathers: list[Work | None] = [None] * pieces
+        scatters: dict[int, Work] = {}  # piece -> its alltoall, once started
+        gathers: dict[int, Work] = {}
         for k in range(min(2, pieces)):
             encode_peers_chunks(k)
             scatters[k] = start_scatter(k)
@@ -167,8 +196,10 @@ def plan_scatter_reduce(comm, flat, codec, factor, rng, key,
     return finish
 
 
-def plan_hierarchical(comm, flat, codec, factor, rng, key,
-                       piece_bytes=None) -> Callable[[], None]:
+def plan_hierarchical(
+    comm: Communicator, flat: torch.Tensor, codec: Codec, factor: float,
+    rng: RngKey | None, key: str | None, piece_bytes: int | None = None,
+) -> Callable[[], None]:
     def finish() -> None:
         intra, inter = hierarchy(comm)
         n = flat.numel()

@@ -116,6 +116,12 @@ def _check_world_matches_launcher(comm, name: str) -> None:
 
 
 __all__ = [
-    "Communicator", "Work", "CompletedWork", "CommError", "CollectiveMismatchError",
-    "create_communicator", "communicator_names", "parse_dtype",
+    "CollectiveMismatchError",
+    "CommError",
+    "Communicator",
+    "CompletedWork",
+    "Work",
+    "communicator_names",
+    "create_communicator",
+    "parse_dtype",
 ]

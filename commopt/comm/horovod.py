@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -190,7 +191,7 @@ class HorovodCommunicator(Communicator):
     # Objects (bcast_obj/allgather_obj) use the base class's JSON + bytes path over this
     # communicator's own collectives: Horovod's *_object helpers pickle and have no process set.
 
-    def _split(self, color: int, key: int) -> "HorovodCommunicator":
+    def _split(self, color: int, key: int) -> HorovodCommunicator:
         if self._ps is not self._hvd.global_process_set:
             raise NotImplementedError(
                 "a Horovod communicator made by split() cannot be split again: Horovod process "

@@ -12,8 +12,8 @@ torch.distributed's RANK/WORLD_SIZE), horovodrun's gloo mode, and Slurm's srun.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)

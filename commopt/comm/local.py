@@ -42,7 +42,7 @@ class LocalCommunicator(Communicator):
     def _barrier(self) -> None:
         return None
 
-    def _split(self, color: int, key: int) -> "LocalCommunicator":
+    def _split(self, color: int, key: int) -> LocalCommunicator:
         return LocalCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype)
 
     def supports_sum(self, dtype: torch.dtype) -> bool:

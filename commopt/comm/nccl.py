@@ -169,7 +169,7 @@ class NcclCommunicator(Communicator):
     def _allgather_obj(self, obj: Any) -> list:
         return self._boot.allgather_obj(obj)
 
-    def _split(self, color: int, key: int) -> "NcclCommunicator":
+    def _split(self, color: int, key: int) -> NcclCommunicator:
         # The MPI sub-communicator becomes the child's bootstrap as it is (no second
         # duplicate, no orphaned worker); the child enqueues on the parent's stream.
         sub = self._boot.split(color, key)

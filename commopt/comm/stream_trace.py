@@ -27,7 +27,7 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["StreamTrace", "TraceStream", "TraceEvent"]
+__all__ = ["StreamTrace", "TraceEvent", "TraceStream"]
 
 
 @dataclass(frozen=True)

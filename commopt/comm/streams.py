@@ -34,7 +34,8 @@ checked on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from commopt.comm.base import Work
 

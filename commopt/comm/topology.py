@@ -22,7 +22,7 @@ from commopt.comm.base import Communicator
 
 __all__ = ["hierarchy", "uniform_nodes"]
 
-_HIERARCHY: "weakref.WeakKeyDictionary[Communicator, tuple[Communicator, Communicator]]" = (
+_HIERARCHY: weakref.WeakKeyDictionary[Communicator, tuple[Communicator, Communicator]] = (
     weakref.WeakKeyDictionary()
 )
 _HIERARCHY_LOCK = threading.Lock()

@@ -82,7 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _list() -> int:
-    from commopt.sim import get_machine, list_codec_costs, list_machines, list_profiles, load_profile
+    from commopt.sim import (
+        get_machine,
+        list_codec_costs,
+        list_machines,
+        list_profiles,
+        load_profile,
+    )
 
     print("machines:")
     for name in list_machines():

@@ -40,19 +40,19 @@ variable                  default   meaning
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import sys
 import threading
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from commopt import collectives
-from commopt.codecs import CompressionPolicy, ErrorFeedback, QSGD, RngKey, get_codec
+from commopt import collectives, driver
+from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, RngKey, get_codec
 from commopt.codecs.policy import DEFAULT_EXCLUDE, DEFAULT_MIN_COMPRESS_NUMEL
 from commopt.integrations.c10d_comm import C10dCommunicator
 from commopt.integrations.ddp import CommoptHookState, commopt_hook
@@ -101,7 +101,7 @@ class BackendConfig:
     seed: int = 0
 
     @classmethod
-    def from_env(cls, env=None) -> "BackendConfig":
+    def from_env(cls, env=None) -> BackendConfig:
         env = os.environ if env is None else env
         exclude = env.get("COMMOPT_EXCLUDE")
         config = cls(
@@ -223,7 +223,7 @@ class CommoptProcessGroup(dist.ProcessGroup):
             except Exception as exc:  # the transport's error reaches whoever waits
                 future.set_exception(exc)
 
-        collectives.then(self.comm, finish)
+        driver.then(self.comm, finish)
         return _create_work_from_future(future)
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import datetime
 import json
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

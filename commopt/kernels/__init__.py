@@ -28,6 +28,7 @@ kernels; on a GPU machine set it yourself): slow, meant for tests.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import warnings
@@ -77,7 +78,7 @@ def rng_words(seed: int, rank: int, step: int, stream: int = 0) -> tuple[int, in
 
 
 def _native():
-    from commopt.kernels import native as _native_kernels  # noqa: PLC0415 - cheap after the first import
+    from commopt.kernels import native as _native_kernels
 
     return _native_kernels
 
@@ -338,7 +339,7 @@ def _check_pieces(pieces, dst: torch.Tensor) -> list[tuple]:
                 raise ValueError(f"piece {k}'s source is on {src.device}, dst on {dst.device}")
         out.append((src, offset, numel))
     ranges = sorted((o, o + n) for _, o, n in out if n)
-    if any(b[0] < a[1] for a, b in zip(ranges, ranges[1:])):
+    if any(b[0] < a[1] for a, b in itertools.pairwise(ranges)):
         raise ValueError("pieces overlap in dst: give each its own range")
     return out
 

@@ -55,7 +55,7 @@ def uniform_bits(index: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
     return _lowbias32_(x.bitwise_xor_(k1))
 
 
-def _uniform24(n: int, key: tuple[int, int], device) -> torch.Tensor:
+def _uniform24(n: int, key: tuple[int, int], device: torch.device | str | None) -> torch.Tensor:
     idx = torch.arange(n, dtype=torch.int64, device=device)
     u = uniform_bits(idx, key)
     # 24 random bits -> float32 in [0, 1), exactly representable.
@@ -105,7 +105,8 @@ def bucket_steps(m: torch.Tensor, levels: int, scale_bytes: int) -> torch.Tensor
     return step
 
 
-def _split_wire(wire: torch.Tensor, nbuckets: int, scale_bytes: int):
+def _split_wire(wire: torch.Tensor, nbuckets: int,
+                scale_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale_dtype = torch.float32 if scale_bytes == 4 else torch.float16
     # copy: the wire may sit at an offset that is not a multiple of the scale size
     scales = wire[: nbuckets * scale_bytes].clone().view(scale_dtype)

@@ -43,8 +43,8 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 #: widest bucket whose l2 norm the kernel sums itself (a power of two).
 MAX_WIDTH = 4096
@@ -180,7 +180,7 @@ def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchu
         m = _tile_norm(y, ROWS, WIDTH, LOG2W)
     else:  # any width, in chunks of WIDTH
         bitmax = tl.zeros((ROWS,), dtype=tl.int32)
-        for c in range(0, nchunks):
+        for c in range(nchunks):
             j = c * WIDTH + cols
             idx = rows[:, None] * bucket + j[None, :]
             y = tl.load(x_ptr + idx, mask=row_ok[:, None] & (j[None, :] < bucket) & (idx < n), other=0.0)
@@ -282,7 +282,7 @@ def _cast_decode_kernel(wire_ptr, out_ptr, n, alpha, HAS_ALPHA: tl.constexpr,
 
 
 INTERPRETED = type(_cast_encode_kernel).__name__ == "InterpretedFunction"
-if INTERPRETED != (type(tl.max).__name__ == "InterpretedFunction"):
+if (type(tl.max).__name__ == "InterpretedFunction") != INTERPRETED:
     raise ImportError(
         "TRITON_INTERPRET changed between the import of triton and of commopt's kernels; set it "
         "(or leave it unset) before triton is first imported")

@@ -213,7 +213,7 @@ def _torch_versions() -> tuple[str | None, str | None, str | None]:
         try:  # ncclGetVersion needs no GPU, only a CUDA build of torch
             v = torch.cuda.nccl.version()
             nccl = format_version(tuple(v) if isinstance(v, tuple) else decode_nccl_version_code(int(v)))
-        except Exception:  # noqa: BLE001 - a broken CUDA install must not stop the doctor
+        except Exception:
             nccl = None
     return torch.__version__, torch.version.cuda, nccl
 
@@ -225,7 +225,7 @@ def _cupy_nccl_version() -> str | None:
         from cupy.cuda import nccl
 
         return format_version(decode_nccl_version_code(int(nccl.get_version())))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

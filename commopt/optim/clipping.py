@@ -25,11 +25,11 @@ in-place operation bumps them; reading one costs nothing), so it fails loudly in
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clip_grad_norm", "check_max_norm", "GradWriteGuard", "write_before_reduction_error"]
+__all__ = ["GradWriteGuard", "check_max_norm", "clip_grad_norm", "write_before_reduction_error"]
 
 
 def check_max_norm(max_norm) -> float | None:

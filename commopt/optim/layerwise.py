@@ -28,7 +28,7 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 
-__all__ = ["LARS", "lars", "LayerwiseAdaptation", "exclude_bias_and_norm", "trust_ratios"]
+__all__ = ["LARS", "LayerwiseAdaptation", "exclude_bias_and_norm", "lars", "trust_ratios"]
 
 ExcludeFn = Callable[[Tensor], bool]
 

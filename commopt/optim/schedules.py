@@ -28,8 +28,14 @@ from dataclasses import dataclass
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = [
-    "poly_warmup_lr", "step_warmup_lr", "PolyWarmup", "StepWarmup", "LarsDefaults",
-    "mlperf_lars_defaults", "CHAINERMN_MILESTONES", "chainermn_step_lr",
+    "CHAINERMN_MILESTONES",
+    "LarsDefaults",
+    "PolyWarmup",
+    "StepWarmup",
+    "chainermn_step_lr",
+    "mlperf_lars_defaults",
+    "poly_warmup_lr",
+    "step_warmup_lr",
 ]
 
 # (epoch, factor): the LR is multiplied by each factor once its epoch is reached (published).

@@ -37,7 +37,7 @@ class Link:
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
 
-    def scaled(self, bandwidth_factor: float) -> "Link":
+    def scaled(self, bandwidth_factor: float) -> Link:
         return Link(self.latency_s, self.bandwidth_Bps * bandwidth_factor)
 
 

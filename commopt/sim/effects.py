@@ -19,7 +19,13 @@ from commopt.sim.model_profiles import load_profile
 from commopt.sim.software import software_plan
 from commopt.sim.step import simulate
 from commopt.sim.transport import parse_nccl_env
-from commopt.sim.validation import Effect, cgx_effect, chainermn_efficiency, chainermn_effect, chainermn_profile
+from commopt.sim.validation import (
+    Effect,
+    cgx_effect,
+    chainermn_effect,
+    chainermn_efficiency,
+    chainermn_profile,
+)
 
 #: Effects reproduced when the prediction is within this fraction of the published size.
 EFFECT_TOLERANCE = 0.25

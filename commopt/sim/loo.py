@@ -15,14 +15,14 @@ the result: its out-of-sample error, beside the in-sample one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from commopt.sim.costs import Link
 from commopt.sim.machines import get_machine
 from commopt.sim.model_profiles import load_profile
 from commopt.sim.step import simulate
-from commopt.sim.validation import PUBLISHED_ROWS, PublishedRow, TOLERANCE
+from commopt.sim.validation import PUBLISHED_ROWS, TOLERANCE, PublishedRow
 
 #: A candidate changes the (machine, profile) a row is predicted with.
 Transform = Callable[[object, object], tuple]

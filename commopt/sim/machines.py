@@ -93,7 +93,7 @@ class Machine:
 
     def with_overrides(self, *, inter_gbps: float | None = None, intra_GBps: float | None = None,
                        gpus_per_node: int | None = None, inter_latency_us: float | None = None,
-                       transport: str | Transport | None = None, nccl_env: dict | None = None) -> "Machine":
+                       transport: str | Transport | None = None, nccl_env: dict | None = None) -> Machine:
         """A copy with other link speeds, another transport, or NCCL variables applied to its
         transport; the preset's efficiencies are kept."""
         m = self
@@ -144,7 +144,7 @@ class Machine:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Machine":
+    def from_dict(cls, d: dict) -> Machine:
         """Inverse of :meth:`to_dict`; ``inter`` may instead be given as ``inter_gbps`` and
         ``inter_efficiency`` (default 0.9) with ``inter_latency_us``."""
         def link(v, what):

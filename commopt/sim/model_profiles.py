@@ -78,7 +78,7 @@ class ModelProfile:
 
     def with_overrides(self, *, batch_per_gpu: float | None = None, gpu: str | None = None,
                        throughput: float | None = None, step_time: float | None = None,
-                       grad_bytes_per_param: int | None = None) -> "ModelProfile":
+                       grad_bytes_per_param: int | None = None) -> ModelProfile:
         """A copy with another batch, gradient width, or single-GPU speed for ``gpu``."""
         p = self
         if batch_per_gpu is not None:
@@ -106,7 +106,7 @@ class ModelProfile:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelProfile":
+    def from_dict(cls, d: dict) -> ModelProfile:
         try:
             layers = tuple(Layer(str(e["name"]), int(e["numel"]), float(e["backward_weight"]))
                            for e in d["layers"])

@@ -56,7 +56,7 @@ class Plan:
         object.__setattr__(self, "piece_mb", float(piece_mb))
         object.__setattr__(self, "copy_passes", float(copy_passes))
 
-    def with_(self, **changes) -> "Plan":
+    def with_(self, **changes) -> Plan:
         """A copy with some fields changed: ``plan.with_(bucket_mb=50)``."""
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:

@@ -15,8 +15,8 @@ kept, so profiling stays quick.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from commopt.sim.model_profiles import Layer, ModelProfile
 
@@ -37,12 +37,10 @@ def profile_module(model, make_inputs: Callable[[], tuple], *, name: str, batch:
     if not owners:
         raise ValueError("the model has no trainable parameters to profile")
     stamps: dict[int, float] = {}
-    handles = []
-    for _, module in owners:
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param: stamps.__setitem__(id(param), time.perf_counter())))
+    handles = [p.register_post_accumulate_grad_hook(
+                   lambda param: stamps.__setitem__(id(param), time.perf_counter()))
+               for _, module in owners for p in module.parameters(recurse=False)
+               if p.requires_grad]
     loss_fn = loss_fn or (lambda out: out.float().mean())
     best = None
     try:

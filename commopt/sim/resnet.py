@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["ResNet", "resnet50", "model_source", "torchvision_available", "torchvision_import_error"]
+__all__ = ["ResNet", "model_source", "resnet50", "torchvision_available", "torchvision_import_error"]
 
 
 @functools.lru_cache(maxsize=1)

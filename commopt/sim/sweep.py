@@ -57,20 +57,17 @@ def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpu
         m, p, pl, n = machine, profile, plan, gpus
         if axis == "gpus":
             n = v
-        elif axis == "inter_gbps":
-            m = machine.with_overrides(inter_gbps=v)
-        elif axis == "intra_GBps":
-            m = machine.with_overrides(intra_GBps=v)
+        elif axis in _MACHINE_AXES:
+            m = machine.with_overrides(**{axis: v})
         elif axis == "batch":
             p = profile.with_overrides(batch_per_gpu=v)
-        elif axis == "bucket_mb":
-            pl = plan.with_(bucket_mb=v)
-        elif axis == "codec":
-            pl = plan.with_(codec=v)
-        elif axis == "overlap":
-            pl = plan.with_(overlap=v)
-        elif axis == "algorithm":
-            pl = plan.with_(algorithm=v)
+        elif axis in _PLAN_AXES:
+            pl = plan.with_(**{axis: v})
         rows.append((v, simulate(p, m, pl, n)))
     return rows
+
+
+# The axes that are a field of the machine or of the plan, by the field's own name.
+_MACHINE_AXES = frozenset({"inter_gbps", "intra_GBps"})
+_PLAN_AXES = frozenset({"bucket_mb", "codec", "overlap", "algorithm"})
 

@@ -101,7 +101,7 @@ class Transport:
             bw *= self.ro_off_fraction
         return bw
 
-    def with_env(self, env: dict[str, str]) -> "Transport":
+    def with_env(self, env: dict[str, str]) -> Transport:
         """The transport as NCCL would run it with these variables set."""
         t = self
         for key, value in env.items():

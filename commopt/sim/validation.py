@@ -20,9 +20,9 @@ from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import allreduce_time
 from commopt.sim.costs import GBIT
 from commopt.sim.machines import Machine, get_machine
-from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
-from commopt.sim.model_specs import V100_FP32_RESNET50
 from commopt.sim.model_profiles import Layer, ModelProfile, load_profile
+from commopt.sim.model_specs import V100_FP32_RESNET50
+from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
 from commopt.sim.software import software_plan
 from commopt.sim.step import Prediction, simulate
 
@@ -233,7 +233,7 @@ def synthetic_profile(compute_s: float, grad_bytes: float, *, batch: float = 1.0
     spread evenly over ``layers`` layers."""
     if not compute_s > 0 or not grad_bytes > 0:
         raise ValueError(f"compute time and gradient bytes must be > 0, got {compute_s} s and {grad_bytes} B")
-    numel = int(round(grad_bytes / 4))
+    numel = round(grad_bytes / 4)
     per, extra = divmod(numel, layers)
     return ModelProfile(
         name=name, sample_unit="samples", batch_per_gpu=batch, grad_bytes_per_param=4,

@@ -11,8 +11,14 @@ shaping (rates and tbf), agent (mpirun's way in), mpi and torch_dist (command li
 environments of ranks), jobs (running them), link (measuring a link).
 """
 from commopt.testbed.link import measure_link
-from commopt.testbed.netns import (EmulatedCluster, Host, TestbedUnavailable, cleanup_stale,
-                                   emulated_cluster, unavailable_reason)
+from commopt.testbed.netns import (
+                                   EmulatedCluster,
+                                   Host,
+                                   TestbedUnavailable,
+                                   cleanup_stale,
+                                   emulated_cluster,
+                                   unavailable_reason,
+)
 from commopt.testbed.shaping import format_rate, parse_rate
 
 __all__ = ["EmulatedCluster", "Host", "TestbedUnavailable", "cleanup_stale", "emulated_cluster",

@@ -132,9 +132,8 @@ def find_images(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     samples = []
     for idx, name in enumerate(classes):
         for dirpath, _, files in sorted(os.walk(root / name)):
-            for f in sorted(files):
-                if f.lower().endswith(IMAGE_SUFFIXES):
-                    samples.append((os.path.join(dirpath, f), idx))
+            samples.extend((os.path.join(dirpath, f), idx) for f in sorted(files)
+                           if f.lower().endswith(IMAGE_SUFFIXES))
     if not samples:
         raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {str(root)!r}")
     return classes, samples

@@ -6,7 +6,7 @@ initialisation, so checkpoints load in either).
     >>> sum(p.numel() for p in m.parameters())
     23528522
 """
-from commopt.sim.resnet import (  # noqa: F401  (the recipe's names)
+from commopt.sim.resnet import (
     ResNet,
     model_source,
     resnet50,
@@ -14,4 +14,4 @@ from commopt.sim.resnet import (  # noqa: F401  (the recipe's names)
     torchvision_import_error,
 )
 
-__all__ = ["ResNet", "resnet50", "model_source", "torchvision_available", "torchvision_import_error"]
+__all__ = ["ResNet", "model_source", "resnet50", "torchvision_available", "torchvision_import_error"]

@@ -35,16 +35,22 @@ from recipes.common import (
     add_commopt_arguments,
     atomic_save,
     check_commopt_arguments,
-    config_label,
     choose_device,
+    config_label,
     create_communicator,
     launch_info,
     multi_node_optimizer,
     state_digest,
 )
-from recipes.resnet50.data import (DataError, EpochBatches, data_source, eval_shard, make_datasets,
-                                   make_loader)
 from recipes.precision import PRECISIONS, MixedPrecision
+from recipes.resnet50.data import (
+    DataError,
+    EpochBatches,
+    data_source,
+    eval_shard,
+    make_datasets,
+    make_loader,
+)
 from recipes.resnet50.model import model_source, resnet50
 from recipes.resnet50.presets import PRESETS, get_preset
 

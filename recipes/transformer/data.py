@@ -21,6 +21,7 @@ the network; where the position in the epoch is saved, resuming is exact.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -116,10 +117,9 @@ def load_split(data_dir: str, split: str, src_lang: str, tgt_lang: str, tokenize
     tgt_flat, tgt_offsets = _flatten(tokenizer.encode_many(references))
     tensors = dict(src_flat=src_flat, src_offsets=src_offsets, tgt_flat=tgt_flat, tgt_offsets=tgt_offsets)
     if cache:
-        try:
-            atomic_save(tensors, cache)  # a reader sees the old file or the whole new one
-        except OSError:
-            pass  # a read-only data folder just means no cache
+        # a reader sees the old file or the whole new one; a read-only data folder: no cache
+        with contextlib.suppress(OSError):
+            atomic_save(tensors, cache)
     return TokenizedSplit(**tensors, references=references, sources=sources)
 
 

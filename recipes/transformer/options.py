@@ -15,7 +15,6 @@ from recipes.transformer.model import ARCHITECTURES
 from recipes.transformer.presets import PRESETS, preset_names
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m recipes.transformer.train",

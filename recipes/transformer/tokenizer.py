@@ -49,14 +49,14 @@ class SentencePieceTokenizer:
             )
 
     @classmethod
-    def load(cls, path: str) -> "SentencePieceTokenizer":
+    def load(cls, path: str) -> SentencePieceTokenizer:
         with open(path, "rb") as f:
             return cls(f.read())
 
     @classmethod
     def train(cls, text_files: list[str], vocab_size: int, *, model_type: str = "unigram",
               max_sentences: int = 2_000_000, character_coverage: float = 1.0,
-              threads: int = 1) -> "SentencePieceTokenizer":
+              threads: int = 1) -> SentencePieceTokenizer:
         """Train a joint model on ``text_files`` (one sentence per line)."""
         spm = _sentencepiece()
         spm.set_random_generator_seed(1)  # the sentence sampling must not differ between runs
@@ -101,7 +101,7 @@ class PretokenizedTokenizer:
         self.bpe_marker = bpe_marker
 
     @classmethod
-    def load(cls, vocab_path: str, bpe_marker: str = "@@ ") -> "PretokenizedTokenizer":
+    def load(cls, vocab_path: str, bpe_marker: str = "@@ ") -> PretokenizedTokenizer:
         """Read a vocabulary file: one piece per line, optionally followed by a count."""
         with open(vocab_path, encoding="utf-8") as f:
             pieces = [line.split()[0] for line in f if line.strip()]

@@ -39,7 +39,12 @@ from recipes.precision import MixedPrecision
 from recipes.transformer import checkpoint as ckpt
 from recipes.transformer.data import ShardedBatchIterator, collate, load_split, shard_for_rank
 from recipes.transformer.logs import RunLog
-from recipes.transformer.model import Transformer, architecture, count_parameters, label_smoothed_nll_loss
+from recipes.transformer.model import (
+    Transformer,
+    architecture,
+    count_parameters,
+    label_smoothed_nll_loss,
+)
 from recipes.transformer.options import build_parser, parse_args
 from recipes.transformer.schedule import inverse_sqrt_lr, set_lr
 
@@ -58,8 +63,11 @@ def _tokenizer_key(state: dict) -> str:
 def prepare_tokenizer(args, comm, restored: dict | None):
     """Rank 0 trains (or reads) the tokenizer; every rank gets it from rank 0's bytes."""
     from recipes.transformer.data import split_paths
-    from recipes.transformer.tokenizer import (PretokenizedTokenizer, SentencePieceTokenizer,
-                                               tokenizer_from_state)
+    from recipes.transformer.tokenizer import (
+        PretokenizedTokenizer,
+        SentencePieceTokenizer,
+        tokenizer_from_state,
+    )
 
     state = None
     if restored is not None:
@@ -131,11 +139,11 @@ class Stats:
     nsentences: int = 0
     updates: int = 0
 
-    def add(self, other: "Stats") -> None:
+    def add(self, other: Stats) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
-    def as_floats(self) -> "Stats":
+    def as_floats(self) -> Stats:
         return Stats(float(self.loss), float(self.nll), self.ntokens, self.nsentences, self.updates)
 
 
@@ -264,7 +272,7 @@ class Trainer:
         """The checkpoint: rank 0's shared state plus every rank's own (random state)."""
         rank_states = self.comm.allgather_obj({"rng": rng_state()})
         return {
-            "args": {k: v for k, v in vars(self.args).items()},
+            "args": dict(vars(self.args)),
             "model_config": dataclasses.asdict(self.cfg),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),

@@ -3,14 +3,13 @@ compression adapters inside hvd.DistributedOptimizer. Prints "horovod ok rank R/
 
 Run under mpirun or horovodrun (any number of ranks >= 2).
 """
+import horovod.torch as hvd
 import torch
 
 import commopt
 from commopt import collectives
 from commopt.codecs import QSGD, RngKey, get_codec
-
-import horovod.torch as hvd  # noqa: E402  (after commopt: the communicator initialises Horovod)
-from commopt.integrations.horovod import CodecCompressor, Compression  # noqa: E402
+from commopt.integrations.horovod import CodecCompressor, Compression
 
 comm = commopt.create_communicator("horovod")
 r, n = comm.rank, comm.size

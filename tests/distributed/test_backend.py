@@ -121,7 +121,7 @@ def test_unmodified_ddp_script_trains_compressed_under_the_commopt_backend(tmp_p
     assert exact["accuracy"] > 0.8, f"the plain gloo run did not learn: {exact}"
 
     # COMMOPT_BITS=32: every allreduce passes through to gloo, bit for bit plain DDP.
-    same, stats32, same_ckpt = _run("commopt", tmp_path, env={"COMMOPT_BITS": "32"})
+    same, stats32, _same_ckpt = _run("commopt", tmp_path, env={"COMMOPT_BITS": "32"})
     assert same["params_sha"] == exact["params_sha"], "COMMOPT_BITS=32 must equal gloo exactly"
     assert stats32[0]["compressed_calls"] == 0 and stats32[0]["sent_bytes"] == 0, stats32
 

@@ -42,10 +42,10 @@ def run_horovodrun(script: Path, nprocs: int, *, gloo: bool = False, timeout: fl
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)}: timed out after {timeout:.0f}s\n{out[-4000:]}")
+        raise AssertionError(f"{' '.join(cmd)}: timed out after {timeout:.0f}s\n{out[-4000:]}") from exc
     # horovodrun prefixes each line with [rank] (gloo) or [job,rank] (mpi) and the stream.
     by_rank: dict[int, list[str]] = {}
     for line in out.splitlines():

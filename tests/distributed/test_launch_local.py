@@ -2,28 +2,17 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.multirank import launch, needs_mpirun
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 pytestmark = pytest.mark.distributed
-
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                  reason="mpirun not found: install Open MPI")
-
-
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO))
-    return subprocess.run([PY, "-m", "commopt", "launch", *args], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 # One write per line: ranks share stdout, and unbuffered print() writes piece by piece.

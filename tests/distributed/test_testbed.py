@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,26 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from commopt.testbed import (TestbedUnavailable, emulated_cluster, format_rate, measure_link,
-                             parse_rate, unavailable_reason)
+from commopt.testbed import (
+    TestbedUnavailable,
+    emulated_cluster,
+    format_rate,
+    measure_link,
+    parse_rate,
+    unavailable_reason,
+)
 from commopt.testbed.netns import ETC_NETNS, _lock_path, list_namespaces
+from tests.multirank import launch, needs_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.distributed, pytest.mark.netns,
               pytest.mark.skipif(_REASON is not None, reason=f"emulated cluster: {_REASON}")]
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                  reason="mpirun not found: install Open MPI")
-
-
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([PY, "-m", "commopt", "launch", *args], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def root_links() -> set[str]:
@@ -94,13 +89,13 @@ def test_hosts_have_two_networks_and_no_way_out():
 
 
 def test_teardown_after_an_exception_and_two_runs_side_by_side():
-    with pytest.raises(RuntimeError, match="boom"):
-        with emulated_cluster(2, "1gbit") as a, emulated_cluster(2, None) as b:
-            assert a.slot != b.slot and not set(a.namespaces) & set(b.namespaces)
-            # A process left running inside a host does not keep its namespace alive.
-            subprocess.Popen(a.host_argv(0, ["sleep", "60"]))
-            names = a.namespaces + b.namespaces
-            raise RuntimeError("boom")
+    with (pytest.raises(RuntimeError, match="boom"),
+          emulated_cluster(2, "1gbit") as a, emulated_cluster(2, None) as b):
+        assert a.slot != b.slot and not set(a.namespaces) & set(b.namespaces)
+        # A process left running inside a host does not keep its namespace alive.
+        subprocess.Popen(a.host_argv(0, ["sleep", "60"]))
+        names = a.namespaces + b.namespaces
+        raise RuntimeError("boom")
     assert not set(names) & set(list_namespaces())
 
 
@@ -146,9 +141,8 @@ def test_cleanup_after_sigkill():
 
 
 def test_clear_refusal_when_it_cannot_run():
-    with pytest.raises(ValueError, match="1 to 253 hosts"):
-        with emulated_cluster(0):
-            pass
+    with pytest.raises(ValueError, match="1 to 253 hosts"), emulated_cluster(0):
+        pass
     assert issubclass(TestbedUnavailable, RuntimeError)
 
 

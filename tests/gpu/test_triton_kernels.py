@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
                 "(tests/unit/test_kernels_triton.py)", allow_module_level=True)
 pytest.importorskip("triton", reason="CUDA builds of torch bring triton; else pip install triton==3.7.1")
 
-from commopt import kernels  # noqa: E402
-from tests.unit.test_kernels_triton import BUCKETS, same_bits, same_wire  # noqa: E402
+from commopt import kernels
+from tests.unit.test_kernels_triton import BUCKETS, same_bits, same_wire
 
 
 def _input(n: int, seed: int) -> torch.Tensor:

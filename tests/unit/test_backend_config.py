@@ -1,7 +1,7 @@
 """The ``commopt`` backend's COMMOPT_* environment: codecs chosen and bad values named."""
 import pytest
 
-from commopt.codecs import ErrorFeedback, QSGD
+from commopt.codecs import QSGD, ErrorFeedback
 from commopt.integrations.backend import BackendConfig
 
 

@@ -91,7 +91,7 @@ def test_clip_before_the_reduction_raises_naming_both_fixes(comm, mode):
     opt.zero_grad()
     loss(model, 1).backward()
     model[0].bias.grad = torch.zeros_like(model[0].bias)
-    with pytest.raises(RuntimeError, match="'0.bias'|param_groups"):
+    with pytest.raises(RuntimeError, match=r"'0.bias'|param_groups"):
         opt.step()
 
 
@@ -123,9 +123,9 @@ def test_skip_synchronize_without_synchronize_raises(comm, mode):
         assert opt.applied_steps == 1
         return
     loss(model, 0).backward()
-    with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\)"):
-        with opt.skip_synchronize():
-            opt.step()
+    with (pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\)"),
+          opt.skip_synchronize()):
+        opt.step()
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -265,7 +265,9 @@ def test_grad_scaler_skipped_step_then_model_zero_grad(comm):
         scaler.step(opt)
         scaler.update()
         if step != 1:
-            ref_opt.zero_grad(); loss(ref, step).backward(); ref_opt.step()
+            ref_opt.zero_grad()
+            loss(ref, step).backward()
+            ref_opt.step()
     assert opt.applied_steps == 2 and scaler.get_scale() == 2.0 ** 7
     assert torch.allclose(flat(model), flat(ref), atol=1e-6)
 

@@ -14,7 +14,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from commopt import kernels
-
 from commopt.codecs import QSGD, Codec, ErrorFeedback, RngKey, get_codec
 from tests.unit.codec_helpers import float_tensors
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from commopt.codecs import CastCodec, NoneCodec, get_codec
 from tests.unit.codec_helpers import bits_equal, float_tensors

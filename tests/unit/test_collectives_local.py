@@ -1,6 +1,8 @@
 """commopt.collectives in one process (the "local" world of one): geometry, every algorithm's
 code path, argument checks. The multi-rank behaviour is in tests/distributed/test_collectives.py.
 """
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,8 +10,8 @@ from hypothesis import strategies as st
 
 import commopt
 from commopt import collectives, driver
-from commopt.comm import topology
 from commopt.codecs import RngKey, get_codec
+from commopt.comm import topology
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +25,9 @@ def test_chunk_bounds_cover_the_buffer_at_aligned_starts(numel, parts, alignment
     bounds = collectives.chunk_bounds(numel, parts, alignment)
     assert len(bounds) == parts
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
-    for (lo, hi), (lo2, _) in zip(bounds, bounds[1:]):
+    for (lo, hi), (lo2, _) in itertools.pairwise(bounds):
         assert hi == lo2 and lo <= hi
-    for lo, hi in bounds:
+    for lo, _ in bounds:
         assert lo % alignment == 0 or lo == numel
     # every chunk but the first is no longer than the first (the wire slot size)
     first = bounds[0][1] - bounds[0][0]

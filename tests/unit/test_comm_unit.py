@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import commopt
-from commopt.comm import communicator_names, parse_dtype
+from commopt.comm import parse_dtype
 from commopt.comm.base import node_name
 from commopt.comm.launcher import detect_launcher
 
@@ -41,7 +41,7 @@ def test_parse_dtype_rejects_unknown():
 
 def test_pure_nccl_without_cuda_says_what_is_missing():
     # Either CuPy is missing (ImportError naming it) or CUDA is (RuntimeError naming it).
-    with pytest.raises((ImportError, RuntimeError), match="cupy|CUDA"):
+    with pytest.raises((ImportError, RuntimeError), match=r"cupy|CUDA"):
         commopt.create_communicator("pure_nccl")
 
 
@@ -75,7 +75,8 @@ def test_node_name_override(monkeypatch):
 def test_mpi_bf16_reduction_matches_torch():
     """The user-defined bf16 sum rounds like torch (nearest even), including NaN and Inf."""
     pytest.importorskip("mpi4py")
-    from commopt.comm.mpi.user_ops import bf16_to_f32 as _bf16_to_f32, f32_to_bf16 as _f32_to_bf16
+    from commopt.comm.mpi.user_ops import bf16_to_f32 as _bf16_to_f32
+    from commopt.comm.mpi.user_ops import f32_to_bf16 as _f32_to_bf16
 
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(10000, generator=g) * 100).bfloat16()

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from commopt.kernels import reference as ref
 from commopt import kernels
+from commopt.kernels import reference as ref
 from tests.unit.codec_helpers import bits_equal, float_tensors
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(),

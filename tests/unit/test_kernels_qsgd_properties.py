@@ -13,10 +13,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from commopt.kernels import reference as ref
 from commopt import kernels
+from commopt.kernels import reference as ref
 from tests.unit.codec_helpers import CPU_IMPLS, float_tensors, per_element, steps_of
 
 N_DRAWS, EPS = 200, 0.3
@@ -108,7 +109,7 @@ def test_values_on_levels_round_trip_exactly(impl, n, bits, bucket, mant, exp, h
     cfg = {"bits": bits, "bucket_size": bucket, "norm": "max", "scale_bytes": 2 if half else 4}
     if half:
         assume(2**-24 <= step <= 65504)
-        assume(mant < 2**11 and step >= 2**-14 or float(torch.tensor(step).half()) == step)
+        assume((mant < 2**11 and step >= 2**-14) or float(torch.tensor(step).half()) == step)
     for stochastic in (True, False):
         _, out = _encode(x, cfg, impl, stochastic=stochastic)
         assert torch.equal(out, x)

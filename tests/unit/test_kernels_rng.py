@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from commopt.kernels import reference as ref
 from commopt import kernels
+from commopt.kernels import reference as ref
 
 M32 = 0xFFFFFFFF
 

@@ -12,10 +12,11 @@ import importlib.util
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from commopt import kernels
-from commopt.codecs import ErrorFeedback, QSGD, CastCodec, RngKey
+from commopt.codecs import QSGD, CastCodec, ErrorFeedback, RngKey
 from tests.unit.codec_helpers import float_tensors
 
 if importlib.util.find_spec("triton") is None:

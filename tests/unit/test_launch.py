@@ -53,7 +53,7 @@ def test_parse_rate_reads_tc_units(text, bits):
 
 @pytest.mark.parametrize("text", ["fast", "1 gigabit", "", "-1gbit", "1kbit"])
 def test_parse_rate_rejects_with_an_example(text):
-    with pytest.raises(ValueError, match="gbit|too slow"):
+    with pytest.raises(ValueError, match=r"gbit|too slow"):
         parse_rate(text)
 
 
@@ -193,9 +193,8 @@ def test_emulated_cluster_refuses_clearly_without_root(launch, monkeypatch):
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in unavailable_reason()
-    with pytest.raises(TestbedUnavailable, match="needs root"):
-        with emulated_cluster(2, "1gbit"):
-            pass
+    with pytest.raises(TestbedUnavailable, match="needs root"), emulated_cluster(2, "1gbit"):
+        pass
     code, _, err = launch("-n", "2", "--link", "1gbit", "--launcher", "torch", "--", "true")
     assert code == 2 and "cannot emulate a cluster here" in err and "root" in err
 

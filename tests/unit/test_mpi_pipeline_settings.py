@@ -3,11 +3,14 @@ import pytest
 
 pytest.importorskip("mpi4py")
 
-from commopt.comm.mpi import (  # noqa: E402
-    DEFAULT_PIPELINE_MIN_BYTES, default_segment_bytes, pipeline_settings, transfer_path,
+from commopt.comm.mpi import (
+    DEFAULT_PIPELINE_MIN_BYTES,
+    default_segment_bytes,
+    pipeline_settings,
+    transfer_path,
 )
-from commopt.comm.mpi.p2p import _block_bounds, _segments  # noqa: E402
-from commopt.testbed.mpirun import TCP_EAGER_LIMIT, mpirun_local_argv, tcp_mca_defaults  # noqa: E402
+from commopt.comm.mpi.p2p import _block_bounds, _segments
+from commopt.testbed.mpirun import TCP_EAGER_LIMIT, mpirun_local_argv, tcp_mca_defaults
 
 
 def test_segments_fit_under_the_eager_limit_mpirun_passes():

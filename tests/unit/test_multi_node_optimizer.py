@@ -137,7 +137,7 @@ def test_overlap_sends_buckets_during_backward(comm):
     seen = []  # buckets on their way when the last gradient (the first layer's) arrives
     model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(opt._current.issued))
     loss(model, 0).backward()
-    assert seen and 0 < seen[0] and len(opt.buckets) > 1, "buckets were sent during backward"
+    assert seen and seen[0] > 0 and len(opt.buckets) > 1, "buckets were sent during backward"
     # backward() returns with the averages in .grad (DDP's contract): nothing left in flight
     assert opt._current is None and opt._reduced.issued == len(opt.buckets)
     opt.step()
@@ -334,7 +334,7 @@ def test_wrapping_twice_or_a_non_optimizer_is_a_type_error(comm):
     opt = create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm)
     with pytest.raises(TypeError, match="already wrapped"):
         create_multi_node_optimizer(opt, comm)
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch.optim.Optimizer"):
         create_multi_node_optimizer(mlp(), comm)
     with pytest.raises(TypeError, match="Communicator"):
         create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), "mpi")

@@ -162,7 +162,7 @@ def test_gradient_traffic_one_communicator_one_stream_same_order(traces, scenari
         enq = enqueues(sc)
         assert len({s for s, _ in enq}) == 1, f"rank {rank}: NCCL calls on several streams {enq}"
         stream = enq[0][0]
-        steps = [e for e in enq[len([1 for op in ops[:sc['mark']] if op[0] == 'enqueue']):]]
+        steps = list(enq[len([1 for op in ops[:sc['mark']] if op[0] == 'enqueue']):])
         assert len(steps) >= 3 * sc["buckets"], f"rank {rank}: {steps}"
         # Every wait of the comm stream is on an event of the caller's (default) stream,
         # recorded just before by the same thread.

@@ -1,6 +1,7 @@
 """The ResNet-50 recipe in one process: model, presets, argument checks, data, a short run."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -115,10 +116,11 @@ def test_global_batches_do_not_depend_on_the_number_of_ranks():
     for world in (2, 4):
         shards = [list(EpochBatches(50, 8, r, world, seed=1, epoch=2)) for r in range(world)]
         for k, batch in enumerate(one):
-            assert sum((s[k] for s in shards), []) == batch
+            assert list(itertools.chain.from_iterable(s[k] for s in shards)) == batch
     assert list(EpochBatches(50, 8, 0, 1, seed=1, epoch=2, start=4)) == one[4:]
     assert one != list(EpochBatches(50, 8, 0, 1, seed=1, epoch=3))
-    assert sorted(sum((sum(eval_shard(11, r, 3, 2), []) for r in range(3)), [])) == list(range(11))
+    assert sorted(itertools.chain.from_iterable(
+        itertools.chain.from_iterable(eval_shard(11, r, 3, 2)) for r in range(3))) == list(range(11))
     with pytest.raises(ValueError, match="fewer than one global batch"):
         EpochBatches(5, 8, 0, 1, seed=0, epoch=0)
 
@@ -172,7 +174,7 @@ def test_smoke_run_logs_and_resumes_exactly_in_one_process(tmp_path, capsys):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     events = [r["event"] for r in records]
     assert events[0] == "config" and events.count("train") == 2 and events[-1] == "done"
-    train_rec = [r for r in records if r["event"] == "train"][0]
+    train_rec = next(r for r in records if r["event"] == "train")
     assert {"loss", "top1", "images_per_s", "lr"} <= set(train_rec)
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000001", "step-00000002"]
     assert recipe.main(argv + ["--max-steps", "2", "--resume", "step-00000001"]) == 0

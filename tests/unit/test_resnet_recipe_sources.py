@@ -10,7 +10,12 @@ import torch
 from recipes.resnet50 import model as model_mod
 from recipes.resnet50 import train as recipe
 from recipes.resnet50.data import FakeImages, SyntheticImages, data_source, make_datasets
-from recipes.resnet50.model import model_source, resnet50, torchvision_available, torchvision_import_error
+from recipes.resnet50.model import (
+    model_source,
+    resnet50,
+    torchvision_available,
+    torchvision_import_error,
+)
 
 needs_torchvision = pytest.mark.skipif(
     not torchvision_available(),

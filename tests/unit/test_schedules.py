@@ -1,6 +1,8 @@
 """The recipes' LR schedules: pure functions, their LRScheduler forms, the MLPerf defaults."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -36,7 +38,7 @@ def test_poly_warmup_rises_then_falls_and_stays_in_range(total, warm_frac, power
     lrs = [poly_warmup_lr(s, base_lr=base, total_steps=total, warmup_steps=warm, power=power,
                           end_lr=1e-4) for s in range(0, total + 1, max(1, total // 50))]
     peak = lrs.index(max(lrs))
-    assert all(a <= b + 1e-12 for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(lrs[:peak + 1]))
     assert all(a >= b - 1e-12 for a, b in zip(lrs[peak:], lrs[peak + 1:]))
     assert max(lrs) <= base + 1e-9 and min(lrs) >= 0.0
 

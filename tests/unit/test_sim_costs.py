@@ -11,14 +11,22 @@ from hypothesis import strategies as st
 from commopt.sim import Plan, allreduce_time, get_machine, load_profile, simulate
 from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import hierarchical_time, ring_time, sra_time, tree_time
-from commopt.sim.costs import (GBIT, Link, hierarchical_allreduce_time, ring_allreduce_time,
-                               ring_reduce_scatter_time, scatter_reduce_allgather_time, tree_allreduce_time)
+from commopt.sim.costs import (
+    GBIT,
+    Link,
+    hierarchical_allreduce_time,
+    ring_allreduce_time,
+    ring_reduce_scatter_time,
+    scatter_reduce_allgather_time,
+    tree_allreduce_time,
+)
 from commopt.sim.machines import Machine
 
 US = 1e-6
+INTRA, INTER = Link(5 * US, 20e9), Link(30 * US, 2.5e9)
 
 
-def uniform_machine(gpus_per_node=8, intra=Link(5 * US, 20e9), inter=Link(30 * US, 2.5e9)) -> Machine:
+def uniform_machine(gpus_per_node=8, intra=INTRA, inter=INTER) -> Machine:
     return Machine(name="uniform", description="test", gpu="v100", gpus_per_node=gpus_per_node,
                    intra=intra, inter=inter, inter_gbps=20.0, inter_efficiency=1.0, memory_GBps=900.0)
 

@@ -6,9 +6,16 @@ import os
 
 import pytest
 
-from commopt.sim.effects import (EFFECT_TOLERANCE, azure_relaxed_ordering_effect, chainermn_10gbe_effect,
-                                 chainermn_network_comparison, ec2_socket_ratio, ec2_socket_threads_effect,
-                                 gcp_fastsocket_effect, gcp_fastsocket_sensitivity)
+from commopt.sim.effects import (
+    EFFECT_TOLERANCE,
+    azure_relaxed_ordering_effect,
+    chainermn_10gbe_effect,
+    chainermn_network_comparison,
+    ec2_socket_ratio,
+    ec2_socket_threads_effect,
+    gcp_fastsocket_effect,
+    gcp_fastsocket_sensitivity,
+)
 from commopt.sim.loo import choice_alternatives, leave_one_out
 from commopt.sim.validation import TOLERANCE, cgx_effect, chainermn_effect, load_measurements
 

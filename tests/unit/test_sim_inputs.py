@@ -6,8 +6,17 @@ import json
 import pytest
 import torch
 
-from commopt.sim import (ModelProfile, Plan, from_benchmark, get_codec_cost, get_machine, list_machines,
-                         list_profiles, load_profile, simulate)
+from commopt.sim import (
+    ModelProfile,
+    Plan,
+    from_benchmark,
+    get_codec_cost,
+    get_machine,
+    list_machines,
+    list_profiles,
+    load_profile,
+    simulate,
+)
 from commopt.sim.machines import Machine
 from commopt.sim.model_specs import BUILDERS
 from commopt.sim.profiler import profile_module, profile_named_model

@@ -10,7 +10,7 @@ import pytest
 from commopt.sim import Plan, get_machine, simulate
 from commopt.sim.machines import PRESETS
 from commopt.sim.software import SOFTWARE, software_plan
-from commopt.sim.transport import (SOCKET_MIN_CHUNK, TRANSPORTS, Transport, parse_nccl_env)
+from commopt.sim.transport import SOCKET_MIN_CHUNK, TRANSPORTS, Transport, parse_nccl_env
 from commopt.sim.validation import synthetic_profile
 
 GBIT = 1e9 / 8

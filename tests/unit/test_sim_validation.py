@@ -9,14 +9,23 @@ from dataclasses import replace
 
 import pytest
 
-from tests.unit.bench_scripts import load_benchmark
-
 from commopt.sim import Plan, get_machine, load_profile, simulate
 from commopt.sim.costs import GBYTE, Link
-from commopt.sim.validation import (PUBLISHED_ROWS, TOLERANCE, Measurement, chainermn_effect, cgx_effect,
-                                    compare_measured, compare_testbed_measurements, load_measurements,
-                                    _predict, physical_allreduce_s, predict_testbed_allreduce,
-                                    published_comparison)
+from commopt.sim.validation import (
+    PUBLISHED_ROWS,
+    TOLERANCE,
+    Measurement,
+    _predict,
+    cgx_effect,
+    chainermn_effect,
+    compare_measured,
+    compare_testbed_measurements,
+    load_measurements,
+    physical_allreduce_s,
+    predict_testbed_allreduce,
+    published_comparison,
+)
+from tests.unit.bench_scripts import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "sim-testbed-1gbit.json")
@@ -186,7 +195,7 @@ def test_measurement_files_are_checked(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"what": "x", "command": "y", "gpus": 2, "compute_s": 1e-6, "grad_bytes": 4,
                                 "measured_step_s": 1.0, "colour": "red"}]))
-    with pytest.raises(ValueError, match="may have: .*transport"):
+    with pytest.raises(ValueError, match=r"may have: .*transport"):
         load_measurements(str(bad))
     bad.write_text(json.dumps({"what": "x"}))
     with pytest.raises(ValueError, match="JSON list"):

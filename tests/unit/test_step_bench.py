@@ -190,7 +190,7 @@ def test_models_sizes_and_data_are_deterministic():
     cnn = models.MODELS["cnn"].build()
     assert sum(p.numel() for p in cnn.parameters()) < 1e6
     spec = models.MODELS["tiny"]
-    x0, y0 = spec.batch(step=3, rank=0, size=4)
+    x0, _y0 = spec.batch(step=3, rank=0, size=4)
     x0b, _ = spec.batch(step=3, rank=0, size=4)
     x1, _ = spec.batch(step=3, rank=1, size=4)
     assert torch.equal(x0, x0b) and not torch.equal(x0, x1)
@@ -307,7 +307,7 @@ def test_bench_step_is_a_real_subcommand_and_a_missing_module_is_an_error(monkey
     # A benchmark named in the list whose module is not installed: a broken installation, said so
     # (never a quiet "not available").
     monkeypatch.setitem(bench.BENCHMARKS, "warp-drive", "a benchmark whose module is missing")
-    with pytest.raises(ImportError, match="commopt.bench.warp-drive is missing from this installation"):
+    with pytest.raises(ImportError, match=r"commopt.bench.warp-drive is missing from this installation"):
         bench.add_arguments(argparse.ArgumentParser())
 
 

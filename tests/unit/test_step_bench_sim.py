@@ -5,13 +5,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.bench_scripts import load_benchmark
-
 from commopt.bench.step import cli, sim_export
 from commopt.sim import Plan, get_machine, simulate
 from commopt.sim.machines import Machine
-from commopt.sim.validation import (Measurement, compare_testbed_measurements, load_measurements,
-                                    synthetic_profile)
+from commopt.sim.validation import (
+    Measurement,
+    compare_testbed_measurements,
+    load_measurements,
+    synthetic_profile,
+)
+from tests.unit.bench_scripts import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_REPORT = REPO / "benchmarks" / "results" / "step-1gbit.json"

@@ -18,11 +18,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from recipes.transformer import checkpoint as ckpt  # noqa: E402
-from recipes.transformer.data import (ShardedBatchIterator, TokenizedSplit, batches_by_size,  # noqa: E402
-                                      collate, load_split)
+from recipes.transformer.data import (  # noqa: E402
+    ShardedBatchIterator,
+    TokenizedSplit,
+    batches_by_size,
+    collate,
+    load_split,
+)
 from recipes.transformer.evaluate import beam_search, corpus_bleu  # noqa: E402
-from recipes.transformer.model import (Transformer, architecture,  # noqa: E402
-                                       label_smoothed_nll_loss)
+from recipes.transformer.model import Transformer, architecture, label_smoothed_nll_loss  # noqa: E402
 from recipes.transformer.options import parse_args  # noqa: E402
 from recipes.transformer.schedule import inverse_sqrt_lr  # noqa: E402
 from recipes.transformer.smoke_corpus import generate_corpus_lines, write_smoke_corpus  # noqa: E402

@@ -76,7 +76,7 @@ from commopt.bench.step.cli import add_arguments, run
 from commopt.bench.step.configs import CONFIGS, DEMO_CONFIGS
 from commopt.bench.step.models import MODELS
 
-__all__ = ["add_arguments", "run", "run_driver", "CONFIGS", "DEMO_CONFIGS", "MODELS"]
+__all__ = ["CONFIGS", "DEMO_CONFIGS", "MODELS", "add_arguments", "run", "run_driver"]
 
 
 def run_driver(args):

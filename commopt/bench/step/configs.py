@@ -65,12 +65,9 @@ def parse_rate(text: str) -> float:
     """Bits per second from tc-style text: ``1gbit``, ``100mbit``, ``2.5gbit``, ``1000000``."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
     t = text.strip().lower()
-    for suffix, factor in units.items():
-        if t.endswith(suffix):
-            t = t[: -len(suffix)]
-            break
-    else:
-        factor = 1.0
+    suffix = next((s for s in units if t.endswith(s)), "")
+    factor = units.get(suffix, 1.0)
+    t = t[: len(t) - len(suffix)]
     try:
         return float(t) * factor
     except ValueError:

@@ -38,7 +38,7 @@ def _commopt_work(cfg, numel: int, n: int):
     from commopt.codecs import RngKey, get_codec
 
     grad, acc = torch.randn(numel), torch.zeros(numel)
-    enc, dec = _ring_passes(n)
+    _enc, dec = _ring_passes(n)
     codec = get_codec("fp32" if cfg.wire == "fp32" else cfg.wire)
     wire = torch.empty(codec.encoded_nbytes(numel), dtype=torch.uint8)
     if cfg.wire == "fp32":  # the transport sums fp32 as it receives: one add pass per decode

@@ -24,20 +24,21 @@ from ``MODELS`` at every start of the command line.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ModelSpec", "MODELS", "param_shapes"]
+__all__ = ["MODELS", "ModelSpec", "param_shapes"]
 
 # Seeds: the task (class means) is the same for every rank and run; eval data never
 # coincide with a training batch.
 _TASK_SEED = 1234
 _EVAL_SEED = 987_654_321
-_MEANS: dict[str, "torch.Tensor"] = {}
+_MEANS: dict[str, torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ModelSpec:
     steps: int     # timed steps per round in the step benchmark
     block: int     # timed steps between two compute-only measurements there
     role: str      # what bounds its step on a slow link: "communication", "compute" or "test"
-    factory: Callable[[], "nn.Module"]
+    factory: Callable[[], nn.Module]
 
     def build(self) -> nn.Module:
         return self.factory()

@@ -70,12 +70,12 @@ def print_model(model: str, info: dict, rows: list[Row], n: int, plan, targets: 
     if profiled:
         from commopt.bench.profile_report import profile_table
 
-        print(f"\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
+        print("\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
         print(profile_table(profiled))
     print(flush=True)
 
 
-def _profiles(report: dict) -> list:
+def _profiles(report: dict) -> list[tuple[str, dict, dict]]:
     from commopt.bench.profile_report import report_entries
 
     return report_entries(report)

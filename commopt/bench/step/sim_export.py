@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from commopt.bench.step.configs import CONFIGS, POWERSGD_BUCKET_MB
 
-
 #: Why the simulator cannot predict a configuration (its rows are written, flagged, not counted).
 SIM_NOT_MODELLED = {
     "powersgd": ("PowerSGD (low-rank factorisation, with its own CPU work per step): the simulator has no "

@@ -20,8 +20,14 @@ import statistics
 import time
 from pathlib import Path
 
-from commopt.bench.step.configs import (CONFIGS, StepConfig, commopt_wire_bytes, ddp_wire_bytes,
-                                        wrap_commopt, wrap_ddp)
+from commopt.bench.step.configs import (
+    CONFIGS,
+    StepConfig,
+    commopt_wire_bytes,
+    ddp_wire_bytes,
+    wrap_commopt,
+    wrap_ddp,
+)
 from commopt.bench.step.floor import codec_seconds
 from commopt.bench.step.models import MODELS, param_shapes
 
@@ -59,6 +65,11 @@ def run_worker(args: argparse.Namespace) -> int:
         # --profile: the first time each configuration runs (its first round).
         profile = getattr(args, "profile", False) and name not in schedule[:index]
         rec = _run_config(cfg, spec, comm, gloo, args, profile=profile)
+        # The configuration's model, optimizers and closures went with _run_config's frame
+        # (a `del` there would also empty the cells its step closures read); collect them
+        # before the next one is built.
+        gc.collect()
+        gloo.allgather_obj(None)  # the next configuration starts on every rank together
         rec.update(index=index, config=name, kind=cfg.kind, rank=comm.rank, size=comm.size)
         records.append(rec)
         out.write_text(json.dumps(records))  # after each one: a later failure keeps these
@@ -167,9 +178,6 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
             opt.flush()
     if cfg.kind == "commopt":
         opt.close()
-    del net, opt, inner, model, twin, twin_opt
-    gc.collect()
-    gloo.allgather_obj(None)  # the next configuration starts on every rank together
     return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
             "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
             "cpu_per_step": block_cpu, "codec_s": codec_s, "profile": prof,

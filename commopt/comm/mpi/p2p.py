@@ -11,7 +11,6 @@ in flight keep both directions of every link busy (see :mod:`commopt.comm.mpi`).
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import numpy as np
