@@ -63,7 +63,7 @@ class Join:
         self.comm.allreduce(flag)
         return int(flag.item())
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
                 self._shadowing = True
@@ -72,6 +72,6 @@ class Join:
                     self.optimizer.step()  # zeros in, the others' average out
                     self.shadow_steps += 1
         finally:
-            self._handle.remove()
+            if self._handle is not None:
+                self._handle.remove()
             self._shadowing = False
-        return False

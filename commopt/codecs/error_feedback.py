@@ -91,9 +91,9 @@ class ErrorFeedback(Codec):
                 r = torch.add(r, flat, alpha=scale, out=spare)
             else:
                 r.add_(flat, alpha=scale)
-            if keep:
+            if keep and self._before is not None:
                 self._before[key] = old
-        if keep and key not in self._before:
+        if keep and self._before is not None and key not in self._before:
             self._before[key] = None
         self._residuals[key] = r
         self.inner.encode(r, out, scale=1.0, rng=rng, key=key)

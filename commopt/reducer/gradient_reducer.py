@@ -100,7 +100,8 @@ class GradientReducer:
     # -- per bucket -----------------------------------------------------------------------
     def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         """Copy the bucket's gradients into ``flat`` (zeros for None); local NaN/Inf flag."""
-        pieces, views = [], []
+        pieces: list[tuple[torch.Tensor | None, int, int]] = []
+        views: list[torch.Tensor] = []
         for s in bucket.slots:
             g = self.params[s.param].grad
             dst = flat[s.offset: s.offset + s.numel]

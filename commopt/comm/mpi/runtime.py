@@ -87,12 +87,12 @@ def install_exit_handshake() -> None:
         return
     exit_timeout()  # a bad value fails now, on every rank, not at exit
     _exit_comm = MPI.COMM_WORLD.Dup()
-    threading._register_atexit(_leave)  # what concurrent.futures uses to join its workers
+    threading._register_atexit(_leave)  # type: ignore[attr-defined]  # what concurrent.futures uses to join its workers
 
 
 def _leave() -> None:
     MPI = _MPI
-    if _exit_comm is None or MPI.Is_finalized():
+    if _exit_comm is None or MPI is None or MPI.Is_finalized():
         return
     world = MPI.COMM_WORLD
     limit = exit_timeout()
