@@ -125,6 +125,7 @@ class MPICommunicator(Communicator):
         self.pipeline, self.segment_bytes, self.pipeline_min_bytes = pipeline_settings(
             pipeline, segment_bytes, pipeline_min_bytes)
         self._scratch_buf: torch.Tensor | None = None
+        self._objects = threading.local()  # .active while this thread exchanges objects
         self._thread_prefix = f"commopt-mpi-{id(self):x}"
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_prefix)
         self._lock = threading.Lock()
@@ -145,6 +146,11 @@ class MPICommunicator(Communicator):
 
     def _path(self, nbytes: int) -> str:
         """pipelined, polled or blocking: see :func:`transfer_path`."""
+        if getattr(self._objects, "active", False):
+            # Objects (settings, topology, fingerprints) go by MPI's blocking collectives on
+            # every rank: the pipeline settings that choose the path are what ranks compare,
+            # and a blocking collective never matches a nonblocking one on a peer.
+            return "blocking"
         return transfer_path(self.pipeline, nbytes, size=self.size, inter_size=self.inter_size,
                              min_bytes=self.pipeline_min_bytes)
 
@@ -248,7 +254,13 @@ class MPICommunicator(Communicator):
         self._call(self.mpi_comm.Barrier)
 
     # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
-    # (mpi4py's lowercase bcast/allgather would unpickle what peers send).
+    # (mpi4py's lowercase bcast/allgather would unpickle what peers send), on the blocking path.
+    def _allgather_obj(self, obj: Any) -> list:
+        self._objects.active = True
+        try:
+            return super()._allgather_obj(obj)
+        finally:
+            self._objects.active = False
 
     def _split(self, color: int, key: int) -> "MPICommunicator":
         sub = self._call(lambda: self.mpi_comm.Split(color, key))
