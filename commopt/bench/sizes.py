@@ -9,18 +9,12 @@
 """
 from __future__ import annotations
 
-import re
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+from commopt.units import parse_bytes
 
 
 def parse_size(text: str) -> int:
     """Bytes from ``8``, ``64K``, ``16M``, ``1G`` (binary units, as nccl-tests reads them)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"cannot read the size {text!r}: write bytes like 8, 64K, 16M or 1G")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    return parse_bytes(text)
 
 
 def sizes(begin: int, end: int, *, factor: int = 2, increment: int = 0) -> list[int]:

@@ -224,7 +224,7 @@ def test_markdown_report_and_plot(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--configs", "ddp-fp64", "--no-link"], "unknown configuration ddp-fp64; choose from ddp-fp32"),
-    (["--models", "mlp", "--link", "fast"], "cannot read the link rate 'fast': write it like 1gbit"),
+    (["--models", "mlp", "--link", "fast"], "cannot read the link rate 'fast': write it as tc does, e.g. 1gbit"),
     (["--steps", "0"], "need --steps, --block and --compute-steps >= 1"),
 ])
 def test_command_refuses_bad_options_with_the_fix(args, message):

@@ -62,16 +62,10 @@ DEMO_CONFIGS = ("ddp-fp32", "commopt-fp16", "commopt-qsgd4", "commopt-fp16-db",
 
 
 def parse_rate(text: str) -> float:
-    """Bits per second from tc-style text: ``1gbit``, ``100mbit``, ``2.5gbit``, ``1000000``."""
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
-    t = text.strip().lower()
-    suffix = next((s for s in units if t.endswith(s)), "")
-    factor = units.get(suffix, 1.0)
-    t = t[: len(t) - len(suffix)]
-    try:
-        return float(t) * factor
-    except ValueError:
-        raise ValueError(f"cannot read the link rate {text!r}: write it like 1gbit or 100mbit") from None
+    """Bits per second from tc-style text (``1gbit``, ``100mbit``, ``2.5gbit``): the testbed's reader."""
+    from commopt.testbed.shaping import parse_rate as read_tc_rate
+
+    return float(read_tc_rate(text))
 
 
 def allreduce_limit_s(nbytes: float, n: int, rate_bits: float | None) -> float | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from commopt.units import parse_bytes
+
 __all__ = ["PIPELINE_ENV", "SEGMENT_ENV", "PIPELINE_MIN_ENV", "OMPI_TCP_EAGER_DEFAULT",
            "DEFAULT_PIPELINE_MIN_BYTES", "pipeline_settings", "transfer_path",
            "default_segment_bytes", "WAIT_ENV", "POLL_SLEEP_ENV", "wait_settings"]
@@ -24,18 +26,6 @@ DEFAULT_PIPELINE_MIN_BYTES = 256 * 1024
 _HEADER_SLACK = 1024  # room for the PML/BTL headers, which count against the eager limit
 _PIPELINE_MODES = {"auto": "auto", "on": "on", "1": "on", "true": "on", "yes": "on",
                    "off": "off", "0": "off", "false": "off", "no": "off"}
-
-
-def _parse_bytes(text, what: str) -> int:
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except (ValueError, KeyError):
-        value = -1
-    if value < 0:
-        raise ValueError(f"{what}={text!r}: give a number of bytes, e.g. 65536, 60K or 1M")
-    return value
 
 
 def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
@@ -60,11 +50,11 @@ def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
         segment_bytes = environ.get(SEGMENT_ENV) or default_segment_bytes(environ)
     if min_bytes is None:
         min_bytes = environ.get(PIPELINE_MIN_ENV) or DEFAULT_PIPELINE_MIN_BYTES
-    seg = _parse_bytes(segment_bytes, "segment_bytes")
+    seg = parse_bytes(segment_bytes, "segment_bytes")
     if seg < 8:
         raise ValueError(f"segment_bytes={segment_bytes!r} is too small: give at least 8 bytes "
                          f"(just under the transport's eager limit is best, e.g. 60K)")
-    return mode, seg, _parse_bytes(min_bytes, "pipeline_min_bytes")
+    return mode, seg, parse_bytes(min_bytes, "pipeline_min_bytes")
 
 
 def transfer_path(mode: str, nbytes: int, *, size: int, inter_size: int, min_bytes: int) -> str:
@@ -102,7 +92,7 @@ def default_segment_bytes(environ=None) -> int:
     """
     environ = os.environ if environ is None else environ
     limit = environ.get("OMPI_MCA_btl_tcp_eager_limit")
-    limit = _parse_bytes(limit, "OMPI_MCA_btl_tcp_eager_limit") if limit else OMPI_TCP_EAGER_DEFAULT
+    limit = parse_bytes(limit, "OMPI_MCA_btl_tcp_eager_limit") if limit else OMPI_TCP_EAGER_DEFAULT
     return max(4096, (limit - _HEADER_SLACK) // 4096 * 4096)
 
 
