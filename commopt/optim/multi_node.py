@@ -26,7 +26,9 @@ Modes (see docs/optimizer.md): ``overlap=True`` sends buckets during backward an
 ``step()`` waits for what is still in flight; ``overlap=False`` sends everything in
 ``step()``; ``double_buffering=True`` lets the reduction of step t run during step t+1's
 forward and backward and applies it at step t+1 (one step stale; ``flush()`` applies the
-last one).
+last one); ``double_buffering="compensated"`` also moves each rank's model, between steps,
+to the weights its local gradient predicts for the next step, so the stale average is
+applied (nearly) where it was computed (:mod:`~commopt.optim.staleness`).
 """
 from __future__ import annotations
 
@@ -43,10 +45,12 @@ from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim import clipping
+from commopt.optim.compensation import LocalGradients, own_state, parse_mode
 from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
+from commopt.optim.staleness import LocalStepPrediction
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
@@ -57,7 +61,7 @@ log = logging.getLogger("commopt")
 def create_multi_node_optimizer(
     optimizer: torch.optim.Optimizer,
     comm: Communicator,
-    double_buffering: bool = False,
+    double_buffering: bool | str = False,
     zero_fill: bool = True,
     *,
     allreduce_grad_dtype=None,
@@ -82,7 +86,11 @@ def create_multi_node_optimizer(
     ``commopt.collectives.allreduce``. ``clip_grad_norm`` (optional) clips the averaged
     gradients the inner step applies to this global L2 norm (the same decision on every rank;
     with double buffering, the gradients of the step being applied); the norm before clipping
-    is in ``last_grad_norm``.
+    is in ``last_grad_norm``. ``double_buffering``: False, True (the average of step t is
+    applied at step t+1) or ``"compensated"`` (double buffering whose stale averages are
+    applied at weights predicted from each rank's local gradient; SGD, Adam, AdamW and LARS;
+    between steps the model holds the predicted weights: evaluate inside
+    ``with opt.true_weights():`` or after ``flush()``; docs/optimizer.md).
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
     ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
@@ -123,7 +131,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         init_hook_tables(self)
         self._inner = optimizer
         self.comm = comm
-        self.double_buffering = bool(double_buffering)
+        self.double_buffering, self.compensated = parse_mode(double_buffering)
+        # Compensated: the prediction of the next weights (raises TypeError, naming
+        # double_buffering=True, for an optimizer whose update rule it cannot predict).
+        self._comp = LocalStepPrediction(optimizer) if self.compensated else None
+        self._local: LocalGradients | None = None  # this step's local gradients, sent
+        self._aside: list | None = None  # predicted weights, inside true_weights()
         self.zero_fill = bool(zero_fill)
         self.overlap = bool(overlap)
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -214,6 +227,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; a collective call (every rank, same group)."""
         self._drain()
+        if self._comp is not None:
+            self._comp.restore()  # the next step predicts again, over every group
         self._inner.add_param_group(param_group)
         if self._reducer is not None:
             self._rebuild(broadcast=True)
@@ -221,7 +236,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         codec = self.codec.name if self.codec is not None else self.plain_codec.name
         return (f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
-                f"double_buffering={self.double_buffering}, overlap={self.overlap}, "
+                f"double_buffering={'compensated' if self.compensated else self.double_buffering}, overlap={self.overlap}, "
                 f"zero_fill={self.zero_fill})")
 
     def __getstate__(self):
@@ -275,6 +290,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """Rebuild when the set of parameters (or their requires_grad) changed."""
         if self._current_signature() != self._signature:
             self._drain()
+            if self._comp is not None:
+                self._comp.restore()  # broadcast_from_root sends true weights, not predicted
             self._rebuild(broadcast=True)
 
     # -- gradient hooks -----------------------------------------------------------------------
@@ -571,8 +588,34 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _db_exchange(self, scale: float) -> None:
         """Send this step's gradients; put the previous step's averages into param.grad."""
+        if self._comp is not None:
+            reducer = self._reducer
+            self._local = LocalGradients.take(
+                self._all_params(), reducer.params, scale,
+                lambda p: self._reducer_replaces_grad(p))
         self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._reducer,
                           self.zero_fill)
+
+    def _reducer_replaces_grad(self, p) -> bool:
+        """Whether unpacking points ``p.grad`` at the bucket (the tensor now there is untouched)."""
+        from commopt.reducer.layout import is_view_of
+
+        reducer = self._reducer
+        index = next(i for i, q in enumerate(reducer.params) if q is p)
+        flats = [buffers[reducer.bucket_of[index]] for buffers in reducer.buffers]
+        g = p.grad
+        in_bucket = any(g.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flats)
+        return not in_bucket and reducer._viewable(p, flats[0])
+
+    def _predict_next(self) -> None:
+        """Compensated: move the model to the weights this rank's local gradient predicts."""
+        local, self._local = self._local, None
+        pending = self._db.pending
+        if local is None or pending is None:
+            return
+        if any(bool(b) for b in pending._bad if b is not None):
+            return  # NaN/Inf here: this step is skipped everywhere, take no step locally either
+        self._comp.predict(local.clipped(self.clip_grad_norm))
 
     def _step_double_buffered(self) -> None:
         scale = self._grad_scale()
@@ -589,15 +632,61 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "with double_buffering and GradScaler, call scaler.unscale_(optimizer) before "
                 "optimizer.synchronize(): the gradients were sent still scaled"
             )
+        if self._comp is not None:
+            if self._aside is not None:
+                raise RuntimeError("optimizer.step() inside `with optimizer.true_weights():`: "
+                                   "evaluate inside the block, step outside it")
+            self._comp.restore()  # the stale average is applied at the true weights
         self._apply(self._db.take())
+        if self._comp is not None:
+            self._predict_next()
+
+    @contextlib.contextmanager
+    def true_weights(self):
+        """Inside the block the model holds the true (replicated) weights; after it, as before.
+
+        With ``double_buffering="compensated"`` the model holds each rank's *predicted*
+        weights between steps; evaluate or save the model for inference inside this block
+        (or after ``flush()``, which leaves the true weights). A no-op in the other modes.
+
+            >>> import torch, commopt
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = commopt.create_multi_node_optimizer(
+            ...     torch.optim.SGD(model.parameters(), lr=0.1), commopt.create_communicator("local"),
+            ...     model=model, double_buffering="compensated")
+            >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
+            >>> before = model.bias.item()            # predicted: one local step ahead
+            >>> with opt.true_weights():
+            ...     round(before - model.bias.item(), 6)
+            -0.1
+        """
+        comp = self._comp
+        if comp is None or not comp.predicting or self._aside is not None:
+            yield
+            return
+        params = comp._tensors()
+        with torch.no_grad():
+            self._aside = [p.detach().clone() for p in params]
+            torch._foreach_copy_(params, comp._weights)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, self._aside)
+            self._aside = None
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
         if not self.double_buffering:
             return  # nothing is ever pending without double buffering
         if self._db.pending is None:
+            if self._comp is not None and self._aside is None:
+                self._comp.restore()
             return
         with self._own_reads():
+            if self._comp is not None:
+                self._local = None
+                self._comp.restore()  # the model keeps the true weights from here on
             self._apply(self._db.flush(self.zero_fill))
 
     # -- state ------------------------------------------------------------------------------------
@@ -627,6 +716,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "codec_state": self._reducer.codec_states(),  # this rank's own only
                 "pending": db["pending"],
             }
+            if self._comp is not None:
+                # The true weights are the same on every rank; the predicted ones (what the
+                # model holds) are this rank's own (split_rank_state puts them per rank).
+                sd["commopt"]["compensated"] = self._comp.state_dict()
+                sd["commopt"]["predicted"] = own_state(self._comp, self._comp._tensors(),
+                                                       self._aside)["predicted"]
             return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -653,6 +748,31 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "optimizer with double_buffering=True (or call flush() before saving)"
                 )
             self._db.load_state_dict(extra, self._reducer)
+            self._load_compensation(extra)
+
+    def _load_compensation(self, extra: dict[str, Any]) -> None:
+        saved = extra.get("compensated")
+        if self._comp is None:
+            if saved is not None and saved.get("weights") is not None:
+                raise ValueError("the checkpoint was saved with double_buffering='compensated' "
+                                 "between steps: load it into an optimizer created with "
+                                 "double_buffering='compensated' (or call flush() before saving)")
+            return
+        self._local = None
+        if saved is None or saved.get("weights") is None:
+            self._comp.load_state_dict({"weights": None})
+            return
+        predicted = extra.get("predicted")
+        if predicted is None:
+            raise ValueError(f"rank {self.comm.rank}: the checkpoint holds the true weights of "
+                             "compensated double buffering but not this rank's predicted "
+                             "weights: load the state this rank saved (its own part)")
+        self._comp.load_state_dict(saved)
+        params = self._comp._tensors()
+        if len(predicted) != len(params):
+            raise ValueError("the checkpoint's predicted weights do not match this model's parameters")
+        with torch.no_grad():
+            torch._foreach_copy_(params, [w.to(p.device, p.dtype) for w, p in zip(predicted, params)])
 
     # -- misc -------------------------------------------------------------------------------------
     @property
@@ -668,6 +788,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._drain()
         self.remove_hooks()
         self._db.drop()
+        if self._comp is not None:
+            self._comp.restore()
         self._current = self._reduced = None
         if self._release is not None:
             self._release()  # finalizes the private communicator once (drained above)
