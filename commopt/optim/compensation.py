@@ -62,7 +62,7 @@ class LocalGradients:
             if g is None:
                 grads.append(None)
             elif scale != 1.0:
-                grads.append(g.detach().float().mul_(scale))
+                grads.append(g.detach().float() * scale)   # a new tensor: .grad is still to be sent
             elif g.dtype == torch.float32 and keep_reference(p):
                 grads.append(g.detach())
             else:

@@ -590,22 +590,26 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """Send this step's gradients; put the previous step's averages into param.grad."""
         if self._comp is not None:
             reducer = self._reducer
-            self._local = LocalGradients.take(
-                self._all_params(), reducer.params, scale,
-                lambda p: self._reducer_replaces_grad(p))
+            self._local = LocalGradients.take(self._all_params(), reducer.params, scale,
+                                              self._reducer_replaces_grad())
         self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._reducer,
                           self.zero_fill)
 
-    def _reducer_replaces_grad(self, p) -> bool:
-        """Whether unpacking points ``p.grad`` at the bucket (the tensor now there is untouched)."""
-        from commopt.reducer.layout import is_view_of
+    def _reducer_replaces_grad(self) -> Callable[[torch.Tensor], bool]:
+        """``f(p)``: unpacking points ``p.grad`` at its bucket, leaving the tensor now there alone.
 
+        False for a gradient that is a bucket view (the reduction overwrites it) and for a
+        parameter whose averages are copied into its ``.grad`` (dtype differs from the bucket's).
+        """
         reducer = self._reducer
-        index = next(i for i, q in enumerate(reducer.params) if q is p)
-        flats = [buffers[reducer.bucket_of[index]] for buffers in reducer.buffers]
-        g = p.grad
-        in_bucket = any(g.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flats)
-        return not in_bucket and reducer._viewable(p, flats[0])
+        index = {id(q): i for i, q in enumerate(reducer.params)}
+        storages = {f.untyped_storage().data_ptr() for buffers in reducer.buffers for f in buffers}
+
+        def replaces(p: torch.Tensor) -> bool:
+            flat = reducer.buffers[0][reducer.bucket_of[index[id(p)]]]
+            return (p.grad.untyped_storage().data_ptr() not in storages
+                    and reducer._viewable(p, flat))
+        return replaces
 
     def _predict_next(self) -> None:
         """Compensated: move the model to the weights this rank's local gradient predicts."""

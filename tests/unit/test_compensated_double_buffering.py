@@ -195,3 +195,31 @@ def test_errors_name_the_fix():
                                                 commopt.create_communicator("local"), double_buffering=True)
     with pytest.raises(ValueError, match="double_buffering='compensated'"):
         plain.load_state_dict(sd)
+
+
+def test_grad_scaler_and_horovod_clipping_pattern_match_the_plain_loop():
+    # A power-of-two scale unscales exactly: the same weights as without GradScaler.
+    ref, ropt = _wrapped("adamw", clip_grad_norm=0.3)
+    _train(ref, ropt, range(5))
+    ropt.flush()
+    model, opt = _wrapped("adamw", clip_grad_norm=0.3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=10_000)
+    for step in range(5):
+        scaler.scale(_loss(model, step)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    opt.flush()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    # synchronize() sends (and takes the local gradients); the clip sees the average.
+    hv, hopt = _wrapped("adamw")
+    for step in range(5):
+        _loss(hv, step).backward()
+        hopt.synchronize()
+        torch.nn.utils.clip_grad_norm_(hv.parameters(), 0.3)   # the average step() applies
+        with hopt.skip_synchronize():
+            hopt.step()
+        hopt.zero_grad()
+    hopt.flush()
+    assert hopt.applied_steps == 5 and all(torch.isfinite(p).all() for p in hv.parameters())
