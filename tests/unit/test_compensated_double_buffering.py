@@ -14,11 +14,13 @@ from torch import nn
 
 import commopt
 from commopt.optim.fingerprint import wire_settings
+from commopt.optim.layerwise import LARS
 from commopt.optim.staleness import LocalStepPrediction
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "lars": lambda ps: LARS(ps, lr=0.5, momentum=0.9, trust_coefficient=0.02),
 }
 
 
@@ -138,6 +140,29 @@ def test_state_dict_resume_is_bit_exact(kwargs):
     opt2.flush()
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_checkpoint_after_flush_loads_into_any_double_buffering_mode(tmp_path):
+    from commopt.optim import load_checkpoint, save_checkpoint
+
+    model, opt = _wrapped("sgd", compression="qsgd4+ef")
+    _train(model, opt, range(3))
+    opt.flush()
+    opt.zero_grad()   # flush() leaves the last average in .grad
+    assert opt.state_dict()["commopt"]["compensated"] == {"weights": None}
+    save_checkpoint(tmp_path / "ck", model, opt)
+    _train(model, opt, range(3, 6))
+    opt.flush()
+    for mode in ("compensated", True):
+        model2 = _model(3)
+        opt2 = commopt.create_multi_node_optimizer(
+            OPTIMIZERS["sgd"](model2.parameters()), commopt.create_communicator("local"),
+            model=model2, double_buffering=mode, compression="qsgd4+ef")
+        load_checkpoint(tmp_path / "ck", model2, opt2)
+        _train(model2, opt2, range(3, 6))
+        opt2.flush()
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+        assert same == (mode == "compensated"), mode
 
 
 def test_checkpoint_files_save_true_weights_and_resume_exactly(tmp_path):
