@@ -6,8 +6,9 @@ gradient predicts for the next step (:class:`~commopt.optim.staleness.LocalStepP
 so the next gradient is taken (nearly) where its average will be applied. This module
 holds what the wrapper needs for that: taking this rank's local gradients as the step
 sends them (a reference where the reduction replaces ``param.grad`` rather than writing
-into it, else one copy), and the checkpoint part that differs per rank (the predicted
-weights each rank's model holds between steps).
+into it, else one copy), the ``true_weights()`` block, and the checkpoint parts: the true
+weights (the same on every rank) and the predicted weights each rank's model holds between
+steps (its own).
 
     >>> import torch
     >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([1.0, -2.0])
@@ -19,11 +20,14 @@ weights each rank's model holds between steps).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["LocalGradients", "COMPENSATED", "parse_mode"]
+from commopt.optim.staleness import LocalStepPrediction
+
+__all__ = ["Compensation", "LocalGradients", "COMPENSATED", "parse_mode", "refuse_prediction"]
 
 COMPENSATED = "compensated"
 
@@ -81,14 +85,85 @@ class LocalGradients:
         return [None if g is None else g * coef for g in self.grads]
 
 
-def own_state(comp, params: Sequence[torch.Tensor], aside: list[torch.Tensor] | None) -> dict[str, Any]:
-    """What this rank checkpoints of the prediction: the predicted weights its model holds.
+class Compensation:
+    """The wrapper's compensated-double-buffering state: the prediction and this step's gradients.
 
-    They differ per rank (each predicts from its own local gradient), so they travel with
-    the rank's own state, not the replicated part; ``aside`` is where they are kept while
-    ``true_weights()`` is active.
+    ``optimizer`` is the inner optimizer (a TypeError naming ``double_buffering=True`` for
+    one whose update rule cannot be predicted).
     """
-    if not comp.predicting:
-        return {"predicted": None}
-    current = aside if aside is not None else params
-    return {"predicted": [p.detach().clone() for p in current]}
+
+    def __init__(self, optimizer):
+        self.prediction = LocalStepPrediction(optimizer)
+        self.local: LocalGradients | None = None  # this step's local gradients, sent
+        self.aside: list[torch.Tensor] | None = None  # predicted weights, inside true_weights()
+
+    def _params(self) -> list[torch.Tensor]:
+        return self.prediction._tensors()
+
+    def restore(self) -> None:
+        """Put the true weights back (before an average is applied, a flush, a re-broadcast)."""
+        if self.aside is not None:
+            raise RuntimeError("optimizer.step() or flush() inside `with optimizer.true_weights():`: "
+                               "evaluate inside the block, step outside it")
+        self.prediction.restore()
+
+    def predict(self, step_skipped_here: bool, max_norm: float | None) -> None:
+        """Move the model to the weights this step's local gradients predict (once per step)."""
+        local, self.local = self.local, None
+        if local is None or step_skipped_here:
+            return  # nothing sent, or NaN/Inf here: no local step either
+        self.prediction.predict(local.clipped(max_norm))
+
+    @contextlib.contextmanager
+    def true_weights(self) -> Iterator[None]:
+        if not self.prediction.predicting or self.aside is not None:
+            yield
+            return
+        params = self._params()
+        with torch.no_grad():
+            self.aside = [p.detach().clone() for p in params]
+            torch._foreach_copy_(params, self.prediction._weights)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, self.aside)
+            self.aside = None
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """``compensated``: the true weights (the same on every rank); ``predicted``: the
+        weights this rank's model holds (its own: ``split_rank_state`` puts them per rank)."""
+        predicted = None
+        if self.prediction.predicting:
+            current = self.aside if self.aside is not None else self._params()
+            predicted = [p.detach().clone() for p in current]
+        return {"compensated": self.prediction.state_dict(), "predicted": predicted}
+
+    def load(self, extra: dict[str, Any], rank: int) -> None:
+        """Restore :meth:`state`'s keys from the optimizer's ``"commopt"`` state."""
+        self.local = None
+        saved = extra.get("compensated")
+        if saved is None or saved.get("weights") is None:
+            self.prediction.load_state_dict({"weights": None})
+            return
+        predicted = extra.get("predicted")
+        if predicted is None:
+            raise ValueError(f"rank {rank}: the checkpoint holds the true weights of compensated "
+                             "double buffering but not this rank's predicted weights: load the "
+                             "state this rank saved (its own part)")
+        self.prediction.load_state_dict(saved)
+        params = self._params()
+        if len(predicted) != len(params):
+            raise ValueError("the checkpoint's predicted weights do not match this model's parameters")
+        with torch.no_grad():
+            torch._foreach_copy_(params, [w.to(p.device, p.dtype) for w, p in zip(predicted, params)])
+
+
+def refuse_prediction(extra: dict[str, Any]) -> None:
+    """Raise when a non-compensated optimizer is given a checkpoint taken between compensated steps."""
+    saved = extra.get("compensated")
+    if saved is not None and saved.get("weights") is not None:
+        raise ValueError("the checkpoint was saved with double_buffering='compensated' between "
+                         "steps: load it into an optimizer created with "
+                         "double_buffering='compensated' (or call flush() before saving)")

@@ -45,12 +45,11 @@ from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim import clipping
-from commopt.optim.compensation import LocalGradients, own_state, parse_mode
+from commopt.optim.compensation import Compensation, LocalGradients, parse_mode, refuse_prediction
 from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
-from commopt.optim.staleness import LocalStepPrediction
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
@@ -134,9 +133,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.double_buffering, self.compensated = parse_mode(double_buffering)
         # Compensated: the prediction of the next weights (raises TypeError, naming
         # double_buffering=True, for an optimizer whose update rule it cannot predict).
-        self._comp = LocalStepPrediction(optimizer) if self.compensated else None
-        self._local: LocalGradients | None = None  # this step's local gradients, sent
-        self._aside: list | None = None  # predicted weights, inside true_weights()
+        self._comp = Compensation(optimizer) if self.compensated else None
         self.zero_fill = bool(zero_fill)
         self.overlap = bool(overlap)
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -590,7 +587,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """Send this step's gradients; put the previous step's averages into param.grad."""
         if self._comp is not None:
             reducer = self._reducer
-            self._local = LocalGradients.take(self._all_params(), reducer.params, scale,
+            self._comp.local = LocalGradients.take(self._all_params(), reducer.params, scale,
                                               self._reducer_replaces_grad())
         self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._reducer,
                           self.zero_fill)
@@ -611,16 +608,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     and reducer._viewable(p, flat))
         return replaces
 
-    def _predict_next(self) -> None:
-        """Compensated: move the model to the weights this rank's local gradient predicts."""
-        local, self._local = self._local, None
-        pending = self._db.pending
-        if local is None or pending is None:
-            return
-        if any(bool(b) for b in pending._bad if b is not None):
-            return  # NaN/Inf here: this step is skipped everywhere, take no step locally either
-        self._comp.predict(local.clipped(self.clip_grad_norm))
-
     def _step_double_buffered(self) -> None:
         scale = self._grad_scale()
         if not self._db.exchanged:
@@ -637,13 +624,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "optimizer.synchronize(): the gradients were sent still scaled"
             )
         if self._comp is not None:
-            if self._aside is not None:
-                raise RuntimeError("optimizer.step() inside `with optimizer.true_weights():`: "
-                                   "evaluate inside the block, step outside it")
             self._comp.restore()  # the stale average is applied at the true weights
         self._apply(self._db.take())
         if self._comp is not None:
-            self._predict_next()
+            pending = self._db.pending  # this step's reduction: its local NaN/Inf flags
+            self._comp.predict(any(bool(b) for b in pending._bad if b is not None),
+                               self.clip_grad_norm)
 
     @contextlib.contextmanager
     def true_weights(self):
@@ -664,32 +650,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             ...     round(before - model.bias.item(), 6)
             -0.1
         """
-        comp = self._comp
-        if comp is None or not comp.predicting or self._aside is not None:
+        if self._comp is None:
             yield
             return
-        params = comp._tensors()
-        with torch.no_grad():
-            self._aside = [p.detach().clone() for p in params]
-            torch._foreach_copy_(params, comp._weights)
-        try:
+        with self._comp.true_weights():
             yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(params, self._aside)
-            self._aside = None
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
         if not self.double_buffering:
             return  # nothing is ever pending without double buffering
         if self._db.pending is None:
-            if self._comp is not None and self._aside is None:
+            if self._comp is not None:
                 self._comp.restore()
             return
         with self._own_reads():
             if self._comp is not None:
-                self._local = None
+                self._comp.local = None
                 self._comp.restore()  # the model keeps the true weights from here on
             self._apply(self._db.flush(self.zero_fill))
 
@@ -721,11 +698,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "pending": db["pending"],
             }
             if self._comp is not None:
-                # The true weights are the same on every rank; the predicted ones (what the
-                # model holds) are this rank's own (split_rank_state puts them per rank).
-                sd["commopt"]["compensated"] = self._comp.state_dict()
-                sd["commopt"]["predicted"] = own_state(self._comp, self._comp._tensors(),
-                                                       self._aside)["predicted"]
+                sd["commopt"].update(self._comp.state())
             return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -755,28 +728,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._load_compensation(extra)
 
     def _load_compensation(self, extra: dict[str, Any]) -> None:
-        saved = extra.get("compensated")
         if self._comp is None:
-            if saved is not None and saved.get("weights") is not None:
-                raise ValueError("the checkpoint was saved with double_buffering='compensated' "
-                                 "between steps: load it into an optimizer created with "
-                                 "double_buffering='compensated' (or call flush() before saving)")
-            return
-        self._local = None
-        if saved is None or saved.get("weights") is None:
-            self._comp.load_state_dict({"weights": None})
-            return
-        predicted = extra.get("predicted")
-        if predicted is None:
-            raise ValueError(f"rank {self.comm.rank}: the checkpoint holds the true weights of "
-                             "compensated double buffering but not this rank's predicted "
-                             "weights: load the state this rank saved (its own part)")
-        self._comp.load_state_dict(saved)
-        params = self._comp._tensors()
-        if len(predicted) != len(params):
-            raise ValueError("the checkpoint's predicted weights do not match this model's parameters")
-        with torch.no_grad():
-            torch._foreach_copy_(params, [w.to(p.device, p.dtype) for w, p in zip(predicted, params)])
+            refuse_prediction(extra)
+        else:
+            self._comp.load(extra, self.comm.rank)
 
     # -- misc -------------------------------------------------------------------------------------
     @property
