@@ -111,6 +111,8 @@ def split_rank_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     replicated = dict(state_dict)
     extra = dict(replicated["commopt"])
     own = {k: extra.pop(k) for k in ("rank", "world_size", "codec_state")}
+    if "predicted" in extra:  # compensated double buffering: this rank's predicted weights
+        own["predicted"] = extra.pop("predicted")
     replicated["commopt"] = extra
     return replicated, own
 

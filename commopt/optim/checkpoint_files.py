@@ -21,6 +21,7 @@ every commopt communicator (``mpi`` included); the communicator only provides a 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -50,8 +51,12 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, *, extra: dict | 
     with warnings.catch_warnings():  # "no process group: saving in a single process" is intended
         warnings.simplefilter("ignore", UserWarning)
         if comm.rank == 0:
-            dcp.save({"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
-                     checkpoint_id=str(path / REPLICATED), no_dist=True)
+            # Compensated double buffering: the model is saved at its true weights (each
+            # rank's predicted ones are in its own part), so the file also serves inference.
+            true_weights = getattr(optimizer, "true_weights", contextlib.nullcontext)
+            with true_weights():
+                dcp.save({"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
+                         checkpoint_id=str(path / REPLICATED), no_dist=True)
         dcp.save({"commopt_rank": own}, checkpoint_id=str(_rank_dir(path, comm.rank)),
                  no_dist=True)
     comm.barrier()  # the checkpoint is complete when any rank returns

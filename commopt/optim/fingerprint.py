@@ -39,7 +39,8 @@ def wire_settings(opt) -> dict[str, str]:
         "bucket_cap_mb": repr(opt.bucket_cap_mb),
         "bucket layout": "; ".join(_bucket_layout(opt._reducer)),
         "algorithm": repr(opt.algorithm),
-        "double_buffering": repr(opt.double_buffering),
+        "double_buffering": repr("compensated" if getattr(opt, "compensated", False)
+                                 else opt.double_buffering),
     }
 
 

@@ -26,7 +26,9 @@ Modes (see docs/optimizer.md): ``overlap=True`` sends buckets during backward an
 ``step()`` waits for what is still in flight; ``overlap=False`` sends everything in
 ``step()``; ``double_buffering=True`` lets the reduction of step t run during step t+1's
 forward and backward and applies it at step t+1 (one step stale; ``flush()`` applies the
-last one).
+last one); ``double_buffering="compensated"`` also moves each rank's model, between steps,
+to the weights its local gradient predicts for the next step, so the stale average is
+applied (nearly) where it was computed (:mod:`~commopt.optim.staleness`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim import clipping
+from commopt.optim.compensation import Compensation, LocalGradients, parse_mode, refuse_prediction
 from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.fingerprint import check_same_settings
@@ -57,7 +60,7 @@ log = logging.getLogger("commopt")
 def create_multi_node_optimizer(
     optimizer: torch.optim.Optimizer,
     comm: Communicator,
-    double_buffering: bool = False,
+    double_buffering: bool | str = False,
     zero_fill: bool = True,
     *,
     allreduce_grad_dtype=None,
@@ -82,7 +85,11 @@ def create_multi_node_optimizer(
     ``commopt.collectives.allreduce``. ``clip_grad_norm`` (optional) clips the averaged
     gradients the inner step applies to this global L2 norm (the same decision on every rank;
     with double buffering, the gradients of the step being applied); the norm before clipping
-    is in ``last_grad_norm``.
+    is in ``last_grad_norm``. ``double_buffering``: False, True (the average of step t is
+    applied at step t+1) or ``"compensated"`` (double buffering whose stale averages are
+    applied at weights predicted from each rank's local gradient; SGD, Adam, AdamW and LARS;
+    between steps the model holds the predicted weights: evaluate inside
+    ``with opt.true_weights():`` or after ``flush()``; docs/optimizer.md).
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
     ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
@@ -123,7 +130,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         init_hook_tables(self)
         self._inner = optimizer
         self.comm = comm
-        self.double_buffering = bool(double_buffering)
+        self.double_buffering, self.compensated = parse_mode(double_buffering)
+        # Compensated: the prediction of the next weights (raises TypeError, naming
+        # double_buffering=True, for an optimizer whose update rule it cannot predict).
+        self._comp = Compensation(optimizer) if self.compensated else None
         self.zero_fill = bool(zero_fill)
         self.overlap = bool(overlap)
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -214,6 +224,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; a collective call (every rank, same group)."""
         self._drain()
+        if self._comp is not None:
+            self._comp.restore()  # the next step predicts again, over every group
         self._inner.add_param_group(param_group)
         if self._reducer is not None:
             self._rebuild(broadcast=True)
@@ -221,7 +233,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         codec = self.codec.name if self.codec is not None else self.plain_codec.name
         return (f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
-                f"double_buffering={self.double_buffering}, overlap={self.overlap}, "
+                f"double_buffering={'compensated' if self.compensated else self.double_buffering}, overlap={self.overlap}, "
                 f"zero_fill={self.zero_fill})")
 
     def __getstate__(self):
@@ -275,6 +287,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """Rebuild when the set of parameters (or their requires_grad) changed."""
         if self._current_signature() != self._signature:
             self._drain()
+            if self._comp is not None:
+                self._comp.restore()  # broadcast_from_root sends true weights, not predicted
             self._rebuild(broadcast=True)
 
     # -- gradient hooks -----------------------------------------------------------------------
@@ -571,8 +585,28 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _db_exchange(self, scale: float) -> None:
         """Send this step's gradients; put the previous step's averages into param.grad."""
+        if self._comp is not None:
+            reducer = self._reducer
+            self._comp.local = LocalGradients.take(self._all_params(), reducer.params, scale,
+                                              self._reducer_replaces_grad())
         self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._reducer,
                           self.zero_fill)
+
+    def _reducer_replaces_grad(self) -> Callable[[torch.Tensor], bool]:
+        """``f(p)``: unpacking points ``p.grad`` at its bucket, leaving the tensor now there alone.
+
+        False for a gradient that is a bucket view (the reduction overwrites it) and for a
+        parameter whose averages are copied into its ``.grad`` (dtype differs from the bucket's).
+        """
+        reducer = self._reducer
+        index = {id(q): i for i, q in enumerate(reducer.params)}
+        storages = {f.untyped_storage().data_ptr() for buffers in reducer.buffers for f in buffers}
+
+        def replaces(p: torch.Tensor) -> bool:
+            flat = reducer.buffers[0][reducer.bucket_of[index[id(p)]]]
+            return (p.grad.untyped_storage().data_ptr() not in storages
+                    and reducer._viewable(p, flat))
+        return replaces
 
     def _step_double_buffered(self) -> None:
         scale = self._grad_scale()
@@ -589,15 +623,51 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "with double_buffering and GradScaler, call scaler.unscale_(optimizer) before "
                 "optimizer.synchronize(): the gradients were sent still scaled"
             )
+        if self._comp is not None:
+            self._comp.restore()  # the stale average is applied at the true weights
         self._apply(self._db.take())
+        if self._comp is not None:
+            pending = self._db.pending  # this step's reduction: its local NaN/Inf flags
+            self._comp.predict(any(bool(b) for b in pending._bad if b is not None),
+                               self.clip_grad_norm)
+
+    @contextlib.contextmanager
+    def true_weights(self):
+        """Inside the block the model holds the true (replicated) weights; after it, as before.
+
+        With ``double_buffering="compensated"`` the model holds each rank's *predicted*
+        weights between steps; evaluate or save the model for inference inside this block
+        (or after ``flush()``, which leaves the true weights). A no-op in the other modes.
+
+            >>> import torch, commopt
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = commopt.create_multi_node_optimizer(
+            ...     torch.optim.SGD(model.parameters(), lr=0.1), commopt.create_communicator("local"),
+            ...     model=model, double_buffering="compensated")
+            >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
+            >>> before = model.bias.item()            # predicted: one local step ahead
+            >>> with opt.true_weights():
+            ...     round(before - model.bias.item(), 6)
+            -0.1
+        """
+        if self._comp is None:
+            yield
+            return
+        with self._comp.true_weights():
+            yield
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
         if not self.double_buffering:
             return  # nothing is ever pending without double buffering
         if self._db.pending is None:
+            if self._comp is not None:
+                self._comp.restore()
             return
         with self._own_reads():
+            if self._comp is not None:
+                self._comp.local = None
+                self._comp.restore()  # the model keeps the true weights from here on
             self._apply(self._db.flush(self.zero_fill))
 
     # -- state ------------------------------------------------------------------------------------
@@ -627,6 +697,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "codec_state": self._reducer.codec_states(),  # this rank's own only
                 "pending": db["pending"],
             }
+            if self._comp is not None:
+                sd["commopt"].update(self._comp.state())
             return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -653,6 +725,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "optimizer with double_buffering=True (or call flush() before saving)"
                 )
             self._db.load_state_dict(extra, self._reducer)
+            self._load_compensation(extra)
+
+    def _load_compensation(self, extra: dict[str, Any]) -> None:
+        if self._comp is None:
+            refuse_prediction(extra)
+        else:
+            self._comp.load(extra, self.comm.rank)
 
     # -- misc -------------------------------------------------------------------------------------
     @property
@@ -668,6 +747,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._drain()
         self.remove_hooks()
         self._db.drop()
+        if self._comp is not None:
+            self._comp.restore()
         self._current = self._reduced = None
         if self._release is not None:
             self._release()  # finalizes the private communicator once (drained above)
