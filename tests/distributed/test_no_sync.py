@@ -96,7 +96,10 @@ def train(compiled, use_no_sync, steps=3):
             with ctx:
                 x, y = batch(s, i)
                 torch.nn.functional.mse_loss(forward(x), y).backward()
-        issued.append(opt._current.issued if opt._current is not None else 0)
+        # The post-accumulate-grad hooks fired in the compiled backward: backward() returned
+        # with every bucket reduced (DDP's contract), nothing is left for step() to send.
+        red = opt._reduced
+        issued.append(red.issued if red is not None and opt._current is None else 0)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], issued, len(opt.buckets)
 
