@@ -48,7 +48,7 @@ class DoubleBuffer:
         if previous is not None:
             previous.wait()  # its trailer ran on the worker: no overlap lost
         current = start(self.buffer)
-        current.finish()  # packs this step's local gradients and sends every bucket
+        current.issue_remaining()  # packs this step's local gradients and sends every bucket
         self.pending = current
         self.buffer ^= 1
         self._exchanged = True

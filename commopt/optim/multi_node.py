@@ -150,8 +150,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._reducer: GradientReducer | None = None
         self._hooks: list = []
         self._signature: tuple | None = None
-        self._current: StepReduction | None = None  # issued by hooks, not finished
-        self._reduced: StepReduction | None = None  # finished and unpacked, not applied
+        self._current: StepReduction | None = None  # issued by hooks, not all issued yet
+        self._reduced: StepReduction | None = None  # all issued, waited for and unpacked, not applied
         self._dirty = False  # backward wrote gradients since the last reduction
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
@@ -384,7 +384,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._ensure_layout()
             red = self._current if self._current is not None else self._start()
             self._current = None
-            red.finish()
+            red.issue_remaining()
             red.unpack(self.zero_fill)
             self._reduced = red
             self._averaged = [None if p.grad is None else weakref.ref(p.grad)  # (second-backward

@@ -14,7 +14,7 @@ carries one codec. In a compressed bucket every tensor starts at a multiple of t
     >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 2.0)
     >>> reducer = GradientReducer(comm, [w], ["w"])
     >>> step = reducer.start(step=0)
-    >>> step.finish()
+    >>> step.issue_remaining()
     >>> result = step.unpack(zero_fill=True)   # waits, then writes param.grad
     >>> w.grad.tolist(), result.nonfinite
     ([2.0, 2.0, 2.0], False)

@@ -2,7 +2,7 @@
 
 Buckets are issued strictly in order (bucket ``i`` after ``0..i-1``), whatever order the
 backward hooks report gradients in, so every rank issues the same collectives in the same
-order; ``finish()`` issues what is left and the agreement trailer
+order; ``issue_remaining()`` issues what is left and the agreement trailer
 (:mod:`commopt.reducer.agreement`).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ class StepReduction:
         self.works: list[Work] = []
         self._trailer: Work | None = None
         self._result: StepResult | None = None
-        self.finished = False
+        self.all_issued = False
 
     # -- issuing ---------------------------------------------------------------------------
     def mark_ready(self, param: int) -> None:
@@ -66,15 +66,15 @@ class StepReduction:
         self.works.append(self.reducer.reduce(bucket, flat, self.step, self.scale))
         self.issued = i + 1
 
-    def finish(self) -> None:
+    def issue_remaining(self) -> None:
         """Issue the buckets not sent yet (unused parameters: zeros) and the trailer."""
-        if self.finished:
+        if self.all_issued:
             return
         while self.issued < len(self.reducer.buckets):
             self._issue(self.issued)
         device = self.flats[0].device if self.flats else None
         self._trailer = driver.then(self.reducer.comm, self._agree, device=device)
-        self.finished = True
+        self.all_issued = True
 
     def _agree(self) -> None:
         """On the worker, after every bucket: agree on NaN/Inf and presence (the trailer)."""
@@ -113,16 +113,16 @@ class StepReduction:
         self.present = list(result.present)
         self._result = result
         self._trailer = _DoneWork()
-        self.finished = True
+        self.all_issued = True
 
     # -- completing --------------------------------------------------------------------------
     def done(self) -> bool:
         return self._trailer is not None and self._trailer.is_completed()
 
     def wait(self) -> StepResult:
-        """Wait for every bucket and the trailer (call ``finish`` first)."""
-        if not self.finished:
-            raise RuntimeError("StepReduction.wait() before finish()")
+        """Wait for every bucket and the trailer (call ``issue_remaining`` first)."""
+        if not self.all_issued:
+            raise RuntimeError("StepReduction.wait() before issue_remaining()")
         for w in self.works:
             w.wait()
         self._trailer.wait()
