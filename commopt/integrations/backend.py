@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 # present at run time (torch's own multi-threaded test group uses it), absent from the stubs
 from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 

@@ -78,7 +78,7 @@ class CommoptHookState:
         self.seed = int(seed)
         self.step = 0
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self._comm: "TorchCommunicator | None" = None
+        self._comm: TorchCommunicator | None = None
         self._reducers: dict[int, tuple[tuple, GradientReducer]] = {}
         self._pending_codec_state: dict[str, Any] = {}
 
