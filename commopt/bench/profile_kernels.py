@@ -66,7 +66,7 @@ def run(shapes, repeats: int, threads: int) -> dict:
     }
     for fn in variants.values():  # warm-up: page in, load the library
         fn()
-    times = {name: [] for name in variants}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
             times[name] += _time_once(fn)

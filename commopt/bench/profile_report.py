@@ -9,6 +9,10 @@ on saved reports to put several side by side (shaped and unshaped links)::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # matplotlib is optional and imported where a plot is drawn
+    from matplotlib.artist import Artist
 
 #: Columns of the profile table: the phases, the CPU py-spy could not attribute (native
 #: threads it does not sample), the thread's CPU and its time asleep.
@@ -185,7 +189,7 @@ def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = 
         ax.set_xlim(0, right * 1.05)
     axes[-1, 0].set_xlabel("ms per step, one rank: each thread's CPU by phase (solid); the training "
                            "thread's time asleep and runnable without a core (hatched)")
-    legend = {}
+    legend: dict[str, Artist] = {}
     for ax in axes[:, 0]:
         for handle, lab in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(lab, handle)

@@ -150,7 +150,7 @@ def thread_cpu(pid: int | None = None) -> dict[int, tuple[str, float, int, int]]
                     switches[1] = int(line.split()[1])
         except OSError:
             pass
-        out[tid] = (name, cpu, *switches)
+        out[tid] = (name, cpu, switches[0], switches[1])
     return out
 
 

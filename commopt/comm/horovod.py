@@ -60,7 +60,7 @@ def _hvd():
 class HandleWork(Work):
     """A Work over a Horovod handle; ``finalize`` receives the operation's output."""
 
-    def __init__(self, hvd, handle, finalize: Callable[[Any], None] | None = None):
+    def __init__(self, hvd, handle, finalize: Callable[[Any], object] | None = None):
         self._hvd, self._handle, self._finalize = hvd, handle, finalize
         self._done = False
 
@@ -203,7 +203,7 @@ class HorovodCommunicator(Communicator):
         for c, k, r in everyone:
             groups.setdefault(c, []).append((k, r))
         # Every rank registers every group, in the same order (a collective over all ranks).
-        mine = None
+        mine: tuple[int, tuple[int, ...]] | None = None
         for c in sorted(groups):
             ranks = tuple(sorted(r for _, r in groups[c]))
             if ranks not in _PROCESS_SETS:
@@ -211,6 +211,8 @@ class HorovodCommunicator(Communicator):
                                         else hvd.add_process_set(list(ranks)))
             if c == color:
                 mine = (c, ranks)
+        if mine is None:  # our own (color, key, rank) is in everyone: a broken allgather_obj
+            raise RuntimeError(f"rank {self.rank}: _split: color {color} missing from the gather")
         c, ranks = mine
         by_key = [r for _, r in sorted(groups[c])]  # our new rank order: by key, then old rank
         order = [ranks.index(r) for r in by_key]

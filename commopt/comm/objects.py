@@ -235,7 +235,11 @@ def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
     if n < 0:
         raise TypeError(f"rank {comm.rank}: bcast_obj: rank {root} could not send its object "
                         f"(its own error says why)")
-    buf = _as_tensor(data, device) if comm.rank == root else torch.empty(n, dtype=torch.uint8, device=device)
+    if comm.rank == root:
+        assert data is not None  # n >= 0: the root encoded its object
+        buf = _as_tensor(data, device)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
     if n:
         comm._broadcast(buf, root).wait()
     return obj if comm.rank == root else decode(buf.cpu().numpy().tobytes(), like=obj)

@@ -49,16 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Terminated(SystemExit):
     """SIGTERM or SIGHUP, raised where the launcher is so the job is stopped in order."""
 
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)  # the shell's exit status for a signal
+        self.signum = signum
+
 
 def install_signal_handlers() -> None:
-    """Ctrl-C raises KeyboardInterrupt, SIGTERM/SIGHUP raise Terminated(128 + signal).
+    """Ctrl-C raises KeyboardInterrupt, SIGTERM/SIGHUP raise Terminated(signal) (exit 128 + signal).
 
     Installed first thing (before torch or anything slow could be imported), so a signal
     that comes during start-up stops the launch like one that comes later. A signal the
     parent set to be ignored (``nohup``, a background job) stays ignored.
     """
     def terminated(signum, frame):
-        raise Terminated(128 + signum)
+        raise Terminated(signum)
 
     for sig, handler in ((signal.SIGINT, signal.default_int_handler),
                          (signal.SIGTERM, terminated), (signal.SIGHUP, terminated)):
@@ -78,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         print("commopt launch: interrupted; the job is stopped", file=sys.stderr)
         return 130
     except Terminated as exc:
-        print(f"commopt launch: terminated by signal {int(exc.code) - 128}; the job is stopped",
+        print(f"commopt launch: terminated by signal {exc.signum}; the job is stopped",
               file=sys.stderr)
-        return int(exc.code)
+        return 128 + exc.signum
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -46,10 +46,13 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+
+# present at run time (torch's own multi-threaded test group uses it), absent from the stubs
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
 from commopt import collectives, driver
 from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, RngKey, get_codec
@@ -158,15 +161,19 @@ class CommoptProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
                  config: BackendConfig | None = None):
-        super().__init__(rank, size)
+        # (rank, size) is one of the constructor's run-time overloads; the stubs list only the other
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self.config = config or BackendConfig.from_env()
         self._codec = self.config.codec()
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pass/gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
-        self._passthrough = {"cpu": self._gloo}
+        # Any: the stubs' Backend classes list none of their collectives
+        self._passthrough: dict[str, Any] = {"cpu": self._gloo}
         if cuda:
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("pass/nccl/", store), rank, size)
+            # options has a default at run time; the stubs make it required
+            nccl = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
+                dist.PrefixStore("pass/nccl/", store), rank, size)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
             self._passthrough["cuda"] = nccl
         self._set_default_backend(dist.ProcessGroup.BackendType.NCCL if cuda
@@ -195,7 +202,8 @@ class CommoptProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp  # a ReduceOp: `in (SUM, AVG)` would compare the other way round
         return op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
 
-    def allreduce(self, tensors, opts=None):
+    # c10d calls allreduce(tensors, opts); the stubs' other overloads are not this group's API
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = dist.AllreduceOptions() if opts is None else opts
         if not self._compresses(tensors, opts):
             with self._lock:

@@ -69,7 +69,8 @@ class C10dCommunicator(Communicator):
         self._backends: dict[str, Any] = {
             "cpu": dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), self.rank, self.size, timeout)}
         if (torch.cuda.is_available() if use_cuda is None else use_cuda) and dist.is_nccl_available():
-            self._backends["cuda"] = dist.ProcessGroupNCCL(
+            # options has a default at run time; the stubs make it required
+            self._backends["cuda"] = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
                 dist.PrefixStore("nccl/", store), self.rank, self.size)
         self._lock = threading.Lock()
         self.sent_bytes = 0

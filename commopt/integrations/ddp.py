@@ -23,7 +23,7 @@ is rebuilt lazily from the process group given at construction (or the default g
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ import torch.distributed as dist
 from commopt import driver
 from commopt.codecs import Codec, CompressionPolicy, get_codec
 from commopt.reducer import GradientReducer
+
+if TYPE_CHECKING:
+    from commopt.comm.torch_dist import TorchCommunicator
 
 __all__ = ["CommoptHookState", "commopt_hook"]
 
@@ -75,13 +78,13 @@ class CommoptHookState:
         self.seed = int(seed)
         self.step = 0
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self._comm = None
+        self._comm: TorchCommunicator | None = None
         self._reducers: dict[int, tuple[tuple, GradientReducer]] = {}
         self._pending_codec_state: dict[str, Any] = {}
 
     # -- the communicator, made on first use and never pickled ------------------------
     @property
-    def comm(self):
+    def comm(self) -> "TorchCommunicator":
         if self._comm is None:
             from commopt.comm.torch_dist import TorchCommunicator
 
@@ -124,7 +127,8 @@ class CommoptHookState:
             codec = copy.deepcopy(spec) if isinstance(spec, Codec) else get_codec(spec)
             names = [self._names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)]
             reducer = GradientReducer(
-                self.comm, [_GradView(g) for g in grads], names,
+                # duck-typed: the reducer reads only shape, dtype, device, numel() and grad
+                self.comm, [cast(torch.Tensor, _GradView(g)) for g in grads], names,
                 codec=None if codec.name in ("none", "fp32") else codec,
                 plain_codec=None, policy=self.policy, bucket_cap_mb=1e9,  # DDP sized the bucket
                 algorithm=self.algorithm, seed=self.seed)

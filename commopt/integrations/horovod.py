@@ -28,6 +28,8 @@ such a Horovod.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from commopt.codecs import Codec, get_codec
@@ -53,7 +55,10 @@ def horovod_sums(dtype: torch.dtype) -> bool:
     return hasattr(mpi_ops.mpi_lib, f"horovod_torch_allreduce_async_{name}")
 
 
-_, _Compressor = _horovod()
+if TYPE_CHECKING:  # Horovod has no type information: its Compressor is Any to the checker
+    from horovod.torch.compression import Compressor as _Compressor
+else:
+    _, _Compressor = _horovod()
 
 
 class CodecCompressor(_Compressor):
@@ -79,6 +84,7 @@ class CodecCompressor(_Compressor):
                 "works for fp16/bf16 casts. For QSGD use commopt.create_communicator('horovod') "
                 "with commopt's optimizer wrapper (scatter-reduce over alltoall/allgather)."
             )
+        self._wire_dtype: torch.dtype = self.codec.wire_dtype  # a linear codec's sum dtype
         if size is not None and int(size) < 1:
             raise ValueError(f"size must be a positive number of ranks, got {size}")
         self.size = None if size is None else int(size)
@@ -94,7 +100,7 @@ class CodecCompressor(_Compressor):
     def _check_transport(self) -> None:
         if self._checked:
             return
-        if not horovod_sums(self.codec.wire_dtype):
+        if not horovod_sums(self._wire_dtype):
             raise ValueError(
                 f"this Horovod cannot sum {self.codec.wire_dtype} tensors (Horovod 0.28 has no "
                 "bfloat16 type). Use Compression.fp16, or commopt.create_communicator('horovod') "
@@ -111,7 +117,7 @@ class CodecCompressor(_Compressor):
         wire = torch.empty(self.codec.encoded_nbytes(flat.numel()), dtype=torch.uint8,
                            device=tensor.device)
         self.codec.encode(flat, wire, scale=1.0 / n)  # divide first: the sum of n cannot overflow
-        return wire.view(self.codec.wire_dtype).view(tensor.shape), (tensor.shape, n)
+        return wire.view(self._wire_dtype).view(tensor.shape), (tensor.shape, n)
 
     def decompress(self, tensor: torch.Tensor, ctx):
         if ctx is None:

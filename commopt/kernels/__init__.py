@@ -32,6 +32,7 @@ import itertools
 import os
 import struct
 import warnings
+from typing import Any
 
 import torch
 
@@ -251,8 +252,9 @@ def qsgd_encode(
     _check_flat("out", out, torch.uint8, nbytes)
     k0, k1 = (int(k) & 0xFFFFFFFF for k in key)
     which = _pick(impl, x, out)
-    kwargs = dict(bits=bits, levels=levels, bucket_size=bucket_size, key=(k0, k1), norm=norm,
-                  stochastic=stochastic, scale=_scale32(scale), scale_bytes=scale_bytes)
+    kwargs: dict[str, Any] = dict(bits=bits, levels=levels, bucket_size=bucket_size,
+                                  key=(k0, k1), norm=norm, stochastic=stochastic,
+                                  scale=_scale32(scale), scale_bytes=scale_bytes)
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).qsgd_encode(x, out, **kwargs)
@@ -277,8 +279,8 @@ def qsgd_decode(
     nbytes = qsgd_nbytes(out.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
     _check_flat("wire", wire, torch.uint8, nbytes)
     which = _pick(impl, wire, out)
-    kwargs = dict(bits=bits, levels=levels, bucket_size=bucket_size, accumulate=accumulate,
-                  alpha=_scale32(alpha), scale_bytes=scale_bytes)
+    kwargs: dict[str, Any] = dict(bits=bits, levels=levels, bucket_size=bucket_size,
+                                  accumulate=accumulate, alpha=_scale32(alpha), scale_bytes=scale_bytes)
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).qsgd_decode(wire, out, **kwargs)
@@ -296,7 +298,7 @@ def cast_encode(
     _check_flat("x", x, torch.float32)
     _check_flat("out", out, CAST_DTYPES, x.numel())
     which = _pick(impl, x, out)
-    kwargs = dict(scale=_scale32(scale))
+    kwargs: dict[str, Any] = dict(scale=_scale32(scale))
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).cast_encode(x, out, **kwargs)
@@ -315,7 +317,7 @@ def cast_decode(
     _check_flat("wire", wire, CAST_DTYPES)
     _check_flat("out", out, torch.float32, wire.numel())
     which = _pick(impl, wire, out)
-    kwargs = dict(accumulate=accumulate, alpha=_scale32(alpha))
+    kwargs: dict[str, Any] = dict(accumulate=accumulate, alpha=_scale32(alpha))
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).cast_decode(wire, out, **kwargs)

@@ -108,7 +108,8 @@ def _store_steps(m, rows, row_ok, out_ptr, levels, HALF: tl.constexpr):
     else:
         word = step.to(tl.int32, bitcast=True)
         shifts = tl.arange(0, 4) * 8
-        nbytes: tl.constexpr = 4
+        # Triton needs the constexpr annotation on each static branch's assignment
+        nbytes: tl.constexpr = 4  # type: ignore[no-redef]
     # byte by byte: the wire may start at any offset
     byte = ((word[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8)
     dst = rows[:, None] * nbytes + tl.arange(0, nbytes)[None, :]

@@ -253,7 +253,15 @@ def check_efa(snap: dict) -> list[Finding]:
     return out
 
 
-RELAXED_ORDERING_SINCE = nccl_vars.NCCL_VARIABLES["NCCL_IB_PCI_RELAXED_ORDERING"][0]
+def _since(name: str) -> nccl_vars.Version:
+    """The NCCL version that added ``name`` (the variables table records it)."""
+    since = nccl_vars.NCCL_VARIABLES[name][0]
+    if since is None:
+        raise RuntimeError(f"commopt.network.nccl_vars has no first version for {name}: add it")
+    return since
+
+
+RELAXED_ORDERING_SINCE = _since("NCCL_IB_PCI_RELAXED_ORDERING")
 
 
 def check_ib_in_vm(snap: dict) -> list[Finding]:

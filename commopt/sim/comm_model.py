@@ -58,8 +58,10 @@ def _hop(machine: Machine, nodes: int, per_node: int, flow_bytes: float, alltoal
         if not machine.p2p and machine.group_size:
             # Staged through host memory: every active GPU of a group crosses the uplink.
             active = min(per_node, machine.group_size)
-            lat = max(lat, machine.uplink.latency_s)
-            terms.append(active * flow_bytes / machine.uplink.bandwidth_Bps)
+            uplink = machine.uplink
+            assert uplink is not None  # Machine.__post_init__ requires one for this layout
+            lat = max(lat, uplink.latency_s)
+            terms.append(active * flow_bytes / uplink.bandwidth_Bps)
         if machine.group_size and per_node > machine.group_size and machine.cross_group is not None:
             lat = max(lat, machine.cross_group.latency_s)
             if alltoall:

@@ -33,7 +33,7 @@ class Choice:
     parameter: str
     chosen: str
     candidates: dict            # label -> Transform
-    informs: Callable[[object], bool]   # which rows informed the choice
+    informs: Callable[[PublishedRow], bool]   # which rows informed the choice
     why: str
 
 
@@ -140,7 +140,7 @@ TESTBED_ALPHA_US = (20.0, 50.0, 100.0, 200.0)
 def testbed_loo(measurements) -> list[LooRow]:
     """Leave-one-out over the mpi transport's allreduce rows for the latency per collective."""
     rows = [m for m in measurements if m.kind == "allreduce" and m.transport_name() == "mpi" and not m.not_modelled]
-    out = []
+    out: list[LooRow] = []
     if len(rows) < 2:
         return out     # nothing left to choose on without the row
     for m in rows:
@@ -178,6 +178,7 @@ def effects_loo() -> list[LooRow]:
 
     e = azure_relaxed_ordering_effect()
     m = PRESETS["azure-ndv4"]
+    assert m.transport is not None  # the preset names its transport (relaxed ordering is its effect)
     PRESETS["azure-ndv4"] = replace(m, transport=replace(m.transport, ro_off_fraction=1.0))
     try:
         out_e = azure_relaxed_ordering_effect()

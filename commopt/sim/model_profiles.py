@@ -84,12 +84,13 @@ class ModelProfile:
         if batch_per_gpu is not None:
             # A bigger batch takes proportionally longer: keep the throughput.
             p = replace(p, batch_per_gpu=float(batch_per_gpu))
-        if throughput is not None or step_time is not None:
+        given = throughput if throughput is not None else step_time
+        if given is not None:
             if gpu is None:
                 raise ValueError("a throughput override needs the GPU kind it applies to")
-            value = throughput if throughput is not None else p.batch_per_gpu / step_time
-            if not value > 0:
-                raise ValueError(f"throughput and step time must be > 0, got {throughput or step_time}")
+            if not given > 0:  # checked before dividing: a step time of 0 is this error too
+                raise ValueError(f"throughput and step time must be > 0, got {given}")
+            value = given if throughput is not None else p.batch_per_gpu / given
             p = replace(p, throughput={**p.throughput, gpu: float(value)})
         if grad_bytes_per_param is not None:
             p = replace(p, grad_bytes_per_param=int(grad_bytes_per_param))

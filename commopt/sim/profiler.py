@@ -42,7 +42,7 @@ def profile_module(model, make_inputs: Callable[[], tuple], *, name: str, batch:
                for _, module in owners for p in module.parameters(recurse=False)
                if p.requires_grad]
     loss_fn = loss_fn or (lambda out: out.float().mean())
-    best = None
+    best: tuple[float, float, float, dict[str, float]] | None = None
     try:
         model.train()
         for it in range(iterations + 1):
@@ -61,10 +61,11 @@ def profile_module(model, make_inputs: Callable[[], tuple], *, name: str, batch:
     finally:
         for h in handles:
             h.remove()
+    assert best is not None  # iterations >= 1: the loop kept at least one timed pass
     t0, t1, t2, ready = best
     # Backward time of a layer: the gap since the previously ready layer.
     gaps, prev = {}, t1
-    for owner in sorted(ready, key=ready.get):
+    for owner in sorted(ready, key=lambda owner: ready[owner]):
         gaps[owner] = max(ready[owner] - prev, 0.0)
         prev = ready[owner]
     layers = tuple(Layer(owner, sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad),

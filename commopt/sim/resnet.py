@@ -94,10 +94,13 @@ class ResNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         in_ch = 64
-        for i, (n, width) in enumerate(zip(blocks, (64, 128, 256, 512))):
+        stages = []
+        for i, (n, width) in enumerate(zip(blocks, (64, 128, 256, 512), strict=True)):
             stride = 1 if i == 0 else 2
             layer, in_ch = self._stage(in_ch, width, n, stride)
-            setattr(self, f"layer{i + 1}", layer)
+            stages.append(layer)
+        # named attributes (not setattr) so forward's calls have a type
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(in_ch, num_classes)
         for m in self.modules():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from commopt.sim.plan import Plan
 
@@ -49,7 +50,7 @@ class Software:
     sources: dict = field(default_factory=dict, compare=False)
 
     def plan(self, **overrides) -> Plan:
-        fields = {"overlap": self.overlap, "bucket_mb": self.bucket_mb, "copy_passes": self.copy_passes,
+        fields: dict[str, Any] = {"overlap": self.overlap, "bucket_mb": self.bucket_mb, "copy_passes": self.copy_passes,
                   "codec": self.codec, "algorithm": self.algorithm}
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return Plan(**fields)

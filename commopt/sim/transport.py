@@ -109,7 +109,10 @@ class Transport:
                 if t.kind != "sockets" or not t.reads_socket_env:
                     continue   # RDMA transports and NCCL < 2.4.8 do not read them
                 n = _positive_int(key, value)
-                t = replace(t, **{"nthreads" if key == "NCCL_SOCKET_NTHREADS" else "nsocks_per_thread": n})
+                if key == "NCCL_SOCKET_NTHREADS":
+                    t = replace(t, nthreads=n)
+                else:
+                    t = replace(t, nsocks_per_thread=n)
             elif key == "NCCL_IB_PCI_RELAXED_ORDERING":
                 if t.relaxed_ordering is None or not _version_at_least(t.nccl_version, (2, 12)):
                     continue   # not a VM with the option, or NCCL < 2.12 does not read it

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import allreduce_time
@@ -68,7 +69,7 @@ class PublishedRow:
 
 
 def _rows() -> list[PublishedRow]:
-    table = {
+    table: dict[tuple[str, str], list[float]] = {
         ("transformer-xl-base", "rtx3090-pcie"): [38e3, 48e3, 68e3, 105e3],
         ("transformer-xl-base", "v100-nvlink-25g"): [37e3, 63e3, 131e3, 259e3],
         ("bert-large", "rtx3090-pcie"): [5820, 5052, 4744, 8606],
@@ -372,6 +373,7 @@ def compare_testbed_measurements(measurements: list[Measurement], codec_speeds: 
     out = []
     for m in measurements:
         machine = testbed_machine(m, codec_speeds)
+        row: dict[str, Any]  # values of several types, filled in below
         row = {"what": m.what, "command": m.command, "transport": m.transport_name(), "machine": machine.name,
                "kind": m.kind, "compute_s": m.compute_s, "limit_s": _link_limit_s(m, machine),
                "measured_min_s": m.measured_min_s, "measured_max_s": m.measured_max_s,

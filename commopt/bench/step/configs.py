@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from commopt.optim.multi_node import MultiNodeOptimizer
 
 #: DDP bucket size for the PowerSGD hook: larger than any model here, so one bucket. On gloo
 #: PowerSGD over DDP's default 25 MB buckets fails at its first compressed step (the
@@ -129,11 +133,11 @@ def wrap_ddp(model, cfg: StepConfig):
     return ddp
 
 
-def wrap_commopt(inner, comm, model, cfg: StepConfig):
+def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
     """``inner`` wrapped by commopt's optimizer with this configuration's wire format."""
     import commopt
 
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if cfg.wire == "fp16":
         kwargs["allreduce_grad_dtype"] = "float16"   # every gradient in 16 bits, as DDP's hook
     elif cfg.wire.startswith("qsgd"):

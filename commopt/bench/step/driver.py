@@ -101,6 +101,7 @@ def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: 
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 text=True, errors="replace")
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             out.write(line)
             if line.startswith(PROGRESS):
@@ -175,6 +176,7 @@ def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Pat
                 print(f"{model}: the job failed before its first configuration: {why}", flush=True)
             break
         bad = schedule[pending_at_start[failed]]
+        assert why is not None  # _run_job gives the reason with every failed index
         errors[bad] = why
         print(f"{model} {bad}: FAILED, {why}\n(restarting the job without {bad})", flush=True)
         done = {e["index"] for e in got if e["rank"] == 0}

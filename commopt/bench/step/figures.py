@@ -90,34 +90,39 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.error = r["error"]
             rows.append(row)
             continue
-        row.step_s = robust_step(r["rounds"])
+        step_s = robust_step(r["rounds"])
+        if step_s is None:  # was a TypeError further down
+            row.error = "no timed steps recorded (no round has step_times)"
+            rows.append(row)
+            continue
+        row.step_s = step_s
         row.step_rounds = [statistics.median(rd["step_times"]) for rd in r["rounds"]]
         row.compute_s = robust_step(r["rounds"], "compute_times")
         row.backward_s = robust_step(r["rounds"], "backward_times")
         row.cpu_busy = cpu_share(r["rounds"])
         if row.cpu_busy is not None:  # CPU per step at the median step: its share of the wall time
-            row.cpu_s = row.cpu_busy * row.step_s
-        row.samples_per_s = n * r["batch"] / row.step_s
+            row.cpu_s = row.cpu_busy * step_s
+        row.samples_per_s = n * r["batch"] / step_s
         row.final_loss = r["rounds"][0].get("eval_loss")
         row.wire_bytes = r.get("wire_bytes")
         row.ranks_agree = r.get("ranks_agree")
         if base_step is not None:
-            row.speedup = base_step / row.step_s
+            row.speedup = base_step / step_s
         if row.wire_bytes is not None:
             row.limit_s = allreduce_limit_s(row.wire_bytes, n, rate_bits)
         codecs = [rd["codec_s"] for rd in r["rounds"] if rd.get("codec_s") is not None]
         row.codec_s = statistics.median(codecs) if codecs else None
         if row.codec_s is not None:  # reports from before the floor have no codec time
             row.floor_s = floor_s(row.compute_s, row.codec_s, row.limit_s)
-            row.floor_ratio = row.step_s / row.floor_s if row.floor_s else None
+            row.floor_ratio = step_s / row.floor_s if row.floor_s else None
         row.bound = bound(row)
         paired = [e for rd in r["rounds"] for e in (rd.get("block_efficiency") or [])]
         if paired:  # each block against the compute-only steps right after it
             row.efficiency = statistics.median(paired)
             row.comm_wait = max(0.0, 1.0 - row.efficiency)
         elif row.compute_s is not None:
-            row.efficiency = efficiency(row.step_s, row.compute_s)
-            row.comm_wait = comm_wait_share(row.step_s, row.compute_s)
+            row.efficiency = efficiency(step_s, row.compute_s)
+            row.comm_wait = comm_wait_share(step_s, row.compute_s)
         rows.append(row)
     return rows
 
@@ -132,6 +137,12 @@ def bound(row: Row) -> str | None:
     return "link" if row.limit_s is not None and row.limit_s > work else "processor"
 
 
+def _step_s(row: Row) -> float:
+    if row.step_s is None:
+        raise ValueError(f"{row.config}: no step time ({row.error or 'not measured'})")
+    return row.step_s
+
+
 def check_targets(role: str, rows: list[Row]) -> list[str]:
     """The issue's targets for a model of ``role`` ("communication" or "compute"), met or not."""
     ok = [r for r in rows if r.step_s is not None]
@@ -140,29 +151,29 @@ def check_targets(role: str, rows: list[Row]) -> list[str]:
         return []
     lines = []
     if role == "communication":
-        best = min(commopt, key=lambda r: r.step_s)
+        best = min(commopt, key=_step_s)
         if best.speedup is not None:
             lines.append(f"best commopt ({best.config}) is {best.speedup:.2f}x faster per step "
                          f"than DDP fp32 (target >= 5x: {'met' if best.speedup >= 5 else 'NOT met'})")
         hooks = [r for r in ok if r.kind == "ddp" and r.config != "ddp-fp32"]
         if hooks:
-            hook = min(hooks, key=lambda r: r.step_s)
-            ratio = hook.step_s / best.step_s
+            hook = min(hooks, key=_step_s)
+            ratio = _step_s(hook) / _step_s(best)
             lines.append(f"best commopt is {ratio:.2f}x faster than the best DDP hook "
-                         f"({hook.config}, {hook.step_s * 1e3:.0f} ms) "
+                         f"({hook.config}, {_step_s(hook) * 1e3:.0f} ms) "
                          f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
             if best.cpu_s is not None and best.limit_s is not None:
                 floor = (f"; step / floor {best.floor_ratio:.2f}x (floor {best.floor_s * 1e3:.0f} ms, "
-                         f"set by the {best.bound})") if best.floor_ratio else ""
+                         f"set by the {best.bound})") if best.floor_ratio and best.floor_s else ""
                 lines.append(f"best commopt's rank keeps {best.cpu_busy:.2f} cores busy "
-                             f"({best.cpu_s * 1e3:.0f} ms of CPU per {best.step_s * 1e3:.0f} ms step) "
+                             f"({best.cpu_s * 1e3:.0f} ms of CPU per {_step_s(best) * 1e3:.0f} ms step) "
                              f"against a link limit of {best.limit_s * 1e3:.0f} ms{floor}")
     elif role == "compute":
-        eff = [r for r in commopt if r.efficiency is not None]
+        eff = [(r.efficiency, r) for r in commopt if r.efficiency is not None]
         if eff:
-            best = max(eff, key=lambda r: r.efficiency)
-            lines.append(f"best commopt scaling efficiency {best.efficiency:.0%} ({best.config}) "
-                         f"(target >= 90%: {'met' if best.efficiency >= 0.9 else 'NOT met'})")
+            e, best = max(eff, key=lambda pair: pair[0])
+            lines.append(f"best commopt scaling efficiency {e:.0%} ({best.config}) "
+                         f"(target >= 90%: {'met' if e >= 0.9 else 'NOT met'})")
     return lines
 
 

@@ -42,18 +42,18 @@ def _commopt_work(cfg, numel: int, n: int):
     codec = get_codec("fp32" if cfg.wire == "fp32" else cfg.wire)
     wire = torch.empty(codec.encoded_nbytes(numel), dtype=torch.uint8)
     if cfg.wire == "fp32":  # the transport sums fp32 as it receives: one add pass per decode
-        def work():
+        def add_received():
             for _ in range(round(dec)):
                 acc.add_(grad)
-        return work
+        return add_received
     step = [0]
 
-    def work():
+    def encode_decode():
         step[0] += 1
         codec.encode(grad, wire, scale=1.0 / n, rng=RngKey(0, 0, step[0]), key="floor")
         for _ in range(round(dec)):
             codec.decode(wire, acc, accumulate=True)
-    return work
+    return encode_decode
 
 
 def _ddp_work(cfg, shapes, n: int):
@@ -67,11 +67,11 @@ def _ddp_work(cfg, shapes, n: int):
     if cfg.wire == "fp32":
         return lambda: flat.add_(flat)  # gloo's sum of the received bucket
     if cfg.wire == "fp16":
-        def work():  # fp16_compress_hook: divide, cast down, (sum), cast back
+        def fp16_hook():  # fp16_compress_hook: divide, cast down, (sum), cast back
             half = flat.div(n).to(torch.float16)
             half.add_(half)
             flat.copy_(half)
-        return work
+        return fp16_hook
     rank = cfg.powersgd_rank
     mats = [g.reshape(g.shape[0], -1) for g in grads
             if g.dim() > 1 and (g.shape[0] + math.prod(g.shape[1:])) * rank * 2 < g.numel()]

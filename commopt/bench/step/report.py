@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from commopt._tables import table
 from commopt.bench.step.figures import Row
 from commopt.bench.step.sim_export import sim_measurements
+
+if TYPE_CHECKING:  # matplotlib is optional and imported where a plot is drawn
+    from matplotlib.artist import Artist
 
 
 def _fmt(value, spec, unit=""):
@@ -142,7 +146,7 @@ def plot_step_times(report: dict, path: str) -> None:
         ax.margins(x=0.12)
     # One legend for the figure, centred under it: under a single narrow panel a legend of its
     # own ran past the right edge. bbox_inches="tight" keeps whatever sticks out in the picture.
-    legend = {}
+    legend: dict[str, Artist] = {}
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
@@ -172,9 +176,9 @@ def write_outputs(report: dict, args) -> None:
     if getattr(args, "profile_plot", None):
         from commopt.bench.profile_report import plot_profile
 
-        entries = _profiles(report)
-        if entries:
-            plot_profile(entries, args.profile_plot, title=report["link"])
+        profiles = _profiles(report)
+        if profiles:
+            plot_profile(profiles, args.profile_plot, title=report["link"])
             print(f"wrote {args.profile_plot}")
     if args.plot:
         try:

@@ -97,11 +97,13 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     model = spec.build()
     shapes = param_shapes(model)
     inner = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
-    net, opt, wire_bytes = model, inner, 0
+    net, wire_bytes = model, 0
+    opt: torch.optim.Optimizer = inner
+    commopt_opt = None  # commopt's optimizer, when cfg.kind is "commopt"
     if cfg.kind == "ddp":
         net, wire_bytes = wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
     elif cfg.kind == "commopt":
-        opt = wrap_commopt(inner, comm, model, cfg)
+        opt = commopt_opt = wrap_commopt(inner, comm, model, cfg)
         wire_bytes = commopt_wire_bytes(opt)
     # The compute-only twin: the same model and optimizer, no communication.
     torch.manual_seed(args.seed)
@@ -156,8 +158,8 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
         for _ in range(count):
             train_step(timed=True)
         block_cpu.append((time.process_time() - cpu_start) / count)
-        if cfg.kind == "commopt":
-            opt.flush()  # double buffering: apply the last averaged gradients (untimed)
+        if commopt_opt is not None:
+            commopt_opt.flush()  # double buffering: apply the last averaged gradients (untimed)
         # Right after, with nothing in flight: every rank computes alone, all at once.
         gloo.allgather_obj(None)
         twins = [twin_step(j) for j in range(args.compute_steps or count)]
@@ -174,10 +176,10 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     prof = None
     if profile:  # after the figures above: the profiler's pauses cannot touch them
         prof = _profile_steps(cfg, args, rank, train_step, gloo)
-        if cfg.kind == "commopt":
-            opt.flush()
-    if cfg.kind == "commopt":
-        opt.close()
+        if commopt_opt is not None:
+            commopt_opt.flush()
+    if commopt_opt is not None:
+        commopt_opt.close()
     return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
             "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
             "cpu_per_step": block_cpu, "codec_s": codec_s, "profile": prof,
