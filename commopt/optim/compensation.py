@@ -122,7 +122,9 @@ class Compensation:
         params = self._params()
         with torch.no_grad():
             self.aside = [p.detach().clone() for p in params]
-            torch._foreach_copy_(params, self.prediction._weights)
+            weights = self.prediction._weights
+            assert weights is not None  # predicting: the true weights are kept aside
+            torch._foreach_copy_(params, weights)
         try:
             yield
         finally:

@@ -126,7 +126,8 @@ def predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Tens
             for group in optimizer.param_groups:
                 idx = [index + i for i, _ in enumerate(group["params"]) if local_grads[index + i] is not None]
                 index += len(group["params"])
-                got = _lars_steps(optimizer, group, [pairs[i][1] for i in idx], [local_grads[i] for i in idx])
+                got = _lars_steps(optimizer, group, [pairs[i][1] for i in idx],
+                                  [g for i in idx if (g := local_grads[i]) is not None])
                 for i, s in zip(idx, got):
                     steps[i] = s
             return steps
