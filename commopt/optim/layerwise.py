@@ -171,7 +171,7 @@ class LARS(Optimizer):
                     updates[i] = u
             # v = m * v + update;  w = w - v
             torch._foreach_mul_(bufs, group["momentum"])
-            torch._foreach_add_(bufs, updates)
+            torch._foreach_add_(bufs, [u for u in updates if u is not None])  # every index set
             torch._foreach_sub_(params, bufs)
         return loss
 

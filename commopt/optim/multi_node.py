@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import types
 import weakref
 from typing import Any, Callable
 
@@ -291,6 +292,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 self._comp.restore()  # broadcast_from_root sends true weights, not predicted
             self._rebuild(broadcast=True)
 
+    @property
+    def _layout(self) -> GradientReducer:
+        """The reducer of the bucket layout (built by ``_ensure_layout`` before any use)."""
+        if self._reducer is None:
+            raise RuntimeError("internal: the bucket layout was used before it was built")
+        return self._reducer
+
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
@@ -320,7 +328,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 )
             self._current = self._start()
         self._current.mark_ready(index)
-        if self._current.issued == len(self._reducer.buckets) and not self._backward_queued:
+        if self._current.issued == len(self._layout.buckets) and not self._backward_queued:
             # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
             # finishing at its end is safe, as DDP's reducer does.
             self._queue_backward_done()
@@ -328,7 +336,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _adds_to_averages(self, index: int) -> bool:
         """Whether parameter ``index``'s gradient is still the tensor synchronize() left."""
         ref = self._averaged[index] if index < len(self._averaged) else None
-        grad = self._reducer.params[index].grad
+        grad = self._layout.params[index].grad
         return ref is not None and grad is not None and ref() is grad
 
     def _queue_backward_done(self) -> None:
@@ -337,7 +345,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
         self._reduced = None
-        red = self._reducer.start(step=self._iteration, buffer=buffer, scale=scale)
+        red = self._layout.start(step=self._iteration, buffer=buffer, scale=scale)
         self._iteration = red.step + 1  # a step every rank skipped gave its number back
         return red
 
@@ -388,7 +396,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.unpack(self.zero_fill)
             self._reduced = red
             self._averaged = [None if p.grad is None else weakref.ref(p.grad)  # (second-backward
-                              for p in self._reducer.params]                  # check)
+                              for p in self._layout.params]                  # check)
             self._dirty = False
 
     def wait(self) -> None:
@@ -432,11 +440,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if self.overlap and not self.double_buffering:
             self.synchronize()
         else:
-            self._guard.record(self._reducer.params)
+            self._guard.record(self._layout.params)
 
     def _check_no_local_writes(self) -> None:
         """Raise if ``.grad`` was written between backward and this implicit reduction."""
-        reducer = self._reducer
+        reducer = self._layout
         written = self._guard.written(reducer.params, reducer.names)
         self._guard.clear()
         if written:
@@ -498,6 +506,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     self._check_no_local_writes()
                     self.synchronize()
                 red, self._reduced = self._reduced, None
+                if red is None:  # synchronize() above leaves the averages here
+                    raise RuntimeError("internal: step() found no averaged gradients")
                 self._apply(red.wait())
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
@@ -525,7 +535,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _clip(self) -> None:
         """``clip_grad_norm=``: clip the averaged gradients about to be applied."""
         if self.clip_grad_norm is not None:
-            self.last_grad_norm = clipping.clip_grad_norm(self._reducer.params, self.clip_grad_norm)
+            self.last_grad_norm = clipping.clip_grad_norm(self._layout.params, self.clip_grad_norm)
 
     # -- closures (LBFGS) -------------------------------------------------------------------------
     def _step_with_closure(self, closure: Callable[[], Any]):
@@ -586,10 +596,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _db_exchange(self, scale: float) -> None:
         """Send this step's gradients; put the previous step's averages into param.grad."""
         if self._comp is not None:
-            reducer = self._reducer
+            reducer = self._layout
             self._comp.local = LocalGradients.take(self._all_params(), reducer.params, scale,
                                               self._reducer_replaces_grad())
-        self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._reducer,
+        self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._layout,
                           self.zero_fill)
 
     def _reducer_replaces_grad(self) -> Callable[[torch.Tensor], bool]:
@@ -598,13 +608,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         False for a gradient that is a bucket view (the reduction overwrites it) and for a
         parameter whose averages are copied into its ``.grad`` (dtype differs from the bucket's).
         """
-        reducer = self._reducer
+        reducer = self._layout
         index = {id(q): i for i, q in enumerate(reducer.params)}
         storages = {f.untyped_storage().data_ptr() for buffers in reducer.buffers for f in buffers}
 
         def replaces(p: torch.Tensor) -> bool:
             flat = reducer.buffers[0][reducer.bucket_of[index[id(p)]]]
-            return (p.grad.untyped_storage().data_ptr() not in storages
+            return (p.grad is not None and p.grad.untyped_storage().data_ptr() not in storages
                     and reducer._viewable(p, flat))
         return replaces
 
@@ -613,7 +623,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if not self._db.exchanged:
             if self._skip_sync:
                 raise self._not_synchronized_error()
-            if not (getattr(self, "found_inf", None) is not None and self.grad_scale is None):
+            if not (getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None):
                 self._check_no_local_writes()  # (GradScaler.unscale_ writes them: allowed)
             self._guard.clear()
             self._ensure_layout()
@@ -628,7 +638,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._apply(self._db.take())
         if self._comp is not None:
             pending = self._db.pending  # this step's reduction: its local NaN/Inf flags
-            self._comp.predict(any(bool(b) for b in pending._bad if b is not None),
+            local_bad = pending is not None and any(bool(b) for b in pending._bad if b is not None)
+            self._comp.predict(local_bad,
                                self.clip_grad_norm)
 
     @contextlib.contextmanager
@@ -688,13 +699,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "world_size": self.comm.size,
                 "rank": self.comm.rank,
                 "seed": self.seed,
-                "iteration": self._iteration - self._reducer.pending_discards,
+                "iteration": self._iteration - self._layout.pending_discards,
                 "applied_steps": self.applied_steps,
                 "skipped_steps": self.skipped_steps,
                 "double_buffering": self.double_buffering,
                 "db_buffer": db["db_buffer"],
-                "buckets": [b.key for b in self._reducer.buckets],
-                "codec_state": self._reducer.codec_states(),  # this rank's own only
+                "buckets": [b.key for b in self._layout.buckets],
+                "codec_state": self._layout.codec_states(),  # this rank's own only
                 "pending": db["pending"],
             }
             if self._comp is not None:
@@ -710,11 +721,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            check_compatible(extra, [b.key for b in self._reducer.buckets],
+            check_compatible(extra, [b.key for b in self._layout.buckets],
                              rank=self.comm.rank, size=self.comm.size)
-            self._reducer.load_codec_states(own_codec_state(extra, self.comm.rank))
+            self._layout.load_codec_states(own_codec_state(extra, self.comm.rank))
             self.seed = int(extra["seed"])
-            self._reducer.seed = self.seed
+            self._layout.seed = self.seed
             self._iteration = int(extra["iteration"])
             self.applied_steps = int(extra["applied_steps"])
             self.skipped_steps = int(extra["skipped_steps"])
@@ -724,7 +735,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "the checkpoint holds pending double-buffered gradients: load it into an "
                     "optimizer with double_buffering=True (or call flush() before saving)"
                 )
-            self._db.load_state_dict(extra, self._reducer)
+            self._db.load_state_dict(extra, self._layout)
             self._load_compensation(extra)
 
     def _load_compensation(self, extra: dict[str, Any]) -> None:
@@ -737,7 +748,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     @property
     def buckets(self):
         """The gradient buckets (read-only view, for inspection and tests)."""
-        return list(self._reducer.buckets)
+        return list(self._layout.buckets)
 
     def close(self) -> None:
         """Wait for reductions in flight, detach the hooks, release the private communicator.
@@ -775,7 +786,7 @@ def _in_nested_backward() -> bool:
     thread's stack (a few dozen frames, looked at once per backward).
     """
     trampoline = torch.autograd.function.BackwardCFunction.apply.__code__
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is trampoline:
             return True

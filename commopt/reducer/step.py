@@ -34,7 +34,7 @@ class StepReduction:
         n = len(reducer.buckets)
         self._waiting = [len(b.slots) for b in reducer.buckets]
         self._fired = [False] * len(reducer.params)
-        self._bad: list[torch.Tensor | None] = [None] * n
+        self._bad: list[torch.Tensor | bool | None] = [None] * n
         self.present = [False] * len(reducer.params)
         self.issued = 0  # buckets 0..issued-1 are on their way
         self.works: list[Work] = []
@@ -125,7 +125,11 @@ class StepReduction:
             raise RuntimeError("StepReduction.wait() before issue_remaining()")
         for w in self.works:
             w.wait()
+        if self._trailer is None:
+            raise RuntimeError("StepReduction: issue_remaining() queued no trailer")
         self._trailer.wait()
+        if self._result is None:
+            raise RuntimeError("StepReduction: the trailer finished without an agreed result")
         return self._result
 
     def unpack(self, zero_fill: bool) -> StepResult:
