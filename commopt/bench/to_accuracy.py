@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-link", action="store_true", help="plain loopback, unshaped")
     parser.add_argument("--budget", type=int, default=60, help="training steps per configuration "
                         "(default 60); the target is DDP fp32's loss after them")
+    parser.add_argument("--tolerance", type=float, default=0.01,
+                        help="the target is DDP fp32's loss at the budget x (1 + this) (default "
+                             "0.01; with --from-json it re-decides a saved run)")
     parser.add_argument("--eval-every", type=int, default=5, help="steps between evaluations (default 5)")
     parser.add_argument("--batch", type=int, default=64, help="per-rank batch (default 64)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (default 1e-3)")
@@ -65,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
         return run_worker(args)
     if args.from_json:
-        report_mod.write_outputs(json.loads(Path(args.from_json).read_text()), args)
+        report = json.loads(Path(args.from_json).read_text())
+        report["rendered_by"] = "commopt " + " ".join(map(shlex.quote, sys.argv[1:]))
+        report_mod.write_outputs(report, args)
         return 0
     report = run_driver(args)
     report_mod.write_outputs(report, args)

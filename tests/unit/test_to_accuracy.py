@@ -38,6 +38,14 @@ def test_summary_times_each_configuration_against_ddp_fp32s_final_loss():
     assert rows["commopt-fp16"]["error"] == "exit code 1: boom"
 
 
+def test_tolerance_raises_the_target():
+    report = dict(_report(), tolerance=0.05)   # 2.8 x 1.05 = 2.94: PowerSGD's 2.9 now counts
+    rows = {r["config"]: r for r in summarize(report)}
+    assert rows["ddp-fp32"]["target"] == pytest.approx(2.94)
+    assert rows["ddp-powersgd1"]["reached"] and rows["ddp-powersgd1"]["wall_to_target_s"] == 2.0
+    assert rows["ddp-fp32"]["steps_to_target"] == 20
+
+
 def test_summary_needs_the_reference():
     report = _report()
     del report["runs"]["ddp-fp32"]
