@@ -80,8 +80,13 @@ def run(args: argparse.Namespace) -> int:
 def run_driver(args: argparse.Namespace) -> dict:
     """Launch the job, one configuration after another; the report with every curve."""
     from commopt.bench.step.configs import CONFIGS
-    from commopt.bench.step.driver import _PACKAGE_ROOT, _machine, _threads_per_rank, plan_link
-    from commopt.bench.step.driver import root_cause
+    from commopt.bench.step.driver import (
+        _PACKAGE_ROOT,
+        _machine,
+        _threads_per_rank,
+        plan_link,
+        root_cause,
+    )
     from commopt.bench.to_accuracy_worker import PROGRESS
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -119,6 +124,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         log = []
         proc = subprocess.Popen(argv + ["--", *worker], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, text=True, errors="replace")
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             log.append(line)
             if line.startswith(PROGRESS):

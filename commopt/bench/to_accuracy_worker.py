@@ -14,6 +14,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 from commopt.bench.step.configs import (
     CONFIGS,
@@ -72,10 +73,11 @@ def _train(cfg, comm, args) -> dict:
     shapes = [tuple(p.shape) for p in model.parameters()]
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     net, opt = model, inner
+    opt_any: Any = opt   # commopt's optimizer (wrapping Adam) has flush() and close()
     if cfg.kind == "ddp":
         net, wire = wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
     else:
-        opt = wrap_commopt(inner, comm, model, cfg)
+        opt = opt_any = wrap_commopt(inner, comm, model, cfg)
         wire = commopt_wire_bytes(opt)
     gen = torch.Generator().manual_seed(args.seed * 1000 + comm.rank)
     vx, vy = next_char_valid(corpus.valid, args.context, args.valid_windows)
@@ -99,7 +101,7 @@ def _train(cfg, comm, args) -> dict:
             curve.append((step, sum(step_times), evaluate()))
             comm.allgather_obj(None)   # every rank restarts the clock together
     if cfg.kind == "commopt":
-        opt.flush()
-        opt.close()
+        opt_any.flush()
+        opt_any.close()
     return {"curve": curve, "step_times": step_times, "wire_bytes": wire,
             "params": sum(math.prod(s) for s in shapes)}
