@@ -1,9 +1,11 @@
 """Scaling runs: a recipe at 1, 2 and 4 ranks for each communication configuration.
 
-For every (ranks, configuration) pair this runs the ResNet-50 recipe for a fixed number of
-steps with a fixed batch per rank (weak scaling, as ChainerMN measured), then writes:
+For every (ranks, configuration) pair this runs a recipe (``--recipe resnet50``, the default,
+or ``transformer``, the translation Transformer) for a fixed number of steps with a fixed batch
+per rank (weak scaling, as ChainerMN measured), then writes:
 
-* ``results.json``: every run's throughput, final top-1 and time to the target accuracy;
+* ``results.json``: every run's throughput (images/s, or target tokens/s for the Transformer),
+  final top-1 and time to the target accuracy (ResNet-50) or validation loss (Transformer);
 * ``scaling.md``: the table, with parallel efficiency ``e = t / (t0 * n)`` (published
   definition; ``t0`` = the 1-rank fp32 throughput, ``t`` = the throughput on ``n`` ranks);
 * ``scaling.png``: throughput against ranks, with the ideal line (needs matplotlib).
@@ -11,6 +13,7 @@ steps with a fixed batch per rank (weak scaling, as ChainerMN measured), then wr
     python -m recipes.scaling --out scaling-out                       # emulated 1 Gbit/s links
     python -m recipes.scaling --ranks 1,2 --configs fp32,qsgd4 --steps 10 --launcher mpirun
     python -m recipes.scaling --dry-run                               # print the commands only
+    python -m recipes.scaling --recipe transformer --out scaling-tf   # the Transformer, 1/2/4 ranks
 
 ``--launcher commopt`` (the default, with ``--link 1gbit``) starts each run with
 ``commopt launch -n N --link RATE``, one emulated host per rank; where that emulated
@@ -64,6 +67,8 @@ def config_flags(label: str) -> list[str]:
 
 
 def recipe_command(args, n: int, label: str, log_path: Path) -> list[str]:
+    if getattr(args, "recipe", "resnet50") == "transformer":
+        return transformer_command(args, n, label, log_path)
     cmd = [sys.executable, "-m", "recipes.resnet50.train", "--preset", args.preset,
            "--batch-size", str(args.per_rank_batch * n), "--max-steps", str(args.steps),
            "--eval-every-steps", str(args.eval_every_steps), "--progress", "none",
@@ -71,6 +76,66 @@ def recipe_command(args, n: int, label: str, log_path: Path) -> list[str]:
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd + config_flags(label) + list(args.recipe_args)
+
+
+def transformer_command(args, n: int, label: str, log_path: Path) -> list[str]:
+    """The Transformer recipe's command: ``--per-rank-batch`` is padded tokens per rank
+    (``--max-tokens``), so the work per rank stays fixed as ranks are added.
+
+        >>> import argparse
+        >>> a = argparse.Namespace(preset="smoke", per_rank_batch=2000, steps=20, eval_every_steps=5,
+        ...                        seed=0, threads=1, recipe_args=[])
+        >>> " ".join(transformer_command(a, 2, "qsgd4+db", Path("/t/x.jsonl"))[2:])[:60]
+        'recipes.transformer.train --preset smoke --max-tokens 2000 -'
+    """
+    cmd = [sys.executable, "-m", "recipes.transformer.train", "--preset", args.preset,
+           "--max-tokens", str(args.per_rank_batch), "--max-update", str(args.steps),
+           "--max-epoch", "0", "--validate-interval-updates", str(args.eval_every_steps),
+           "--log-interval", "1", "--json-log", str(log_path), "--no-save", "--reset",
+           "--save-dir", str(log_path.with_suffix("")), "--no-progress-bar", "--final-eval", "none",
+           "--seed", str(args.seed)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return cmd + config_flags(label) + list(args.recipe_args)
+
+
+def throughput(row: dict):
+    """A run's samples per second: ``throughput``, or ``images_per_s`` of older result files."""
+    return row.get("throughput", row.get("images_per_s"))
+
+
+def read_transformer_run(log_path: Path, target_loss: float) -> dict:
+    """Target tokens/s, final validation loss and time to ``target_loss`` (bits/token, training
+    time) from the Transformer recipe's JSON lines.
+
+        >>> import tempfile
+        >>> p = Path(tempfile.mkdtemp()) / "log.jsonl"
+        >>> _ = p.write_text("\\n".join(json.dumps(r) for r in [
+        ...     {"event": "train", "update": 1, "wps": 90.0, "train_time": 1.0},
+        ...     {"event": "train", "update": 2, "wps": 100.0, "train_time": 2.0},
+        ...     {"event": "valid", "update": 2, "loss": 5.5},
+        ...     {"event": "train", "update": 3, "wps": 110.0, "train_time": 3.0},
+        ...     {"event": "valid", "update": 3, "loss": 4.5}]))
+        >>> r = read_transformer_run(p, target_loss=5.0)
+        >>> r["throughput"], r["valid_loss"], r["time_to_target_s"], r["step_at_target"]
+        (105.0, 4.5, 3.0, 3)
+    """
+    if not log_path.is_file():
+        return {}
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("event") == "train"]
+    valid = [r for r in records if r.get("event") == "valid"]
+    # The first update pays for start-up (allocation, first buckets): left out of the rate.
+    rates = [r["wps"] for r in train[1:] if r.get("wps")] or [r["wps"] for r in train if r.get("wps")]
+    hit = next((v for v in valid if v["loss"] <= target_loss), None)
+    at_hit = [t for t in train if hit and t["update"] <= hit["update"]]
+    return {
+        "throughput": sum(rates) / len(rates) if rates else None,
+        "valid_loss": valid[-1]["loss"] if valid else None,
+        "steps": train[-1]["update"] if train else None,
+        "time_to_target_s": at_hit[-1]["train_time"] if at_hit else None,
+        "step_at_target": hit["update"] if hit else None,
+    }
 
 
 def emulated_link_available(link: str) -> tuple[bool, str]:
@@ -125,11 +190,13 @@ def run_one(cmd, env, repo, log_path: Path, err_path: Path, label: str, n: int, 
     err_path.write_text(tail)
     row = {"config": label, "ranks": n, "exit_code": code,
            "wall_s": round(time.perf_counter() - t0, 1), "command": shlex.join(cmd),
-           **read_run(log_path, args.target_top1)}
+           **(read_transformer_run(log_path, args.target_loss)
+              if getattr(args, "recipe", "resnet50") == "transformer"
+              else read_run(log_path, args.target_top1))}
     if code != 0:
         print(f"scaling: {label} on {n} rank(s) failed (exit {code}); see {err_path}", file=sys.stderr)
     else:
-        print(f"scaling: {label} on {n} rank(s): {row.get('images_per_s')} img/s",
+        print(f"scaling: {label} on {n} rank(s): {throughput(row)} samples/s",
               file=sys.stderr, flush=True)
     return row
 
@@ -137,41 +204,45 @@ def run_one(cmd, env, repo, log_path: Path, err_path: Path, label: str, n: int, 
 def best_of(rows: list[dict]) -> dict:
     """The repeat with the highest throughput (the least disturbed by other work on the
     machine); every repeat's figures stay in ``samples``."""
-    ok = [r for r in rows if r["exit_code"] == 0 and r.get("images_per_s")]
-    best = dict(max(ok, key=lambda r: r["images_per_s"]) if ok else rows[0])
-    best["samples"] = [{k: r.get(k) for k in ("images_per_s", "time_to_target_s", "top1", "exit_code")}
+    ok = [r for r in rows if r["exit_code"] == 0 and throughput(r)]
+    best = dict(max(ok, key=throughput) if ok else rows[0])
+    best["samples"] = [{k: r.get(k) for k in ("images_per_s", "throughput", "time_to_target_s",
+                                              "top1", "valid_loss", "exit_code")}
                        for r in rows]
     return best
 
 
 def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) -> list[dict]:
     """Adds ``efficiency`` = t / (t0 * n), t0 the 1-rank fp32 throughput."""
-    t0 = next((r["images_per_s"] for r in results
-               if r["ranks"] == 1 and r["config"] == "fp32" and r.get("images_per_s")), None)
+    t0 = next((throughput(r) for r in results
+               if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)), None)
     for r in results:
-        t = r.get("images_per_s")
+        t = throughput(r)
         r["efficiency"] = round(t / (t0 * r["ranks"]), 3) if (t and t0) else None
     return results
 
 
 def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: dict) -> str:
-    head = (["configuration"] + [f"{n} rank{'s' * (n > 1)}: img/s (e)" for n in ranks]
-            + [f"time to top-1 {meta['target']:g} at {max(ranks)} ranks (s)"])
+    unit = meta.get("unit", "img/s")
+    goal = meta.get("target_name", "top-1")
+    head = (["configuration"] + [f"{n} rank{'s' * (n > 1)}: {unit} (e)" for n in ranks]
+            + [f"time to {goal} {meta['target']:g} at {max(ranks)} ranks (s)"])
     rows = []
     for c in configs:
         cells = []
         for n in ranks:
             r = next((x for x in results if x["ranks"] == n and x["config"] == c), None)
-            if not r or not r.get("images_per_s"):
+            if not r or not throughput(r):
                 cells.append("failed" if r else "-")
             else:
                 e = f" ({r['efficiency']:.2f})" if r.get("efficiency") is not None else ""
-                cells.append(f"{r['images_per_s']:.1f}{e}")
+                cells.append(f"{throughput(r):.1f}{e}")
         top = next((x for x in results if x["ranks"] == max(ranks) and x["config"] == c), {})
         ttt = top.get("time_to_target_s")
         rows.append([c, *cells, "not reached" if ttt is None else f"{ttt:.1f}"])
     best = f", fastest of {meta['repeats']} runs" if meta.get("repeats", 1) > 1 else ""
-    notes = [f"\nLink: {meta['link_note']}. {meta['steps']} steps{best}, {meta['per_rank_batch']} images "
+    per = meta.get("per_rank_unit", "images")
+    notes = [f"\nLink: {meta['link_note']}. {meta['steps']} steps{best}, {meta['per_rank_batch']} {per} "
              f"per rank per step, preset {meta['preset']}; e = t / (t0 * n) with t0 the 1-rank fp32 "
              "throughput. Physical limit here: the ranks share this machine's "
              f"{os.cpu_count()} cores, so compute alone caps n-rank throughput at about "
@@ -179,7 +250,8 @@ def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: di
     return "\n".join([table(head, rows, markdown=True, align="l" * len(head))] + notes)
 
 
-def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path) -> bool:
+def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path,
+         unit: str = "images/s", title: str = "ResNet-50") -> bool:
     try:
         import matplotlib
 
@@ -189,19 +261,18 @@ def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path) 
         print("scaling: matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    t0 = next((r["images_per_s"] for r in results
-               if r["ranks"] == 1 and r["config"] == "fp32" and r.get("images_per_s")), None)
+    t0 = next((throughput(r) for r in results
+               if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)), None)
     for c in configs:
-        pts = [(r["ranks"], r["images_per_s"]) for r in results
-               if r["config"] == c and r.get("images_per_s")]
+        pts = [(r["ranks"], throughput(r)) for r in results if r["config"] == c and throughput(r)]
         if pts:
             ax.plot(*zip(*sorted(pts)), marker="o", label=c)
     if t0:
         ax.plot(ranks, [t0 * n for n in ranks], "k--", label="ideal (n x t0)")
     ax.set_xlabel("ranks")
-    ax.set_ylabel("images/s")
+    ax.set_ylabel(unit)
     ax.set_xticks(ranks)
-    ax.set_title("ResNet-50 data-parallel throughput")
+    ax.set_title(f"{title} data-parallel throughput")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -212,6 +283,9 @@ def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path) 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.scaling", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", choices=("resnet50", "transformer"), default="resnet50",
+                   help="resnet50 (images/s, top-1) or transformer (target tokens/s, validation "
+                        "loss in bits/token; --per-rank-batch is then --max-tokens per rank)")
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="fp32, fp16, bf16 or a codec (qsgd4, qsgd4+ef...), each optionally +db")
@@ -221,9 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "('none': commopt launch without shaping)")
     p.add_argument("--preset", default="smoke")
     p.add_argument("--steps", type=int, default=20, help="steps per run")
-    p.add_argument("--per-rank-batch", type=int, default=16)
+    p.add_argument("--per-rank-batch", type=int,
+                   help="images per rank (default 16), or padded tokens per rank for the "
+                        "Transformer (default 2000)")
     p.add_argument("--eval-every-steps", type=int, default=5)
     p.add_argument("--target-top1", type=float, default=0.5)
+    p.add_argument("--target-loss", type=float, default=6.0,
+                   help="Transformer: validation loss (bits/token) whose time is reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
@@ -239,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.recipe_args = [a for a in args.recipe_args if a != "--"]
+    transformer = args.recipe == "transformer"
+    if args.per_rank_batch is None:
+        args.per_rank_batch = 2000 if transformer else 16
     try:
         ranks = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     except ValueError:
@@ -292,12 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     efficiency_table(results, ranks, configs)
     meta = {"link_note": link_note, "launcher": launcher, "steps": args.steps, "repeats": args.repeats,
             "per_rank_batch": args.per_rank_batch, "preset": args.preset,
-            "target": args.target_top1, "cores": os.cpu_count(),
+            "target": args.target_loss if transformer else args.target_top1,
+            "recipe": args.recipe, "unit": "tokens/s" if transformer else "img/s",
+            "target_name": "valid loss" if transformer else "top-1",
+            "per_rank_unit": "tokens" if transformer else "images", "cores": os.cpu_count(),
             "command": shlex.join([sys.executable, "-m", "recipes.scaling", *(argv or sys.argv[1:])])}
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     table = markdown(results, ranks, configs, meta)
     (out / "scaling.md").write_text(table + "\n")
-    plotted = plot(results, ranks, configs, out / "scaling.png")
+    plotted = plot(results, ranks, configs, out / "scaling.png",
+                   *(("target tokens/s", "Transformer") if transformer else ()))
     print(table)
     print(f"\nwrote {out / 'results.json'}, {out / 'scaling.md'}"
           + (f", {out / 'scaling.png'}" if plotted else ""))

@@ -14,12 +14,13 @@ import importlib
 import sys
 
 HELP = ("benchmarks: allreduce (nccl-tests style sweep over communicators and codecs), step "
-        "(training steps, DDP against commopt)")
+        "(training steps, DDP against commopt), to_accuracy (time to a target loss)")
 
 # name -> one-line help; the module is commopt.bench.<name>.
 BENCHMARKS = {
     "allreduce": "allreduce time, algbw, busbw and error over sizes and codecs",
     "step": "training steps side by side: PyTorch DDP and commopt on the same model and link",
+    "to_accuracy": "wall time to a target validation loss: DDP against commopt on the link",
 }
 
 
