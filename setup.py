@@ -3,6 +3,7 @@
 The library is plain C++ with a C ABI, loaded with ctypes by commopt/kernels.py, so it
 compiles in seconds and does not depend on torch headers.
 """
+
 import os
 
 from setuptools import Extension, setup

@@ -9,6 +9,7 @@ JSON file, so an interrupted grid keeps its results and a rerun skips them.
     python benchmarks/accuracy_parity.py --tasks digits,text --out benchmarks/results/accuracy-parity.json
     python benchmarks/accuracy_report.py     # writes docs/accuracy.md and docs/plots/accuracy-*.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,16 +19,35 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import accuracy_sim as sim  # noqa: E402
-from accuracy_study import _append, _done  # noqa: E402
+import accuracy_sim as sim
+from accuracy_study import _append, _done
 
-CONFIGS = ("fp32", "fp16", "bf16", "qsgd4", "qsgd4+ef", "qsgd8", "db", "db+qsgd4+ef", "comp",
-           "comp+qsgd4+ef")
+CONFIGS = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "qsgd4",
+    "qsgd4+ef",
+    "qsgd8",
+    "db",
+    "db+qsgd4+ef",
+    "comp",
+    "comp+qsgd4+ef",
+)
 OPTIMIZERS = {"digits": ("sgd", "adam", "lars"), "text": ("sgd", "adam")}
 
 
-def check(task: str, optimizer: str, configs, *, steps: int, seeds=(0,), tolerance: float,
-          codec_factories: dict | None = None, replicas: int = 4) -> dict:
+def check(
+    task: str,
+    optimizer: str,
+    configs,
+    *,
+    steps: int,
+    seeds=(0,),
+    tolerance: float,
+    codec_factories: dict | None = None,
+    replicas: int = 4,
+) -> dict:
     """Short parity check: each configuration's mean final metric within ``tolerance``
     (relative) of fp32's. ``codec_factories`` maps extra labels to codec factories.
 
@@ -39,13 +59,23 @@ def check(task: str, optimizer: str, configs, *, steps: int, seeds=(0,), toleran
     for label in ["fp32", *configs, *factories]:
         vals = []
         for seed in seeds:
-            r = sim.run(t, optimizer, "fp32" if label in factories else label, seed=seed, steps=steps,
-                        eval_every=steps, replicas=replicas, codec_factory=factories.get(label))
+            r = sim.run(
+                t,
+                optimizer,
+                "fp32" if label in factories else label,
+                seed=seed,
+                steps=steps,
+                eval_every=steps,
+                replicas=replicas,
+                codec_factory=factories.get(label),
+            )
             vals.append(float("inf") if r["diverged"] else r["final"][t.metric])
         finals[label] = sum(vals) / len(vals)
     base = finals["fp32"]
-    return {k: {"final": v, "relative": v / base - 1, "ok": v / base - 1 <= tolerance}
-            for k, v in finals.items()}
+    return {
+        k: {"final": v, "relative": v / base - 1, "ok": v / base - 1 <= tolerance}
+        for k, v in finals.items()
+    }
 
 
 def main(argv=None) -> int:
@@ -63,19 +93,34 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     for task in args.tasks.split(","):
         opts = args.optimizers.split(",") if args.optimizers else OPTIMIZERS[task]
-        for seed in seeds:          # seed-major: a partial grid has every configuration
+        for seed in seeds:  # seed-major: a partial grid has every configuration
             for opt in opts:
                 for config in args.configs.split(","):
                     if (task, opt, config, seed, 1.0) in done:
                         continue
                     t = sim.TASKS[task]
                     r = sim.run(t, opt, config, seed=seed, replicas=args.replicas)
-                    _append(out, {"task": task, "optimizer": opt, "config": config, "seed": seed,
-                                  "lr": t.lr[opt], "lr_scale": 1.0, "replicas": args.replicas,
-                                  "steps": t.steps, "metric": t.metric, **r})
+                    _append(
+                        out,
+                        {
+                            "task": task,
+                            "optimizer": opt,
+                            "config": config,
+                            "seed": seed,
+                            "lr": t.lr[opt],
+                            "lr_scale": 1.0,
+                            "replicas": args.replicas,
+                            "steps": t.steps,
+                            "metric": t.metric,
+                            **r,
+                        },
+                    )
                     fin = r["final"][t.metric] if r["final"] else float("nan")
-                    print(f"{task} {opt} {config} seed {seed}: {t.metric} {fin:.4f} "
-                          f"diverged={r['diverged']} ({r['seconds']} s)", flush=True)
+                    print(
+                        f"{task} {opt} {config} seed {seed}: {t.metric} {fin:.4f} "
+                        f"diverged={r['diverged']} ({r['seconds']} s)",
+                        flush=True,
+                    )
     return 0
 
 

@@ -6,6 +6,7 @@ Reads benchmarks/results/accuracy-parity.json (benchmarks/accuracy_parity.py),
 accuracy-staleness*.json and accuracy-lr-map*.json (benchmarks/accuracy_study.py). Every
 figure in the page comes from those files; a missing file leaves its section out.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "accuracy.md"
 PLOTS = ROOT / "docs" / "plots"
-PARITY_TOLERANCE = 0.01      # relative, the codecs' target
-STALENESS_TOLERANCE = 0.02   # relative, compensated double buffering's target
+PARITY_TOLERANCE = 0.01  # relative, the codecs' target
+STALENESS_TOLERANCE = 0.02  # relative, compensated double buffering's target
 OPT_NAMES = {"sgd": "SGD, momentum 0.9", "adam": "AdamW", "lars": "LARS"}
-TASK_NAMES = {"text": "char LM on Python's help topics (validation bits per character)",
-              "digits": "CNN on load_digits (validation cross-entropy; accuracy beside it)"}
+TASK_NAMES = {
+    "text": "char LM on Python's help topics (validation bits per character)",
+    "digits": "CNN on load_digits (validation cross-entropy; accuracy beside it)",
+}
 
 
 def load(pattern: str) -> list[dict]:
@@ -69,10 +72,15 @@ def table(runs, configs, tolerance, title_tol, accuracy_rule=True):
         lr = next(r["lr"] for r in runs if r["task"] == task and r["optimizer"] == opt)
         seeds = sorted({r["seed"] for r in runs if r["task"] == task and r["optimizer"] == opt})
         acc = task == "digits"
-        lines += [f"**{task}, {OPT_NAMES.get(opt, opt)}** (peak lr {lr:g}, seeds {', '.join(map(str, seeds))})", "",
-                  f"| configuration | final {metric} (mean ± std) | vs fp32 (paired) | within {title_tol}" + (" or 0.5 point" if acc and accuracy_rule else "") + " |"
-                  + (" accuracy % | vs fp32 (points) |" if acc else ""),
-                  "|---|---|---|---|" + ("---|---|" if acc else "")]
+        lines += [
+            f"**{task}, {OPT_NAMES.get(opt, opt)}** (peak lr {lr:g}, seeds {', '.join(map(str, seeds))})",
+            "",
+            f"| configuration | final {metric} (mean ± std) | vs fp32 (paired) | within {title_tol}"
+            + (" or 0.5 point" if acc and accuracy_rule else "")
+            + " |"
+            + (" accuracy % | vs fp32 (points) |" if acc else ""),
+            "|---|---|---|---|" + ("---|---|" if acc else ""),
+        ]
         for c in configs:
             rs = by.get((task, opt, 1.0, c))
             if not rs:
@@ -85,21 +93,35 @@ def table(runs, configs, tolerance, title_tol, accuracy_rule=True):
             else:
                 # paired by seed (same initialisation and data order): less noisy than
                 # comparing means, and fair when a configuration has fewer seeds so far
-                fp = {r["seed"]: r["final"][metric] for r in by.get((task, opt, 1.0, "fp32"), [])
-                      if not failed(r)}
-                pairs = [r["final"][metric] / fp[r["seed"]] - 1 for r in rs
-                         if not failed(r) and r["seed"] in fp]
+                fp = {
+                    r["seed"]: r["final"][metric]
+                    for r in by.get((task, opt, 1.0, "fp32"), [])
+                    if not failed(r)
+                }
+                pairs = [
+                    r["final"][metric] / fp[r["seed"]] - 1
+                    for r in rs
+                    if not failed(r) and r["seed"] in fp
+                ]
                 d = statistics.mean(pairs) if pairs else st[0] / base[0] - 1
-                a, a0 = _stats(rs, "accuracy"), _stats(by.get((task, opt, 1.0, "fp32"), []), "accuracy")
+                a, a0 = (
+                    _stats(rs, "accuracy"),
+                    _stats(by.get((task, opt, 1.0, "fp32"), []), "accuracy"),
+                )
                 # the issue's rule: within the relative loss tolerance, or 0.5 point of accuracy
-                near = d <= tolerance or (accuracy_rule and a is not None and a0 is not None
-                                          and a[0] - a0[0] >= -0.005)
+                near = d <= tolerance or (
+                    accuracy_rule and a is not None and a0 is not None and a[0] - a0[0] >= -0.005
+                )
                 rel, ok = f"{100 * d:+.1f}%", ("yes" if near and not div else "NO")
             row = f"| {c} | {cell} | {rel} | {ok} |"
             if acc:
-                a, a0 = _stats(rs, "accuracy"), _stats(by.get((task, opt, 1.0, "fp32"), []), "accuracy")
-                row += (f" {100 * a[0]:.2f} |" if a else " - |") + \
-                       (f" {100 * (a[0] - a0[0]):+.2f} |" if a and a0 else " - |")
+                a, a0 = (
+                    _stats(rs, "accuracy"),
+                    _stats(by.get((task, opt, 1.0, "fp32"), []), "accuracy"),
+                )
+                row += (f" {100 * a[0]:.2f} |" if a else " - |") + (
+                    f" {100 * (a[0] - a0[0]):+.2f} |" if a and a0 else " - |"
+                )
             lines.append(row)
         lines.append("")
     return lines
@@ -110,12 +132,19 @@ def lr_map(runs):
     lines = []
     for task in sorted({r["task"] for r in runs}, key=lambda t: t != "text"):
         for opt in sorted({r["optimizer"] for r in runs if r["task"] == task}):
-            scales = sorted({r["lr_scale"] for r in runs if r["task"] == task and r["optimizer"] == opt})
+            scales = sorted(
+                {r["lr_scale"] for r in runs if r["task"] == task and r["optimizer"] == opt}
+            )
             metric = next(r["metric"] for r in runs if r["task"] == task)
-            base_lr = next(r["lr"] / r["lr_scale"] for r in runs if r["task"] == task and r["optimizer"] == opt)
-            lines += [f"**{task}, {OPT_NAMES.get(opt, opt)}** (x1 = peak lr {base_lr:g}; final {metric}, seed 0; no: did not train)", "",
-                      "| configuration | " + " | ".join(f"lr x{s:g}" for s in scales) + " |",
-                      "|---|" + "---|" * len(scales)]
+            base_lr = next(
+                r["lr"] / r["lr_scale"] for r in runs if r["task"] == task and r["optimizer"] == opt
+            )
+            lines += [
+                f"**{task}, {OPT_NAMES.get(opt, opt)}** (x1 = peak lr {base_lr:g}; final {metric}, seed 0; no: did not train)",
+                "",
+                "| configuration | " + " | ".join(f"lr x{s:g}" for s in scales) + " |",
+                "|---|" + "---|" * len(scales),
+            ]
             for c in ("fp32", "db", "comp"):
                 cells = []
                 for s in scales:
@@ -130,6 +159,7 @@ def lr_map(runs):
 def plots(runs, configs) -> list[str]:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -148,8 +178,13 @@ def plots(runs, configs) -> list[str]:
             steps = [p["step"] for p in rs[0]["curve"]]
             n = min(len(r["curve"]) for r in rs)
             ys = [statistics.mean(r["curve"][i][metric] for r in rs) for i in range(n)]
-            ax.plot(steps[:n][1:], ys[1:], label=c, lw=2.2 if c in ("fp32", "comp") else 1.2,
-                    ls="--" if c.startswith("db") else "-")
+            ax.plot(
+                steps[:n][1:],
+                ys[1:],
+                label=c,
+                lw=2.2 if c in ("fp32", "comp") else 1.2,
+                ls="--" if c.startswith("db") else "-",
+            )
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation {metric} (mean of seeds)")
@@ -168,7 +203,9 @@ def main() -> int:
     staleness = load("accuracy-staleness*.json")
     # fp32, db and comp at scale 1 are the same runs in both studies: measured once, used twice
     seen, parity = set(), []
-    for r in load("accuracy-parity*.json") + [r for r in staleness if r.get("lr_scale", 1.0) == 1.0]:
+    for r in load("accuracy-parity*.json") + [
+        r for r in staleness if r.get("lr_scale", 1.0) == 1.0
+    ]:
         key = (r["task"], r["optimizer"], r["config"], r["seed"])
         if key not in seen:
             seen.add(key)
@@ -179,34 +216,61 @@ def main() -> int:
         if r["config"] in ("fp32", "db", "comp") and key not in seen_lr:
             seen_lr.add(key)
             lrmap.append(r)
-    head = (DOC.read_text().split("<!-- generated below -->")[0] if DOC.exists()
-            else "# Accuracy\n\n")
-    out = [head.rstrip() + "\n", "<!-- generated below -->",
-           "<!-- written by benchmarks/accuracy_report.py from benchmarks/results/accuracy-*.json -->", ""]
+    head = (
+        DOC.read_text().split("<!-- generated below -->")[0] if DOC.exists() else "# Accuracy\n\n"
+    )
+    out = [
+        head.rstrip() + "\n",
+        "<!-- generated below -->",
+        "<!-- written by benchmarks/accuracy_report.py from benchmarks/results/accuracy-*.json -->",
+        "",
+    ]
     if parity:
         from accuracy_parity import CONFIGS
-        out += ["## Parity table", "",
-                "Command: `python benchmarks/accuracy_parity.py --tasks digits,text` then "
-                "`python benchmarks/accuracy_report.py`. Lower is better for both metrics; "
-                "'vs fp32' is the mean over seeds of (run / the fp32 run of the same seed - 1): the same "
-                "initialisation and data order, so less noisy than a ratio of means.", ""]
+
+        out += [
+            "## Parity table",
+            "",
+            "Command: `python benchmarks/accuracy_parity.py --tasks digits,text` then "
+            "`python benchmarks/accuracy_report.py`. Lower is better for both metrics; "
+            "'vs fp32' is the mean over seeds of (run / the fp32 run of the same seed - 1): the same "
+            "initialisation and data order, so less noisy than a ratio of means.",
+            "",
+        ]
         out += table(parity, CONFIGS, PARITY_TOLERANCE, f"{100 * PARITY_TOLERANCE:g}%")
         names = plots(parity, CONFIGS)
         if names:
-            out += ["Validation curves (mean of the seeds that trained, so a row with fewer seeds averages fewer; log scale; dashed: plain double buffering):", ""]
+            out += [
+                "Validation curves (mean of the seeds that trained, so a row with fewer seeds averages fewer; log scale; dashed: plain double buffering):",
+                "",
+            ]
             out += [f"![{n}](plots/{n})" for n in names] + [""]
     if staleness:
         from accuracy_study import REMEDIES
-        out += ["## Staleness remedies at fp32's schedule", "",
-                "Command: `python benchmarks/accuracy_study.py remedies --tasks digits,text "
-                "--out benchmarks/results/accuracy-staleness.json`. "
-                f"Target for a remedy: within {100 * STALENESS_TOLERANCE:g}% of fp32.", ""]
-        out += table(staleness, REMEDIES + ("comp-mix", "comp-avg", "comp-half"), STALENESS_TOLERANCE,
-                     f"{100 * STALENESS_TOLERANCE:g}%", accuracy_rule=False)
+
+        out += [
+            "## Staleness remedies at fp32's schedule",
+            "",
+            "Command: `python benchmarks/accuracy_study.py remedies --tasks digits,text "
+            "--out benchmarks/results/accuracy-staleness.json`. "
+            f"Target for a remedy: within {100 * STALENESS_TOLERANCE:g}% of fp32.",
+            "",
+        ]
+        out += table(
+            staleness,
+            REMEDIES + ("comp-mix", "comp-avg", "comp-half"),
+            STALENESS_TOLERANCE,
+            f"{100 * STALENESS_TOLERANCE:g}%",
+            accuracy_rule=False,
+        )
     if any(r.get("lr_scale", 1.0) != 1.0 for r in lrmap):
-        out += ["## Where double buffering is stable: final metric against the learning rate", "",
-                "Command: `python benchmarks/accuracy_study.py lr-map --tasks digits,text "
-                "--out benchmarks/results/accuracy-lr-map.json` (same schedule shape, peak lr scaled).", ""]
+        out += [
+            "## Where double buffering is stable: final metric against the learning rate",
+            "",
+            "Command: `python benchmarks/accuracy_study.py lr-map --tasks digits,text "
+            "--out benchmarks/results/accuracy-lr-map.json` (same schedule shape, peak lr scaled).",
+            "",
+        ]
         out += lr_map(lrmap)
     DOC.write_text("\n".join(out).rstrip() + "\n")
     print(f"wrote {DOC.relative_to(ROOT)}")

@@ -22,12 +22,14 @@ Labels combine with ``+``: ``db+qsgd4+ef``, ``comp+qsgd4+ef``.
     >>> sorted(r)[:4], len(r["curve"])
     (['config', 'curve', 'diverged', 'final'], 3)
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -43,12 +45,12 @@ DIVERGED_LOSS = 50.0
 class Task:
     name: str
     make_model: Callable[[], nn.Module]
-    batch: Callable[[int, int], tuple]          # (seed, step) -> (x, y) global batch
+    batch: Callable[[int, int], tuple]  # (seed, step) -> (x, y) global batch
     loss: Callable[[nn.Module, object, object], torch.Tensor]
-    evaluate: Callable[[nn.Module], dict]       # -> {"loss": ..., maybe "accuracy"}
-    metric: str                                  # the reported validation metric
+    evaluate: Callable[[nn.Module], dict]  # -> {"loss": ..., maybe "accuracy"}
+    metric: str  # the reported validation metric
     steps: int
-    lr: dict                                     # optimizer -> fp32-tuned peak lr
+    lr: dict  # optimizer -> fp32-tuned peak lr
     global_batch: int
 
 
@@ -75,8 +77,17 @@ def _text_task() -> Task:
         nats = loss(model, vx, vy).item()
         return {"loss": nats, "bpc": nats / math.log(2)}
 
-    return Task("text", make_model, get_batch, loss, evaluate, "bpc", steps=600,
-                lr={"sgd": 0.3, "adam": 3e-3, "lars": 1.0}, global_batch=batch)
+    return Task(
+        "text",
+        make_model,
+        get_batch,
+        loss,
+        evaluate,
+        "bpc",
+        steps=600,
+        lr={"sgd": 0.3, "adam": 3e-3, "lars": 1.0},
+        global_batch=batch,
+    )
 
 
 def _digits_task() -> Task:
@@ -88,8 +99,10 @@ def _digits_task() -> Task:
     def get_batch(seed, step):
         per_epoch = len(ytr) // batch
         epoch, k = divmod(step, per_epoch)
-        perm = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        idx = perm[k * batch:(k + 1) * batch]
+        perm = torch.randperm(
+            len(ytr), generator=torch.Generator().manual_seed(seed * 7919 + epoch)
+        )
+        idx = perm[k * batch : (k + 1) * batch]
         return xtr[idx], ytr[idx]
 
     def loss(model, x, y):
@@ -98,15 +111,26 @@ def _digits_task() -> Task:
     @torch.no_grad()
     def evaluate(model):
         out = model(xte)
-        return {"loss": nn.functional.cross_entropy(out, yte).item(),
-                "accuracy": (out.argmax(1) == yte).float().mean().item()}
+        return {
+            "loss": nn.functional.cross_entropy(out, yte).item(),
+            "accuracy": (out.argmax(1) == yte).float().mean().item(),
+        }
 
-    return Task("digits", small_cnn, get_batch, loss, evaluate, "loss", steps=220,
-                lr={"sgd": 0.1, "adam": 1e-2, "lars": 1.0}, global_batch=batch)
+    return Task(
+        "digits",
+        small_cnn,
+        get_batch,
+        loss,
+        evaluate,
+        "loss",
+        steps=220,
+        lr={"sgd": 0.1, "adam": 1e-2, "lars": 1.0},
+        global_batch=batch,
+    )
 
 
 class _LazyTasks(dict):
-    makers = {"text": _text_task, "digits": _digits_task}
+    makers: ClassVar[dict] = {"text": _text_task, "digits": _digits_task}
 
     def __missing__(self, key):
         if key not in self.makers:
@@ -125,6 +149,7 @@ def make_optimizer(name: str, params, lr: float, *, momentum: float = 0.9):
         return torch.optim.AdamW(params, lr=lr, betas=(momentum, 0.999), weight_decay=0.01)
     if name == "lars":
         from commopt.optim.layerwise import LARS
+
         return LARS(params, lr=lr, momentum=momentum, weight_decay=1e-4, trust_coefficient=0.02)
     raise ValueError(f"unknown optimizer {name!r}: sgd, adam or lars")
 
@@ -150,10 +175,10 @@ class _Reducer:
 
     def __init__(self, spec, replicas: int, seed: int):
         self.n, self.seed = replicas, seed
-        make = spec if callable(spec) else (lambda: get_codec(spec))   # spec: name or codec factory
+        make = spec if callable(spec) else (lambda: get_codec(spec))  # spec: name or codec factory
         self.plain = spec in ("fp32", "none", "")
         if not self.plain:
-            self.send = [make() for _ in range(replicas)]   # one codec (EF state) per rank
+            self.send = [make() for _ in range(replicas)]  # one codec (EF state) per rank
             self.owner = make()
 
     def __call__(self, flats: list[torch.Tensor], step: int) -> torch.Tensor:
@@ -174,7 +199,9 @@ class _Reducer:
         total = torch.zeros(n)
         for r, f in enumerate(flats):
             wire = torch.empty(codec.encoded_nbytes(n), dtype=torch.uint8)
-            self.send[r].encode(f, wire, scale=1.0 / self.n, rng=RngKey(self.seed, r, step, 0), key="rs")
+            self.send[r].encode(
+                f, wire, scale=1.0 / self.n, rng=RngKey(self.seed, r, step, 0), key="rs"
+            )
             codec.decode(wire, total, accumulate=True)
         wire = torch.empty(codec.encoded_nbytes(n), dtype=torch.uint8)
         self.owner.encode(total, wire, rng=RngKey(self.seed, self.n, step, 1), key="ag")
@@ -183,9 +210,18 @@ class _Reducer:
         return out
 
 
-def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None = None,
-        lr: float | None = None, replicas: int = 4, eval_every: int | None = None,
-        codec_factory: Callable | None = None) -> dict:
+def run(
+    task: Task,
+    optimizer: str,
+    label: str,
+    *,
+    seed: int,
+    steps: int | None = None,
+    lr: float | None = None,
+    replicas: int = 4,
+    eval_every: int | None = None,
+    codec_factory: Callable | None = None,
+) -> dict:
     """Train once; returns the validation curve, the final metrics and whether it diverged.
 
     ``codec_factory`` (a function returning a Codec) replaces the label's codec, e.g. to
@@ -198,12 +234,12 @@ def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None 
     eval_every = eval_every or max(1, steps // 10)
     torch.manual_seed(seed)
     model = task.make_model()
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     opt = make_optimizer(optimizer, params, peak, momentum=0.8 if mode == "db-mom" else 0.9)
     reduce = _Reducer(codec, replicas, seed)
     delayed = mode != "sync"
     pending = None
-    predicted: list[list[torch.Tensor] | None] = [None] * replicas   # per-replica offsets w - w_hat
+    predicted: list[list[torch.Tensor] | None] = [None] * replicas  # per-replica offsets w - w_hat
     prev_w = None
     curve, diverged = [], False
     start = time.perf_counter()
@@ -212,7 +248,7 @@ def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None 
         offset = 0
         for p in params:
             k = p.numel()
-            p.grad = avg[offset:offset + k].view_as(p).clone()
+            p.grad = avg[offset : offset + k].view_as(p).clone()
             offset += k
         opt.step()
 
@@ -258,23 +294,33 @@ def run(task: Task, optimizer: str, label: str, *, seed: int, steps: int | None 
             # the next average, estimated from this rank's own gradient (comp, the component's
             # rule); the variants: own share exact and the last average for the others'
             # (comp-mix), the last average only (comp-avg), half the own gradient (comp-half)
-            w_own = {"comp": 1.0, "comp-mix": 1.0 / replicas, "comp-avg": 0.0, "comp-half": 1.0}[mode]
+            w_own = {"comp": 1.0, "comp-mix": 1.0 / replicas, "comp-avg": 0.0, "comp-half": 1.0}[
+                mode
+            ]
             if avg is None:
                 w_own = 1.0
             if mode == "comp-half":
                 estimates = [[x * 0.5 for x in g] for g in locals_]
             else:
-                estimates = [g if w_own == 1.0 else
-                             [a.lerp(x, w_own) for a, x in zip((p.grad for p in params), g)]
-                             for g in locals_]
+                estimates = [
+                    g
+                    if w_own == 1.0
+                    else [a.lerp(x, w_own) for a, x in zip((p.grad for p in params), g)]
+                    for g in locals_
+                ]
             predicted = [predicted_step(opt, g) for g in estimates]
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             record(step + 1)
-    if not diverged and pending is not None:   # flush(): the last average
+    if not diverged and pending is not None:  # flush(): the last average
         apply(pending)
     if not diverged:
         record(steps)
         final = curve[-1]
         diverged = not math.isfinite(final["loss"]) or final["loss"] > DIVERGED_LOSS
-    return {"config": label, "curve": curve, "diverged": diverged,
-            "final": None if diverged else curve[-1], "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "config": label,
+        "curve": curve,
+        "diverged": diverged,
+        "final": None if diverged else curve[-1],
+        "seconds": round(time.perf_counter() - start, 1),
+    }

@@ -9,6 +9,7 @@ appends every finished run to a JSON file, so an interrupted study keeps what it
 ``remedies``: fp32, db, db-lastupd, db-mom and comp for SGD (momentum 0.9) and AdamW at the
 fp32-tuned schedule, 3 seeds. ``lr-map``: fp32, db and comp at peak lr x 0.25 .. x 4 (seed 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import accuracy_sim as sim  # noqa: E402
+import accuracy_sim as sim
 
 REMEDIES = ("fp32", "db", "db-lastupd", "db-mom", "comp")
 LR_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -34,8 +35,10 @@ def _append(path: Path, record: dict) -> None:
 def _done(path: Path) -> set:
     if not path.exists():
         return set()
-    return {(r["task"], r["optimizer"], r["config"], r["seed"], r.get("lr_scale", 1.0))
-            for r in json.loads(path.read_text())["runs"]}
+    return {
+        (r["task"], r["optimizer"], r["config"], r["seed"], r.get("lr_scale", 1.0))
+        for r in json.loads(path.read_text())["runs"]
+    }
 
 
 def main(argv=None) -> int:
@@ -45,7 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", default="sgd,adam")
     p.add_argument("--configs", default=None, help="default: the study's list")
     p.add_argument("--seeds", default=None, help="default: 0,1,2 (remedies), 0 (lr-map)")
-    p.add_argument("--scales", default=None, help="lr-map: peak-lr multipliers (default 0.25,0.5,1,2,4)")
+    p.add_argument(
+        "--scales", default=None, help="lr-map: peak-lr multipliers (default 0.25,0.5,1,2,4)"
+    )
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -53,10 +58,17 @@ def main(argv=None) -> int:
     out = Path(args.out)
     done = _done(out)
     remedies = args.study == "remedies"
-    configs = args.configs.split(",") if args.configs else (REMEDIES if remedies else ("fp32", "db", "comp"))
+    configs = (
+        args.configs.split(",")
+        if args.configs
+        else (REMEDIES if remedies else ("fp32", "db", "comp"))
+    )
     seeds = [int(s) for s in (args.seeds or ("0,1,2" if remedies else "0")).split(",")]
-    scales = (1.0,) if remedies else (tuple(float(x) for x in args.scales.split(",")) if args.scales
-                                      else LR_SCALES)
+    scales = (
+        (1.0,)
+        if remedies
+        else (tuple(float(x) for x in args.scales.split(",")) if args.scales else LR_SCALES)
+    )
     for task in args.tasks.split(","):
         for opt in args.optimizers.split(","):
             for scale in scales:
@@ -67,13 +79,25 @@ def main(argv=None) -> int:
                         t = sim.TASKS[task]
                         lr = t.lr[opt] * scale
                         r = sim.run(t, opt, config, seed=seed, lr=lr, replicas=args.replicas)
-                        rec = {"task": task, "optimizer": opt, "config": config, "seed": seed,
-                               "lr": lr, "lr_scale": scale, "replicas": args.replicas,
-                               "steps": t.steps, "metric": t.metric, **r}
+                        rec = {
+                            "task": task,
+                            "optimizer": opt,
+                            "config": config,
+                            "seed": seed,
+                            "lr": lr,
+                            "lr_scale": scale,
+                            "replicas": args.replicas,
+                            "steps": t.steps,
+                            "metric": t.metric,
+                            **r,
+                        }
                         _append(out, rec)
                         fin = r["final"][t.metric] if r["final"] else float("nan")
-                        print(f"{task} {opt} x{scale} {config} seed {seed}: {t.metric} {fin:.4f} "
-                              f"diverged={r['diverged']} ({r['seconds']} s)", flush=True)
+                        print(
+                            f"{task} {opt} x{scale} {config} seed {seed}: {t.metric} {fin:.4f} "
+                            f"diverged={r['diverged']} ({r['seconds']} s)",
+                            flush=True,
+                        )
     return 0
 
 

@@ -8,6 +8,7 @@ the floor: the model and optimizer state that every rank needs anyway.
 
     mpirun -np 2 python benchmarks/checkpoint_size.py --out benchmarks/results/checkpoint-size.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,14 @@ def main() -> None:
     w = args.width
     model = torch.nn.Sequential(*[torch.nn.Linear(w, w) for _ in range(4)])
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    opt = create_multi_node_optimizer(inner, comm, model=model, compression="qsgd4+ef",
-                                      policy=CompressionPolicy())
+    opt = create_multi_node_optimizer(
+        inner, comm, model=model, compression="qsgd4+ef", policy=CompressionPolicy()
+    )
     for step in range(2):
         opt.zero_grad()
-        model(torch.randn(8, w, generator=torch.Generator().manual_seed(step + comm.rank))).sum().backward()
+        model(
+            torch.randn(8, w, generator=torch.Generator().manual_seed(step + comm.rank))
+        ).sum().backward()
         opt.step()
     ddp = nbytes({"model": model.state_dict(), "opt": inner.state_dict()})
     if args.label == "before":
@@ -60,12 +64,20 @@ def main() -> None:
         tmp = comm.bcast_obj(tmp, root=0)
         save_checkpoint(tmp, model, opt)
         parts = checkpoint_bytes(tmp)
-        written = [parts.get(f"rank{r}", 0) + (parts["replicated"] if r == 0 else 0)
-                   for r in range(comm.size)]
+        written = [
+            parts.get(f"rank{r}", 0) + (parts["replicated"] if r == 0 else 0)
+            for r in range(comm.size)
+        ]
         holds = comm.allgather_obj(holds_mine)
     if comm.rank == 0:
-        rec = {"label": args.label, "ranks": comm.size, "params": sum(p.numel() for p in model.parameters()),
-               "ddp_bytes": ddp, "state_held_per_rank_bytes": holds, "written_per_rank_bytes": written}
+        rec = {
+            "label": args.label,
+            "ranks": comm.size,
+            "params": sum(p.numel() for p in model.parameters()),
+            "ddp_bytes": ddp,
+            "state_held_per_rank_bytes": holds,
+            "written_per_rank_bytes": written,
+        }
         print(json.dumps(rec))
         if args.out:
             path = Path(args.out)

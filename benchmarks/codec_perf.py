@@ -14,6 +14,7 @@ Targets (issue 3): QSGD 4-bit/128 wire <= 0.14 of fp32; native QSGD encode and d
 >= 10x the reference and >= 15% of memcpy on one core; CUDA encode >= 60% of device memory
 bandwidth.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,20 +95,46 @@ def run_cpu(numel: int, threads: int, reps: int, ref_reps: int) -> dict:
 
     for label, bits, bucket, norm, stochastic in QSGD_CASES:
         lv = 2 ** (bits - 1) - 1
-        wire = torch.empty(kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket), dtype=torch.uint8)
+        wire = torch.empty(
+            kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket), dtype=torch.uint8
+        )
         out = torch.zeros(numel)
 
         def enc(impl, **extra):
-            return lambda: kernels.qsgd_encode(x, wire, bits=bits, levels=lv, bucket_size=bucket, key=(1, 2),
-                                               norm=norm, stochastic=stochastic, impl=impl, **extra)
+            return lambda: kernels.qsgd_encode(
+                x,
+                wire,
+                bits=bits,
+                levels=lv,
+                bucket_size=bucket,
+                key=(1, 2),
+                norm=norm,
+                stochastic=stochastic,
+                impl=impl,
+                **extra,
+            )
 
         def dec(impl, **extra):
-            return lambda: kernels.qsgd_decode(wire, out, bits=bits, levels=lv, bucket_size=bucket,
-                                               accumulate=True, impl=impl, **extra)
+            return lambda: kernels.qsgd_decode(
+                wire,
+                out,
+                bits=bits,
+                levels=lv,
+                bucket_size=bucket,
+                accumulate=True,
+                impl=impl,
+                **extra,
+            )
 
-        measure(label, wire.numel() / (numel * 4),
-                {"native_encode": enc("native", threads=threads), "native_decode": dec("native", threads=threads)},
-                {"reference_encode": enc("reference"), "reference_decode": dec("reference")})
+        measure(
+            label,
+            wire.numel() / (numel * 4),
+            {
+                "native_encode": enc("native", threads=threads),
+                "native_decode": dec("native", threads=threads),
+            },
+            {"reference_encode": enc("reference"), "reference_decode": dec("reference")},
+        )
     for label, dtype in CAST_CASES:
         wire = torch.empty(numel, dtype=dtype)
         out = torch.zeros(numel)
@@ -118,9 +145,15 @@ def run_cpu(numel: int, threads: int, reps: int, ref_reps: int) -> dict:
         def cdec(impl, **extra):
             return lambda: kernels.cast_decode(wire, out, accumulate=True, impl=impl, **extra)
 
-        measure(label, wire.element_size() / 4,
-                {"native_encode": cenc("native", threads=threads), "native_decode": cdec("native", threads=threads)},
-                {"reference_encode": cenc("reference"), "reference_decode": cdec("reference")})
+        measure(
+            label,
+            wire.element_size() / 4,
+            {
+                "native_encode": cenc("native", threads=threads),
+                "native_decode": cdec("native", threads=threads),
+            },
+            {"reference_encode": cenc("reference"), "reference_decode": cdec("reference")},
+        )
     return {"device": cpu_model(), "threads": threads, "numel": numel, "rows": rows}
 
 
@@ -137,18 +170,48 @@ def run_cuda(numel: int, reps: int) -> dict | None:
     rows = []
     for label, bits, bucket, norm, stochastic in QSGD_CASES:
         lv = 2 ** (bits - 1) - 1
-        wire = torch.empty(kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket), dtype=torch.uint8,
-                           device="cuda")
+        wire = torch.empty(
+            kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket),
+            dtype=torch.uint8,
+            device="cuda",
+        )
         out = torch.zeros(numel, device="cuda")
-        enc = best_seconds(lambda: kernels.qsgd_encode(x, wire, bits=bits, levels=lv, bucket_size=bucket,
-                                                       key=(1, 2), norm=norm, stochastic=stochastic), reps, sync)
-        dec = best_seconds(lambda: kernels.qsgd_decode(wire, out, bits=bits, levels=lv, bucket_size=bucket,
-                                                       accumulate=True), reps, sync)
+        enc = best_seconds(
+            lambda: kernels.qsgd_encode(
+                x,
+                wire,
+                bits=bits,
+                levels=lv,
+                bucket_size=bucket,
+                key=(1, 2),
+                norm=norm,
+                stochastic=stochastic,
+            ),
+            reps,
+            sync,
+        )
+        dec = best_seconds(
+            lambda: kernels.qsgd_decode(
+                wire, out, bits=bits, levels=lv, bucket_size=bucket, accumulate=True
+            ),
+            reps,
+            sync,
+        )
         # bytes the encode must move: read x, write the wire
-        rows.append({"codec": label, "encode": gb / enc, "decode": gb / dec,
-                     "encode_bytes_moved_GBps": (numel * 4 + wire.numel()) / enc / 1e9})
-    return {"device": torch.cuda.get_device_name(), "numel": numel,
-            "device_bandwidth_GBps": 2 * gb / copy_s, "rows": rows}
+        rows.append(
+            {
+                "codec": label,
+                "encode": gb / enc,
+                "decode": gb / dec,
+                "encode_bytes_moved_GBps": (numel * 4 + wire.numel()) / enc / 1e9,
+            }
+        )
+    return {
+        "device": torch.cuda.get_device_name(),
+        "numel": numel,
+        "device_bandwidth_GBps": 2 * gb / copy_s,
+        "rows": rows,
+    }
 
 
 def render(cpu: dict, cuda: dict | None) -> str:
@@ -159,21 +222,57 @@ def render(cpu: dict, cuda: dict | None) -> str:
     ]
     body = []
     for r in cpu["rows"]:
-        mc, ne, re_, nd, rd = (r.get(k, float("nan")) for k in
-                               ("memcpy", "native_encode", "reference_encode", "native_decode",
-                                "reference_decode"))
-        body.append([r["codec"], f"{r['wire_ratio']:.4f}", f"{mc:.2f}", f"{ne:.2f}", f"{re_:.3f}",
-                     f"{ne / re_:.0f}x", f"{ne / mc:.0%}", f"{nd:.2f}", f"{rd:.3f}", f"{nd / rd:.0f}x",
-                     f"{nd / mc:.0%}"])
-    head = ["codec", "wire / fp32", "memcpy GB/s", "native enc GB/s", "ref enc GB/s", "enc x ref",
-            "enc / memcpy", "native dec GB/s", "ref dec GB/s", "dec x ref", "dec / memcpy"]
+        mc, ne, re_, nd, rd = (
+            r.get(k, float("nan"))
+            for k in (
+                "memcpy",
+                "native_encode",
+                "reference_encode",
+                "native_decode",
+                "reference_decode",
+            )
+        )
+        body.append(
+            [
+                r["codec"],
+                f"{r['wire_ratio']:.4f}",
+                f"{mc:.2f}",
+                f"{ne:.2f}",
+                f"{re_:.3f}",
+                f"{ne / re_:.0f}x",
+                f"{ne / mc:.0%}",
+                f"{nd:.2f}",
+                f"{rd:.3f}",
+                f"{nd / rd:.0f}x",
+                f"{nd / mc:.0%}",
+            ]
+        )
+    head = [
+        "codec",
+        "wire / fp32",
+        "memcpy GB/s",
+        "native enc GB/s",
+        "ref enc GB/s",
+        "enc x ref",
+        "enc / memcpy",
+        "native dec GB/s",
+        "ref dec GB/s",
+        "dec x ref",
+        "dec / memcpy",
+    ]
     lines.append(table(head, body, markdown=True, align="l" * len(head)))
     q4 = cpu["rows"][0]
     mc = q4["memcpy"]
     checks = [
         ("QSGD 4-bit/128 wire <= 0.14 of fp32", q4["wire_ratio"] <= 0.14),
-        ("native QSGD4 encode >= 10x reference", q4.get("native_encode", 0) >= 10 * q4["reference_encode"]),
-        ("native QSGD4 decode >= 10x reference", q4.get("native_decode", 0) >= 10 * q4["reference_decode"]),
+        (
+            "native QSGD4 encode >= 10x reference",
+            q4.get("native_encode", 0) >= 10 * q4["reference_encode"],
+        ),
+        (
+            "native QSGD4 decode >= 10x reference",
+            q4.get("native_decode", 0) >= 10 * q4["reference_decode"],
+        ),
         ("native QSGD4 encode >= 15% of memcpy", q4.get("native_encode", 0) >= 0.15 * mc),
         ("native QSGD4 decode >= 15% of memcpy", q4.get("native_decode", 0) >= 0.15 * mc),
     ]
@@ -187,17 +286,34 @@ def render(cpu: dict, cuda: dict | None) -> str:
     else:
         bw = cuda["device_bandwidth_GBps"]
         lines.append(f"CUDA: {cuda['device']}, device copy bandwidth {bw:.0f} GB/s")
-        lines.append(table(["codec", "encode GB/s", "encode / bandwidth", "decode GB/s"],
-                           [[r["codec"], f"{r['encode']:.0f}", f"{r['encode'] / bw:.0%}", f"{r['decode']:.0f}"]
-                            for r in cuda["rows"]], markdown=True, align="llll"))
+        lines.append(
+            table(
+                ["codec", "encode GB/s", "encode / bandwidth", "decode GB/s"],
+                [
+                    [
+                        r["codec"],
+                        f"{r['encode']:.0f}",
+                        f"{r['encode'] / bw:.0%}",
+                        f"{r['decode']:.0f}",
+                    ]
+                    for r in cuda["rows"]
+                ],
+                markdown=True,
+                align="llll",
+            )
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mib", type=float, default=64, help="buffer size in MiB of float32 (default 64)")
+    parser.add_argument(
+        "--mib", type=float, default=64, help="buffer size in MiB of float32 (default 64)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one core)")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions, best kept (native, memcpy)")
+    parser.add_argument(
+        "--reps", type=int, default=5, help="repetitions, best kept (native, memcpy)"
+    )
     parser.add_argument("--ref-reps", type=int, default=2, help="repetitions of the slow reference")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args(argv)
@@ -207,9 +323,18 @@ def main(argv=None) -> int:
     print(render(cpu, cuda))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"cpu": cpu, "cuda": cuda, "codecs": {n: get_codec(n).encoded_nbytes(numel) / (4 * numel)
-                                                            for n in ("none", "fp16", "qsgd2", "qsgd4", "qsgd8")}},
-                      fh, indent=2)
+            json.dump(
+                {
+                    "cpu": cpu,
+                    "cuda": cuda,
+                    "codecs": {
+                        n: get_codec(n).encoded_nbytes(numel) / (4 * numel)
+                        for n in ("none", "fp16", "qsgd2", "qsgd4", "qsgd8")
+                    },
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

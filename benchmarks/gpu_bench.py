@@ -17,6 +17,7 @@ Targets (issue 14): codec encode >= 70% of the copy's bandwidth at 64 MiB; ``pur
 allreduce no slower than torch.distributed's nccl allreduce of the same buffer. Each time is
 the best of ``--reps`` after a warm-up, timed with CUDA events. ``make gpu-check`` runs it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,17 +26,36 @@ import platform
 import sys
 from pathlib import Path
 
-CODECS = ["none", "fp16", "bf16", "qsgd8", "qsgd4", "qsgd2", "qsgd4-l2", "qsgd4-nearest", "qsgd4+ef"]
+CODECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "qsgd8",
+    "qsgd4",
+    "qsgd2",
+    "qsgd4-l2",
+    "qsgd4-nearest",
+    "qsgd4+ef",
+]
 ENCODE_TARGET = 0.70  # of the copy bandwidth
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mib", type=float, default=64.0, help="buffer size in MiB of float32 (default 64)")
+    p.add_argument(
+        "--mib", type=float, default=64.0, help="buffer size in MiB of float32 (default 64)"
+    )
     p.add_argument("--reps", type=int, default=20, help="timed repetitions; the best is kept")
     p.add_argument("--json", type=Path, help="write the measurements here")
-    p.add_argument("--report", type=Path, help="write the markdown report here (docs/benchmarks-gpu.md)")
-    p.add_argument("--from", dest="from_json", type=Path, help="render --report from this JSON, measure nothing")
+    p.add_argument(
+        "--report", type=Path, help="write the markdown report here (docs/benchmarks-gpu.md)"
+    )
+    p.add_argument(
+        "--from",
+        dest="from_json",
+        type=Path,
+        help="render --report from this JSON, measure nothing",
+    )
     p.add_argument("--no-allreduce", action="store_true", help="codec kernels only")
     args = p.parse_args(argv)
     if args.mib <= 0 or args.reps < 1:
@@ -86,13 +106,21 @@ def measure_codecs(numel: int, reps: int) -> dict:
         codec = make_codec(name)
         wire = torch.empty(codec.encoded_nbytes(numel), dtype=torch.uint8, device="cuda")
         step = iter(range(10**9))
-        enc_ms = _best_ms(lambda c=codec, w=wire, s=step: c.encode(x, w, rng=RngKey(0, 0, next(s)), key="b"),
-                          reps)
+        enc_ms = _best_ms(
+            lambda c=codec, w=wire, s=step: c.encode(x, w, rng=RngKey(0, 0, next(s)), key="b"), reps
+        )
         out = torch.zeros_like(x)
         dec_ms = _best_ms(lambda c=codec, w=wire, o=out: c.decode(w, o, accumulate=True), reps)
-        rows.append({"codec": name, "encode_ms": enc_ms, "decode_ms": dec_ms,
-                     "encode_gbs": nbytes / enc_ms / 1e6, "decode_gbs": nbytes / dec_ms / 1e6,
-                     "wire_ratio": codec.encoded_nbytes(numel) / nbytes})
+        rows.append(
+            {
+                "codec": name,
+                "encode_ms": enc_ms,
+                "decode_ms": dec_ms,
+                "encode_gbs": nbytes / enc_ms / 1e6,
+                "decode_gbs": nbytes / dec_ms / 1e6,
+                "wire_ratio": codec.encoded_nbytes(numel) / nbytes,
+            }
+        )
     return {"copy_ms": copy_ms, "copy_gbs": nbytes / copy_ms / 1e6, "rows": rows}
 
 
@@ -122,8 +150,12 @@ def measure_allreduce(numel: int, reps: int) -> dict:
         for name in CODECS:
             codec = make_codec(name)
             step = iter(range(10**9))
-            ms = _best_ms(lambda c=codec, s=step: collectives.allreduce(
-                comm, x, c, algorithm="scatter_reduce", rng=RngKey(0, 0, next(s)), key="b"), reps)
+            ms = _best_ms(
+                lambda c=codec, s=step: collectives.allreduce(
+                    comm, x, c, algorithm="scatter_reduce", rng=RngKey(0, 0, next(s)), key="b"
+                ),
+                reps,
+            )
             rows.append({"codec": name, "ms": ms})
     finally:
         comm.finalize()
@@ -138,9 +170,13 @@ def measure(args: argparse.Namespace) -> dict:
     numel = int(args.mib * 2**20) // 4
     result = {
         "command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "cuda": torch.version.cuda or torch.version.hip, "host": platform.node(),
-        "mib": args.mib, "numel": numel, "reps": args.reps,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or torch.version.hip,
+        "host": platform.node(),
+        "mib": args.mib,
+        "numel": numel,
+        "reps": args.reps,
         "codecs": measure_codecs(numel, args.reps),
     }
     try:
@@ -174,8 +210,10 @@ def render(result: dict) -> str:
     ]
     for r in c["rows"]:
         share = r["encode_gbs"] / c["copy_gbs"]
-        lines.append(f"| {r['codec']} | {r['wire_ratio']:.3f} | {r['encode_gbs']:.1f} | {share:.0%} | "
-                     f"{r['decode_gbs']:.1f} | {'met' if share >= ENCODE_TARGET else 'missed'} |")
+        lines.append(
+            f"| {r['codec']} | {r['wire_ratio']:.3f} | {r['encode_gbs']:.1f} | {share:.0%} | "
+            f"{r['decode_gbs']:.1f} | {'met' if share >= ENCODE_TARGET else 'missed'} |"
+        )
     a = result.get("allreduce")
     if a:
         ok = a["pure_nccl_ms"] <= a["torch_nccl_ms"]
@@ -193,7 +231,9 @@ def render(result: dict) -> str:
             f"| commopt pure_nccl allreduce | {a['pure_nccl_ms']:.3f} |",
         ]
         for r in a["rows"]:
-            lines.append(f"| collectives.allreduce, {r['codec']} (scatter_reduce) | {r['ms']:.3f} |")
+            lines.append(
+                f"| collectives.allreduce, {r['codec']} (scatter_reduce) | {r['ms']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

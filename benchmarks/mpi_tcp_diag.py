@@ -24,6 +24,7 @@ from COMMOPT_LINK_BITS):
 
 It imports nothing from commopt, so the same numbers come from any mpirun.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=int, default=64, help="buffer size in MiB (default 64)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tests", default="oneway,exchange,allreduce,chunked:1024,timeline")
-    ap.add_argument("--poll-sleep-us", type=float, default=0,
-                    help="chunked: wait by polling with sleeps of this many us (default 0: "
-                         "MPI_Waitall, which spins)")
+    ap.add_argument(
+        "--poll-sleep-us",
+        type=float,
+        default=0,
+        help="chunked: wait by polling with sleeps of this many us (default 0: "
+        "MPI_Waitall, which spins)",
+    )
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -86,24 +91,31 @@ def main(argv=None) -> int:
                             done[k] = time.perf_counter() - t0
                 everyone = comm.gather(done)
                 if rank == 0:
-                    print(f"timeline {args.mib} MiB rep {rep}: " + "; ".join(
-                        f"rank {r} received at {d['recv'] * 1e3:.0f} ms, sent at {d['send'] * 1e3:.0f} ms"
-                        for r, d in enumerate(everyone)), flush=True)
+                    print(
+                        f"timeline {args.mib} MiB rep {rep}: "
+                        + "; ".join(
+                            f"rank {r} received at {d['recv'] * 1e3:.0f} ms, sent at {d['send'] * 1e3:.0f} ms"
+                            for r, d in enumerate(everyone)
+                        ),
+                        flush=True,
+                    )
             continue
         if test == "oneway":
             fn = (lambda: comm.Send(a, peer)) if rank == 0 else (lambda: comm.Recv(b, peer))
         elif test == "exchange":
+
             def fn():
                 comm.Sendrecv(a, peer, recvbuf=b, source=peer)
         elif test == "allreduce":
+
             def fn():
                 comm.Allreduce(MPI.IN_PLACE, a)
         elif test.startswith("chunked:"):
             seg = int(test.split(":")[1]) * 256  # KiB -> fp32 elements
 
             def fn():
-                reqs = [comm.Irecv(b[lo:lo + seg], peer, 7) for lo in range(0, a.size, seg)]
-                reqs += [comm.Isend(a[lo:lo + seg], peer, 7) for lo in range(0, a.size, seg)]
+                reqs = [comm.Irecv(b[lo : lo + seg], peer, 7) for lo in range(0, a.size, seg)]
+                reqs += [comm.Isend(a[lo : lo + seg], peer, 7) for lo in range(0, a.size, seg)]
                 if args.poll_sleep_us <= 0:
                     MPI.Request.Waitall(reqs)
                     return
@@ -121,9 +133,17 @@ def main(argv=None) -> int:
 def _report(rank, test, mib, times, nbytes, rate) -> None:
     if rank == 0:
         med = statistics.median(times)
-        limit = f"; link time {nbytes / rate * 1e3:.0f} ms, median x{med / (nbytes / rate):.2f}" if rate else ""
-        print(f"{test} {mib} MiB: " + " ".join(f"{t * 1e3:.0f}" for t in times) +
-              f" ms; median {med * 1e3:.0f} ms{limit}", flush=True)
+        limit = (
+            f"; link time {nbytes / rate * 1e3:.0f} ms, median x{med / (nbytes / rate):.2f}"
+            if rate
+            else ""
+        )
+        print(
+            f"{test} {mib} MiB: "
+            + " ".join(f"{t * 1e3:.0f}" for t in times)
+            + f" ms; median {med * 1e3:.0f} ms{limit}",
+            flush=True,
+        )
 
 
 def _bcast_address(comm, addr):
@@ -131,7 +151,7 @@ def _bcast_address(comm, addr):
     buf = bytearray(256)
     if addr is not None:
         text = f"{addr[0]} {addr[1]}".encode()
-        buf[:len(text)] = text
+        buf[: len(text)] = text
     comm.Bcast(buf, root=0)
     host, port = bytes(buf).rstrip(b"\0").decode().split()
     return host, int(port)

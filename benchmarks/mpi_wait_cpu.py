@@ -16,6 +16,7 @@ Per rank: ``--iters`` fp32 allreduces of ``--size`` bytes after 2 warm-ups; proc
 (all threads, getrusage) and the voluntary context switches of all its threads, per
 allreduce. ``40gbit`` stands in for an unshaped link: the same namespaces and TCP path.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ VARIANTS = {  # polled is the default
     "spin-yield": {"COMMOPT_MPI_WAIT": "spin", "OMPI_MCA_mpi_yield_when_idle": "1"},
 }
 
-RANK = r'''
+RANK = r"""
 import json, os, resource, sys, time
 import torch
 import commopt
@@ -71,7 +72,7 @@ everyone = comm.allgather_obj(mine)
 if comm.rank == 0:
     with open(out, "w") as f:
         json.dump(everyone, f)
-'''
+"""
 
 
 def run_once(args, variant: str, link: str) -> dict:
@@ -79,16 +80,38 @@ def run_once(args, variant: str, link: str) -> dict:
         out = Path(tmp) / "out.json"
         script = Path(tmp) / "rank.py"
         script.write_text(RANK)
-        cmd = [PY, "-m", "commopt", "launch", "-n", "2", "--link", link, "--timeout", "300",
-               "--", PY, str(script), str(args.size), str(args.iters), str(out)]
+        cmd = [
+            PY,
+            "-m",
+            "commopt",
+            "launch",
+            "-n",
+            "2",
+            "--link",
+            link,
+            "--timeout",
+            "300",
+            "--",
+            PY,
+            str(script),
+            str(args.size),
+            str(args.iters),
+            str(out),
+        ]
         env = {**os.environ, **VARIANTS[variant]}
-        proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True,
-                              timeout=400)
+        proc = subprocess.run(
+            cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=400
+        )
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{variant} {link}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
         ranks = json.loads(out.read_text())
-    return {"variant": variant, "link": link, "environment": VARIANTS[variant], "ranks": ranks,
-            "load_average": os.getloadavg()[0]}
+    return {
+        "variant": variant,
+        "link": link,
+        "environment": VARIANTS[variant],
+        "ranks": ranks,
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -98,21 +121,34 @@ def summarize(runs: list[dict]) -> list[dict]:
             mine = [r for r in runs if r["link"] == link and r["variant"] == variant]
             if not mine:
                 continue
+
             def med(key):
                 return statistics.median(statistics.mean(q[key] for q in r["ranks"]) for r in mine)
-            rows.append({"link": link, "variant": variant, "rounds": len(mine),
-                         "wall_ms": 1e3 * med("wall_s"), "cpu_ms": 1e3 * med("cpu_s"),
-                         "wakes": med("wakes"),
-                         "load": [round(r["load_average"], 1) for r in mine]})
+
+            rows.append(
+                {
+                    "link": link,
+                    "variant": variant,
+                    "rounds": len(mine),
+                    "wall_ms": 1e3 * med("wall_s"),
+                    "cpu_ms": 1e3 * med("cpu_s"),
+                    "wakes": med("wakes"),
+                    "load": [round(r["load_average"], 1) for r in mine],
+                }
+            )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| link | wait | wall ms / allreduce | rank CPU ms / allreduce | wake-ups / allreduce | load |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['link']} | {r['variant']} | {r['wall_ms']:.1f} | {r['cpu_ms']:.1f} | "
-                     f"{r['wakes']:.0f} | {', '.join(map(str, r['load']))} |")
+    lines = [
+        "| link | wait | wall ms / allreduce | rank CPU ms / allreduce | wake-ups / allreduce | load |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines.extend(
+        f"| {r['link']} | {r['variant']} | {r['wall_ms']:.1f} | {r['cpu_ms']:.1f} | "
+        f"{r['wakes']:.0f} | {', '.join(map(str, r['load']))} |"
+        for r in rows
+    )
     return "\n".join(lines)
 
 
@@ -131,7 +167,9 @@ def main(argv=None) -> int:
     else:
         unknown = set(args.variants.split(",")) - set(VARIANTS)
         if unknown:
-            ap.error(f"unknown --variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+            ap.error(
+                f"unknown --variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}"
+            )
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         runs = []
         for rnd in range(args.rounds):
@@ -139,11 +177,19 @@ def main(argv=None) -> int:
                 for variant in args.variants.split(","):
                     runs.append({**run_once(args, variant, link), "round": rnd})
                     r = runs[-1]
-                    print(f"round {rnd} {link} {variant}: load {r['load_average']:.1f}",
-                          file=sys.stderr, flush=True)
-        doc = {"command": " ".join(["python", "benchmarks/mpi_wait_cpu.py"] + (argv or sys.argv[1:])),
-               "size": args.size, "iters": args.iters, "started": started,
-               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs}
+                    print(
+                        f"round {rnd} {link} {variant}: load {r['load_average']:.1f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        doc = {
+            "command": " ".join(["python", "benchmarks/mpi_wait_cpu.py"] + (argv or sys.argv[1:])),
+            "size": args.size,
+            "iters": args.iters,
+            "started": started,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "runs": runs,
+        }
         doc["summary"] = summarize(runs)
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=1))

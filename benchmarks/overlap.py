@@ -18,6 +18,7 @@ It starts the ranks itself with ``commopt launch`` and prints a Markdown table:
 Inside a job (``--rank-mode``) it is the program every rank runs; ``--comm torch`` (gloo)
 is the default because gloo waits on sockets without spinning a core.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,9 +80,13 @@ def rank_main(args) -> None:
             return lambda: plain_step(ddp, opt)
         inner = torch.optim.SGD(m.parameters(), lr=1e-6)
         opt = commopt.create_multi_node_optimizer(
-            inner, comm, overlap=(mode != "no-overlap"),
-            double_buffering=(mode == "double-buffering"), compression=args.compression,
-            bucket_cap_mb=args.bucket_cap_mb)
+            inner,
+            comm,
+            overlap=(mode != "no-overlap"),
+            double_buffering=(mode == "double-buffering"),
+            compression=args.compression,
+            bucket_cap_mb=args.bucket_cap_mb,
+        )
         if mode == "communication":
             for p in m.parameters():
                 p.grad = torch.randn_like(p)
@@ -99,8 +104,9 @@ def rank_main(args) -> None:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         peaks = comm.allgather_obj(peak_mb)
         if comm.rank == 0:
-            Path(args.out).write_text(json.dumps({"mode": args.mode, "peak_mb": peaks,
-                                                  "grad_mb": n_params * 4 / 2**20}))
+            Path(args.out).write_text(
+                json.dumps({"mode": args.mode, "peak_mb": peaks, "grad_mb": n_params * 4 / 2**20})
+            )
         return
 
     steps = {mode: make(mode) for mode in TIMED_MODES if mode != "ddp" or dist.is_initialized()}
@@ -118,8 +124,16 @@ def rank_main(args) -> None:
             times[mode].append((time.perf_counter() - t0) / args.steps)
     if comm.rank == 0:
         med = {m: statistics.median(v) for m, v in times.items()}
-        Path(args.out).write_text(json.dumps({"median_s": med, "all_s": times, "params": n_params,
-                                              "grad_mb": n_params * 4 / 2**20}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "median_s": med,
+                    "all_s": times,
+                    "params": n_params,
+                    "grad_mb": n_params * 4 / 2**20,
+                }
+            )
+        )
 
 
 # -- the driver: starts the jobs, prints the table ------------------------------------------------
@@ -127,14 +141,35 @@ def launch(args, rank_args: list[str], out: str) -> dict:
     cmd = [sys.executable, "-m", "commopt", "launch", "-n", str(args.ranks), "--launcher", "torch"]
     if args.link:
         cmd += ["--link", args.link]
-    cmd += ["--timeout", str(args.timeout), "--", sys.executable, str(Path(__file__).resolve()),
-            "--out", out, "--comm", args.comm, "--width", str(args.width), "--depth", str(args.depth),
-            "--batch", str(args.batch), "--steps", str(args.steps), "--repeats", str(args.repeats),
-            "--bucket-cap-mb", str(args.bucket_cap_mb), *rank_args]
+    cmd += [
+        "--timeout",
+        str(args.timeout),
+        "--",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--out",
+        out,
+        "--comm",
+        args.comm,
+        "--width",
+        str(args.width),
+        "--depth",
+        str(args.depth),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--bucket-cap-mb",
+        str(args.bucket_cap_mb),
+        *rank_args,
+    ]
     if args.compression:
         cmd += ["--compression", args.compression]
-    env = dict(os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="65536",
-               MALLOC_TRIM_THRESHOLD_="0")
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0"
+    )
     subprocess.run(cmd, check=True, env=env, cwd=str(REPO))
     return json.loads(Path(out).read_text())
 
@@ -142,37 +177,67 @@ def launch(args, rank_args: list[str], out: str) -> dict:
 def driver(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         timing = launch(args, ["--rank-mode", "time"], f"{tmp}/time.json")
-        memory = {m: launch(args, ["--rank-mode", "memory", "--mode", m], f"{tmp}/mem-{m}.json")
-                  for m in MEMORY_MODES}
+        memory = {
+            m: launch(args, ["--rank-mode", "memory", "--mode", m], f"{tmp}/mem-{m}.json")
+            for m in MEMORY_MODES
+        }
     med = timing["median_s"]
     compute, comm = med["compute"], med["communication"]
     bound = max(compute, comm)
-    print(f"model: {args.depth} x Linear({args.width}, {args.width}), {timing['params'] / 1e6:.1f}M "
-          f"parameters ({timing['grad_mb']:.0f} MiB of fp32 gradients), batch {args.batch} per rank, "
-          f"{args.ranks} ranks, link {args.link or 'loopback'}, codec {args.compression or 'fp32'}, "
-          f"bucket_cap_mb {args.bucket_cap_mb:g}")
+    print(
+        f"model: {args.depth} x Linear({args.width}, {args.width}), {timing['params'] / 1e6:.1f}M "
+        f"parameters ({timing['grad_mb']:.0f} MiB of fp32 gradients), batch {args.batch} per rank, "
+        f"{args.ranks} ranks, link {args.link or 'loopback'}, codec {args.compression or 'fp32'}, "
+        f"bucket_cap_mb {args.bucket_cap_mb:g}"
+    )
     print()
     sys.path.insert(0, str(REPO))  # run as a script from anywhere, like the ranks it starts
     from commopt._tables import table
 
-    print(table(["mode", "step time (ms)", "/ max(compute, communication)"],
-                [[mode, f"{med[mode] * 1e3:.0f}", f"{med[mode] / bound:.2f}"] for mode in TIMED_MODES if mode in med],
-                markdown=True, align="lll"))
-    print(f"\nperfect overlap: max(compute, communication) = {bound * 1e3:.0f} ms; no overlap: "
-          f"compute + communication = {(compute + comm) * 1e3:.0f} ms")
+    print(
+        table(
+            ["mode", "step time (ms)", "/ max(compute, communication)"],
+            [
+                [mode, f"{med[mode] * 1e3:.0f}", f"{med[mode] / bound:.2f}"]
+                for mode in TIMED_MODES
+                if mode in med
+            ],
+            markdown=True,
+            align="lll",
+        )
+    )
+    print(
+        f"\nperfect overlap: max(compute, communication) = {bound * 1e3:.0f} ms; no overlap: "
+        f"compute + communication = {(compute + comm) * 1e3:.0f} ms"
+    )
     print()
     ddp_peak = max(memory["ddp"]["peak_mb"])
     grad = memory["ddp"]["grad_mb"]
     peaks = {mode: max(memory[mode]["peak_mb"]) for mode in MEMORY_MODES}
-    print(table(["mode", "peak RSS per rank (MiB, max over ranks)", "vs DDP (MiB)", "vs DDP (gradient sizes)"],
-                [[mode, f"{peak:.0f}", f"{peak - ddp_peak:+.0f}", f"{(peak - ddp_peak) / grad:+.2f}"]
-                 for mode, peak in peaks.items()], markdown=True, align="llll"))
+    print(
+        table(
+            [
+                "mode",
+                "peak RSS per rank (MiB, max over ranks)",
+                "vs DDP (MiB)",
+                "vs DDP (gradient sizes)",
+            ],
+            [
+                [mode, f"{peak:.0f}", f"{peak - ddp_peak:+.0f}", f"{(peak - ddp_peak) / grad:+.2f}"]
+                for mode, peak in peaks.items()
+            ],
+            markdown=True,
+            align="llll",
+        )
+    )
     print(f"\none gradient-sized buffer = {grad:.0f} MiB")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--link", default="200mbit", help="emulated link rate (tc syntax); '' for loopback")
+    p.add_argument(
+        "--link", default="200mbit", help="emulated link rate (tc syntax); '' for loopback"
+    )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--comm", default="torch", help="communicator: torch (gloo) or mpi")
     p.add_argument("--width", type=int, default=1024)

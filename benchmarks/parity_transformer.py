@@ -28,6 +28,7 @@ each run's JSON log stays in ``--work-dir``. BLEU near 100 is the ceiling of thi
 physical limit beside the numbers is the fp32 run itself, so the table also shows the final
 valid NLL, which keeps moving after BLEU saturates.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,29 +63,76 @@ def _worker(runs: list[list[str]]) -> None:
         train.run(argv)
 
 
-def _run_seed(seed: int, configs: list[str], work: Path, data: Path, extra: list[str], timeout: float) -> None:
+def _run_seed(
+    seed: int, configs: list[str], work: Path, data: Path, extra: list[str], timeout: float
+) -> None:
     runs = []
     for name in configs:
         save = work / f"{name}-seed{seed}"
         shutil.rmtree(save, ignore_errors=True)
-        runs.append(["--preset", "smoke", "--data", str(data), "--save-dir", str(save), "--seed", str(seed),
-                     "--no-progress-bar", "--no-save", *CONFIGS[name], *extra])
+        runs.append(
+            [
+                "--preset",
+                "smoke",
+                "--data",
+                str(data),
+                "--save-dir",
+                str(save),
+                "--seed",
+                str(seed),
+                "--no-progress-bar",
+                "--no-save",
+                *CONFIGS[name],
+                *extra,
+            ]
+        )
     spec = work / f"runs-seed{seed}.json"
     spec.write_text(json.dumps(runs))
-    cmd = ["mpirun", "--allow-run-as-root", "-np", "2", "--bind-to", "none",
-           "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
-           "--mca", "oob_tcp_if_include", "lo", "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONPATH",
-           sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)]
+    cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        "2",
+        "--bind-to",
+        "none",
+        "--mca",
+        "btl",
+        "self,tcp,vader",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
+        "-x",
+        "OMP_NUM_THREADS=1",
+        "-x",
+        "PYTHONPATH",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(spec),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run(cmd, check=True, cwd=REPO, env=env, timeout=timeout,
-                   stdout=subprocess.DEVNULL if not os.environ.get("PARITY_VERBOSE") else None)
+    subprocess.run(
+        cmd,
+        check=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+        stdout=subprocess.DEVNULL if not os.environ.get("PARITY_VERBOSE") else None,
+    )
 
 
 def _read(save: Path) -> dict:
     events = [json.loads(line) for line in open(save / "log.jsonl")]
     final = [e for e in events if e["event"] == "final"][-1]
     valid = [e for e in events if e["event"] == "valid"][-1]
-    return {"bleu": final["bleu"], "valid_nll": valid["nll_loss"], "train_time": final["train_time"]}
+    return {
+        "bleu": final["bleu"],
+        "valid_nll": valid["nll_loss"],
+        "train_time": final["train_time"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per mpirun job")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("extra", nargs="*", help="more train.py options after --, e.g. -- --max-update 200")
+    p.add_argument(
+        "extra", nargs="*", help="more train.py options after --, e.g. -- --max-update 200"
+    )
     args = p.parse_args(argv)
     if args.worker:
         _worker(json.loads(Path(args.worker).read_text()))
@@ -128,33 +178,72 @@ def main(argv: list[str] | None = None) -> int:
         delta = mean - base
         passed = name == "fp32" or abs(delta) <= TOLERANCE_BLEU
         ok &= passed
-        rows.append({
-            "config": name, "flags": " ".join(CONFIGS[name]) or "(none)", "bleu_per_seed": bleus,
-            "bleu_mean": round(mean, 2), "delta_vs_fp32": round(delta, 2),
-            "valid_nll_mean": round(statistics.mean(r["valid_nll"] for r in results[name]), 4),
-            "train_s_mean": round(statistics.mean(r["train_time"] for r in results[name]), 1),
-            "within_1_bleu": passed,
-        })
+        rows.append(
+            {
+                "config": name,
+                "flags": " ".join(CONFIGS[name]) or "(none)",
+                "bleu_per_seed": bleus,
+                "bleu_mean": round(mean, 2),
+                "delta_vs_fp32": round(delta, 2),
+                "valid_nll_mean": round(statistics.mean(r["valid_nll"] for r in results[name]), 4),
+                "train_s_mean": round(statistics.mean(r["train_time"] for r in results[name]), 1),
+                "within_1_bleu": passed,
+            }
+        )
     from commopt._tables import table  # the repository is on sys.path by now
 
-    head = ["config", "flags", "test BLEU per seed", "mean", "vs fp32", "valid NLL (bits)", "train s/run",
-            "within 1 BLEU"]
-    print(table(head, [[r["config"], f"`{r['flags']}`", ", ".join(f"{b:.2f}" for b in r["bleu_per_seed"]),
-                        f"{r['bleu_mean']:.2f}", f"{r['delta_vs_fp32']:+.2f}", f"{r['valid_nll_mean']:.4f}",
-                        f"{r['train_s_mean']:.0f}", "yes" if r["within_1_bleu"] else "NO"] for r in rows],
-                markdown=True, align="l" * len(head)))
+    head = [
+        "config",
+        "flags",
+        "test BLEU per seed",
+        "mean",
+        "vs fp32",
+        "valid NLL (bits)",
+        "train s/run",
+        "within 1 BLEU",
+    ]
+    print(
+        table(
+            head,
+            [
+                [
+                    r["config"],
+                    f"`{r['flags']}`",
+                    ", ".join(f"{b:.2f}" for b in r["bleu_per_seed"]),
+                    f"{r['bleu_mean']:.2f}",
+                    f"{r['delta_vs_fp32']:+.2f}",
+                    f"{r['valid_nll_mean']:.4f}",
+                    f"{r['train_s_mean']:.0f}",
+                    "yes" if r["within_1_bleu"] else "NO",
+                ]
+                for r in rows
+            ],
+            markdown=True,
+            align="l" * len(head),
+        )
+    )
     print(f"total {time.time() - started:.0f} s; runs in {work}")
     if args.json:
         from recipes.transformer.presets import PRESETS
 
         smoke = PRESETS["smoke"]
         given = argv if argv is not None else sys.argv[1:]
-        Path(args.json).write_text(json.dumps({
-            "command": " ".join(["python", "benchmarks/parity_transformer.py", *given]),
-            "seeds": args.seeds, "extra": args.extra,
-            "preset": {k: smoke[k] for k in ("lr", "warmup_updates", "max_update", "max_tokens")},
-            "cpu_cores": os.cpu_count(), "wall_s": round(time.time() - started),
-            "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["python", "benchmarks/parity_transformer.py", *given]),
+                    "seeds": args.seeds,
+                    "extra": args.extra,
+                    "preset": {
+                        k: smoke[k] for k in ("lr", "warmup_updates", "max_update", "max_tokens")
+                    },
+                    "cpu_cores": os.cpu_count(),
+                    "wall_s": round(time.time() - started),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0 if ok else 1
 
 

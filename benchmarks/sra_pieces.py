@@ -10,6 +10,7 @@ codec's bytes (2(n-1)/n x wire bytes / link rate, when ``--link-gbit`` is given)
 
 Rounds run every combination in turn, so load from other jobs falls on all of them alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pieces", default="4,8,16", help="comma list: piece sizes in MiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--link-gbit", type=float, default=None, help="link rate for the limit column")
+    parser.add_argument(
+        "--link-gbit", type=float, default=None, help="link rate for the limit column"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -39,8 +42,11 @@ def main(argv=None) -> int:
     comm = commopt.create_communicator(args.comm)
     codec = get_codec(args.codec)
     total = int(args.mib * 2**20) // 4
-    combos = [(int(b), int(float(p) * 2**20)) for b in args.buckets.split(",")
-              for p in args.pieces.split(",")]
+    combos = [
+        (int(b), int(float(p) * 2**20))
+        for b in args.buckets.split(",")
+        for p in args.pieces.split(",")
+    ]
     times: dict[tuple[int, int], list[float]] = {c: [] for c in combos}
     step = 0
     for _ in range(args.rounds):
@@ -50,9 +56,17 @@ def main(argv=None) -> int:
             def once() -> None:
                 nonlocal step
                 step += 1
-                works = [collectives.allreduce(comm, b, codec, async_op=True, piece_bytes=piece,
-                                               rng=RngKey(0, comm.rank, step, k))
-                         for k, b in enumerate(bufs)]
+                works = [
+                    collectives.allreduce(
+                        comm,
+                        b,
+                        codec,
+                        async_op=True,
+                        piece_bytes=piece,
+                        rng=RngKey(0, comm.rank, step, k),
+                    )
+                    for k, b in enumerate(bufs)
+                ]
                 for w in works:
                     w.wait()
 
@@ -68,8 +82,10 @@ def main(argv=None) -> int:
         if args.link_gbit:
             limit_s = 2 * (comm.size - 1) / comm.size * wire * 8 / (args.link_gbit * 1e9)
             limit = f"; wire time at {args.link_gbit:g} Gbit/s: {limit_s * 1e3:.1f} ms"
-        print(f"# {args.codec}, {args.mib:g} MiB of fp32 ({wire / 2**20:.2f} MiB of wire), "
-              f"{comm.size} ranks, comm {args.comm}{limit}")
+        print(
+            f"# {args.codec}, {args.mib:g} MiB of fp32 ({wire / 2**20:.2f} MiB of wire), "
+            f"{comm.size} ranks, comm {args.comm}{limit}"
+        )
         print("buckets  piece MiB  median ms  rounds ms")
         for (buckets, piece), ts in times.items():
             rounds = ", ".join(f"{t * 1e3:.1f}" for t in ts)

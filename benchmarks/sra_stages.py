@@ -11,6 +11,7 @@ the link's time for the wire bytes of each transfer (bytes crossing one directio
 ``--transfers`` also times the alltoall and the allgather of the same wire sizes alone,
 with nothing around them (what the transport does with those bytes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,20 +47,24 @@ def stages(comm, flat: torch.Tensor, codec, step: int) -> dict[str, float]:
         t = now
 
     for j, (a, b) in enumerate(bounds):
-        codec.encode(flat[a:b], send[j * slot: j * slot + codec.encoded_nbytes(b - a)],
-                     scale=1.0 / size, rng=rng)
+        codec.encode(
+            flat[a:b],
+            send[j * slot : j * slot + codec.encoded_nbytes(b - a)],
+            scale=1.0 / size,
+            rng=rng,
+        )
     tick("encode")
     comm.alltoall(send, recv)
     tick("alltoall")
     for i in range(size):
-        codec.decode(recv[i * slot: i * slot + nbytes], flat[lo:hi], accumulate=i > 0)
+        codec.decode(recv[i * slot : i * slot + nbytes], flat[lo:hi], accumulate=i > 0)
     tick("decode+add")
-    codec.encode(flat[lo:hi], recv[rank * slot: rank * slot + nbytes], scale=1.0, rng=rng)
+    codec.encode(flat[lo:hi], recv[rank * slot : rank * slot + nbytes], scale=1.0, rng=rng)
     tick("re-encode")
-    comm.allgather(recv[rank * slot:(rank + 1) * slot], send)
+    comm.allgather(recv[rank * slot : (rank + 1) * slot], send)
     tick("allgather")
     for j, (a, b) in enumerate(bounds):
-        codec.decode(send[j * slot: j * slot + codec.encoded_nbytes(b - a)], flat[a:b])
+        codec.decode(send[j * slot : j * slot + codec.encoded_nbytes(b - a)], flat[a:b])
     tick("decode")
     out["total"] = sum(out.values())
     return out
@@ -72,8 +77,10 @@ def transfers_alone(comm, wire: int, reps: int) -> dict[str, float]:
     recv = torch.empty_like(send)
     times: dict[str, list[float]] = {"alltoall": [], "allgather": []}
     for step in range(reps + 1):
-        for name, fn in (("alltoall", lambda: comm.alltoall(send, recv)),
-                         ("allgather", lambda: comm.allgather(send[:chunk], recv))):
+        for name, fn in (
+            ("alltoall", lambda: comm.alltoall(send, recv)),
+            ("allgather", lambda: comm.allgather(send[:chunk], recv)),
+        ):
             comm.barrier()
             t0 = time.perf_counter()
             fn()
@@ -89,8 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--codecs", default="fp16,qsgd4,qsgd8")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--transfers", action="store_true",
-                    help="also time the alltoall and allgather alone")
+    ap.add_argument(
+        "--transfers", action="store_true", help="also time the alltoall and allgather alone"
+    )
     args = ap.parse_args(argv)
     comm = commopt.create_communicator(args.comm)
     rate = int(os.environ.get("COMMOPT_LINK_BITS", "0")) / 8 or None
@@ -107,14 +115,21 @@ def main(argv=None) -> int:
             wire = codec.encoded_nbytes(flat.numel())
             cross = wire * (comm.size - 1) / comm.size  # bytes one rank sends in each phase
             link = f"; link time per transfer {cross / rate * 1e3:.1f} ms" if rate else ""
-            print(f"{name} {args.mib} MiB (wire {wire} B){link}: " + ", ".join(
-                f"{k} {statistics.median(r[k] for r in runs) * 1e3:.0f} ms" for k in runs[0]),
-                flush=True)
+            print(
+                f"{name} {args.mib} MiB (wire {wire} B){link}: "
+                + ", ".join(
+                    f"{k} {statistics.median(r[k] for r in runs) * 1e3:.0f} ms" for k in runs[0]
+                ),
+                flush=True,
+            )
         if args.transfers:
             alone = transfers_alone(comm, codec.encoded_nbytes(flat.numel()), args.reps)
             if comm.rank == 0:
-                print(f"{name} {args.mib} MiB, transfers alone: " + ", ".join(
-                    f"{k} {v * 1e3:.1f} ms" for k, v in alone.items()), flush=True)
+                print(
+                    f"{name} {args.mib} MiB, transfers alone: "
+                    + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in alone.items()),
+                    flush=True,
+                )
     comm.finalize()
     return 0
 

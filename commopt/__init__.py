@@ -1,9 +1,9 @@
 """commopt: communication-efficient data-parallel training for PyTorch.
 
-    >>> import commopt
-    >>> comm = commopt.create_communicator("local")
-    >>> comm.size
-    1
+>>> import commopt
+>>> comm = commopt.create_communicator("local")
+>>> comm.size
+1
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Join", "__version__", "create_communicator", "create_multi_node_optimizer", "reuse_freed_memory"]
+__all__ = [
+    "Join",
+    "__version__",
+    "create_communicator",
+    "create_multi_node_optimizer",
+    "reuse_freed_memory",
+]
 
 # Type checkers and editors follow these; at run time nothing below is imported until first use
 # (see __getattr__), so `import commopt` (and every `commopt launch`) does not import torch.
@@ -34,7 +40,17 @@ if TYPE_CHECKING:
     from commopt.optim.multi_node import create_multi_node_optimizer
 
 _SUBMODULES = frozenset(
-    {"comm", "codecs", "collectives", "optim", "kernels", "sim", "integrations", "reducer", "memory"}
+    {
+        "comm",
+        "codecs",
+        "collectives",
+        "optim",
+        "kernels",
+        "sim",
+        "integrations",
+        "reducer",
+        "memory",
+    }
 )
 
 

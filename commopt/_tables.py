@@ -17,6 +17,7 @@ the dev and recipes extras) terminal text is tabulate's ``simple`` format; witho
 Markdown is always the compact pipe table written here: the docs carry generated tables, and
 their text must not depend on which optional packages the generating machine has.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -24,8 +25,14 @@ from collections.abc import Sequence
 __all__ = ["table"]
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool = False,
-          plain: bool = False, align: str | None = None) -> str:
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    markdown: bool = False,
+    plain: bool = False,
+    align: str | None = None,
+) -> str:
     """``rows`` under ``headers`` as aligned text (or a markdown table with ``markdown=True``).
 
     A row shorter than the headers is padded with empty cells (e.g. a "failed: ..." row).
@@ -51,9 +58,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bo
         except ImportError:
             pass
         else:
-            return str(tabulate(body, headers=list(headers), tablefmt="simple",
-                                colalign=["left" if a == "l" else "right" for a in align],
-                                disable_numparse=True))
+            return str(
+                tabulate(
+                    body,
+                    headers=list(headers),
+                    tablefmt="simple",
+                    colalign=["left" if a == "l" else "right" for a in align],
+                    disable_numparse=True,
+                )
+            )
     return _text(headers, body, align)
 
 
@@ -68,7 +81,8 @@ def _text(headers: Sequence[str], body: list[list[str]], align: str) -> str:
     widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
 
     def line(c: list[str]) -> str:
-        return "  ".join(s.ljust(w) if a == "l" else s.rjust(w)
-                         for s, w, a in zip(c, widths, align)).rstrip()
+        return "  ".join(
+            s.ljust(w) if a == "l" else s.rjust(w) for s, w, a in zip(c, widths, align)
+        ).rstrip()
 
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(c) for c in body])

@@ -6,6 +6,7 @@ imported only when their subcommand runs, so optional dependencies stay optional
 
     $ commopt launch -n 2 -- python -c "import commopt; print(commopt.create_communicator('mpi').rank)"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         install_signal_handlers()
     parser = build_parser(argv[0] if argv[:1] and argv[0] in SUBCOMMANDS else None)
     # Everything after the first `--` is the command `commopt launch` runs, untouched.
-    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
+    head, tail = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
+    )
     args, rest = parser.parse_known_args(head)
     if not getattr(args, "_module", None):
         parser.print_help()

@@ -11,7 +11,7 @@ produced the job (autograd's backward hooks, the optimizer's step, DDP's comm ho
     >>> comm = commopt.create_communicator("local")
     >>> seen = []
     >>> driver.then(comm, lambda: seen.append("after the reductions so far")).wait()
-    >>> driver.drain(comm)   # nothing in flight any more
+    >>> driver.drain(comm)  # nothing in flight any more
     >>> seen
     ['after the reductions so far']
 
@@ -25,6 +25,7 @@ would interleave the NCCL calls of two communicators in an order that can differ
 The workers' threads are named ``commopt-collectives``; at interpreter exit every worker is
 drained before the thread pools stop (see :func:`_drain_all_at_exit`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,16 @@ import torch
 
 from commopt.comm.base import Communicator, CompletedWork, FutureWork, Work
 
-__all__ = ["Driver", "drain", "driver_for", "idle", "on_device", "release_when_idle", "submit", "then"]
+__all__ = [
+    "Driver",
+    "drain",
+    "driver_for",
+    "idle",
+    "on_device",
+    "release_when_idle",
+    "submit",
+    "then",
+]
 
 _DONE = CompletedWork()
 
@@ -102,8 +112,9 @@ def on_device(device: torch.device, fn: Callable[[], None]) -> Callable[[], None
 _LAST_INLINE: weakref.WeakKeyDictionary[Communicator, Work] = weakref.WeakKeyDictionary()
 
 
-def _run_inline(comm: Communicator, fn: Callable[[], None], device: Any,
-                keep: Sequence[Any]) -> Work:
+def _run_inline(
+    comm: Communicator, fn: Callable[[], None], device: Any, keep: Sequence[Any]
+) -> Work:
     from commopt.comm.streams import issue_after_caller
 
     # Only stream-ordered communicators (comm.streams) come here; the base class has no streams.
@@ -113,8 +124,9 @@ def _run_inline(comm: Communicator, fn: Callable[[], None], device: Any,
     return work
 
 
-def submit(comm: Communicator, fn: Callable[[], None], device: Any = None,
-           keep: Sequence[Any] = ()) -> Work:
+def submit(
+    comm: Communicator, fn: Callable[[], None], device: Any = None, keep: Sequence[Any] = ()
+) -> Work:
     """Run ``fn`` on ``comm``'s worker after every job submitted on ``comm`` so far.
 
     ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of

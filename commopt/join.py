@@ -16,8 +16,10 @@ their mean gradient.
     >>> model = torch.nn.Linear(2, 1)
     >>> opt = commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
     >>> with commopt.Join(opt) as join:
-    ...     for x in torch.ones(3, 1, 2):         # this rank's shard: 3 batches
-    ...         opt.zero_grad(); model(x).sum().backward(); opt.step()
+    ...     for x in torch.ones(3, 1, 2):  # this rank's shard: 3 batches
+    ...         opt.zero_grad()
+    ...         model(x).sum().backward()
+    ...         opt.step()
     >>> join.shadow_steps, opt.applied_steps
     (0, 3)
 
@@ -25,6 +27,7 @@ Every rank must enter the block with the same optimizer, and inside it call ``st
 once per batch (a rank that leaves the block by an exception ends the job as usual). Costs
 one allreduce of one number per step inside the block.
 """
+
 from __future__ import annotations
 
 from typing import Self
@@ -41,8 +44,10 @@ class Join:
         from commopt.optim.multi_node import MultiNodeOptimizer
 
         if not isinstance(optimizer, MultiNodeOptimizer):
-            raise TypeError("Join takes the optimizer create_multi_node_optimizer returned, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                "Join takes the optimizer create_multi_node_optimizer returned, got "
+                f"{type(optimizer).__name__}"
+            )
         self.optimizer = optimizer
         self.comm = optimizer.comm
         self.shadow_steps = 0  # steps this rank took with zero gradients after its data ended

@@ -9,13 +9,14 @@ cure (an allocator that reuses memory: jemalloc or tcmalloc preloaded);
 :func:`reuse_freed_memory` gets the same effect from glibc itself, from inside the process:
 
     >>> import commopt
-    >>> commopt.reuse_freed_memory() in (True, False)   # False off glibc
+    >>> commopt.reuse_freed_memory() in (True, False)  # False off glibc
     True
 
 Call it once, early, in each training process. It is process-wide and never undone: freed
 memory stays with the process (its peak stays resident), which is what a training loop
 with a steady allocation pattern wants and a long-lived service with changing needs may not.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -1,8 +1,9 @@
 """Reading sizes people write: bytes with binary units, as nccl-tests and MPI options take them.
 
-    >>> parse_bytes("64K"), parse_bytes("1.5M"), parse_bytes("16MiB"), parse_bytes(4096)
-    (65536, 1572864, 16777216, 4096)
+>>> parse_bytes("64K"), parse_bytes("1.5M"), parse_bytes("16MiB"), parse_bytes(4096)
+(65536, 1572864, 16777216, 4096)
 """
+
 from __future__ import annotations
 
 import re

@@ -9,6 +9,7 @@ stand in for torchrun's (``MASTER_ADDR`` must still be exported).
     >>> communicator_for_launcher("torchrun"), communicator_for_launcher("openmpi")
     ('torch', 'mpi')
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,17 +47,32 @@ def launch_info():
 def add_commopt_arguments(parser: argparse.ArgumentParser) -> None:
     """The commopt options every recipe takes."""
     g = parser.add_argument_group("communication (commopt)")
-    g.add_argument("--communicator", default="auto", choices=COMMUNICATORS,
-                   help="auto: torch under torchrun, mpi under mpirun/srun, local for one process")
-    g.add_argument("--allreduce-grad-dtype", default=None,
-                   choices=("float32", "float16", "bfloat16"),
-                   help="dtype gradients travel in (ChainerMN's FP16 allreduce: float16)")
-    g.add_argument("--compression", default=None, metavar="CODEC",
-                   help="gradient codec: fp16, bf16, qsgd4, qsgd8, qsgd4+ef (error feedback)")
-    g.add_argument("--double-buffering", action="store_true",
-                   help="overlap step t's allreduce with step t+1's compute (update uses t-1)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="reduce after backward instead of during it")
+    g.add_argument(
+        "--communicator",
+        default="auto",
+        choices=COMMUNICATORS,
+        help="auto: torch under torchrun, mpi under mpirun/srun, local for one process",
+    )
+    g.add_argument(
+        "--allreduce-grad-dtype",
+        default=None,
+        choices=("float32", "float16", "bfloat16"),
+        help="dtype gradients travel in (ChainerMN's FP16 allreduce: float16)",
+    )
+    g.add_argument(
+        "--compression",
+        default=None,
+        metavar="CODEC",
+        help="gradient codec: fp16, bf16, qsgd4, qsgd8, qsgd4+ef (error feedback)",
+    )
+    g.add_argument(
+        "--double-buffering",
+        action="store_true",
+        help="overlap step t's allreduce with step t+1's compute (update uses t-1)",
+    )
+    g.add_argument(
+        "--no-overlap", action="store_true", help="reduce after backward instead of during it"
+    )
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size")
 
 
@@ -127,9 +143,16 @@ def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=Non
     import commopt
 
     return commopt.create_multi_node_optimizer(
-        optimizer, comm, double_buffering=args.double_buffering,
-        allreduce_grad_dtype=args.allreduce_grad_dtype, compression=args.compression,
-        overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb, model=model, seed=seed)
+        optimizer,
+        comm,
+        double_buffering=args.double_buffering,
+        allreduce_grad_dtype=args.allreduce_grad_dtype,
+        compression=args.compression,
+        overlap=not args.no_overlap,
+        bucket_cap_mb=args.bucket_cap_mb,
+        model=model,
+        seed=seed,
+    )
 
 
 def config_label(args: argparse.Namespace) -> str:
@@ -147,8 +170,11 @@ def state_digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                 if t.numel() else b"")
+        h.update(
+            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            if t.numel()
+            else b""
+        )
     return h.hexdigest()[:16]
 
 

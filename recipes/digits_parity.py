@@ -13,6 +13,7 @@ Configurations: ``fp32`` (plain), ``fp16`` (allreduce_grad_dtype float16, Chaine
 allreduce), ``qsgd4``, ``qsgd4+ef`` (error feedback), ``db`` (fp32 with double buffering)
 and ``qsgd4+ef+db``; any ``CODEC[+db]`` with a codec name works too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,21 +39,30 @@ def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError as exc:
-        raise ImportError("the parity benchmark needs scikit-learn: pip install scikit-learn") from exc
+        raise ImportError(
+            "the parity benchmark needs scikit-learn: pip install scikit-learn"
+        ) from exc
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(digits.target, dtype=torch.long)
-    idx_train, idx_test = train_test_split(range(len(y)), test_size=test_fraction,
-                                           random_state=split_seed, stratify=digits.target)
+    idx_train, idx_test = train_test_split(
+        range(len(y)), test_size=test_fraction, random_state=split_seed, stratify=digits.target
+    )
     return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
 
 
 def small_cnn() -> nn.Module:
     """Two 3x3 convolutions and two linear layers: about 38k parameters."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
 
 
@@ -62,19 +72,28 @@ def parse_config(label: str) -> dict:
     double_buffering = name == "db" or name.endswith("+db")
     base = "fp32" if name == "db" else (name[:-3] if name.endswith("+db") else name)
     if base in ("fp32", "none", ""):
-        return dict(label=label, compression=None, allreduce_grad_dtype=None,
-                    double_buffering=double_buffering)
+        return dict(
+            label=label,
+            compression=None,
+            allreduce_grad_dtype=None,
+            double_buffering=double_buffering,
+        )
     if base in ("fp16", "float16"):
-        return dict(label=label, compression=None, allreduce_grad_dtype="float16",
-                    double_buffering=double_buffering)
+        return dict(
+            label=label,
+            compression=None,
+            allreduce_grad_dtype="float16",
+            double_buffering=double_buffering,
+        )
     from commopt.codecs.registry import get_codec
 
     try:
         get_codec(base)
     except (ValueError, TypeError) as exc:
         raise RecipeError(f"configuration {label!r}: {exc}") from None
-    return dict(label=label, compression=base, allreduce_grad_dtype=None,
-                double_buffering=double_buffering)
+    return dict(
+        label=label, compression=base, allreduce_grad_dtype=None, double_buffering=double_buffering
+    )
 
 
 def compressed_fraction(model: nn.Module) -> float:
@@ -83,11 +102,15 @@ def compressed_fraction(model: nn.Module) -> float:
 
     policy = CompressionPolicy()
     total = sum(p.numel() for p in model.parameters())
-    comp = sum(p.numel() for n, p in model.named_parameters() if policy.should_compress(n, tuple(p.shape)))
+    comp = sum(
+        p.numel() for n, p in model.named_parameters() if policy.should_compress(n, tuple(p.shape))
+    )
     return comp / total
 
 
-def train_once(comm, data, config: dict, seed: int, *, epochs: int, global_batch: int, lr: float) -> dict:
+def train_once(
+    comm, data, config: dict, seed: int, *, epochs: int, global_batch: int, lr: float
+) -> dict:
     """One data-parallel training run; every rank returns the same result."""
     import commopt
 
@@ -96,9 +119,14 @@ def train_once(comm, data, config: dict, seed: int, *, epochs: int, global_batch
     model = small_cnn()
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
     opt = commopt.create_multi_node_optimizer(
-        inner, comm, double_buffering=config["double_buffering"],
-        allreduce_grad_dtype=config["allreduce_grad_dtype"], compression=config["compression"],
-        model=model, seed=seed)
+        inner,
+        comm,
+        double_buffering=config["double_buffering"],
+        allreduce_grad_dtype=config["allreduce_grad_dtype"],
+        compression=config["compression"],
+        model=model,
+        seed=seed,
+    )
     steps_per_epoch = len(y_train) // global_batch
     start = time.perf_counter()
     for epoch in range(epochs):
@@ -116,12 +144,21 @@ def train_once(comm, data, config: dict, seed: int, *, epochs: int, global_batch
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     digests = comm.allgather_obj(state_digest(model))
     if len(set(digests)) != 1:
-        raise RuntimeError(f"{config['label']} seed {seed}: the ranks' models differ after training "
-                           f"({digests}); the optimizer wrapper must keep replicas identical")
-    return {"config": config["label"], "seed": seed, "accuracy": accuracy, "digest": digests[0],
-            "steps": epochs * steps_per_epoch,
-            "seconds": round(elapsed, 2), "compressed_fraction": round(compressed_fraction(model), 4)
-            if config["compression"] else 0.0}
+        raise RuntimeError(
+            f"{config['label']} seed {seed}: the ranks' models differ after training "
+            f"({digests}); the optimizer wrapper must keep replicas identical"
+        )
+    return {
+        "config": config["label"],
+        "seed": seed,
+        "accuracy": accuracy,
+        "digest": digests[0],
+        "steps": epochs * steps_per_epoch,
+        "seconds": round(elapsed, 2),
+        "compressed_fraction": round(compressed_fraction(model), 4)
+        if config["compression"]
+        else 0.0,
+    }
 
 
 def summarize(runs: list[dict], configs: list[str], tolerance: float = TOLERANCE_POINTS) -> dict:
@@ -134,30 +171,51 @@ def summarize(runs: list[dict], configs: list[str], tolerance: float = TOLERANCE
         if c not in means:
             continue
         delta = None if base is None else 100.0 * (means[c] - base)
-        rows.append({"config": c, "mean_accuracy": means[c], "accuracies": by[c],
-                     "delta_points": delta,
-                     "within_tolerance": None if delta is None else abs(delta) <= tolerance})
-    return {"tolerance_points": tolerance, "rows": rows,
-            "all_within": all(r["within_tolerance"] in (True, None) for r in rows)}
+        rows.append(
+            {
+                "config": c,
+                "mean_accuracy": means[c],
+                "accuracies": by[c],
+                "delta_points": delta,
+                "within_tolerance": None if delta is None else abs(delta) <= tolerance,
+            }
+        )
+    return {
+        "tolerance_points": tolerance,
+        "rows": rows,
+        "all_within": all(r["within_tolerance"] in (True, None) for r in rows),
+    }
 
 
 def markdown(summary: dict, world_size: int, seeds: list[int], epochs: int) -> str:
-    head = ["configuration", "mean top-1 (%)", f"seeds {', '.join(map(str, seeds))} (%)", "vs fp32 (points)",
-            f"within {summary['tolerance_points']:g} point"]
+    head = [
+        "configuration",
+        "mean top-1 (%)",
+        f"seeds {', '.join(map(str, seeds))} (%)",
+        "vs fp32 (points)",
+        f"within {summary['tolerance_points']:g} point",
+    ]
     body = []
     for r in summary["rows"]:
         per = " / ".join(f"{100 * a:.2f}" for a in r["accuracies"])
         delta = "-" if r["delta_points"] is None else f"{r['delta_points']:+.2f}"
         ok = "-" if r["within_tolerance"] is None else ("yes" if r["within_tolerance"] else "NO")
         body.append([r["config"], f"{100 * r['mean_accuracy']:.2f}", per, delta, ok])
-    return (table(head, body, markdown=True, align="l" * len(head))
-            + f"\n\n{world_size} ranks, {epochs} epochs, load_digits test split of 360 images.")
+    return (
+        table(head, body, markdown=True, align="l" * len(head))
+        + f"\n\n{world_size} ranks, {epochs} epochs, load_digits test split of 360 images."
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.digits_parity", description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated configurations (fp32 first is the baseline)")
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.digits_parity", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated configurations (fp32 first is the baseline)",
+    )
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64, help="global batch")
@@ -165,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=TOLERANCE_POINTS, help="points from fp32")
     p.add_argument("--communicator", default="auto")
     p.add_argument("--out", metavar="FILE", help="rank 0 writes the results as JSON here")
-    p.add_argument("--check", action="store_true", help="exit 1 unless every config is within tolerance")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 unless every config is within tolerance"
+    )
     return p
 
 
@@ -182,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # ranks share the cores
         comm = create_communicator(args.communicator)
         if args.batch_size % comm.size:
-            raise RecipeError(f"--batch-size {args.batch_size} must be divisible by the {comm.size} ranks")
+            raise RecipeError(
+                f"--batch-size {args.batch_size} must be divisible by the {comm.size} ranks"
+            )
     except (RecipeError, ValueError) as exc:
         print(f"digits_parity: error: {exc}", file=sys.stderr)
         return 2
@@ -190,15 +252,29 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for config in parsed:
         for seed in seeds:
-            result = train_once(comm, data, config, seed, epochs=args.epochs,
-                                global_batch=args.batch_size, lr=args.lr)
+            result = train_once(
+                comm,
+                data,
+                config,
+                seed,
+                epochs=args.epochs,
+                global_batch=args.batch_size,
+                lr=args.lr,
+            )
             runs.append(result)
             if comm.rank == 0:
                 print(json.dumps(result), flush=True)
     summary = summarize(runs, configs, args.tolerance)
     if comm.rank == 0:
-        report = {"world_size": comm.size, "epochs": args.epochs, "global_batch": args.batch_size,
-                  "lr": args.lr, "seeds": seeds, "runs": runs, **summary}
+        report = {
+            "world_size": comm.size,
+            "epochs": args.epochs,
+            "global_batch": args.batch_size,
+            "lr": args.lr,
+            "seeds": seeds,
+            "runs": runs,
+            **summary,
+        }
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
         print(markdown(summary, comm.size, seeds, args.epochs))

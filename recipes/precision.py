@@ -14,6 +14,7 @@ loss scaling (GradScaler) and a CUDA device; bfloat16 has fp32's range and runs 
     >>> y.dtype
     torch.bfloat16
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,10 @@ class MixedPrecision:
         if precision == "bf16" or (precision == "on" and not cuda):
             return cls(device, torch.bfloat16)
         if not cuda:
-            raise ValueError("float16 mixed precision needs a CUDA device (dynamic loss scaling); "
-                             "use bf16 (or fp32) on the CPU")
+            raise ValueError(
+                "float16 mixed precision needs a CUDA device (dynamic loss scaling); "
+                "use bf16 (or fp32) on the CPU"
+            )
         return cls(device, torch.float16, torch.amp.GradScaler(device.type))
 
     @property

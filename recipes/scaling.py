@@ -20,6 +20,7 @@ per rank (weak scaling, as ChainerMN measured), then writes:
 cluster cannot be made (no root, no network namespaces) the script says so and falls back
 to ``mpirun`` on loopback. Anything after ``--`` goes to the recipe.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,18 +36,31 @@ from pathlib import Path
 from commopt._tables import table
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")
-MPIRUN_LOCAL = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
-                "--mca", "oob_tcp_if_include", "lo"]
+MPIRUN_LOCAL = [
+    "mpirun",
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--bind-to",
+    "none",
+    "--mca",
+    "btl",
+    "self,tcp,vader",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
+]
 
 
 def config_flags(label: str) -> list[str]:
     """Recipe flags of a configuration: ``fp32``, ``fp16``, ``CODEC``, each with ``+db``.
 
-        >>> config_flags("fp16+db")
-        ['--allreduce-grad-dtype', 'float16', '--double-buffering']
-        >>> config_flags("qsgd4")
-        ['--compression', 'qsgd4']
+    >>> config_flags("fp16+db")
+    ['--allreduce-grad-dtype', 'float16', '--double-buffering']
+    >>> config_flags("qsgd4")
+    ['--compression', 'qsgd4']
     """
     name = label.strip().lower()
     flags: list[str] = []
@@ -69,10 +83,27 @@ def config_flags(label: str) -> list[str]:
 def recipe_command(args, n: int, label: str, log_path: Path) -> list[str]:
     if getattr(args, "recipe", "resnet50") == "transformer":
         return transformer_command(args, n, label, log_path)
-    cmd = [sys.executable, "-m", "recipes.resnet50.train", "--preset", args.preset,
-           "--batch-size", str(args.per_rank_batch * n), "--max-steps", str(args.steps),
-           "--eval-every-steps", str(args.eval_every_steps), "--progress", "none",
-           "--log-jsonl", str(log_path), "--log-every", "1", "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.resnet50.train",
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.per_rank_batch * n),
+        "--max-steps",
+        str(args.steps),
+        "--eval-every-steps",
+        str(args.eval_every_steps),
+        "--progress",
+        "none",
+        "--log-jsonl",
+        str(log_path),
+        "--log-every",
+        "1",
+        "--seed",
+        str(args.seed),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd + config_flags(label) + list(args.recipe_args)
@@ -83,17 +114,46 @@ def transformer_command(args, n: int, label: str, log_path: Path) -> list[str]:
     (``--max-tokens``), so the work per rank stays fixed as ranks are added.
 
         >>> import argparse
-        >>> a = argparse.Namespace(preset="smoke", per_rank_batch=2000, steps=20, eval_every_steps=5,
-        ...                        seed=0, threads=1, recipe_args=[])
+        >>> a = argparse.Namespace(
+        ...     preset="smoke",
+        ...     per_rank_batch=2000,
+        ...     steps=20,
+        ...     eval_every_steps=5,
+        ...     seed=0,
+        ...     threads=1,
+        ...     recipe_args=[],
+        ... )
         >>> " ".join(transformer_command(a, 2, "qsgd4+db", Path("/t/x.jsonl"))[2:])[:60]
         'recipes.transformer.train --preset smoke --max-tokens 2000 -'
     """
-    cmd = [sys.executable, "-m", "recipes.transformer.train", "--preset", args.preset,
-           "--max-tokens", str(args.per_rank_batch), "--max-update", str(args.steps),
-           "--max-epoch", "0", "--validate-interval-updates", str(args.eval_every_steps),
-           "--log-interval", "1", "--json-log", str(log_path), "--no-save", "--reset",
-           "--save-dir", str(log_path.with_suffix("")), "--no-progress-bar", "--final-eval", "none",
-           "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.transformer.train",
+        "--preset",
+        args.preset,
+        "--max-tokens",
+        str(args.per_rank_batch),
+        "--max-update",
+        str(args.steps),
+        "--max-epoch",
+        "0",
+        "--validate-interval-updates",
+        str(args.eval_every_steps),
+        "--log-interval",
+        "1",
+        "--json-log",
+        str(log_path),
+        "--no-save",
+        "--reset",
+        "--save-dir",
+        str(log_path.with_suffix("")),
+        "--no-progress-bar",
+        "--final-eval",
+        "none",
+        "--seed",
+        str(args.seed),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd + config_flags(label) + list(args.recipe_args)
@@ -110,12 +170,18 @@ def read_transformer_run(log_path: Path, target_loss: float) -> dict:
 
         >>> import tempfile
         >>> p = Path(tempfile.mkdtemp()) / "log.jsonl"
-        >>> _ = p.write_text("\\n".join(json.dumps(r) for r in [
-        ...     {"event": "train", "update": 1, "wps": 90.0, "train_time": 1.0},
-        ...     {"event": "train", "update": 2, "wps": 100.0, "train_time": 2.0},
-        ...     {"event": "valid", "update": 2, "loss": 5.5},
-        ...     {"event": "train", "update": 3, "wps": 110.0, "train_time": 3.0},
-        ...     {"event": "valid", "update": 3, "loss": 4.5}]))
+        >>> _ = p.write_text(
+        ...     "\\n".join(
+        ...         json.dumps(r)
+        ...         for r in [
+        ...             {"event": "train", "update": 1, "wps": 90.0, "train_time": 1.0},
+        ...             {"event": "train", "update": 2, "wps": 100.0, "train_time": 2.0},
+        ...             {"event": "valid", "update": 2, "loss": 5.5},
+        ...             {"event": "train", "update": 3, "wps": 110.0, "train_time": 3.0},
+        ...             {"event": "valid", "update": 3, "loss": 4.5},
+        ...         ]
+        ...     )
+        ... )
         >>> r = read_transformer_run(p, target_loss=5.0)
         >>> r["throughput"], r["valid_loss"], r["time_to_target_s"], r["step_at_target"]
         (105.0, 4.5, 3.0, 3)
@@ -126,7 +192,9 @@ def read_transformer_run(log_path: Path, target_loss: float) -> dict:
     train = [r for r in records if r.get("event") == "train"]
     valid = [r for r in records if r.get("event") == "valid"]
     # The first update pays for start-up (allocation, first buckets): left out of the rate.
-    rates = [r["wps"] for r in train[1:] if r.get("wps")] or [r["wps"] for r in train if r.get("wps")]
+    rates = [r["wps"] for r in train[1:] if r.get("wps")] or [
+        r["wps"] for r in train if r.get("wps")
+    ]
     hit = next((v for v in valid if v["loss"] <= target_loss), None)
     at_hit = [t for t in train if hit and t["update"] <= hit["update"]]
     return {
@@ -140,8 +208,22 @@ def read_transformer_run(log_path: Path, target_loss: float) -> dict:
 
 def emulated_link_available(link: str) -> tuple[bool, str]:
     """Can ``commopt launch --link`` make a 2-host cluster here? (ok, reason)."""
-    probe = [sys.executable, "-m", "commopt", "launch", "-n", "2", "--link", link,
-             "--timeout", "60", "--", sys.executable, "-c", "pass"]
+    probe = [
+        sys.executable,
+        "-m",
+        "commopt",
+        "launch",
+        "-n",
+        "2",
+        "--link",
+        link,
+        "--timeout",
+        "60",
+        "--",
+        sys.executable,
+        "-c",
+        "pass",
+    ]
     try:
         res = subprocess.run(probe, capture_output=True, text=True, timeout=90)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -182,22 +264,35 @@ def run_one(cmd, env, repo, log_path: Path, err_path: Path, label: str, n: int, 
     print(f"scaling: {label} on {n} rank(s) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
-                              timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=args.timeout
+        )
         code, tail = proc.returncode, (proc.stderr or "")[-2000:]
     except subprocess.TimeoutExpired:
         code, tail = 124, f"timed out after {args.timeout:.0f}s"
     err_path.write_text(tail)
-    row = {"config": label, "ranks": n, "exit_code": code,
-           "wall_s": round(time.perf_counter() - t0, 1), "command": shlex.join(cmd),
-           **(read_transformer_run(log_path, args.target_loss)
-              if getattr(args, "recipe", "resnet50") == "transformer"
-              else read_run(log_path, args.target_top1))}
+    row = {
+        "config": label,
+        "ranks": n,
+        "exit_code": code,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "command": shlex.join(cmd),
+        **(
+            read_transformer_run(log_path, args.target_loss)
+            if getattr(args, "recipe", "resnet50") == "transformer"
+            else read_run(log_path, args.target_top1)
+        ),
+    }
     if code != 0:
-        print(f"scaling: {label} on {n} rank(s) failed (exit {code}); see {err_path}", file=sys.stderr)
+        print(
+            f"scaling: {label} on {n} rank(s) failed (exit {code}); see {err_path}", file=sys.stderr
+        )
     else:
-        print(f"scaling: {label} on {n} rank(s): {throughput(row)} samples/s",
-              file=sys.stderr, flush=True)
+        print(
+            f"scaling: {label} on {n} rank(s): {throughput(row)} samples/s",
+            file=sys.stderr,
+            flush=True,
+        )
     return row
 
 
@@ -206,16 +301,33 @@ def best_of(rows: list[dict]) -> dict:
     machine); every repeat's figures stay in ``samples``."""
     ok = [r for r in rows if r["exit_code"] == 0 and throughput(r)]
     best = dict(max(ok, key=throughput) if ok else rows[0])
-    best["samples"] = [{k: r.get(k) for k in ("images_per_s", "throughput", "time_to_target_s",
-                                              "top1", "valid_loss", "exit_code")}
-                       for r in rows]
+    best["samples"] = [
+        {
+            k: r.get(k)
+            for k in (
+                "images_per_s",
+                "throughput",
+                "time_to_target_s",
+                "top1",
+                "valid_loss",
+                "exit_code",
+            )
+        }
+        for r in rows
+    ]
     return best
 
 
 def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) -> list[dict]:
     """Adds ``efficiency`` = t / (t0 * n), t0 the 1-rank fp32 throughput."""
-    t0 = next((throughput(r) for r in results
-               if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)), None)
+    t0 = next(
+        (
+            throughput(r)
+            for r in results
+            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
+        ),
+        None,
+    )
     for r in results:
         t = throughput(r)
         r["efficiency"] = round(t / (t0 * r["ranks"]), 3) if (t and t0) else None
@@ -225,8 +337,11 @@ def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) 
 def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: dict) -> str:
     unit = meta.get("unit", "img/s")
     goal = meta.get("target_name", "top-1")
-    head = (["configuration"] + [f"{n} rank{'s' * (n > 1)}: {unit} (e)" for n in ranks]
-            + [f"time to {goal} {meta['target']:g} at {max(ranks)} ranks (s)"])
+    head = (
+        ["configuration"]
+        + [f"{n} rank{'s' * (n > 1)}: {unit} (e)" for n in ranks]
+        + [f"time to {goal} {meta['target']:g} at {max(ranks)} ranks (s)"]
+    )
     rows = []
     for c in configs:
         cells = []
@@ -242,27 +357,44 @@ def markdown(results: list[dict], ranks: list[int], configs: list[str], meta: di
         rows.append([c, *cells, "not reached" if ttt is None else f"{ttt:.1f}"])
     best = f", fastest of {meta['repeats']} runs" if meta.get("repeats", 1) > 1 else ""
     per = meta.get("per_rank_unit", "images")
-    notes = [f"\nLink: {meta['link_note']}. {meta['steps']} steps{best}, {meta['per_rank_batch']} {per} "
-             f"per rank per step, preset {meta['preset']}; e = t / (t0 * n) with t0 the 1-rank fp32 "
-             "throughput. Physical limit here: the ranks share this machine's "
-             f"{os.cpu_count()} cores, so compute alone caps n-rank throughput at about "
-             f"min(n, {os.cpu_count()}) x t0."]
+    notes = [
+        f"\nLink: {meta['link_note']}. {meta['steps']} steps{best}, {meta['per_rank_batch']} {per} "
+        f"per rank per step, preset {meta['preset']}; e = t / (t0 * n) with t0 the 1-rank fp32 "
+        "throughput. Physical limit here: the ranks share this machine's "
+        f"{os.cpu_count()} cores, so compute alone caps n-rank throughput at about "
+        f"min(n, {os.cpu_count()}) x t0."
+    ]
     return "\n".join([table(head, rows, markdown=True, align="l" * len(head))] + notes)
 
 
-def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path,
-         unit: str = "images/s", title: str = "ResNet-50") -> bool:
+def plot(
+    results: list[dict],
+    ranks: list[int],
+    configs: list[str],
+    path: Path,
+    unit: str = "images/s",
+    title: str = "ResNet-50",
+) -> bool:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("scaling: matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+        print(
+            "scaling: matplotlib is not installed (pip install matplotlib): no plot",
+            file=sys.stderr,
+        )
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    t0 = next((throughput(r) for r in results
-               if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)), None)
+    t0 = next(
+        (
+            throughput(r)
+            for r in results
+            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
+        ),
+        None,
+    )
     for c in configs:
         pts = [(r["ranks"], throughput(r)) for r in results if r["config"] == c and throughput(r)]
         if pts:
@@ -281,33 +413,61 @@ def plot(results: list[dict], ranks: list[int], configs: list[str], path: Path,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.scaling", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", choices=("resnet50", "transformer"), default="resnet50",
-                   help="resnet50 (images/s, top-1) or transformer (target tokens/s, validation "
-                        "loss in bits/token; --per-rank-batch is then --max-tokens per rank)")
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.scaling",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--recipe",
+        choices=("resnet50", "transformer"),
+        default="resnet50",
+        help="resnet50 (images/s, top-1) or transformer (target tokens/s, validation "
+        "loss in bits/token; --per-rank-batch is then --max-tokens per rank)",
+    )
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="fp32, fp16, bf16 or a codec (qsgd4, qsgd4+ef...), each optionally +db")
-    p.add_argument("--launcher", choices=("commopt", "mpirun"), default="commopt",
-                   help="commopt: `commopt launch -n N --link RATE`; mpirun: loopback")
-    p.add_argument("--link", default="1gbit", help="emulated link rate for --launcher commopt "
-                   "('none': commopt launch without shaping)")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="fp32, fp16, bf16 or a codec (qsgd4, qsgd4+ef...), each optionally +db",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=("commopt", "mpirun"),
+        default="commopt",
+        help="commopt: `commopt launch -n N --link RATE`; mpirun: loopback",
+    )
+    p.add_argument(
+        "--link",
+        default="1gbit",
+        help="emulated link rate for --launcher commopt ('none': commopt launch without shaping)",
+    )
     p.add_argument("--preset", default="smoke")
     p.add_argument("--steps", type=int, default=20, help="steps per run")
-    p.add_argument("--per-rank-batch", type=int,
-                   help="images per rank (default 16), or padded tokens per rank for the "
-                        "Transformer (default 2000)")
+    p.add_argument(
+        "--per-rank-batch",
+        type=int,
+        help="images per rank (default 16), or padded tokens per rank for the "
+        "Transformer (default 2000)",
+    )
     p.add_argument("--eval-every-steps", type=int, default=5)
     p.add_argument("--target-top1", type=float, default=0.5)
-    p.add_argument("--target-loss", type=float, default=6.0,
-                   help="Transformer: validation loss (bits/token) whose time is reported")
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        default=6.0,
+        help="Transformer: validation loss (bits/token) whose time is reported",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each (configuration, ranks), round robin; the table keeps the "
-                        "fastest (least disturbed) of them")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each (configuration, ranks), round robin; the table keeps the "
+        "fastest (least disturbed) of them",
+    )
     p.add_argument("--out", default="scaling-out", help="output folder")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: more recipe options")
@@ -327,26 +487,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not ranks or min(ranks) < 1 or not configs or args.steps < 2 or args.repeats < 1:
-        print("scaling: error: need ranks >= 1, at least one configuration, --steps >= 2 "
-              "and --repeats >= 1",
-              file=sys.stderr)
+        print(
+            "scaling: error: need ranks >= 1, at least one configuration, --steps >= 2 "
+            "and --repeats >= 1",
+            file=sys.stderr,
+        )
         return 2
     if args.launcher == "mpirun" and shutil.which("mpirun") is None:
-        print("scaling: error: mpirun not found: install Open MPI (apt-get install openmpi-bin)",
-              file=sys.stderr)
+        print(
+            "scaling: error: mpirun not found: install Open MPI (apt-get install openmpi-bin)",
+            file=sys.stderr,
+        )
         return 2
     link = None if args.link in ("none", "") else args.link
     launcher, link_note = args.launcher, "loopback (mpirun, no shaping)"
     if launcher == "commopt":
-        link_note = f"emulated {link} links, one host per rank (commopt launch)" if link else \
-            "commopt launch, no shaping"
+        link_note = (
+            f"emulated {link} links, one host per rank (commopt launch)"
+            if link
+            else "commopt launch, no shaping"
+        )
         if link and not args.dry_run:
             ok, why = emulated_link_available(link)
             if not ok:
-                print(f"scaling: the emulated {link} cluster is not available here ({why}); "
-                      "falling back to mpirun on loopback: the numbers show this machine's "
-                      "loopback, not a slow link", file=sys.stderr)
-                launcher, link_note = "mpirun", f"loopback (mpirun; emulated {link} unavailable: {why})"
+                print(
+                    f"scaling: the emulated {link} cluster is not available here ({why}); "
+                    "falling back to mpirun on loopback: the numbers show this machine's "
+                    "loopback, not a slow link",
+                    file=sys.stderr,
+                )
+                launcher, link_note = (
+                    "mpirun",
+                    f"loopback (mpirun; emulated {link} unavailable: {why})",
+                )
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -364,28 +537,49 @@ def main(argv: list[str] | None = None) -> int:
                 if args.dry_run:
                     print(shlex.join(cmd))
                     continue
-                samples.append(run_one(cmd, env, repo, log_path, out / "runs" / f"{name}.stderr",
-                                       label, n, args))
+                samples.append(
+                    run_one(
+                        cmd, env, repo, log_path, out / "runs" / f"{name}.stderr", label, n, args
+                    )
+                )
         if args.dry_run:
             return 0
-    results = [best_of([x for x in samples if x["config"] == c and x["ranks"] == n])
-               for c in configs for n in ranks]
+    results = [
+        best_of([x for x in samples if x["config"] == c and x["ranks"] == n])
+        for c in configs
+        for n in ranks
+    ]
     efficiency_table(results, ranks, configs)
-    meta = {"link_note": link_note, "launcher": launcher, "steps": args.steps, "repeats": args.repeats,
-            "per_rank_batch": args.per_rank_batch, "preset": args.preset,
-            "target": args.target_loss if transformer else args.target_top1,
-            "recipe": args.recipe, "unit": "tokens/s" if transformer else "img/s",
-            "target_name": "valid loss" if transformer else "top-1",
-            "per_rank_unit": "tokens" if transformer else "images", "cores": os.cpu_count(),
-            "command": shlex.join([sys.executable, "-m", "recipes.scaling", *(argv or sys.argv[1:])])}
+    meta = {
+        "link_note": link_note,
+        "launcher": launcher,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "per_rank_batch": args.per_rank_batch,
+        "preset": args.preset,
+        "target": args.target_loss if transformer else args.target_top1,
+        "recipe": args.recipe,
+        "unit": "tokens/s" if transformer else "img/s",
+        "target_name": "valid loss" if transformer else "top-1",
+        "per_rank_unit": "tokens" if transformer else "images",
+        "cores": os.cpu_count(),
+        "command": shlex.join([sys.executable, "-m", "recipes.scaling", *(argv or sys.argv[1:])]),
+    }
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     table = markdown(results, ranks, configs, meta)
     (out / "scaling.md").write_text(table + "\n")
-    plotted = plot(results, ranks, configs, out / "scaling.png",
-                   *(("target tokens/s", "Transformer") if transformer else ()))
+    plotted = plot(
+        results,
+        ranks,
+        configs,
+        out / "scaling.png",
+        *(("target tokens/s", "Transformer") if transformer else ()),
+    )
     print(table)
-    print(f"\nwrote {out / 'results.json'}, {out / 'scaling.md'}"
-          + (f", {out / 'scaling.png'}" if plotted else ""))
+    print(
+        f"\nwrote {out / 'results.json'}, {out / 'scaling.md'}"
+        + (f", {out / 'scaling.png'}" if plotted else "")
+    )
     return 0 if all(r["exit_code"] == 0 for r in results) else 1
 
 

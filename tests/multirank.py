@@ -14,6 +14,7 @@ torch.distributed's environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK)
 Both return each rank's stdout in rank order, or raise AssertionError naming every rank
 that failed with the end of its stderr (the assertion and traceback), or the timeout.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,15 +41,26 @@ def mpirun_available() -> bool:
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``commopt launch ARGS`` from the repository, with no launcher's variables inherited (this
     process may itself run under mpirun, torchrun or Slurm)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([PYTHON, "-m", "commopt", "launch", *args], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-m", "commopt", "launch", *args],
+        env=env,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-needs_mpirun = pytest.mark.skipif(not mpirun_available(), reason="mpirun not found: install Open MPI")
+needs_mpirun = pytest.mark.skipif(
+    not mpirun_available(), reason="mpirun not found: install Open MPI"
+)
 
 
 def _base_env(env: dict | None) -> dict:
@@ -66,7 +78,9 @@ def _write_script(code: str, workdir: Path) -> Path:
     return script
 
 
-def _report(results: list[tuple[int, int | None, str, str]], timeout: float, what: str) -> list[str]:
+def _report(
+    results: list[tuple[int, int | None, str, str]], timeout: float, what: str
+) -> list[str]:
     failed = [(r, rc, out, err) for r, rc, out, err in results if rc != 0]
     if failed:
         lines = [f"{what}: {len(failed)} of {len(results)} ranks failed"]
@@ -78,8 +92,15 @@ def _report(results: list[tuple[int, int | None, str, str]], timeout: float, wha
     return [out for _, _, out, _ in results]
 
 
-def run_mpi(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = None,
-            args: list[str] | tuple = (), mpirun_args: list[str] | tuple = ()) -> list[str]:
+def run_mpi(
+    code: str,
+    nprocs: int,
+    *,
+    timeout: float = 120,
+    env: dict | None = None,
+    args: list[str] | tuple = (),
+    mpirun_args: list[str] | tuple = (),
+) -> list[str]:
     """Run ``code`` under ``mpirun -np nprocs``; return each rank's stdout."""
     if not mpirun_available():
         import pytest
@@ -90,16 +111,44 @@ def run_mpi(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = 
         script = _write_script(code, workdir)
         outdir = workdir / "out"
         cmd = [
-            "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs),
-            "--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo",
-            "--mca", "oob_tcp_if_include", "lo", "--bind-to", "none",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(nprocs),
+            "--mca",
+            "btl",
+            "self,tcp,vader",
+            "--mca",
+            "btl_tcp_if_include",
+            "lo",
+            "--mca",
+            "oob_tcp_if_include",
+            "lo",
+            "--bind-to",
+            "none",
             # Ranks outnumber cores: busy-polling ranks would starve each other.
-            *(() if "mpi_yield_when_idle" in mpirun_args else ("--mca", "mpi_yield_when_idle", "1")),
-            "--output-filename", str(outdir), *mpirun_args, PYTHON, str(script), *args,
+            *(
+                ()
+                if "mpi_yield_when_idle" in mpirun_args
+                else ("--mca", "mpi_yield_when_idle", "1")
+            ),
+            "--output-filename",
+            str(outdir),
+            *mpirun_args,
+            PYTHON,
+            str(script),
+            *args,
         ]
-        proc = subprocess.Popen(cmd, env=_base_env(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                cwd=str(REPO))
+        proc = subprocess.Popen(
+            cmd,
+            env=_base_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=str(REPO),
+        )
         timed_out = False
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -125,8 +174,14 @@ def run_mpi(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = 
         return _report(results, timeout, f"mpirun -np {nprocs}")
 
 
-def run_torch(code: str, nprocs: int, *, timeout: float = 120, env: dict | None = None,
-              args: list[str] | tuple = ()) -> list[str]:
+def run_torch(
+    code: str,
+    nprocs: int,
+    *,
+    timeout: float = 120,
+    env: dict | None = None,
+    args: list[str] | tuple = (),
+) -> list[str]:
     """Run ``code`` as ``nprocs`` processes with torch.distributed's env vars; return stdouts."""
     with tempfile.TemporaryDirectory(prefix="commopt-torch-") as tmp:
         script = _write_script(code, Path(tmp))
@@ -134,12 +189,26 @@ def run_torch(code: str, nprocs: int, *, timeout: float = 120, env: dict | None 
         procs = []
         for r in range(nprocs):
             e = _base_env(env)
-            e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                     WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
-                     GLOO_SOCKET_IFNAME=e.get("GLOO_SOCKET_IFNAME", "lo"))
-            procs.append(subprocess.Popen([PYTHON, str(script), *args], env=e, cwd=str(REPO),
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, start_new_session=True))
+            e.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(r),
+                WORLD_SIZE=str(nprocs),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(nprocs),
+                GLOO_SOCKET_IFNAME=e.get("GLOO_SOCKET_IFNAME", "lo"),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [PYTHON, str(script), *args],
+                    env=e,
+                    cwd=str(REPO),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         import time
 
         deadline = time.monotonic() + timeout

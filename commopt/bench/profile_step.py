@@ -15,17 +15,34 @@ runnable thread waiting for a core as active: on a shared machine its raw counts
 the CPU). No instrumentation in the code being measured: phases come from function names.
 The table and the plot: :mod:`commopt.bench.profile_report`.
 
-    >>> classify(["<module> (x.py:1)", "step (commopt/optim/multi_node.py:400)",
-    ...           "unpack (commopt/reducer.py:410)", "at::native::copy_ (libtorch_cpu.so)"])
+    >>> classify(
+    ...     [
+    ...         "<module> (x.py:1)",
+    ...         "step (commopt/optim/multi_node.py:400)",
+    ...         "unpack (commopt/reducer.py:410)",
+    ...         "at::native::copy_ (libtorch_cpu.so)",
+    ...     ]
+    ... )
     'unpack'
-    >>> classify(["_issue (commopt/reducer.py:335)", "pack (commopt/reducer.py:223)",
-    ...           "torch::autograd::THPVariable_isfinite (libtorch_python.so)"])
+    >>> classify(
+    ...     [
+    ...         "_issue (commopt/reducer.py:335)",
+    ...         "pack (commopt/reducer.py:223)",
+    ...         "torch::autograd::THPVariable_isfinite (libtorch_python.so)",
+    ...     ]
+    ... )
     'NaN check'
-    >>> classify(["pack (commopt/reducer.py:223)", "torch::autograd::THPVariable_sum (libtorch_python.so)"])
+    >>> classify(
+    ...     [
+    ...         "pack (commopt/reducer.py:223)",
+    ...         "torch::autograd::THPVariable_sum (libtorch_python.so)",
+    ...     ]
+    ... )
     'NaN check'
     >>> thread_role("commopt-collectives_0"), thread_role("MainThread")
     ('collectives driver', 'training')
 """
+
 from __future__ import annotations
 
 import os
@@ -38,42 +55,118 @@ from collections import Counter
 from pathlib import Path
 
 #: The phases, in the order the table and the plot show them.
-PHASES = ("forward", "backward", "pack", "NaN check", "encode", "send/receive", "wait/poll",
-          "decode", "unpack", "apply", "commopt Python", "other")
+PHASES = (
+    "forward",
+    "backward",
+    "pack",
+    "NaN check",
+    "encode",
+    "send/receive",
+    "wait/poll",
+    "decode",
+    "unpack",
+    "apply",
+    "commopt Python",
+    "other",
+)
 
 #: (phase, substrings): a frame belongs to the first phase one of whose substrings it
 #: contains; a sample to the phase of its innermost frame that belongs to one. Frames read
 #: ``function (path/file.py:line)`` for Python and ``symbol (library.so)`` for native code.
 PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("NaN check", ("isfinite", "nonfinite", "_may_overflow (commopt/")),
-    ("wait/poll", ("MPI_Test", "MPI_Wait", "opal_progress", "PMPI_Test", "PMPI_Wait", "Work::wait",
-                   "is_completed", "Work.wait", "wait (commopt/", "done (commopt/",
-                   "result (concurrent/", "_poll")),
-    ("decode", ("commopt_qsgd_decode", "commopt_cast_decode", "decode (commopt/",
-                "decode_scaled (commopt/", "decompress (torch/distributed/algorithms")),
+    (
+        "wait/poll",
+        (
+            "MPI_Test",
+            "MPI_Wait",
+            "opal_progress",
+            "PMPI_Test",
+            "PMPI_Wait",
+            "Work::wait",
+            "is_completed",
+            "Work.wait",
+            "wait (commopt/",
+            "done (commopt/",
+            "result (concurrent/",
+            "_poll",
+        ),
+    ),
+    (
+        "decode",
+        (
+            "commopt_qsgd_decode",
+            "commopt_cast_decode",
+            "decode (commopt/",
+            "decode_scaled (commopt/",
+            "decompress (torch/distributed/algorithms",
+        ),
+    ),
     # DDP's hooks: what is not decompress is compression (PowerSGD's P, Q and error feedback)
-    ("encode", ("commopt_qsgd_encode", "commopt_cast_encode", "encode (commopt/",
-                "/ddp_comm_hooks/", "_orthogonalize")),
+    (
+        "encode",
+        (
+            "commopt_qsgd_encode",
+            "commopt_cast_encode",
+            "encode (commopt/",
+            "/ddp_comm_hooks/",
+            "_orthogonalize",
+        ),
+    ),
     # unpack before pack: "unpack (" contains "pack ("
     ("unpack", ("unpack (commopt/", "Reducer::finalize_backward", "Reducer::finalize_bucket")),
-    ("pack", ("pack_nonfinite", "pack (commopt/", "zero_grads_into (commopt/",
-              "Reducer::mark_variable_ready", "Reducer::copy_grad_to_bucket",
-              "Reducer::autograd_hook")),
-    ("send/receive", ("gloo::", "ProcessGroupGloo", "c10d::", "mpi4py", "MPI_", "ompi_",
-                      "mca_", "(commopt/comm/", "all_reduce (torch/distributed",
-                      "allreduce (torch/distributed")),
+    (
+        "pack",
+        (
+            "pack_nonfinite",
+            "pack (commopt/",
+            "zero_grads_into (commopt/",
+            "Reducer::mark_variable_ready",
+            "Reducer::copy_grad_to_bucket",
+            "Reducer::autograd_hook",
+        ),
+    ),
+    (
+        "send/receive",
+        (
+            "gloo::",
+            "ProcessGroupGloo",
+            "c10d::",
+            "mpi4py",
+            "MPI_",
+            "ompi_",
+            "mca_",
+            "(commopt/comm/",
+            "all_reduce (torch/distributed",
+            "allreduce (torch/distributed",
+        ),
+    ),
     ("apply", ("(torch/optim/", "_single_tensor_sgd", "_multi_tensor_sgd")),
     # not "autograd::" alone: torch's Python bindings of every op are torch::autograd::THPVariable_*
-    ("backward", ("autograd::Engine", "autograd::generated", "Backward", "AccumulateGrad",
-                  "backward (torch/", "_engine_run_backward")),
+    (
+        "backward",
+        (
+            "autograd::Engine",
+            "autograd::generated",
+            "Backward",
+            "AccumulateGrad",
+            "backward (torch/",
+            "_engine_run_backward",
+        ),
+    ),
     ("forward", ("(torch/nn/modules/", "forward (", "_call_impl (torch/")),
     ("commopt Python", ("(commopt/",)),
 )
 
 #: How thread names map to the rows of the table (anything else: "other threads").
-THREAD_ROLES = (("MainThread", "training"), ("commopt-collectives", "collectives driver"),
-                ("commopt-mpi", "MPI worker"), ("gloo", "gloo transport"),
-                ("pt_gloo", "gloo transport"), ("pt_autograd", "autograd"))
+THREAD_ROLES = (
+    ("MainThread", "training"),
+    ("commopt-collectives", "collectives driver"),
+    ("commopt-mpi", "MPI worker"),
+    ("gloo", "gloo transport"),
+    ("pt_gloo", "gloo transport"),
+    ("pt_autograd", "autograd"),
+)
 
 
 #: The reducer sums a bucket only to check it (``isfinite(flat.sum())``): a native sum called
@@ -84,8 +177,11 @@ _CHECK_SUM = (("(commopt/reducer.py",), ("THPVariable_sum", "at::_ops::sum", "su
 def classify(frames: list[str]) -> str:
     """The phase of one sample whose stack is ``frames`` (outermost first)."""
     python = [i for i, f in enumerate(frames) if ".py:" in f]
-    if python and any(n in frames[python[-1]] for n in _CHECK_SUM[0]) and any(
-            n in f for f in frames[python[-1] + 1:] for n in _CHECK_SUM[1]):
+    if (
+        python
+        and any(n in frames[python[-1]] for n in _CHECK_SUM[0])
+        and any(n in f for f in frames[python[-1] + 1 :] for n in _CHECK_SUM[1])
+    ):
         return "NaN check"
     for frame in reversed(frames):
         for phase, needles in PHASE_RULES:
@@ -133,13 +229,13 @@ def thread_cpu(pid: int | None = None) -> dict[int, tuple[str, float, int, int]]
         except OSError:  # the thread ended meanwhile
             continue
         # "tid (comm) state ...": comm may hold spaces and parentheses; the last ')' ends it.
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
         try:
             if not own:
                 raise OSError
             cpu = time.clock_gettime(_thread_clock(tid))
         except OSError:
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             cpu = (int(fields[11]) + int(fields[12])) / tick
         switches = [0, 0]
         try:
@@ -171,8 +267,9 @@ def pyspy_path() -> str:
     here = Path(sys.executable).with_name("py-spy")
     found = str(here) if here.exists() else shutil.which("py-spy")
     if not found:
-        raise RuntimeError("the step profile needs py-spy: pip install py-spy "
-                           "(or pip install 'commopt[dev]')")
+        raise RuntimeError(
+            "the step profile needs py-spy: pip install py-spy (or pip install 'commopt[dev]')"
+        )
     return found
 
 
@@ -192,8 +289,20 @@ class PySpy:
         self.log = self.out.with_suffix(".log")
 
     def start(self, settle_s: float = 1.0) -> None:
-        argv = [pyspy_path(), "record", "--pid", str(os.getpid()), "--format", "raw",
-                "--threads", "--idle", "--rate", str(self.rate), "--output", str(self.out)]
+        argv = [
+            pyspy_path(),
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--format",
+            "raw",
+            "--threads",
+            "--idle",
+            "--rate",
+            str(self.rate),
+            "--output",
+            str(self.out),
+        ]
         if self.native:
             argv.append("--native")
         self.proc = subprocess.Popen(argv, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
@@ -218,8 +327,8 @@ class PySpy:
 def parse_raw(text: str) -> list[tuple[int, str, list[str], int]]:
     """py-spy's raw output with ``--threads``: (tid, thread name, frames outermost first, count).
 
-        >>> parse_raw("thread (42): MainThread;f (a.py:1);g (a.py:2) 7\\n")
-        [(42, 'MainThread', ['f (a.py:1)', 'g (a.py:2)'], 7)]
+    >>> parse_raw("thread (42): MainThread;f (a.py:1);g (a.py:2) 7\\n")
+    [(42, 'MainThread', ['f (a.py:1)', 'g (a.py:2)'], 7)]
     """
     out = []
     for line in text.splitlines():
@@ -227,7 +336,7 @@ def parse_raw(text: str) -> list[tuple[int, str, list[str], int]]:
         if not stack.startswith("thread (") or not count.isdigit():
             continue
         head, _, rest = stack.partition(";")
-        tid = int(head[len("thread ("): head.index(")")])
+        tid = int(head[len("thread (") : head.index(")")])
         name = head.split(": ", 1)[1] if ": " in head else ""
         out.append((tid, name, rest.split(";") if rest else [], int(count)))
     return out
@@ -235,11 +344,29 @@ def parse_raw(text: str) -> list[tuple[int, str, list[str], int]]:
 
 #: Native functions a thread sleeps in: a sample inside one is a blocked thread, not CPU
 #: (py-spy's own idle test misses them when libc has no symbols: it counts them active).
-BLOCKING = ("pthread_cond_wait", "pthread_cond_timedwait", "PyThread_acquire_lock_timed",
-            "sem_wait", "sem_timedwait", "sem_clockwait", "epoll_wait", "__poll", "poll (libc",
-            "select (libc", "nanosleep", "time_sleep", "condition_variable::wait",
-            "condition_variable::__wait", "__futex", "futex_wait", "accept (libc", "recv (libc",
-            "__libc_recv", "read (libc", "__libc_read")
+BLOCKING = (
+    "pthread_cond_wait",
+    "pthread_cond_timedwait",
+    "PyThread_acquire_lock_timed",
+    "sem_wait",
+    "sem_timedwait",
+    "sem_clockwait",
+    "epoll_wait",
+    "__poll",
+    "poll (libc",
+    "select (libc",
+    "nanosleep",
+    "time_sleep",
+    "condition_variable::wait",
+    "condition_variable::__wait",
+    "__futex",
+    "futex_wait",
+    "accept (libc",
+    "recv (libc",
+    "__libc_recv",
+    "read (libc",
+    "__libc_read",
+)
 
 
 def is_blocked(frames: list[str]) -> bool:
@@ -259,9 +386,16 @@ def attribute(samples, cpu: dict[int, tuple[str, float, int, int]]) -> dict:
     threads: dict[int, dict] = {}
 
     def new(name, os_name, cpu_s, voluntary=0, involuntary=0):
-        return {"name": name, "os_name": os_name, "cpu_s": cpu_s, "switches": voluntary,
-                "preempted": involuntary,
-                "samples": Counter(), "blocked": Counter(), "unclassified": Counter()}
+        return {
+            "name": name,
+            "os_name": os_name,
+            "cpu_s": cpu_s,
+            "switches": voluntary,
+            "preempted": involuntary,
+            "samples": Counter(),
+            "blocked": Counter(),
+            "unclassified": Counter(),
+        }
 
     for tid, (os_name, *counts) in cpu.items():
         threads[tid] = new(os_name, os_name, *counts)

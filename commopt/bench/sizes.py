@@ -1,12 +1,13 @@
 """Message-size sweeps written the nccl-tests way: ``-b 8 -e 128M -f 2``.
 
-    >>> parse_size("128M"), parse_size("4k"), parse_size("1G")
-    (134217728, 4096, 1073741824)
-    >>> sizes(1024, 8192, factor=2)
-    [1024, 2048, 4096, 8192]
-    >>> sizes(1024, 4096, increment=1024)
-    [1024, 2048, 3072, 4096]
+>>> parse_size("128M"), parse_size("4k"), parse_size("1G")
+(134217728, 4096, 1073741824)
+>>> sizes(1024, 8192, factor=2)
+[1024, 2048, 4096, 8192]
+>>> sizes(1024, 4096, increment=1024)
+[1024, 2048, 3072, 4096]
 """
+
 from __future__ import annotations
 
 from commopt.units import parse_bytes

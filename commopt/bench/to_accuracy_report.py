@@ -10,6 +10,7 @@ tie would be decided by noise); a configuration reaches it at its first evaluati
     >>> reached([(0, 0.0, 4.6), (10, 5.0, 3.0)], 2.9) is None
     True
 """
+
 from __future__ import annotations
 
 import json
@@ -47,13 +48,20 @@ def summarize(report: dict) -> list[dict]:
         hit = reached(run["curve"], target)
         times = sorted(run["step_times"])
         limit = allreduce_limit_s(run["wire_bytes"], report["nprocs"], report.get("rate_bits"))
-        rows.append({
-            "config": name, "label": CONFIGS[name].label, "target": target,
-            "reached": hit is not None, "steps_to_target": hit[0] if hit else None,
-            "wall_to_target_s": hit[1] if hit else None, "final_loss": run["curve"][-1][2],
-            "median_step_s": times[len(times) // 2], "wire_mb": run["wire_bytes"] / 1e6,
-            "link_limit_step_s": limit,
-        })
+        rows.append(
+            {
+                "config": name,
+                "label": CONFIGS[name].label,
+                "target": target,
+                "reached": hit is not None,
+                "steps_to_target": hit[0] if hit else None,
+                "wall_to_target_s": hit[1] if hit else None,
+                "final_loss": run["curve"][-1][2],
+                "median_step_s": times[len(times) // 2],
+                "wire_mb": run["wire_bytes"] / 1e6,
+                "link_limit_step_s": limit,
+            }
+        )
     ref = next(r for r in rows if r["config"] == REFERENCE)["wall_to_target_s"]
     for r in rows:
         if r.get("wall_to_target_s"):
@@ -69,14 +77,18 @@ def markdown(report: dict, rows: list[dict]) -> str:
     """The table of ``rows`` as markdown, with the command and the setting above it."""
     target = rows[0].get("target")
     again = f" (table: `{report['rendered_by']}`)" if report.get("rendered_by") else ""
-    head = (f"Command: `{report['command']}`{again}  \n{report['nprocs']} ranks, {report['link']}; "
-            f"{report['model']}; budget {report['budget']} steps, evaluation every "
-            f"{report['eval_every']}; target = {REFERENCE}'s validation loss at the budget "
-            f"+ {100 * report.get('tolerance', 0):g}% ({_f(target, '.4f')}); {report['machine']}, load average "
-            f"{report['load_average_start']:.1f} at the start; {report['date']}.\n\n")
-    lines = ["| configuration | reached | wall to target (s) | steps to target | x DDP fp32 | "
-             "final loss | median step (s) | wire MB/step | link limit/step (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    head = (
+        f"Command: `{report['command']}`{again}  \n{report['nprocs']} ranks, {report['link']}; "
+        f"{report['model']}; budget {report['budget']} steps, evaluation every "
+        f"{report['eval_every']}; target = {REFERENCE}'s validation loss at the budget "
+        f"+ {100 * report.get('tolerance', 0):g}% ({_f(target, '.4f')}); {report['machine']}, load average "
+        f"{report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
+    )
+    lines = [
+        "| configuration | reached | wall to target (s) | steps to target | x DDP fp32 | "
+        "final loss | median step (s) | wire MB/step | link limit/step (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 7)
@@ -86,7 +98,8 @@ def markdown(report: dict, rows: list[dict]) -> str:
             f"{_f(r['wall_to_target_s'], '.1f')} | {_f(r['steps_to_target'], 'd')} | "
             f"{_f(r.get('speedup_vs_ddp_fp32'), '.2f')} | {r['final_loss']:.4f} | "
             f"{r['median_step_s']:.3f} | {r['wire_mb']:.1f} | "
-            f"{_f(r['link_limit_step_s'], '.3f')} |")
+            f"{_f(r['link_limit_step_s'], '.3f')} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -102,8 +115,12 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, run in report["runs"].items():
         if "curve" in run:
-            ax.plot([p[1] for p in run["curve"]], [p[2] for p in run["curve"]], marker=".",
-                    label=CONFIGS[name].label)
+            ax.plot(
+                [p[1] for p in run["curve"]],
+                [p[2] for p in run["curve"]],
+                marker=".",
+                label=CONFIGS[name].label,
+            )
     target = target_loss(report)
     ax.axhline(target, color="grey", linestyle="--", label=f"target ({target:.3f})")
     ax.set_xlabel("training wall time (s)")

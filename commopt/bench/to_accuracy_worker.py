@@ -6,6 +6,7 @@ with Adam, and evaluates the validation loss every ``--eval-every`` steps. The t
 stops during evaluation (every rank evaluates, then all restart together), so the curve's wall
 time is training time only. Rank 0 writes ``RESULT`` after each configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ def run_worker(args: argparse.Namespace) -> int:
         records.append(rec)
         if comm.rank == 0:
             Path(args.result).write_text(json.dumps(records))
-            print(f"{PROGRESS}done {name} {rec['curve'][-1][1]:.1f} {rec['curve'][-1][2]:.4f}",
-                  flush=True)
+            print(
+                f"{PROGRESS}done {name} {rec['curve'][-1][1]:.1f} {rec['curve'][-1][2]:.4f}",
+                flush=True,
+            )
     comm.allgather_obj(None)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -72,8 +75,9 @@ def _train(cfg, comm, args) -> dict:
     model = WideCharMLP(corpus.vocab_size, context=args.context, hidden=args.hidden)
     shapes = [tuple(p.shape) for p in model.parameters()]
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
-    net, opt = model, inner
-    opt_any: Any = opt   # commopt's optimizer (wrapping Adam) has flush() and close()
+    net = model
+    opt: torch.optim.Optimizer = inner
+    opt_any: Any = opt  # commopt's optimizer (wrapping Adam) has flush() and close()
     if cfg.kind == "ddp":
         net, wire = wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
     else:
@@ -86,7 +90,7 @@ def _train(cfg, comm, args) -> dict:
         with torch.no_grad():
             return float(F.cross_entropy(model(vx), vy))
 
-    curve = [(0, 0.0, evaluate())]   # (step, training wall seconds, validation loss)
+    curve = [(0, 0.0, evaluate())]  # (step, training wall seconds, validation loss)
     step_times = []
     comm.allgather_obj(None)
     for step in range(1, args.budget + 1):
@@ -99,9 +103,13 @@ def _train(cfg, comm, args) -> dict:
         if step % args.eval_every == 0 or step == args.budget:
             # Double buffering's weights lag one step: evaluated as training left them.
             curve.append((step, sum(step_times), evaluate()))
-            comm.allgather_obj(None)   # every rank restarts the clock together
+            comm.allgather_obj(None)  # every rank restarts the clock together
     if cfg.kind == "commopt":
         opt_any.flush()
         opt_any.close()
-    return {"curve": curve, "step_times": step_times, "wire_bytes": wire,
-            "params": sum(math.prod(s) for s in shapes)}
+    return {
+        "curve": curve,
+        "step_times": step_times,
+        "wire_bytes": wire,
+        "params": sum(math.prod(s) for s in shapes),
+    }

@@ -8,6 +8,7 @@
 
 See docs/codecs.md for each codec's wire format, error bound and when to pick it.
 """
+
 from commopt.codecs.base import Codec, RngKey
 from commopt.codecs.cast import CastCodec, NoneCodec
 from commopt.codecs.error_feedback import ErrorFeedback

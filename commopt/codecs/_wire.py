@@ -1,4 +1,5 @@
 """Checks and typed views of uint8 wire buffers shared by the codecs."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -19,6 +19,7 @@ reduction never materialises a decoded copy.
 element-wise as ``wire.view(codec.wire_dtype)``; the others (QSGD) must be decoded before
 they are added (the scatter-reduce/allgather algorithm in commopt.collectives does that).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

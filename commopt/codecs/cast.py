@@ -19,6 +19,7 @@ bits, never the accumulator.
 Values beyond the float16 range (65504 after scaling) become +-Inf and NaN stays NaN: the
 non-finite value reaches the decoded gradient, where the optimizer's check catches it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -73,8 +74,9 @@ class CastCodec(Codec):
     def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
         self.decode_scaled(wire, out, accumulate=accumulate)
 
-    def decode_scaled(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False,
-                      alpha: float = 1.0) -> None:
+    def decode_scaled(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
         flat = check_values(self, out, "out")
         check_wire(self, wire, flat.numel(), "wire")
         typed = typed_view(wire, self.dtype)

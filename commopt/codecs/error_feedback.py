@@ -11,7 +11,8 @@ The residual lives in the scaled ("sent") domain and is part of ``state_dict``.
     >>> x = torch.tensor([1.0, 0.4, 0.3, 0.0])
     >>> wire = torch.empty(ef.encoded_nbytes(4), dtype=torch.uint8)
     >>> ef.encode(x, wire, key="layer1")
-    >>> sent = torch.zeros(4); ef.decode(wire, sent)
+    >>> sent = torch.zeros(4)
+    ... ef.decode(wire, sent)
     >>> sent.tolist(), ef.residual("layer1").tolist()
     ([1.0, 0.0, 0.0, 0.0], [0.0, 0.4000000059604645, 0.30000001192092896, 0.0])
 
@@ -24,13 +25,17 @@ first encode writes its new residual into a second buffer and keeps the old one,
 every rank skips a step for NaN/Inf: the healthy ranks' residuals must not keep a gradient
 that was never applied). Costs one more residual-sized buffer per key, no extra pass.
 
-    >>> ef.begin_step(); ef.encode(torch.tensor([0.0, 9.0, 0.0, 0.0]), wire, key="layer1")
-    >>> ef.discard_step(); ef.residual("layer1").tolist()
+    >>> ef.begin_step()
+    ... ef.encode(torch.tensor([0.0, 9.0, 0.0, 0.0]), wire, key="layer1")
+    >>> ef.discard_step()
+    ... ef.residual("layer1").tolist()
     [0.0, 0.4000000059604645, 0.30000001192092896, 0.0]
 """
+
 from __future__ import annotations
 
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -43,7 +48,9 @@ class ErrorFeedback(Codec):
 
     def __init__(self, inner: Codec):
         if isinstance(inner, ErrorFeedback):
-            raise ValueError("ErrorFeedback(ErrorFeedback(...)) makes no sense; wrap the codec once")
+            raise ValueError(
+                "ErrorFeedback(ErrorFeedback(...)) makes no sense; wrap the codec once"
+            )
         if not isinstance(inner, Codec):
             raise TypeError(f"ErrorFeedback wraps a Codec, got {type(inner).__name__}")
         self.inner = inner
@@ -104,8 +111,9 @@ class ErrorFeedback(Codec):
     def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
         self.inner.decode(wire, out, accumulate=accumulate)
 
-    def decode_scaled(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False,
-                      alpha: float = 1.0) -> None:
+    def decode_scaled(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
         self.inner.decode_scaled(wire, out, accumulate=accumulate, alpha=alpha)
 
     def residual(self, key: Hashable | None = None) -> torch.Tensor | None:

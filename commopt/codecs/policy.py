@@ -21,9 +21,10 @@ Quantisation groups never straddle two tensors: the reducer's bucket layout
     True
     >>> policy.should_compress("layer1.bn.weight", (64,))
     False
-    >>> policy.should_compress("fc.weight", (10, 50))     # 500 < 1024 elements
+    >>> policy.should_compress("fc.weight", (10, 50))  # 500 < 1024 elements
     False
 """
+
 from __future__ import annotations
 
 import math
@@ -49,18 +50,23 @@ class CompressionPolicy:
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
         if isinstance(self.exclude, str):
-            raise TypeError("exclude must be a sequence of patterns, e.g. (r'bias$',), not a string")
+            raise TypeError(
+                "exclude must be a sequence of patterns, e.g. (r'bias$',), not a string"
+            )
         patterns = []
         for pattern in self.exclude:
             try:
                 patterns.append(re.compile(pattern))
             except re.error as err:
-                raise ValueError(f"exclude pattern {pattern!r} is not a valid regex: {err}") from None
+                raise ValueError(
+                    f"exclude pattern {pattern!r} is not a valid regex: {err}"
+                ) from None
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "_patterns", tuple(patterns))
         if self.uncompressed not in ("none", "fp32", "fp16", "bf16"):
             raise ValueError(
-                f"uncompressed must be 'none', 'fp16' or 'bf16', got {self.uncompressed!r}")
+                f"uncompressed must be 'none', 'fp16' or 'bf16', got {self.uncompressed!r}"
+            )
 
     def should_compress(self, name: str, shape: Iterable[int]) -> bool:
         """True when the tensor ``name`` of ``shape`` goes through the compressing codec."""

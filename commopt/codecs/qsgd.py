@@ -13,7 +13,7 @@ docs/codecs.md for the error bound and the random numbers.
     >>> import torch
     >>> from commopt.codecs import QSGD, RngKey
     >>> codec = QSGD(bits=4, bucket_size=128)
-    >>> codec.encoded_nbytes(1024) / (1024 * 4)    # vs float32
+    >>> codec.encoded_nbytes(1024) / (1024 * 4)  # vs float32
     0.1328125
     >>> x = torch.randn(1000)
     >>> wire = torch.empty(codec.encoded_nbytes(1000), dtype=torch.uint8)
@@ -26,6 +26,7 @@ docs/codecs.md for the error bound and the random numbers.
 NaN or Inf in a bucket makes its scale non-finite, so every value decoded from that bucket
 is NaN: a non-finite gradient is never hidden, and the optimizer's check reports it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -59,13 +60,17 @@ class QSGD(Codec):
         max_levels = 2 ** (bits - 1) - 1
         levels = max_levels if levels is None else int(levels)
         if not 1 <= levels <= max_levels:
-            raise ValueError(f"QSGD levels must be in [1, {max_levels}] for {bits} bits, got {levels}")
+            raise ValueError(
+                f"QSGD levels must be in [1, {max_levels}] for {bits} bits, got {levels}"
+            )
         if int(bucket_size) < 1:
             raise ValueError(f"QSGD bucket_size must be >= 1, got {bucket_size}")
         if scale not in kernels.NORMS:
             raise ValueError(f"QSGD scale must be one of {kernels.NORMS}, got {scale!r}")
         if scale_dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"QSGD scale_dtype must be torch.float32 or torch.float16, got {scale_dtype}")
+            raise ValueError(
+                f"QSGD scale_dtype must be torch.float32 or torch.float16, got {scale_dtype}"
+            )
         self.bits = bits
         self.levels = levels
         self.bucket_size = int(bucket_size)
@@ -79,12 +84,17 @@ class QSGD(Codec):
         self.name = f"qsgd{bits}"
 
     def _params(self) -> dict[str, Any]:
-        return dict(bits=self.bits, levels=self.levels, bucket_size=self.bucket_size,
-                    scale_bytes=self._scale_bytes)
+        return dict(
+            bits=self.bits,
+            levels=self.levels,
+            bucket_size=self.bucket_size,
+            scale_bytes=self._scale_bytes,
+        )
 
     def encoded_nbytes(self, numel: int) -> int:
-        return kernels.qsgd_nbytes(int(numel), bits=self.bits, bucket_size=self.bucket_size,
-                                   scale_bytes=self._scale_bytes)
+        return kernels.qsgd_nbytes(
+            int(numel), bits=self.bits, bucket_size=self.bucket_size, scale_bytes=self._scale_bytes
+        )
 
     def encode(
         self,
@@ -103,14 +113,22 @@ class QSGD(Codec):
             words = (lo, hi)
         else:
             words = kernels.rng_words(rng.seed, rng.rank, rng.step, rng.stream)
-        kernels.qsgd_encode(flat, out, key=words, norm=self.norm, stochastic=self.stochastic,
-                            scale=scale, **self._params())
+        kernels.qsgd_encode(
+            flat,
+            out,
+            key=words,
+            norm=self.norm,
+            stochastic=self.stochastic,
+            scale=scale,
+            **self._params(),
+        )
 
     def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
         self.decode_scaled(wire, out, accumulate=accumulate)
 
-    def decode_scaled(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False,
-                      alpha: float = 1.0) -> None:
+    def decode_scaled(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
         """``decode`` writing ``alpha * decoded`` (error feedback uses ``alpha=-1``)."""
         flat = check_values(self, out, "out")
         check_wire(self, wire, flat.numel(), "wire")

@@ -1,10 +1,11 @@
 """``get_codec``: codecs by name.
 
-    >>> get_codec("qsgd4+ef")
-    ErrorFeedback(QSGD(bits=4, bucket_size=128, scale='max'))
-    >>> get_codec("fp16").name
-    'fp16'
+>>> get_codec("qsgd4+ef")
+ErrorFeedback(QSGD(bits=4, bucket_size=128, scale='max'))
+>>> get_codec("fp16").name
+'fp16'
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -44,6 +44,7 @@ caller's current stream after it. ``flat`` belongs to the reduction until
 the Work completes (native cast codecs encode on the calling thread). Do not call the
 communicator's own collectives while an asynchronous allreduce is in flight: wait first.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,7 +58,12 @@ from commopt.collectives.plans import PLANS
 from commopt.comm.base import Communicator, CompletedWork, Work
 
 __all__ = [
-    "ALGORITHMS", "PIECE_BYTES", "allreduce", "choose_algorithm", "chunk_bounds", "scatter_reduce_layout",
+    "ALGORITHMS",
+    "PIECE_BYTES",
+    "allreduce",
+    "choose_algorithm",
+    "chunk_bounds",
+    "scatter_reduce_layout",
 ]
 
 _DONE = CompletedWork()
@@ -99,8 +105,7 @@ def allreduce(
         if factor != 1.0:
             flat.mul_(factor)
         return _DONE
-    plan = PLANS[algorithm](comm, flat, codec or Exact(flat.dtype), factor, rng, key,
-                             piece_bytes)
+    plan = PLANS[algorithm](comm, flat, codec or Exact(flat.dtype), factor, rng, key, piece_bytes)
     # The stages run on the communicator's worker (a world of one: at once, here); on a
     # stream-ordered communicator at once, here, enqueued on its stream.
     work = driver.submit(comm, plan, device=flat.device, keep=(flat,))

@@ -1,10 +1,11 @@
 """Which allreduce algorithm runs, and the checks on ``allreduce``'s arguments.
 
-    >>> import commopt
-    >>> from commopt.collectives.choice import choose_algorithm
-    >>> choose_algorithm(commopt.create_communicator("local"), None)
-    'identity'
+>>> import commopt
+>>> from commopt.collectives.choice import choose_algorithm
+>>> choose_algorithm(commopt.create_communicator("local"), None)
+'identity'
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,9 @@ ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
 
 
 def native_ok(comm: Communicator, codec: Codec) -> bool:
-    return bool(codec.linear) and codec.wire_dtype is not None and comm.supports_sum(codec.wire_dtype)
+    return (
+        bool(codec.linear) and codec.wire_dtype is not None and comm.supports_sum(codec.wire_dtype)
+    )
 
 
 def choose_algorithm(comm: Communicator, codec: Codec | None) -> str:
@@ -33,7 +36,9 @@ def choose_algorithm(comm: Communicator, codec: Codec | None) -> str:
     return "scatter_reduce"
 
 
-def check_arguments(comm: Communicator, flat: torch.Tensor, codec: Codec | None, algorithm: str) -> None:
+def check_arguments(
+    comm: Communicator, flat: torch.Tensor, codec: Codec | None, algorithm: str
+) -> None:
     if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("allreduce needs a contiguous 1-D tensor (flatten it first)")
     if algorithm not in ALGORITHMS:

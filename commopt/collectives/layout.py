@@ -5,6 +5,7 @@ and the per-chunk RNG streams and codec-state keys.
     >>> chunk_bounds(10, 3, 4)
     [(0, 4), (4, 8), (8, 10)]
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ def chunk_bounds(numel: int, parts: int, alignment: int = 1) -> list[tuple[int, 
     return [(min(i * step, numel), min((i + 1) * step, numel)) for i in range(parts)]
 
 
-def scatter_reduce_layout(numel: int, size: int, alignment: int = 1,
-                          piece_elems: int | None = None) -> list[list[tuple[int, int]]]:
+def scatter_reduce_layout(
+    numel: int, size: int, alignment: int = 1, piece_elems: int | None = None
+) -> list[list[tuple[int, int]]]:
     """Pieces of the scatter-reduce pipeline, each a list of ``size`` chunks (rank j owns j).
 
     The buffer is cut into pieces of about ``piece_elems`` elements (one piece when None),
@@ -63,7 +65,7 @@ def scatter_reduce_layout(numel: int, size: int, alignment: int = 1,
     """
     pieces = 1 if not piece_elems else max(1, math.ceil(numel / int(piece_elems)))
     bounds = chunk_bounds(numel, pieces * size, alignment)
-    return [bounds[k * size:(k + 1) * size] for k in range(pieces)]
+    return [bounds[k * size : (k + 1) * size] for k in range(pieces)]
 
 
 def chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:

@@ -5,6 +5,7 @@ callable that runs the reduction, on the communicator's worker (:mod:`commopt.dr
 for a world of one, at once. ``PLANS`` maps each algorithm name to its builder; the
 choice among them is :mod:`commopt.collectives.choice`'s.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from commopt.codecs.base import Codec, RngKey
+from commopt.codecs.cast import CastCodec
 from commopt.collectives.choice import choose_algorithm
 from commopt.collectives.layout import (
     PHASE_GATHER,
@@ -22,7 +24,6 @@ from commopt.collectives.layout import (
     scatter_reduce_layout,
     sub_key,
 )
-from commopt.codecs.cast import CastCodec
 from commopt.comm.base import Communicator, Work
 from commopt.comm.topology import hierarchy
 
@@ -32,16 +33,23 @@ __all__ = ["PLANS", "plan_hierarchical", "plan_native", "plan_scatter_reduce"]
 def _started(work: Work | None) -> Work:
     """The Work of a collective issued with ``async_op=True`` (which always returns one)."""
     if work is None:
-        raise RuntimeError("a communicator returned no Work for async_op=True: it breaks the "
-                           "Communicator contract (commopt/comm/base.py)")
+        raise RuntimeError(
+            "a communicator returned no Work for async_op=True: it breaks the "
+            "Communicator contract (commopt/comm/base.py)"
+        )
     return work
 
 
 # Each plan returns a callable that runs the reduction (on the driver thread, or at once);
 # the native plan encodes on the caller's thread first, the others do all their work later.
 def plan_native(
-    comm: Communicator, flat: torch.Tensor, codec: Codec, factor: float,
-    rng: RngKey | None, key: str | None, piece_bytes: int | None = None,
+    comm: Communicator,
+    flat: torch.Tensor,
+    codec: Codec,
+    factor: float,
+    rng: RngKey | None,
+    key: str | None,
+    piece_bytes: int | None = None,
 ) -> Callable[[], None]:
     wire_dtype = codec.wire_dtype
     if wire_dtype is None:  # check_arguments lets only linear codecs (with a wire dtype) here
@@ -69,7 +77,11 @@ def plan_native(
 
 
 def _plan_cast_pieces(
-    comm: Communicator, flat: torch.Tensor, codec: CastCodec, factor: float, piece_elems: int,
+    comm: Communicator,
+    flat: torch.Tensor,
+    codec: CastCodec,
+    factor: float,
+    piece_elems: int,
 ) -> Callable[[], None]:
     """The native plan of a cast codec (fp16, bf16) as a pipeline of pieces.
 
@@ -80,12 +92,15 @@ def _plan_cast_pieces(
     wire: only the first piece's cast and the last one's cast back stay exposed. Cast
     codecs keep no state and draw no random numbers, so the result is the same bits.
     """
-    bounds = [(lo, min(lo + piece_elems, flat.numel()))
-              for lo in range(0, flat.numel(), max(1, piece_elems))]
+    bounds = [
+        (lo, min(lo + piece_elems, flat.numel()))
+        for lo in range(0, flat.numel(), max(1, piece_elems))
+    ]
 
     def finish() -> None:
-        wire = torch.empty(codec.encoded_nbytes(flat.numel()), dtype=torch.uint8,
-                           device=flat.device)
+        wire = torch.empty(
+            codec.encoded_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device
+        )
         typed = wire.view(codec.wire_dtype)  # type: ignore[arg-type]  # a cast codec has one
         works = []
         for lo, hi in bounds:
@@ -99,8 +114,13 @@ def _plan_cast_pieces(
 
 
 def plan_scatter_reduce(
-    comm: Communicator, flat: torch.Tensor, codec: Codec, factor: float,
-    rng: RngKey | None, key: str | None, piece_bytes: int | None = None,
+    comm: Communicator,
+    flat: torch.Tensor,
+    codec: Codec,
+    factor: float,
+    rng: RngKey | None,
+    key: str | None,
+    piece_bytes: int | None = None,
 ) -> Callable[[], None]:
     """Scatter-reduce then allgather, pipelined over pieces of ``piece_bytes`` fp32 bytes.
 
@@ -112,8 +132,12 @@ def plan_scatter_reduce(
     """
     size, rank = comm.size, comm.rank
     piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
-    layout = scatter_reduce_layout(flat.numel(), size, codec.alignment,
-                                   max(1, piece // flat.element_size()) if piece > 0 else None)
+    layout = scatter_reduce_layout(
+        flat.numel(),
+        size,
+        codec.alignment,
+        max(1, piece // flat.element_size()) if piece > 0 else None,
+    )
     first_lo, first_hi = layout[0][0]
     slot = codec.encoded_nbytes(first_hi - first_lo)
     span = size * slot  # bytes of one piece on the wire (each rank's slot, padded)
@@ -128,15 +152,19 @@ def plan_scatter_reduce(
         recv = torch.empty_like(send)
 
         def region(buf: torch.Tensor, k: int) -> torch.Tensor:
-            return buf[k * span:(k + 1) * span]
+            return buf[k * span : (k + 1) * span]
 
         def encode_peers_chunks(k: int) -> None:
             for j, (lo, hi) in enumerate(layout[k]):
                 if j != rank and hi > lo:
                     off = k * span + j * slot
-                    codec.encode(flat[lo:hi], send[off: off + nbytes(lo, hi)], scale=factor,
-                                 rng=chunk_rng(rng, PHASE_SCATTER, k * size + j),
-                                 key=sub_key(key, f"rs{k * size + j}"))
+                    codec.encode(
+                        flat[lo:hi],
+                        send[off : off + nbytes(lo, hi)],
+                        scale=factor,
+                        rng=chunk_rng(rng, PHASE_SCATTER, k * size + j),
+                        key=sub_key(key, f"rs{k * size + j}"),
+                    )
 
         def start_scatter(k: int) -> Work:
             return _started(comm.alltoall(region(send, k), region(recv, k), async_op=True))
@@ -153,24 +181,30 @@ def plan_scatter_reduce(
             for i in range(size):
                 if i != rank:
                     off = k * span + i * slot
-                    codec.decode_scaled(recv[off: off + nbytes(lo, hi)], mine, accumulate=True,
-                                        alpha=undo)
+                    codec.decode_scaled(
+                        recv[off : off + nbytes(lo, hi)], mine, accumulate=True, alpha=undo
+                    )
             # recv's own slot never carried data: it becomes the allgather input.
             off = k * span + rank * slot
-            codec.encode(mine, recv[off: off + nbytes(lo, hi)], scale=factor,
-                         rng=chunk_rng(rng, PHASE_GATHER, k), key=sub_key(key, f"ag{k}"))
+            codec.encode(
+                mine,
+                recv[off : off + nbytes(lo, hi)],
+                scale=factor,
+                rng=chunk_rng(rng, PHASE_GATHER, k),
+                key=sub_key(key, f"ag{k}"),
+            )
 
         def start_gather(k: int) -> Work:
             # send's piece is free once its alltoall is done: it receives the reduced chunks.
             off = k * span + rank * slot
-            return _started(comm.allgather(recv[off: off + slot], region(send, k), async_op=True))
+            return _started(comm.allgather(recv[off : off + slot], region(send, k), async_op=True))
 
         def decode_piece(k: int) -> None:
             # Every rank, the owner included, decodes the same bytes: identical results.
             for j, (lo, hi) in enumerate(layout[k]):
                 if hi > lo:
                     off = k * span + j * slot
-                    codec.decode(send[off: off + nbytes(lo, hi)], flat[lo:hi], accumulate=False)
+                    codec.decode(send[off : off + nbytes(lo, hi)], flat[lo:hi], accumulate=False)
 
         # Two scatters in flight keep the link busy while piece k is summed and encoded.
         # Every rank issues the transport's collectives in the same order:
@@ -197,8 +231,13 @@ def plan_scatter_reduce(
 
 
 def plan_hierarchical(
-    comm: Communicator, flat: torch.Tensor, codec: Codec, factor: float,
-    rng: RngKey | None, key: str | None, piece_bytes: int | None = None,
+    comm: Communicator,
+    flat: torch.Tensor,
+    codec: Codec,
+    factor: float,
+    rng: RngKey | None,
+    key: str | None,
+    piece_bytes: int | None = None,
 ) -> Callable[[], None]:
     def finish() -> None:
         intra, inter = hierarchy(comm)

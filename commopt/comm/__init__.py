@@ -15,6 +15,7 @@ name           transport                                       needs
 ``local``      a world of one                                  (nothing)
 =============  ==============================================  ===========================
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,14 +24,18 @@ from commopt.comm.errors import CollectiveMismatchError, CommError
 
 # torch is imported on first use, not here: `commopt launch` reads commopt.comm.launcher and
 # must start (and take Ctrl-C) without paying for, or being interrupted inside, import torch.
-_LAZY = {"Communicator": "commopt.comm.base", "CompletedWork": "commopt.comm.base",
-         "Work": "commopt.comm.base"}
+_LAZY = {
+    "Communicator": "commopt.comm.base",
+    "CompletedWork": "commopt.comm.base",
+    "Work": "commopt.comm.base",
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'commopt.comm' has no attribute {name!r}")
+
 
 # name -> (module, class). Modules are imported only when their name is asked for, so an
 # optional dependency that is missing affects only its own backend.
@@ -44,9 +49,14 @@ _BACKENDS = {
 _ALIASES = {"nccl": "pure_nccl", "gloo": "torch", "naive": "mpi", "single": "local"}
 
 _DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -61,7 +71,9 @@ def parse_dtype(value):
     allowed = {n: getattr(torch, t) for n, t in _DTYPE_NAMES.items()}
     if value is None or isinstance(value, torch.dtype):
         if value is not None and value not in allowed.values():
-            raise ValueError(f"allreduce_grad_dtype must be float32, float16 or bfloat16, got {value}")
+            raise ValueError(
+                f"allreduce_grad_dtype must be float32, float16 or bfloat16, got {value}"
+            )
         return value
     name = getattr(value, "name", None) or str(value)
     name = name.replace("torch.", "").replace("numpy.", "")
@@ -105,7 +117,9 @@ def _check_world_matches_launcher(comm, name: str) -> None:
         return
     fits = "torch" if info.name == "torchrun" else "mpi" if info.is_mpi else None
     use = [n for n in (fits, "auto") if n and (n in _BACKENDS or n in _ALIASES) and n != name]
-    hint = " or ".join(f"create_communicator({n!r})" for n in use) or "a communicator of this launcher"
+    hint = (
+        " or ".join(f"create_communicator({n!r})" for n in use) or "a communicator of this launcher"
+    )
     comm.finalize()
     raise CommError(
         f"rank {info.rank}: the {name!r} communicator sees a world of one, but {info.name} "

@@ -7,7 +7,7 @@ checks that before each call and names the ranks that disagree).
     >>> import torch, commopt
     >>> comm = commopt.create_communicator("local")
     >>> buf = torch.ones(4)
-    >>> comm.allreduce(buf)          # sum in place; a world of one leaves it as it is
+    >>> comm.allreduce(buf)  # sum in place; a world of one leaves it as it is
     >>> buf.tolist()
     [1.0, 1.0, 1.0, 1.0]
     >>> comm.allreduce(buf, async_op=True).wait()
@@ -22,12 +22,14 @@ blocks the host until the result is in memory, on every transport. Which thread 
 runs the work is documented by each backend; all of them run a communicator's operations
 in the order they were issued.
 """
+
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,7 +43,12 @@ DEBUG_ENV = "COMMOPT_DEBUG"
 
 #: dtypes every communicator's ``allreduce`` sums correctly.
 REDUCIBLE_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
 )
 
 
@@ -138,7 +145,9 @@ class Communicator(ABC):
         self._debug_check("allreduce", buf)
         return self._result(self._allreduce(buf), async_op)
 
-    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, *, async_op: bool = False) -> Work | None:
+    def alltoall(
+        self, send: torch.Tensor, recv: torch.Tensor, *, async_op: bool = False
+    ) -> Work | None:
         """Chunk i of ``send`` (numel/size elements) goes to rank i; ``recv`` chunk j comes from rank j."""
         _check_contiguous(send, "alltoall send")
         _check_contiguous(recv, "alltoall recv")
@@ -152,7 +161,9 @@ class Communicator(ABC):
         self._debug_check("alltoall", send)
         return self._result(self._alltoall(send, recv), async_op)
 
-    def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, async_op: bool = False) -> Work | None:
+    def allgather(
+        self, send: torch.Tensor, recv: torch.Tensor, *, async_op: bool = False
+    ) -> Work | None:
         """``recv`` (size x send.numel() elements) gets every rank's ``send``, in rank order."""
         _check_contiguous(send, "allgather send")
         _check_contiguous(recv, "allgather recv")
@@ -191,7 +202,7 @@ class Communicator(ABC):
         """Every rank's ``obj`` (same kinds as ``bcast_obj``), as a list in rank order."""
         return self._allgather_obj(obj)
 
-    def split(self, color: int, key: int | None = None) -> "Communicator":
+    def split(self, color: int, key: int | None = None) -> Communicator:
         """A communicator over the ranks that passed the same ``color``, ordered by ``key``."""
         return self._split(int(color), self.rank if key is None else int(key))
 
@@ -204,7 +215,7 @@ class Communicator(ABC):
         """
         return dtype in (torch.float32, torch.float64, torch.int32, torch.int64)
 
-    def finalize(self) -> None:
+    def finalize(self) -> None:  # noqa: B027 - a default: most transports hold nothing to release
         """Release transport resources (threads, streams). Safe to call twice."""
 
     def __repr__(self) -> str:
@@ -243,7 +254,7 @@ class Communicator(ABC):
         return allgather_object(self, obj)
 
     @abstractmethod
-    def _split(self, color: int, key: int) -> "Communicator": ...
+    def _split(self, color: int, key: int) -> Communicator: ...
 
     # -- helpers ----------------------------------------------------------------------
     @staticmethod
@@ -268,7 +279,8 @@ class Communicator(ABC):
             for r, sig in enumerate(everyone):
                 groups.setdefault(sig, []).append(r)
             detail = "; ".join(
-                f"ranks {rs}: {sig[0]} of {sig[1]} x {sig[2]}" + (f" root {sig[3]}" if sig[3] is not None else "")
+                f"ranks {rs}: {sig[0]} of {sig[1]} x {sig[2]}"
+                + (f" root {sig[3]}" if sig[3] is not None else "")
                 for sig, rs in groups.items()
             )
             raise CollectiveMismatchError(

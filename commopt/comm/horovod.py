@@ -22,6 +22,7 @@ allgather, broadcast) of bf16 travels as raw 16-bit words.
 ``split`` registers Horovod process sets, which every rank of the job must do together:
 split the top-level communicator (all ranks call it), not a communicator made by split.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,8 +91,14 @@ class HorovodCommunicator(Communicator):
 
     name = "horovod"
 
-    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, _process_set=None,
-                 _order: list[int] | None = None, _tag: str = "w"):
+    def __init__(
+        self,
+        *,
+        allreduce_grad_dtype: torch.dtype | None = None,
+        _process_set=None,
+        _order: list[int] | None = None,
+        _tag: str = "w",
+    ):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         hvd = self._hvd = _hvd()
         self._ps = hvd.global_process_set if _process_set is None else _process_set
@@ -132,11 +139,13 @@ class HorovodCommunicator(Communicator):
             return _DONE
         if buf.dtype == torch.bfloat16:  # no bf16 in Horovod: sum in fp32, round once
             wide = buf.float()
-            handle = hvd.allreduce_async_(wide, op=hvd.Sum, name=self._name("allreduce"),
-                                          process_set=self._ps)
+            handle = hvd.allreduce_async_(
+                wide, op=hvd.Sum, name=self._name("allreduce"), process_set=self._ps
+            )
             return HandleWork(hvd, handle, lambda _out: buf.copy_(wide))
-        handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=self._name("allreduce"),
-                                      process_set=self._ps)
+        handle = hvd.allreduce_async_(
+            buf, op=hvd.Sum, name=self._name("allreduce"), process_set=self._ps
+        )
         return HandleWork(hvd, handle)
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
@@ -148,8 +157,9 @@ class HorovodCommunicator(Communicator):
         rows = _movable(send).reshape(self.size, -1)
         if self._reordered():
             rows = self._to_set_order(rows)
-        handle = hvd.alltoall_async(rows.contiguous(), name=self._name("alltoall"),
-                                    process_set=self._ps)
+        handle = hvd.alltoall_async(
+            rows.contiguous(), name=self._name("alltoall"), process_set=self._ps
+        )
 
         def finish(output):
             got = output[0] if isinstance(output, tuple) else output
@@ -166,8 +176,9 @@ class HorovodCommunicator(Communicator):
             if self.size == 1 and recv.data_ptr() != send.data_ptr():
                 recv.copy_(send)
             return _DONE
-        handle = hvd.allgather_async(_movable(send).reshape(-1), name=self._name("allgather"),
-                                     process_set=self._ps)
+        handle = hvd.allgather_async(
+            _movable(send).reshape(-1), name=self._name("allgather"), process_set=self._ps
+        )
 
         def finish(output):
             got = output.reshape(self.size, -1)
@@ -181,8 +192,12 @@ class HorovodCommunicator(Communicator):
         hvd = self._hvd
         if buf.numel() == 0 or self.size == 1:
             return _DONE
-        handle = hvd.broadcast_async_(_movable(buf).reshape(-1), root_rank=self._order[root],
-                                      name=self._name("broadcast"), process_set=self._ps)
+        handle = hvd.broadcast_async_(
+            _movable(buf).reshape(-1),
+            root_rank=self._order[root],
+            name=self._name("broadcast"),
+            process_set=self._ps,
+        )
         return HandleWork(hvd, handle)
 
     def _barrier(self) -> None:
@@ -207,8 +222,11 @@ class HorovodCommunicator(Communicator):
         for c in sorted(groups):
             ranks = tuple(sorted(r for _, r in groups[c]))
             if ranks not in _PROCESS_SETS:
-                _PROCESS_SETS[ranks] = (hvd.global_process_set if len(ranks) == hvd.size()
-                                        else hvd.add_process_set(list(ranks)))
+                _PROCESS_SETS[ranks] = (
+                    hvd.global_process_set
+                    if len(ranks) == hvd.size()
+                    else hvd.add_process_set(list(ranks))
+                )
             if c == color:
                 mine = (c, ranks)
         if mine is None:  # our own (color, key, rank) is in everyone: a broken allgather_obj
@@ -216,9 +234,12 @@ class HorovodCommunicator(Communicator):
         c, ranks = mine
         by_key = [r for _, r in sorted(groups[c])]  # our new rank order: by key, then old rank
         order = [ranks.index(r) for r in by_key]
-        return HorovodCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype,
-                                   _process_set=_PROCESS_SETS[ranks], _order=order,
-                                   _tag=f"{self._tag}.s{c}")
+        return HorovodCommunicator(
+            allreduce_grad_dtype=self.allreduce_grad_dtype,
+            _process_set=_PROCESS_SETS[ranks],
+            _order=order,
+            _tag=f"{self._tag}.s{c}",
+        )
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64)

@@ -4,11 +4,18 @@ Recognises Open MPI's mpirun, MPICH/Hydra's mpiexec, torchrun (and anything that
 torch.distributed's RANK/WORLD_SIZE), horovodrun's gloo mode, and Slurm's srun.
 
     >>> from commopt.comm.launcher import detect_launcher
-    >>> info = detect_launcher({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-    ...                         "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    >>> info = detect_launcher(
+    ...     {
+    ...         "OMPI_COMM_WORLD_RANK": "1",
+    ...         "OMPI_COMM_WORLD_SIZE": "2",
+    ...         "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    ...         "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    ...     }
+    ... )
     >>> info.name, info.rank, info.size
     ('openmpi', 1, 2)
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +41,13 @@ class LaunchInfo:
 _LAYOUTS = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )

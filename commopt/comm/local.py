@@ -1,13 +1,14 @@
 """A world of one: every collective is the identity. For single-process runs and tests.
 
-    >>> import torch
-    >>> from commopt.comm.local import LocalCommunicator
-    >>> comm = LocalCommunicator()
-    >>> out = torch.empty(3)
-    >>> comm.allgather(torch.arange(3.0), out)
-    >>> out.tolist()
-    [0.0, 1.0, 2.0]
+>>> import torch
+>>> from commopt.comm.local import LocalCommunicator
+>>> comm = LocalCommunicator()
+>>> out = torch.empty(3)
+>>> comm.allgather(torch.arange(3.0), out)
+>>> out.tolist()
+[0.0, 1.0, 2.0]
 """
+
 from __future__ import annotations
 
 import torch

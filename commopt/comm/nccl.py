@@ -21,6 +21,7 @@ the same on every rank when every rank runs the same program.
 Threads: call from one thread at a time, in the same order on every rank.
 ``finalize()`` destroys the NCCL communicator and frees the bootstrap MPI communicator.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,8 +33,13 @@ from commopt.comm.streams import CudaStreams, issue_after_caller
 
 # ncclDataType_t values (nccl.h); stable across NCCL 2.x.
 _NCCL_DTYPE = {
-    torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
-    torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+    torch.uint8: 1,
+    torch.int32: 2,
+    torch.int64: 4,
+    torch.float16: 6,
+    torch.float32: 7,
+    torch.float64: 8,
+    torch.bfloat16: 9,
 }
 _NCCL_SUM = 0
 
@@ -85,14 +91,22 @@ class NcclCommunicator(Communicator):
     #: Work is ordered by CUDA streams; the driver issues the collectives inline.
     stream_ordered = True
 
-    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, mpi_comm=None,
-                 _streams=None, _boot=None, _shared: _Shared | None = None):
+    def __init__(
+        self,
+        *,
+        allreduce_grad_dtype: torch.dtype | None = None,
+        mpi_comm=None,
+        _streams=None,
+        _boot=None,
+        _shared: _Shared | None = None,
+    ):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         if _streams is None and _shared is None:
             _cupy_nccl()  # fail early, with the install hint, if CuPy is missing
             if not torch.cuda.is_available():
-                raise RuntimeError("the 'pure_nccl' communicator needs a CUDA device; use 'mpi' "
-                                   "or 'torch' on CPU")
+                raise RuntimeError(
+                    "the 'pure_nccl' communicator needs a CUDA device; use 'mpi' or 'torch' on CPU"
+                )
         from commopt.comm.mpi import MPICommunicator
 
         self._shared = _shared if _shared is not None else _Shared(_streams or _NcclStreams())
@@ -124,17 +138,27 @@ class NcclCommunicator(Communicator):
     def _launch(self, tensors, what: str, enqueue) -> Work:
         for t in tensors:
             if not self.streams.is_device_tensor(t):
-                raise TypeError("pure_nccl moves CUDA tensors only; use the 'mpi' communicator "
-                                "for CPU tensors")
+                raise TypeError(
+                    "pure_nccl moves CUDA tensors only; use the 'mpi' communicator for CPU tensors"
+                )
         comm = self._ensure()
         stream = self._shared.stream
         return issue_after_caller(
-            self.streams, stream, self._shared.device,
-            lambda: self.streams.enqueue(stream, what, lambda s: enqueue(comm, s)), keep=tensors)
+            self.streams,
+            stream,
+            self._shared.device,
+            lambda: self.streams.enqueue(stream, what, lambda s: enqueue(comm, s)),
+            keep=tensors,
+        )
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
-        return self._launch([buf], "allReduce", lambda c, s: c.allReduce(
-            buf.data_ptr(), buf.data_ptr(), buf.numel(), _NCCL_DTYPE[buf.dtype], _NCCL_SUM, s))
+        return self._launch(
+            [buf],
+            "allReduce",
+            lambda c, s: c.allReduce(
+                buf.data_ptr(), buf.data_ptr(), buf.numel(), _NCCL_DTYPE[buf.dtype], _NCCL_SUM, s
+            ),
+        )
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         nbytes = send.numel() * send.element_size() // self.size
@@ -151,12 +175,17 @@ class NcclCommunicator(Communicator):
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         nbytes = send.numel() * send.element_size()
-        return self._launch([send, recv], "allGather", lambda c, s: c.allGather(
-            send.data_ptr(), recv.data_ptr(), nbytes, 1, s))
+        return self._launch(
+            [send, recv],
+            "allGather",
+            lambda c, s: c.allGather(send.data_ptr(), recv.data_ptr(), nbytes, 1, s),
+        )
 
     def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
         nbytes = buf.numel() * buf.element_size()
-        return self._launch([buf], "bcast", lambda c, s: c.bcast(buf.data_ptr(), nbytes, 1, root, s))
+        return self._launch(
+            [buf], "bcast", lambda c, s: c.bcast(buf.data_ptr(), nbytes, 1, root, s)
+        )
 
     def _barrier(self) -> None:
         if self._shared.stream is not None:
@@ -173,13 +202,21 @@ class NcclCommunicator(Communicator):
         # The MPI sub-communicator becomes the child's bootstrap as it is (no second
         # duplicate, no orphaned worker); the child enqueues on the parent's stream.
         sub = self._boot.split(color, key)
-        child = NcclCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, _boot=sub,
-                                 _shared=self._shared)
+        child = NcclCommunicator(
+            allreduce_grad_dtype=self.allreduce_grad_dtype, _boot=sub, _shared=self._shared
+        )
         self._children.append(child)
         return child
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16)
+        return dtype in (
+            torch.float32,
+            torch.float64,
+            torch.int32,
+            torch.int64,
+            torch.float16,
+            torch.bfloat16,
+        )
 
     def finalize(self) -> None:
         """Wait for the work in flight; destroy the NCCL communicators (this one and those

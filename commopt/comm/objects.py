@@ -25,6 +25,7 @@ name a peer sent. Anything else is a ``TypeError`` that says what to send instea
     ...
     TypeError: cannot send set at obj: bcast_obj/allgather_obj carry JSON values (None, bool, int, float, str, list, dict), tuples, bytes, tensors, NumPy arrays, torch dtypes and dataclasses of those, never pickle. Send a list instead (sorted(...)).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,17 +36,36 @@ from typing import Any
 import torch
 
 _HEADER = struct.Struct("<Q")
-_ALLOWED = ("JSON values (None, bool, int, float, str, list, dict), tuples, bytes, tensors, "
-            "NumPy arrays, torch dtypes and dataclasses of those, never pickle")
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-    *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)))}
+_ALLOWED = (
+    "JSON values (None, bool, int, float, str, list, dict), tuples, bytes, tensors, "
+    "NumPy arrays, torch dtypes and dataclasses of those, never pickle"
+)
+_DTYPES = {
+    str(d).replace("torch.", ""): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
+    )
+}
 # What to send instead of a few types people commonly try.
 _HINTS = {
-    "set": "a list instead (sorted(...))", "frozenset": "a list instead (sorted(...))",
-    "Namespace": "a dict instead (vars(namespace))", "PosixPath": "a str instead (str(path))",
-    "WindowsPath": "a str instead (str(path))", "device": "a str instead (str(device))",
+    "set": "a list instead (sorted(...))",
+    "frozenset": "a list instead (sorted(...))",
+    "Namespace": "a dict instead (vars(namespace))",
+    "PosixPath": "a str instead (str(path))",
+    "WindowsPath": "a str instead (str(path))",
+    "device": "a str instead (str(device))",
     "Size": "a tuple instead (tuple(shape))",
 }
 
@@ -73,8 +93,12 @@ class _Encoder:
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("$") for k in obj):
                 return {k: self.value(v, f"{where}[{k!r}]") for k, v in obj.items()}
-            return {"$dict": [[self.value(k, f"{where} key {k!r}"), self.value(v, f"{where}[{k!r}]")]
-                              for k, v in obj.items()]}
+            return {
+                "$dict": [
+                    [self.value(k, f"{where} key {k!r}"), self.value(v, f"{where}[{k!r}]")]
+                    for k, v in obj.items()
+                ]
+            }
         if isinstance(obj, (bytes, bytearray)):
             return {"$bytes": self._blob(bytes(obj))}
         if isinstance(obj, torch.dtype):
@@ -82,8 +106,14 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().to("cpu").contiguous()
             data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return {"$tensor": [_dtype_name(t.dtype, where), list(t.shape), obj.device.type,
-                                *self._blob(data)]}
+            return {
+                "$tensor": [
+                    _dtype_name(t.dtype, where),
+                    list(t.shape),
+                    obj.device.type,
+                    *self._blob(data),
+                ]
+            }
         if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
             dtype, shape, _, off, n = self.value(torch.from_numpy(obj.copy()), where)["$tensor"]
             return {"$ndarray": [dtype, shape, off, n]}
@@ -94,17 +124,25 @@ class _Encoder:
         if type(obj) is torch.Size:
             return self.value(tuple(obj), where)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return {"$dataclass": {f.name: self.value(getattr(obj, f.name), f"{where}.{f.name}")
-                                   for f in dataclasses.fields(obj)}}
+            return {
+                "$dataclass": {
+                    f.name: self.value(getattr(obj, f.name), f"{where}.{f.name}")
+                    for f in dataclasses.fields(obj)
+                }
+            }
         name = type(obj).__name__
-        raise TypeError(f"cannot send {name} at {where}: bcast_obj/allgather_obj carry {_ALLOWED}. "
-                        f"Send {_HINTS.get(name, 'its fields as a dict or list of those types')}.")
+        raise TypeError(
+            f"cannot send {name} at {where}: bcast_obj/allgather_obj carry {_ALLOWED}. "
+            f"Send {_HINTS.get(name, 'its fields as a dict or list of those types')}."
+        )
 
 
 def _dtype_name(dtype: torch.dtype, where: str) -> str:
     name = str(dtype).replace("torch.", "")
     if name not in _DTYPES:
-        raise TypeError(f"cannot send a tensor of dtype {dtype} at {where}: use one of {', '.join(_DTYPES)}")
+        raise TypeError(
+            f"cannot send a tensor of dtype {dtype} at {where}: use one of {', '.join(_DTYPES)}"
+        )
     return name
 
 
@@ -125,11 +163,11 @@ def decode(message: bytes | memoryview, like: Any = None) -> Any:
     message = memoryview(message)
     if len(message) < _HEADER.size:
         raise ValueError(f"object message of {len(message)} bytes is shorter than its header")
-    (n,) = _HEADER.unpack(message[:_HEADER.size])
+    (n,) = _HEADER.unpack(message[: _HEADER.size])
     start = _HEADER.size + n
     if start > len(message):
         raise ValueError(f"object message header says {n} bytes but only {len(message)} arrived")
-    tree = json.loads(bytes(message[_HEADER.size:start]).decode())
+    tree = json.loads(bytes(message[_HEADER.size : start]).decode())
     return _Decoder(message[start:]).value(tree, like)
 
 
@@ -141,14 +179,17 @@ class _Decoder:
         off, n = int(ref[0]), int(ref[1])
         if off < 0 or n < 0 or off + n > len(self.blob):
             raise ValueError(f"object message refers to bytes {off}..{off + n} beyond its end")
-        return bytes(self.blob[off:off + n])
+        return bytes(self.blob[off : off + n])
 
     def _tensor(self, dtype: str, shape, ref) -> torch.Tensor:
         if dtype not in _DTYPES:
             raise ValueError(f"object message names unknown dtype {dtype!r}")
         raw = self._bytes(ref)
-        flat = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
-                else torch.empty(0, dtype=torch.uint8))
+        flat = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw
+            else torch.empty(0, dtype=torch.uint8)
+        )
         return flat.view(_DTYPES[dtype]).reshape([int(s) for s in shape])
 
     def value(self, node: Any, like: Any = None) -> Any:
@@ -157,7 +198,7 @@ class _Decoder:
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
-            (tag, body), = node.items()
+            ((tag, body),) = node.items()
             if tag == "$tuple":
                 return tuple(self.value(v, _item(like, i)) for i, v in enumerate(body))
             if tag == "$dict":
@@ -168,8 +209,11 @@ class _Decoder:
                 return out
             if tag == "$dataclass":
                 fields = {k: self.value(v, getattr(like, k, None)) for k, v in body.items()}
-                if dataclasses.is_dataclass(like) and not isinstance(like, type) and \
-                        set(fields) == {f.name for f in dataclasses.fields(like) if f.init}:
+                if (
+                    dataclasses.is_dataclass(like)
+                    and not isinstance(like, type)
+                    and set(fields) == {f.name for f in dataclasses.fields(like) if f.init}
+                ):
                     return type(like)(**fields)  # the receiver's class, never one the peer names
                 return fields
             if tag == "$bytes":
@@ -185,7 +229,10 @@ class _Decoder:
             if tag == "$ndarray":
                 dtype, shape, off, n = body
                 return self._tensor(dtype, shape, (off, n)).numpy()
-        return {k: self.value(v, like.get(k) if isinstance(like, dict) else None) for k, v in node.items()}
+        return {
+            k: self.value(v, like.get(k) if isinstance(like, dict) else None)
+            for k, v in node.items()
+        }
 
 
 def _item(like: Any, i: int) -> Any:
@@ -207,8 +254,13 @@ def _device_usable(device: str) -> bool:
 # These call the backend primitives directly (not the public collectives), so COMMOPT_DEBUG's
 # per-call check, which itself gathers objects, does not recurse.
 
+
 def _as_tensor(data: bytes, device: str = "cpu") -> torch.Tensor:
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    t = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
     return t.to(device)
 
 
@@ -233,8 +285,10 @@ def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
     if error is not None:
         raise error
     if n < 0:
-        raise TypeError(f"rank {comm.rank}: bcast_obj: rank {root} could not send its object "
-                        f"(its own error says why)")
+        raise TypeError(
+            f"rank {comm.rank}: bcast_obj: rank {root} could not send its object "
+            f"(its own error says why)"
+        )
     if comm.rank == root:
         assert data is not None  # n >= 0: the root encoded its object
         buf = _as_tensor(data, device)
@@ -251,15 +305,19 @@ def allgather_object(comm, obj: Any) -> list:
     data, error = _encode_or_none(obj)
     mine = _as_tensor(data or b"", device)
     sizes = torch.zeros(comm.size, dtype=torch.int64, device=device)
-    comm._allgather(torch.tensor([-1 if data is None else mine.numel()], dtype=torch.int64,
-                                 device=device), sizes).wait()
+    comm._allgather(
+        torch.tensor([-1 if data is None else mine.numel()], dtype=torch.int64, device=device),
+        sizes,
+    ).wait()
     sizes = sizes.cpu()
     if error is not None:
         raise error
     bad = [r for r in range(comm.size) if sizes[r] < 0]
     if bad:
-        raise TypeError(f"rank {comm.rank}: allgather_obj: ranks {bad} could not send their "
-                        f"objects (their own errors say why)")
+        raise TypeError(
+            f"rank {comm.rank}: allgather_obj: ranks {bad} could not send their "
+            f"objects (their own errors say why)"
+        )
     width = int(sizes.max().item())
     padded = torch.zeros(width, dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine

@@ -16,10 +16,12 @@ selected one sees the device's default stream.
     >>> with trace.use(side):
     ...     trace.current(None).name
     's1:0'
-    >>> ev = trace.record(side); trace.wait(trace.current(None), ev)
+    >>> ev = trace.record(side)
+    ... trace.wait(trace.current(None), ev)
     >>> trace.lines()
     ['MainThread use s1:0', 'MainThread end-use s1:0', 'MainThread record e1 on s1:0', 'MainThread wait default:0 on e1']
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,7 +77,9 @@ class StreamTrace:
 
     def current(self, device) -> TraceStream:
         index = self._index(device)
-        return getattr(self._local, "streams", {}).get(index, TraceStream(f"default:{index}", index))
+        return getattr(self._local, "streams", {}).get(
+            index, TraceStream(f"default:{index}", index)
+        )
 
     def new_stream(self, device) -> TraceStream:
         index = self._index(device)
@@ -150,7 +154,7 @@ class StreamTrace:
     def position(self, op: str, *args) -> int:
         """Index in :attr:`ops` of the first ``op`` call with these leading arguments."""
         for i, (o, _, *a) in enumerate(self.ops):
-            if o == op and tuple(a[:len(args)]) == args:
+            if o == op and tuple(a[: len(args)]) == args:
                 return i
         raise AssertionError(f"no {op} {args} in the trace:\n" + "\n".join(self.lines()))
 

@@ -19,10 +19,12 @@ checked on machines without a GPU.
     >>> from commopt.comm.stream_trace import StreamTrace
     >>> trace = StreamTrace()
     >>> comm_stream = trace.new_stream(None)
-    >>> work = issue_after_caller(trace, comm_stream, None,
-    ...                           lambda: trace.enqueue(trace.current(None), "allReduce"))
+    >>> work = issue_after_caller(
+    ...     trace, comm_stream, None, lambda: trace.enqueue(trace.current(None), "allReduce")
+    ... )
     >>> work.wait()
-    >>> for line in trace.lines(): print(line)
+    >>> for line in trace.lines():
+    ...     print(line)
     MainThread record e1 on default:0
     MainThread wait s1:0 on e1
     MainThread use s1:0
@@ -31,6 +33,7 @@ checked on machines without a GPU.
     MainThread record e2 on s1:0
     MainThread wait default:0 on e2
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -123,8 +126,9 @@ class StreamWork(Work):
         return self._streams.query(self._event)
 
 
-def issue_after_caller(streams, comm_stream, device, fn: Callable[[], None],
-                       keep: Iterable = ()) -> StreamWork:
+def issue_after_caller(
+    streams, comm_stream, device, fn: Callable[[], None], keep: Iterable = ()
+) -> StreamWork:
     """Run ``fn`` (which enqueues kernels) with ``comm_stream`` current, after the caller's work.
 
     The caller's current stream is recorded first, the communication stream waits on that

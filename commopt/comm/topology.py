@@ -13,6 +13,7 @@ The (intra, inter) pair of a communicator is built once (two collective ``comm.s
 calls) and cached here, weakly keyed by the communicator: the split communicators live as
 long as the one they came from.
 """
+
 from __future__ import annotations
 
 import threading

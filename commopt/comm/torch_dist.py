@@ -19,6 +19,7 @@ codec kernels inline on the calling thread, on a side stream of this communicato
 Dtypes a backend cannot sum are summed in fp32 on a copy, which is correct but carries 32
 bits (gloo in torch >= 2.1 and nccl >= 2.10 sum fp16 and bf16 themselves).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -78,8 +79,9 @@ def rendezvous_timeout(value: float | None = None) -> float:
     return float(value)
 
 
-def init_default_group(backend: str | None = None, timeout_s: float = 600,
-                       rendezvous_timeout_s: float | None = None) -> None:
+def init_default_group(
+    backend: str | None = None, timeout_s: float = 600, rendezvous_timeout_s: float | None = None
+) -> None:
     """Create torch.distributed's default group from the launcher's environment.
 
     The ranks first meet in a TCP store (rank 0 hosts it, listening on MASTER_ADDR only;
@@ -103,10 +105,20 @@ def init_default_group(backend: str | None = None, timeout_s: float = 600,
                 "launch with torchrun, mpirun or `commopt launch --launcher torch`"
             )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    store = _rendezvous(info.rank, info.size, env["MASTER_ADDR"], int(env.get("MASTER_PORT", "0")),
-                        rendezvous_timeout(rendezvous_timeout_s))
-    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    store = _rendezvous(
+        info.rank,
+        info.size,
+        env["MASTER_ADDR"],
+        int(env.get("MASTER_PORT", "0")),
+        rendezvous_timeout(rendezvous_timeout_s),
+    )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=info.rank,
+        world_size=info.size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     # A group left alive at interpreter exit can abort the process in torch's destructors
     # ("terminate called without an active exception"): destroy the one we created.
     atexit.register(_destroy_default_group)
@@ -148,16 +160,25 @@ def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
         listener = _listen(addr, port) if host_it else None
         if listener is not None:
             # The store takes the socket over (and closes it): Python must not close it too.
-            store = dist.TCPStore(addr, port, size, True, timeout=limit, wait_for_workers=False,
-                                  master_listen_fd=listener.detach())
+            store = dist.TCPStore(
+                addr,
+                port,
+                size,
+                True,
+                timeout=limit,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         elif host_it:  # MASTER_ADDR names no interface here (a NAT or service address)
             store = dist.TCPStore(addr, port, size, True, timeout=limit, wait_for_workers=False)
         else:
             store = dist.TCPStore(addr, port, size, False, timeout=limit)
     except OSError as exc:
-        raise CommError(f"rank {rank}: cannot listen on the rendezvous address {where} "
-                        f"(MASTER_ADDR/MASTER_PORT): {exc}. Give an address of this host and "
-                        f"a free port.") from None
+        raise CommError(
+            f"rank {rank}: cannot listen on the rendezvous address {where} "
+            f"(MASTER_ADDR/MASTER_PORT): {exc}. Give an address of this host and "
+            f"a free port."
+        ) from None
     except RuntimeError as exc:
         raise CommError(
             f"rank {rank}: could not reach the torch.distributed rendezvous at {where} within "
@@ -165,7 +186,9 @@ def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
             f"are MASTER_ADDR/MASTER_PORT its address? {hint} [{str(exc).splitlines()[0]}]"
         ) from None
     # Elastic restarts reuse the agent's store: keys of an earlier attempt must not count.
-    joined = dist.PrefixStore(f"commopt-join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    joined = dist.PrefixStore(
+        f"commopt-join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+    )
     joined.set(f"rank{rank}", "1")
     # Rank 0 judges (it waits for every rank) and posts the verdict; the others read it, so
     # every rank's error names the same missing ranks.
@@ -185,9 +208,11 @@ def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
             joined.wait(["verdict"], limit + datetime.timedelta(seconds=10))
             verdict = joined.get("verdict").decode()
         except RuntimeError:
-            raise CommError(f"rank {rank}: the rendezvous at {where} closed or went silent while "
-                            f"this rank waited for the others: rank 0, which hosts it, ended "
-                            f"{hint}") from None
+            raise CommError(
+                f"rank {rank}: the rendezvous at {where} closed or went silent while "
+                f"this rank waited for the others: rank 0, which hosts it, ended "
+                f"{hint}"
+            ) from None
         if verdict != "ok":
             joined.set(f"read{rank}", "1")
     if verdict != "ok":
@@ -224,8 +249,12 @@ def _listen(addr: str, port: int):
         sock.close()
         if exc.errno != errno.EADDRNOTAVAIL:
             raise
-        print(f"commopt: MASTER_ADDR {addr} is not an address of this host; the rendezvous "
-              f"store listens on every interface, port {port}", file=sys.stderr, flush=True)
+        print(
+            f"commopt: MASTER_ADDR {addr} is not an address of this host; the rendezvous "
+            f"store listens on every interface, port {port}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return sock
 
@@ -234,8 +263,9 @@ def _listen(addr: str, port: int):
 _left_store = None
 
 
-def _note_departure(why: str = "ended without an error: its script returned or called sys.exit"
-                    ) -> None:
+def _note_departure(
+    why: str = "ended without an error: its script returned or called sys.exit",
+) -> None:
     """Tell the peers, through the rendezvous store, that this rank is leaving and why."""
     if _left_store is None:
         return
@@ -248,7 +278,9 @@ def _explain_departure(exc: RuntimeError) -> Exception:
     """``exc``, or a CommError naming the ranks that left (read from the store) if any did."""
     from commopt.comm.errors import CommError
 
-    if _left_store is None or "closed by peer" not in str(exc) and "Connection reset" not in str(exc):
+    if _left_store is None or (
+        "closed by peer" not in str(exc) and "Connection reset" not in str(exc)
+    ):
         return exc
     store, rank = _left_store
     size = dist.get_world_size() if dist.is_initialized() else 0
@@ -257,7 +289,7 @@ def _explain_departure(exc: RuntimeError) -> Exception:
         for r in range(size):
             if r != rank and store.check([f"rank{r}"]):
                 left[r] = store.get(f"rank{r}").decode()
-    except Exception:  # noqa: BLE001 - rank 0 hosts the store: it is the one that left
+    except Exception:
         left = {0: "left (its rendezvous store is gone with it)"}
     if not left:
         return exc
@@ -266,16 +298,15 @@ def _explain_departure(exc: RuntimeError) -> Exception:
         f"rank {rank}: a collective failed because another rank left the job ({who}) while this "
         f"rank still waited for it. Every rank must make the same collective calls: ranks "
         f"that run out of data early keep stepping inside `with commopt.Join(optimizer):`. "
-        f"[{str(exc).splitlines()[0][:200]}]")
+        f"[{str(exc).splitlines()[0][:200]}]"
+    )
 
 
 def _destroy_default_group() -> None:
     _note_departure()
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # best effort at exit
             dist.destroy_process_group()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
 
 
 def _free_port(addr: str = "127.0.0.1") -> int:
@@ -299,7 +330,7 @@ def _share_master_over_mpi() -> None:
         ifname = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("COMMOPT_DATA_IFNAME")
         addr = _address_of(ifname) if ifname else socket.gethostbyname(socket.gethostname())
         text = f"{addr} {_free_port(addr)}".encode()
-        buf[:len(text)] = text
+        buf[: len(text)] = text
     world.Bcast(buf, root=0)
     addr, port = bytes(buf).rstrip(b"\0").decode().split()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(int(port))
@@ -311,7 +342,9 @@ def _address_of(ifname: str) -> str:
     import struct
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+        packed = fcntl.ioctl(
+            s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode())
+        )  # SIOCGIFADDR
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -327,9 +360,16 @@ class TorchCommunicator(Communicator):
 
     name = "torch"
 
-    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, group=None,
-                 backend: str | None = None, timeout_s: float = 600,
-                 rendezvous_timeout_s: float | None = None, _order: list[int] | None = None):
+    def __init__(
+        self,
+        *,
+        allreduce_grad_dtype: torch.dtype | None = None,
+        group=None,
+        backend: str | None = None,
+        timeout_s: float = 600,
+        rendezvous_timeout_s: float | None = None,
+        _order: list[int] | None = None,
+    ):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         if group is None:
             init_default_group(backend, timeout_s, rendezvous_timeout_s)
@@ -350,7 +390,9 @@ class TorchCommunicator(Communicator):
         self._identity = self._order == list(range(self.size))
         self.rank = self._order.index(dist.get_rank(group))
         # Global rank of each of our ranks, for src arguments.
-        self._global = [dist.get_global_rank(group, g) if group is not None else g for g in self._order]
+        self._global = [
+            dist.get_global_rank(group, g) if group is not None else g for g in self._order
+        ]
         self._init_topology()
 
     def codec_stream(self, device=None):
@@ -365,15 +407,22 @@ class TorchCommunicator(Communicator):
 
     # gloo (torch >= 2.1) and nccl (>= 2.10) both sum fp16 and bf16 in C++/CUDA.
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float32, torch.float64, torch.int32, torch.int64,
-                         torch.float16, torch.bfloat16)
+        return dtype in (
+            torch.float32,
+            torch.float64,
+            torch.int32,
+            torch.int64,
+            torch.float16,
+            torch.bfloat16,
+        )
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
         if self.supports_sum(buf.dtype):
             return _TorchWork(dist.all_reduce(buf, group=self.group, async_op=True))
         wide = buf.float()
-        return _TorchWork(dist.all_reduce(wide, group=self.group, async_op=True),
-                          after=lambda: buf.copy_(wide))
+        return _TorchWork(
+            dist.all_reduce(wide, group=self.group, async_op=True), after=lambda: buf.copy_(wide)
+        )
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         if self.size == 1:
@@ -387,8 +436,10 @@ class TorchCommunicator(Communicator):
         perm = torch.tensor(self._group_to_ours())
         s_group = s_chunks[perm].contiguous().view(-1)
         r_group = torch.empty_like(s_group)
-        return _TorchWork(dist.all_to_all_single(r_group, s_group, group=self.group, async_op=True),
-                          after=lambda: r_chunks.index_copy_(0, perm, r_group.view(self.size, -1)))
+        return _TorchWork(
+            dist.all_to_all_single(r_group, s_group, group=self.group, async_op=True),
+            after=lambda: r_chunks.index_copy_(0, perm, r_group.view(self.size, -1)),
+        )
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         s, r = _as_bytes(send), _as_bytes(recv)
@@ -403,7 +454,9 @@ class TorchCommunicator(Communicator):
         b = _as_bytes(buf)
         if b.numel() == 0:
             return _DONE
-        return _TorchWork(dist.broadcast(b, src=self._global[root], group=self.group, async_op=True))
+        return _TorchWork(
+            dist.broadcast(b, src=self._global[root], group=self.group, async_op=True)
+        )
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -411,7 +464,7 @@ class TorchCommunicator(Communicator):
     # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
     # (torch's *_object helpers pickle what peers send), on the device the backend moves.
 
-    def _split(self, color: int, key: int) -> "TorchCommunicator":
+    def _split(self, color: int, key: int) -> TorchCommunicator:
         # new_group must be called by every rank of the parent for every new group.
         triples = self._allgather_obj((color, key, self.rank))
         mine, order = None, None
@@ -421,7 +474,9 @@ class TorchCommunicator(Communicator):
             if c == color:
                 mine = g
                 order = [sorted(by_key).index(glob) for glob in by_key]
-        return TorchCommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine, _order=order)
+        return TorchCommunicator(
+            allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine, _order=order
+        )
 
     def _group_to_ours(self) -> list[int]:
         """Our rank of each group rank."""

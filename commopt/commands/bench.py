@@ -7,14 +7,17 @@
 Each benchmark is the module (or package) ``commopt.bench.<name>``, with ``add_arguments(parser)`` and
 ``run(args) -> int``, imported only when asked for.
 """
+
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-HELP = ("benchmarks: allreduce (nccl-tests style sweep over communicators and codecs), step "
-        "(training steps, DDP against commopt), to_accuracy (time to a target loss)")
+HELP = (
+    "benchmarks: allreduce (nccl-tests style sweep over communicators and codecs), step "
+    "(training steps, DDP against commopt), to_accuracy (time to a target loss)"
+)
 
 # name -> one-line help; the module is commopt.bench.<name>.
 BENCHMARKS = {
@@ -30,10 +33,12 @@ def _module(name: str):
         return importlib.import_module(f"commopt.bench.{name}")
     except ModuleNotFoundError as exc:
         if exc.name in (f"commopt.bench.{name}", "commopt.bench"):
-            raise ImportError(f"commopt bench {name}: the module commopt.bench.{name} is missing "
-                              f"from this installation of commopt; reinstall it "
-                              f"(pip install --force-reinstall commopt, or pip install . in a "
-                              f"checkout)") from exc
+            raise ImportError(
+                f"commopt bench {name}: the module commopt.bench.{name} is missing "
+                f"from this installation of commopt; reinstall it "
+                f"(pip install --force-reinstall commopt, or pip install . in a "
+                f"checkout)"
+            ) from exc
         raise
 
 
@@ -49,7 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     name = getattr(args, "_bench_name", None)
     if name is None:
-        print("commopt bench: name a benchmark: " + ", ".join(BENCHMARKS)
-              + " (e.g. commopt bench allreduce --help)", file=sys.stderr)
+        print(
+            "commopt bench: name a benchmark: "
+            + ", ".join(BENCHMARKS)
+            + " (e.g. commopt bench allreduce --help)",
+            file=sys.stderr,
+        )
         return 2
     return int(args._bench.run(args) or 0)

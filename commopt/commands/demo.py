@@ -14,6 +14,7 @@ The emulated link needs root and network namespaces (commopt.testbed); without t
 runs on loopback and says so. The work is done by the step benchmark (commopt.bench.step;
 `commopt bench step` runs all of it); the demo picks its configurations and explains the result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,8 @@ DESCRIPTION = (
     "buffering), then a table and a plot. The emulated link needs root and network namespaces "
     "(run as root, e.g. sudo, or in a container with CAP_NET_ADMIN); without them the hosts are "
     "two processes on plain loopback, said so. Takes about 5 minutes with the default 30 steps on "
-    "a 2-core machine; the time grows with --steps.")
+    "a 2-core machine; the time grows with --steps."
+)
 #: Below this many steps per configuration the demo does not compare final losses: a few steps
 #: from the same start leave every configuration near the initial loss, and double buffering's
 #: one-step delay alone separates them (noise, not a statement about the codecs).
@@ -38,15 +40,27 @@ LOSS_COMPARISON_MIN_STEPS = 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
-    parser.add_argument("--steps", type=int, default=30,
-                        help="training steps per configuration, 3 of them warm-up (default 30)")
-    parser.add_argument("--link", default="1gbit",
-                        help="emulated link rate between the 2 hosts (default 1gbit)")
-    parser.add_argument("--out", default="build/commopt-demo", metavar="DIR",
-                        help="where the plot, table and JSON go (default build/commopt-demo)")
-    parser.add_argument("--tour", action="store_true",
-                        help="run the allreduce tour instead: one allreduce through every "
-                             "communicator available here, timed")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="training steps per configuration, 3 of them warm-up (default 30)",
+    )
+    parser.add_argument(
+        "--link", default="1gbit", help="emulated link rate between the 2 hosts (default 1gbit)"
+    )
+    parser.add_argument(
+        "--out",
+        default="build/commopt-demo",
+        metavar="DIR",
+        help="where the plot, table and JSON go (default build/commopt-demo)",
+    )
+    parser.add_argument(
+        "--tour",
+        action="store_true",
+        help="run the allreduce tour instead: one allreduce through every "
+        "communicator available here, timed",
+    )
     parser.add_argument("--mib", type=float, default=16, help="(--tour) buffer size in MiB")
     parser.add_argument("-n", "--nprocs", type=int, default=2, help="(--tour) ranks")
 
@@ -58,8 +72,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tour(args) -> int:
-    cmd = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs), "--",
-           sys.executable, "-m", "commopt.examples.allreduce_tour", "--mib", str(args.mib)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commopt",
+        "launch",
+        "-n",
+        str(args.nprocs),
+        "--",
+        sys.executable,
+        "-m",
+        "commopt.examples.allreduce_tour",
+        "--mib",
+        str(args.mib),
+    ]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -69,19 +95,47 @@ def _main_job(args) -> int:
         print("commopt demo: --steps must be at least 4 (3 are warm-up)", file=sys.stderr)
         return 2
     from commopt.bench import step as bench
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    same = ["--models", "mlp", "--configs", ",".join(bench.DEMO_CONFIGS), "--link", args.link,
-            "--rounds", "1", "--warmup", "3", "--steps", str(args.steps - 3),
-            "--block", "9", "--compute-steps", "3"]
-    bargs = parser.parse_args(same + [
-        "--timeout", "900", "--plot", str(out / "step_times.png"),
-        "--json", str(out / "results.json"), "--markdown", str(out / "results.md")])
+    same = [
+        "--models",
+        "mlp",
+        "--configs",
+        ",".join(bench.DEMO_CONFIGS),
+        "--link",
+        args.link,
+        "--rounds",
+        "1",
+        "--warmup",
+        "3",
+        "--steps",
+        str(args.steps - 3),
+        "--block",
+        "9",
+        "--compute-steps",
+        "3",
+    ]
+    bargs = parser.parse_args(
+        same
+        + [
+            "--timeout",
+            "900",
+            "--plot",
+            str(out / "step_times.png"),
+            "--json",
+            str(out / "results.json"),
+            "--markdown",
+            str(out / "results.md"),
+        ]
+    )
     bargs.hide_targets = True  # the issue's benchmark targets belong to `commopt bench step`
-    bargs.command_line = (f"commopt demo --steps {args.steps} --link {args.link} "
-                          f"(the same as: commopt bench step {' '.join(same)})")
+    bargs.command_line = (
+        f"commopt demo --steps {args.steps} --link {args.link} "
+        f"(the same as: commopt bench step {' '.join(same)})"
+    )
     print(_INTRO.format(steps=args.steps, link=args.link), flush=True)
     report = bench.run_driver(bargs)
     info = report["models"]["mlp"]
@@ -117,38 +171,54 @@ def _summary(rows: dict, info: dict, report: dict, steps: int = 30) -> str:
     ok = [r for r in rows.values() if r["kind"] == "commopt" and r["step_s"] is not None]
     if ddp and ddp["step_s"] is not None and ok:
         best = min(ok, key=lambda r: r["step_s"])
-        short = (f"In short: {best['config']} takes {best['step_s'] * 1e3:.0f} ms per step "
-                 f"against DDP fp32's {ddp['step_s'] * 1e3:.0f} ms ({best['speedup']:.1f}x)")
+        short = (
+            f"In short: {best['config']} takes {best['step_s'] * 1e3:.0f} ms per step "
+            f"against DDP fp32's {ddp['step_s'] * 1e3:.0f} ms ({best['speedup']:.1f}x)"
+        )
         losses = steps >= LOSS_COMPARISON_MIN_STEPS
         if losses and best["final_loss"] is not None and ddp["final_loss"] is not None:
             short += f", final loss {best['final_loss']:.4f} against {ddp['final_loss']:.4f}"
         lines.append(short + ".")
         if not losses:
-            lines.append(f"The final losses are not compared: {steps} steps from scratch are too "
-                         f"few for them to say anything about the codecs (run --steps "
-                         f"{LOSS_COMPARISON_MIN_STEPS} or more).")
+            lines.append(
+                f"The final losses are not compared: {steps} steps from scratch are too "
+                f"few for them to say anything about the codecs (run --steps "
+                f"{LOSS_COMPARISON_MIN_STEPS} or more)."
+            )
         db = [r for r in ok if r["config"].endswith("-db") and r["final_loss"] is not None]
         if losses and db and db[0]["final_loss"] > 1.01 * ddp["final_loss"]:
-            lines.append(f"Double buffering applies each step's gradients one step late: in "
-                         f"these first few steps from scratch that costs some progress "
-                         f"(loss {db[0]['final_loss']:.4f}); over a whole training the recipes "
-                         f"find it within 1 point of fp32's accuracy at a suitable learning rate "
-                         f"(docs/recipes.md).")
+            lines.append(
+                f"Double buffering applies each step's gradients one step late: in "
+                f"these first few steps from scratch that costs some progress "
+                f"(loss {db[0]['final_loss']:.4f}); over a whole training the recipes "
+                f"find it within 1 point of fp32's accuracy at a suitable learning rate "
+                f"(docs/recipes.md)."
+            )
         if info.get("fp32_allreduce_limit_s"):
-            lines.append(f"DDP fp32 cannot beat the link: its {info['params'] * 4 / 1e6:.0f} MB "
-                         f"gradient needs {info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per "
-                         f"step on a {report['link_rate']} link, whatever the software does.")
+            lines.append(
+                f"DDP fp32 cannot beat the link: its {info['params'] * 4 / 1e6:.0f} MB "
+                f"gradient needs {info['fp32_allreduce_limit_s'] * 1e3:.0f} ms per "
+                f"step on a {report['link_rate']} link, whatever the software does."
+            )
     if report.get("rate_bits") is None:
-        lines.append(f"Note: {report['link']}. Loopback is far faster than a real network, so "
-                     f"the speed-ups here understate what a slow link shows.")
+        lines.append(
+            f"Note: {report['link']}. Loopback is far faster than a real network, so "
+            f"the speed-ups here understate what a slow link shows."
+        )
     else:
-        lines.append("Note: the emulated hosts share this machine's cores, so the CPU work of "
-                     "sending (copies, encoding) competes with compute, as it would not on "
-                     "separate hosts.")
+        lines.append(
+            "Note: the emulated hosts share this machine's cores, so the CPU work of "
+            "sending (copies, encoding) competes with compute, as it would not on "
+            "separate hosts."
+        )
     load, cores = report.get("load_average_start", 0.0), os.cpu_count() or 1
     if load > cores:
-        lines.append(f"Note: this machine was busy (load average {load:.1f} on {cores} cores): "
-                     f"compute and sending ran slower than on an idle machine.")
-    lines.append("More: `commopt bench step` runs every configuration (DDP fp16 and PowerSGD too) "
-                 "on this model and on a compute-bound CNN; docs/benchmarks.md has the results.")
+        lines.append(
+            f"Note: this machine was busy (load average {load:.1f} on {cores} cores): "
+            f"compute and sending ran slower than on an idle machine."
+        )
+    lines.append(
+        "More: `commopt bench step` runs every configuration (DDP fp16 and PowerSGD too) "
+        "on this model and on a compute-bound CNN; docs/benchmarks.md has the results."
+    )
     return "\n".join(lines)

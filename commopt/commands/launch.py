@@ -9,6 +9,7 @@ Without --link the ranks run here (mpirun with the flags this machine needs: run
 more ranks than cores). With --link each host is a network namespace; see docs/testbed.md.
 Run under mpirun, srun or torchrun already, it runs COMMAND once, as this rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,27 +24,50 @@ HELP = "run a command on N ranks, here or on an emulated cluster with shaped lin
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.usage = ("commopt launch -n N [--link RATE [--ranks-per-host K]] "
-                    "[--launcher mpi|torch] -- COMMAND...")
+    parser.usage = (
+        "commopt launch -n N [--link RATE [--ranks-per-host K]] "
+        "[--launcher mpi|torch] -- COMMAND..."
+    )
     parser.add_argument("-n", "--nprocs", type=int, help="number of ranks")
-    parser.add_argument("--link", metavar="RATE",
-                        help="emulate hosts joined by links of RATE, tc style: 1gbit, 100mbit "
-                             "(needs root; one host per --ranks-per-host ranks)")
-    parser.add_argument("--ranks-per-host", type=int, metavar="K",
-                        help="ranks per (emulated) host; default 1 with --link. Without --link "
-                             "the ranks are told they sit on nodes of K (COMMOPT_NODE_NAME)")
-    parser.add_argument("--launcher", choices=("mpi", "torch"), default="mpi",
-                        help="mpi: mpirun (default); torch: plain processes with "
-                             "torch.distributed's MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
-                        help="stop the job after SECONDS (exit code 124)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the command lines instead of running them (without --link)")
-    parser.add_argument("--cleanup", action="store_true",
-                        help="remove namespaces left by emulated-cluster runs that were killed, "
-                             "then exit")
-    parser.add_argument("command_args", nargs=argparse.REMAINDER,
-                        help="the command each rank runs, after --")
+    parser.add_argument(
+        "--link",
+        metavar="RATE",
+        help="emulate hosts joined by links of RATE, tc style: 1gbit, 100mbit "
+        "(needs root; one host per --ranks-per-host ranks)",
+    )
+    parser.add_argument(
+        "--ranks-per-host",
+        type=int,
+        metavar="K",
+        help="ranks per (emulated) host; default 1 with --link. Without --link "
+        "the ranks are told they sit on nodes of K (COMMOPT_NODE_NAME)",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("mpi", "torch"),
+        default="mpi",
+        help="mpi: mpirun (default); torch: plain processes with "
+        "torch.distributed's MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop the job after SECONDS (exit code 124)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command lines instead of running them (without --link)",
+    )
+    parser.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove namespaces left by emulated-cluster runs that were killed, then exit",
+    )
+    parser.add_argument(
+        "command_args", nargs=argparse.REMAINDER, help="the command each rank runs, after --"
+    )
 
 
 class Terminated(SystemExit):
@@ -61,11 +85,15 @@ def install_signal_handlers() -> None:
     that comes during start-up stops the launch like one that comes later. A signal the
     parent set to be ignored (``nohup``, a background job) stays ignored.
     """
+
     def terminated(signum, frame):
         raise Terminated(signum)
 
-    for sig, handler in ((signal.SIGINT, signal.default_int_handler),
-                         (signal.SIGTERM, terminated), (signal.SIGHUP, terminated)):
+    for sig, handler in (
+        (signal.SIGINT, signal.default_int_handler),
+        (signal.SIGTERM, terminated),
+        (signal.SIGHUP, terminated),
+    ):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, handler)
 
@@ -82,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
         print("commopt launch: interrupted; the job is stopped", file=sys.stderr)
         return 130
     except Terminated as exc:
-        print(f"commopt launch: terminated by signal {exc.signum}; the job is stopped",
-              file=sys.stderr)
+        print(
+            f"commopt launch: terminated by signal {exc.signum}; the job is stopped",
+            file=sys.stderr,
+        )
         return 128 + exc.signum
 
 
@@ -95,11 +125,15 @@ def _run(args: argparse.Namespace) -> int:
         from commopt.testbed import cleanup_stale
 
         removed = cleanup_stale()
-        print(f"removed {len(removed)} stale namespaces and work directories"
-              + (f": {' '.join(removed)}" if removed else ""))
+        print(
+            f"removed {len(removed)} stale namespaces and work directories"
+            + (f": {' '.join(removed)}" if removed else "")
+        )
         return 0
     if not command:
-        return _fail("give the command to run after --, e.g. commopt launch -n 2 -- python train.py")
+        return _fail(
+            "give the command to run after --, e.g. commopt launch -n 2 -- python train.py"
+        )
 
     from commopt.comm.launcher import detect_launcher
 
@@ -114,18 +148,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.link is None:
         return _run_local(args, command)
     if args.dry_run:
-        return _fail("--dry-run shows runs without --link only: an emulated cluster's command "
-                     "lines name namespaces that exist only while it runs")
+        return _fail(
+            "--dry-run shows runs without --link only: an emulated cluster's command "
+            "lines name namespaces that exist only while it runs"
+        )
     return _run_emulated(args, command)
 
 
 def _run_as_outer_rank(args, outer, command: list[str]) -> int:
     if args.link is not None:
-        return _fail(f"already running as rank {outer.rank} of {outer.size} under {outer.name}; "
-                     f"--link must start the ranks itself: run commopt launch outside it")
+        return _fail(
+            f"already running as rank {outer.rank} of {outer.size} under {outer.name}; "
+            f"--link must start the ranks itself: run commopt launch outside it"
+        )
     if args.nprocs is not None and args.nprocs != outer.size:
-        return _fail(f"-n {args.nprocs} disagrees with the {outer.size} ranks {outer.name} "
-                     f"started; drop -n or make them match")
+        return _fail(
+            f"-n {args.nprocs} disagrees with the {outer.size} ranks {outer.name} "
+            f"started; drop -n or make them match"
+        )
     if args.dry_run:
         print(" ".join(command))
         return 0
@@ -152,8 +192,10 @@ def _run_local(args, command: list[str]) -> int:
             print(_shell_line(argv, env))
             return 0
         if shutil.which("mpirun") is None:
-            return _fail("mpirun not found: install Open MPI (apt-get install openmpi-bin) "
-                         "or use --launcher torch")
+            return _fail(
+                "mpirun not found: install Open MPI (apt-get install openmpi-bin) "
+                "or use --launcher torch"
+            )
         return run_processes([argv], envs=[env], names=["mpirun"], timeout=args.timeout)
     from commopt.testbed.torch_dist import local_rank_specs
 
@@ -162,8 +204,12 @@ def _run_local(args, command: list[str]) -> int:
         for s in specs:
             print(_shell_line(s.argv, {**env, **s.env}))
         return 0
-    return run_processes([s.argv for s in specs], envs=[{**env, **s.env} for s in specs],
-                         names=[f"rank {s.rank}" for s in specs], timeout=args.timeout)
+    return run_processes(
+        [s.argv for s in specs],
+        envs=[{**env, **s.env} for s in specs],
+        names=[f"rank {s.rank}" for s in specs],
+        timeout=args.timeout,
+    )
 
 
 def _run_emulated(args, command: list[str]) -> int:
@@ -178,30 +224,41 @@ def _run_emulated(args, command: list[str]) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     if rate > FAITHFUL_LIMIT_BITS:
-        print(f"commopt launch: warning: above about {format_rate(FAITHFUL_LIMIT_BITS)} the "
-              f"CPUs of this machine, not the shaper, may set the speed", file=sys.stderr)
+        print(
+            f"commopt launch: warning: above about {format_rate(FAITHFUL_LIMIT_BITS)} the "
+            f"CPUs of this machine, not the shaper, may set the speed",
+            file=sys.stderr,
+        )
     if args.launcher == "mpi" and shutil.which("mpirun") is None:
-        return _fail("mpirun not found: install Open MPI (apt-get install openmpi-bin) "
-                     "or use --launcher torch")
+        return _fail(
+            "mpirun not found: install Open MPI (apt-get install openmpi-bin) "
+            "or use --launcher torch"
+        )
     n_hosts = math.ceil(n / k)
     env = _thread_env(n)
     try:
         with emulated_cluster(n_hosts, rate) as cluster:
-            print(f"commopt launch: {n} ranks on {n_hosts} emulated hosts ({k} per host), "
-                  f"links {format_rate(rate)}; data {cluster.data_cidr} on "
-                  f"{cluster.data_ifname}, run {cluster.slot}", file=sys.stderr, flush=True)
+            print(
+                f"commopt launch: {n} ranks on {n_hosts} emulated hosts ({k} per host), "
+                f"links {format_rate(rate)}; data {cluster.data_cidr} on "
+                f"{cluster.data_ifname}, run {cluster.slot}",
+                file=sys.stderr,
+                flush=True,
+            )
             if args.launcher == "mpi":
                 from commopt.testbed.mpirun import mpirun_cluster_argv
 
                 argv = cluster.head_argv(mpirun_cluster_argv(cluster, n, k, command))
-                return run_processes([argv], envs=[env], names=["mpirun"],
-                                     timeout=args.timeout)
+                return run_processes([argv], envs=[env], names=["mpirun"], timeout=args.timeout)
             from commopt.testbed.torch_dist import cluster_rank_specs
 
             specs = cluster_rank_specs(cluster, n, k, command)
-            return run_processes([s.argv for s in specs],
-                                 envs=[{**env, **s.env} for s in specs],
-                                 names=[f"rank {s.rank}" for s in specs], timeout=args.timeout)
+            return run_processes(
+                [s.argv for s in specs],
+                envs=[{**env, **s.env} for s in specs],
+                names=[f"rank {s.rank}" for s in specs],
+                timeout=args.timeout,
+            )
     except TestbedUnavailable as exc:
         return _fail(f"cannot emulate a cluster here: {exc}")
 
@@ -209,5 +266,6 @@ def _run_emulated(args, command: list[str]) -> int:
 def _shell_line(argv: list[str], env: dict[str, str]) -> str:
     import shlex
 
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] +
-                    [shlex.quote(a) for a in argv])
+    return " ".join(
+        [f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]
+    )

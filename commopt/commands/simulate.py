@@ -1,12 +1,13 @@
 """`commopt simulate`: predict step time, throughput and parallel efficiency.
 
-    $ commopt simulate --machine v100-nvlink-25g --model resnet50 --gpus 32 --codec fp16 --overlap double-buffering
-    $ commopt simulate --model bert-large --sweep gpus=8..1024 --plot scaling.png
-    $ commopt simulate --profile-model resnet50 --machine testbed-1gbit --gpus 2
-    $ commopt simulate --machine testbed-1gbit --gpus 2 --compute-time 0.8 --grad-bytes 102760448 --measured-step 1.7
-    $ commopt simulate --machine v100-nvlink-25g --gpus 16 --nccl-env "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4"
-    $ commopt simulate --machine p100-10gbe --gpus 32 --software chainermn-1.3-pure_nccl-db --codec fp16
+$ commopt simulate --machine v100-nvlink-25g --model resnet50 --gpus 32 --codec fp16 --overlap double-buffering
+$ commopt simulate --model bert-large --sweep gpus=8..1024 --plot scaling.png
+$ commopt simulate --profile-model resnet50 --machine testbed-1gbit --gpus 2
+$ commopt simulate --machine testbed-1gbit --gpus 2 --compute-time 0.8 --grad-bytes 102760448 --measured-step 1.7
+$ commopt simulate --machine v100-nvlink-25g --gpus 16 --nccl-env "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4"
+$ commopt simulate --machine p100-10gbe --gpus 32 --software chainermn-1.3-pure_nccl-db --codec fp16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,67 +19,150 @@ HELP = "predict step time, throughput and parallel efficiency for 1 to 4096 work
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to simulate")
-    g.add_argument("--machine", default="v100-nvlink-25g", help="preset name or machine JSON file (see --list)")
-    g.add_argument("--model", default="resnet50", help="built-in profile name or profile JSON file (see --list)")
+    g.add_argument(
+        "--machine", default="v100-nvlink-25g", help="preset name or machine JSON file (see --list)"
+    )
+    g.add_argument(
+        "--model",
+        default="resnet50",
+        help="built-in profile name or profile JSON file (see --list)",
+    )
     g.add_argument("--gpus", type=int, default=None, help="number of workers (default: one node)")
-    g.add_argument("--sweep", default=None, metavar="AXIS=VALUES",
-                   help="sweep one axis: gpus=8..1024 (doubling), inter_gbps=25,100,400, bucket_mb=..., "
-                        "batch=..., intra_GBps=..., codec=none,fp16,qsgd4, overlap=..., algorithm=...")
+    g.add_argument(
+        "--sweep",
+        default=None,
+        metavar="AXIS=VALUES",
+        help="sweep one axis: gpus=8..1024 (doubling), inter_gbps=25,100,400, bucket_mb=..., "
+        "batch=..., intra_GBps=..., codec=none,fp16,qsgd4, overlap=..., algorithm=...",
+    )
     p = parser.add_argument_group("communication plan")
-    p.add_argument("--software", default=None, metavar="NAME",
-                   help="what named software did (overlap, buffers, copies, algorithm): "
-                        "chainermn-1.3-pure_nccl, chainermn-1.3-pure_nccl-db, pytorch-ddp, commopt; the options "
-                        "below override its fields (see --list)")
-    p.add_argument("--algorithm", default=None, choices=("auto", "nccl", "ring", "tree", "hierarchical", "sra"),
-                   help="auto (default): the fastest suitable algorithm for each bucket; nccl: NCCL's own "
-                        "(ring or tree)")
-    p.add_argument("--codec", default=None, help="none (default), fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>")
-    p.add_argument("--codec-bench", default=None, metavar="FILE",
-                   help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio")
-    p.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size in MiB (default 25)")
-    p.add_argument("--overlap", default=None, choices=("none", "backward", "double-buffering"),
-                   help="when the all-reduce runs: none (after the backward pass), backward (default; DDP "
-                        "buckets during it), double-buffering (during the next step; ChainerMN)")
-    p.add_argument("--piece-mb", type=float, default=None,
-                   help="pieces of the scatter-reduce pipeline in MiB of fp32 (default: "
-                        "commopt.collectives.PIECE_BYTES, 4 MiB; 0: no pipeline)")
+    p.add_argument(
+        "--software",
+        default=None,
+        metavar="NAME",
+        help="what named software did (overlap, buffers, copies, algorithm): "
+        "chainermn-1.3-pure_nccl, chainermn-1.3-pure_nccl-db, pytorch-ddp, commopt; the options "
+        "below override its fields (see --list)",
+    )
+    p.add_argument(
+        "--algorithm",
+        default=None,
+        choices=("auto", "nccl", "ring", "tree", "hierarchical", "sra"),
+        help="auto (default): the fastest suitable algorithm for each bucket; nccl: NCCL's own "
+        "(ring or tree)",
+    )
+    p.add_argument(
+        "--codec",
+        default=None,
+        help="none (default), fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>",
+    )
+    p.add_argument(
+        "--codec-bench",
+        default=None,
+        metavar="FILE",
+        help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio",
+    )
+    p.add_argument(
+        "--bucket-mb", type=float, default=None, help="gradient bucket size in MiB (default 25)"
+    )
+    p.add_argument(
+        "--overlap",
+        default=None,
+        choices=("none", "backward", "double-buffering"),
+        help="when the all-reduce runs: none (after the backward pass), backward (default; DDP "
+        "buckets during it), double-buffering (during the next step; ChainerMN)",
+    )
+    p.add_argument(
+        "--piece-mb",
+        type=float,
+        default=None,
+        help="pieces of the scatter-reduce pipeline in MiB of fp32 (default: "
+        "commopt.collectives.PIECE_BYTES, 4 MiB; 0: no pipeline)",
+    )
     o = parser.add_argument_group("overrides")
     o.add_argument("--inter-gbps", type=float, default=None, help="inter-node line rate in Gbit/s")
-    o.add_argument("--intra-GBps", type=float, default=None, help="intra-node per-GPU bandwidth in GB/s")
-    o.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per node instead of the preset's (e.g. 1 for one rank per node, as "
-                        "all_reduce_perf -g 1)")
-    o.add_argument("--transport", default=None, metavar="NAME",
-                   help="the inter-node transport instead of the preset's (see --list): NCCL version, "
-                        "sockets / IB verbs / EFA, per-flow cap")
-    o.add_argument("--nccl-env", default=None, metavar="VARS",
-                   help='NCCL variables as the transport reads them, "NCCL_SOCKET_NTHREADS=4 '
-                        'NCCL_NSOCKS_PERTHREAD=4", or a `commopt doctor --profile` name (aws-tcp, '
-                        'gcp-fastsocket, azure-ib, ...); without --algorithm or --software the algorithm '
-                        'becomes nccl (ring or tree)')
+    o.add_argument(
+        "--intra-GBps", type=float, default=None, help="intra-node per-GPU bandwidth in GB/s"
+    )
+    o.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node instead of the preset's (e.g. 1 for one rank per node, as "
+        "all_reduce_perf -g 1)",
+    )
+    o.add_argument(
+        "--transport",
+        default=None,
+        metavar="NAME",
+        help="the inter-node transport instead of the preset's (see --list): NCCL version, "
+        "sockets / IB verbs / EFA, per-flow cap",
+    )
+    o.add_argument(
+        "--nccl-env",
+        default=None,
+        metavar="VARS",
+        help='NCCL variables as the transport reads them, "NCCL_SOCKET_NTHREADS=4 '
+        'NCCL_NSOCKS_PERTHREAD=4", or a `commopt doctor --profile` name (aws-tcp, '
+        "gcp-fastsocket, azure-ib, ...); without --algorithm or --software the algorithm "
+        "becomes nccl (ring or tree)",
+    )
     o.add_argument("--batch", type=float, default=None, help="samples per GPU per step")
-    o.add_argument("--throughput", type=float, default=None, help="single-GPU samples/s on this machine's GPU")
+    o.add_argument(
+        "--throughput", type=float, default=None, help="single-GPU samples/s on this machine's GPU"
+    )
     o.add_argument("--step-time", type=float, default=None, help="single-GPU step time in seconds")
     o.add_argument("--grad-dtype", choices=("fp32", "fp16"), default=None, help="gradient width")
     m = parser.add_argument_group("measured inputs")
-    m.add_argument("--profile-model", default=None, metavar="NAME",
-                   help="profile a real run of NAME (resnet50) on this CPU and simulate with it")
-    m.add_argument("--profile-out", default=None, help="where to write the profile (default NAME.profile.json)")
-    m.add_argument("--profile-batch", type=int, default=1, help="samples per profiled step (default 1)")
-    m.add_argument("--profile-image-size", type=int, default=64,
-                   help="image side in pixels for the profiled run (default 64; the profile keeps per-layer "
-                        "shares, the GPU speed comes from the built-in profile)")
-    m.add_argument("--profile-iters", type=int, default=2, help="profiled steps; the fastest counts (default 2)")
-    m.add_argument("--profile-threads", type=int, default=1, help="torch threads while profiling (default 1)")
-    m.add_argument("--compute-time", type=float, default=None,
-                   help="measured compute seconds per step (with --grad-bytes: a synthetic profile)")
-    m.add_argument("--grad-bytes", type=float, default=None, help="gradient bytes per step (float32)")
-    m.add_argument("--measured-step", type=float, default=None,
-                   help="measured step seconds to compare the prediction with")
+    m.add_argument(
+        "--profile-model",
+        default=None,
+        metavar="NAME",
+        help="profile a real run of NAME (resnet50) on this CPU and simulate with it",
+    )
+    m.add_argument(
+        "--profile-out", default=None, help="where to write the profile (default NAME.profile.json)"
+    )
+    m.add_argument(
+        "--profile-batch", type=int, default=1, help="samples per profiled step (default 1)"
+    )
+    m.add_argument(
+        "--profile-image-size",
+        type=int,
+        default=64,
+        help="image side in pixels for the profiled run (default 64; the profile keeps per-layer "
+        "shares, the GPU speed comes from the built-in profile)",
+    )
+    m.add_argument(
+        "--profile-iters",
+        type=int,
+        default=2,
+        help="profiled steps; the fastest counts (default 2)",
+    )
+    m.add_argument(
+        "--profile-threads", type=int, default=1, help="torch threads while profiling (default 1)"
+    )
+    m.add_argument(
+        "--compute-time",
+        type=float,
+        default=None,
+        help="measured compute seconds per step (with --grad-bytes: a synthetic profile)",
+    )
+    m.add_argument(
+        "--grad-bytes", type=float, default=None, help="gradient bytes per step (float32)"
+    )
+    m.add_argument(
+        "--measured-step",
+        type=float,
+        default=None,
+        help="measured step seconds to compare the prediction with",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--plot", default=None, metavar="PNG", help="write a plot (needs matplotlib)")
-    out.add_argument("--list", action="store_true", help="list machines, models and codecs, then exit")
+    out.add_argument(
+        "--list", action="store_true", help="list machines, models and codecs, then exit"
+    )
 
 
 def _list() -> int:
@@ -105,8 +189,10 @@ def _list() -> int:
         print(f"  {name:28s} {sw.description}")
     print("transports (--transport):")
     for name, t in TRANSPORTS.items():
-        print(f"  {name:24s} {t.kind}, NCCL {t.nccl_version or '-'}, flows {t.flows}, "
-              f"{'GPUDirect RDMA' if t.gdr else 'staged through host'}")
+        print(
+            f"  {name:24s} {t.kind}, NCCL {t.nccl_version or '-'}, flows {t.flows}, "
+            f"{'GPUDirect RDMA' if t.gdr else 'staged through host'}"
+        )
     return 0
 
 
@@ -114,21 +200,36 @@ def _profile(args, machine):
     from commopt.sim.model_profiles import list_profiles, load_profile
     from commopt.sim.profiler import profile_named_model
 
-    prof = profile_named_model(args.profile_model, batch=args.profile_batch, image_size=args.profile_image_size,
-                               iterations=args.profile_iters, threads=args.profile_threads)
+    prof = profile_named_model(
+        args.profile_model,
+        batch=args.profile_batch,
+        image_size=args.profile_image_size,
+        iterations=args.profile_iters,
+        threads=args.profile_threads,
+    )
     path = args.profile_out or f"{args.profile_model}.profile.json"
     prof.save(path)
-    print(f"profiled {args.profile_model} on this CPU: {prof.sources['measured']}; wrote {path}", file=sys.stderr)
+    print(
+        f"profiled {args.profile_model} on this CPU: {prof.sources['measured']}; wrote {path}",
+        file=sys.stderr,
+    )
     if machine.gpu not in prof.throughput and args.profile_model in list_profiles():
         # Measured layer timings, published speed of the machine's GPU.
         from dataclasses import replace
 
         builtin = load_profile(args.profile_model)
         if machine.gpu in builtin.throughput:
-            print(f"using the measured per-layer backward shares with the built-in {machine.gpu} "
-                  "throughput and batch", file=sys.stderr)
-            prof = replace(prof, batch_per_gpu=builtin.batch_per_gpu, throughput=builtin.throughput,
-                           grad_bytes_per_param=builtin.grad_bytes_per_param)
+            print(
+                f"using the measured per-layer backward shares with the built-in {machine.gpu} "
+                "throughput and batch",
+                file=sys.stderr,
+            )
+            prof = replace(
+                prof,
+                batch_per_gpu=builtin.batch_per_gpu,
+                throughput=builtin.throughput,
+                grad_bytes_per_param=builtin.grad_bytes_per_param,
+            )
     return prof
 
 
@@ -143,10 +244,16 @@ def run(args) -> int:
         from commopt.sim.transport import parse_nccl_env
 
         machine = get_machine(args.machine).with_overrides(
-            inter_gbps=args.inter_gbps, intra_GBps=args.intra_GBps, gpus_per_node=args.gpus_per_node,
-            transport=args.transport, nccl_env=parse_nccl_env(args.nccl_env) if args.nccl_env else None)
+            inter_gbps=args.inter_gbps,
+            intra_GBps=args.intra_GBps,
+            gpus_per_node=args.gpus_per_node,
+            transport=args.transport,
+            nccl_env=parse_nccl_env(args.nccl_env) if args.nccl_env else None,
+        )
         if (args.compute_time is None) != (args.grad_bytes is None):
-            raise ValueError("--compute-time and --grad-bytes go together (a profile from two measured numbers)")
+            raise ValueError(
+                "--compute-time and --grad-bytes go together (a profile from two measured numbers)"
+            )
         if args.compute_time is not None:
             profile = synthetic_profile(args.compute_time, args.grad_bytes, device=machine.gpu)
         elif args.profile_model:
@@ -154,8 +261,12 @@ def run(args) -> int:
         else:
             profile = load_profile(args.model)
         profile = profile.with_overrides(
-            batch_per_gpu=args.batch, gpu=machine.gpu, throughput=args.throughput, step_time=args.step_time,
-            grad_bytes_per_param={"fp32": 4, "fp16": 2, None: None}[args.grad_dtype])
+            batch_per_gpu=args.batch,
+            gpu=machine.gpu,
+            throughput=args.throughput,
+            step_time=args.step_time,
+            grad_bytes_per_param={"fp32": 4, "fp16": 2, None: None}[args.grad_dtype],
+        )
         codec = args.codec
         if args.codec_bench:
             codec = from_benchmark(args.codec_bench, codec or "none")
@@ -164,10 +275,18 @@ def run(args) -> int:
             # NCCL's variables tune NCCL's own algorithms; commopt's hierarchical ring and
             # scatter-reduce run on commopt's communicator, which does not read them.
             algorithm = "nccl"
-            print("commopt simulate: --nccl-env tunes NCCL: algorithm nccl (ring or tree) unless --algorithm "
-                  "is given", file=sys.stderr)
-        fields = {"algorithm": algorithm, "codec": codec, "bucket_mb": args.bucket_mb,
-                  "overlap": args.overlap, "piece_mb": args.piece_mb}
+            print(
+                "commopt simulate: --nccl-env tunes NCCL: algorithm nccl (ring or tree) unless --algorithm "
+                "is given",
+                file=sys.stderr,
+            )
+        fields = {
+            "algorithm": algorithm,
+            "codec": codec,
+            "bucket_mb": args.bucket_mb,
+            "overlap": args.overlap,
+            "piece_mb": args.piece_mb,
+        }
         if args.software:
             from commopt.sim.software import software_plan
 
@@ -194,13 +313,17 @@ def run(args) -> int:
         print(format_table(rows, axis))
         if args.measured_step is not None:
             pred = rows[-1][1].step_s
-            print(f"measured step {args.measured_step * 1e3:.1f} ms, predicted {pred * 1e3:.1f} ms, "
-                  f"error {pred / args.measured_step - 1:+.1%}")
+            print(
+                f"measured step {args.measured_step * 1e3:.1f} ms, predicted {pred * 1e3:.1f} ms, "
+                f"error {pred / args.measured_step - 1:+.1%}"
+            )
     if args.plot:
         try:
             from commopt.sim.plot import plot_sweep
 
-            plot_sweep(rows, axis, args.plot, title=f"{profile.name} on {machine.name}: {plan.describe()}")
+            plot_sweep(
+                rows, axis, args.plot, title=f"{profile.name} on {machine.name}: {plan.describe()}"
+            )
         except ImportError as exc:
             print(f"commopt simulate: error: {exc}", file=sys.stderr)
             return 2

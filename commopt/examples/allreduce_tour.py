@@ -6,6 +6,7 @@ Each rank sums a buffer of rank-dependent values through each transport and chec
 result exactly; rank 0 prints time, bus bandwidth (nccl-tests convention: busbw = bytes /
 time x 2(n-1)/n) and whether the sum was right.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,12 +62,22 @@ def main(argv=None) -> int:
             nbytes = numel * buf.element_size()
             busbw = nbytes / dt * (2 * (n - 1) / n) / 1e9 if n > 1 else float("nan")
             ok = torch.equal(buf, expected)
-            rows.append((comm.name, n, tag, f"{nbytes / 2**20:.1f}", f"{dt * 1e3:.1f}",
-                         f"{busbw:.2f} GB/s busbw, {'correct' if ok else 'WRONG SUM'}"))
+            rows.append(
+                (
+                    comm.name,
+                    n,
+                    tag,
+                    f"{nbytes / 2**20:.1f}",
+                    f"{dt * 1e3:.1f}",
+                    f"{busbw:.2f} GB/s busbw, {'correct' if ok else 'WRONG SUM'}",
+                )
+            )
             if not ok:
                 raise SystemExit(f"rank {r}: {comm.name} {tag} allreduce gave a wrong sum")
     if world_rank == 0:
-        print(table(["communicator", "ranks", "dtype", "MiB", "ms", "result"], rows, align="lrrrrl"))
+        print(
+            table(["communicator", "ranks", "dtype", "MiB", "ms", "result"], rows, align="lrrrrl")
+        )
     return 0
 
 

@@ -38,6 +38,7 @@ variable                  default   meaning
     >>> BackendConfig.from_env({"COMMOPT_BITS": "32"}).codec() is None
     True
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +61,15 @@ from commopt.codecs.policy import DEFAULT_EXCLUDE, DEFAULT_MIN_COMPRESS_NUMEL
 from commopt.integrations.c10d_comm import C10dCommunicator
 from commopt.integrations.ddp import CommoptHookState, commopt_hook
 
-__all__ = ["BACKEND_NAME", "BackendConfig", "CommoptProcessGroup", "Counters", "register", "register_model", "stats"]
+__all__ = [
+    "BACKEND_NAME",
+    "BackendConfig",
+    "CommoptProcessGroup",
+    "Counters",
+    "register",
+    "register_model",
+    "stats",
+]
 
 BACKEND_NAME = "commopt"
 _BITS = (2, 4, 8, 16, 32)
@@ -112,26 +121,34 @@ class BackendConfig:
             bucket_size=_env_int(env, "COMMOPT_BUCKET_SIZE", 128, minimum=1),
             min_size=_env_int(env, "COMMOPT_MIN_SIZE", DEFAULT_MIN_COMPRESS_NUMEL, minimum=0),
             compress_1d=_env_bool(env, "COMMOPT_COMPRESS_1D"),
-            exclude=DEFAULT_EXCLUDE if exclude is None else
-            tuple(p.strip() for p in exclude.split(",") if p.strip()),
+            exclude=DEFAULT_EXCLUDE
+            if exclude is None
+            else tuple(p.strip() for p in exclude.split(",") if p.strip()),
             error_feedback=_env_bool(env, "COMMOPT_ERROR_FEEDBACK"),
             seed=_env_int(env, "COMMOPT_SEED", 0),
         )
         config.policy()  # a bad COMMOPT_EXCLUDE pattern fails here, naming the pattern
         if config.error_feedback and config.bits == 32:
-            raise ValueError("COMMOPT_ERROR_FEEDBACK=1 needs a compressing COMMOPT_BITS (2, 4, 8 or 16)")
+            raise ValueError(
+                "COMMOPT_ERROR_FEEDBACK=1 needs a compressing COMMOPT_BITS (2, 4, 8 or 16)"
+            )
         return config
 
     def codec(self):
         """The compressing codec, or None for ``bits=32`` (everything passes through)."""
         if self.bits == 32:
             return None
-        codec = get_codec("fp16") if self.bits == 16 else QSGD(bits=self.bits, bucket_size=self.bucket_size)
+        codec = (
+            get_codec("fp16")
+            if self.bits == 16
+            else QSGD(bits=self.bits, bucket_size=self.bucket_size)
+        )
         return ErrorFeedback(codec) if self.error_feedback else codec
 
     def policy(self) -> CompressionPolicy:
-        return CompressionPolicy(min_compress_numel=self.min_size, exclude=self.exclude,
-                                 compress_1d=self.compress_1d)
+        return CompressionPolicy(
+            min_compress_numel=self.min_size, exclude=self.exclude, compress_1d=self.compress_1d
+        )
 
 
 @dataclass
@@ -159,30 +176,46 @@ class CommoptProcessGroup(dist.ProcessGroup):
     commopt's collectives over a transport of its own (``self.comm``).
     """
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
-                 config: BackendConfig | None = None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        config: BackendConfig | None = None,
+    ):
         # (rank, size) is one of the constructor's run-time overloads; the stubs list only the other
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.config = config or BackendConfig.from_env()
         self._codec = self.config.codec()
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pass/gloo/", store), rank, size, timeout)
+        self._gloo = dist.ProcessGroupGloo(
+            dist.PrefixStore("pass/gloo/", store), rank, size, timeout
+        )
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         # Any: the stubs' Backend classes list none of their collectives
         self._passthrough: dict[str, Any] = {"cpu": self._gloo}
         if cuda:
             # options has a default at run time; the stubs make it required
             nccl = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
-                dist.PrefixStore("pass/nccl/", store), rank, size)
+                dist.PrefixStore("pass/nccl/", store), rank, size
+            )
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
             self._passthrough["cuda"] = nccl
-        self._set_default_backend(dist.ProcessGroup.BackendType.NCCL if cuda
-                                  else dist.ProcessGroup.BackendType.GLOO)
+        self._set_default_backend(
+            dist.ProcessGroup.BackendType.NCCL if cuda else dist.ProcessGroup.BackendType.GLOO
+        )
         # commopt's own traffic: separate contexts, so its stages (on commopt's collective
         # thread) never interleave with pass-through collectives issued by the caller.
         self.counters = Counters(bits=self.config.bits)
-        self.comm = C10dCommunicator(dist.PrefixStore("commopt/", store), rank, size, timeout,
-                                     use_cuda=cuda, on_send=self.counters.add_sent)
+        self.comm = C10dCommunicator(
+            dist.PrefixStore("commopt/", store),
+            rank,
+            size,
+            timeout,
+            use_cuda=cuda,
+            on_send=self.counters.add_sent,
+        )
         self._lock = threading.Lock()
         global _LAST_COUNTERS
         _LAST_COUNTERS = self.counters
@@ -213,15 +246,22 @@ class CommoptProcessGroup(dist.ProcessGroup):
             raise RuntimeError(
                 "COMMOPT_ERROR_FEEDBACK=1 keeps one residual per layer, which needs the layers: "
                 "call commopt.integrations.backend.register_model(ddp_model) after wrapping the "
-                "model in DistributedDataParallel (or unset COMMOPT_ERROR_FEEDBACK)")
+                "model in DistributedDataParallel (or unset COMMOPT_ERROR_FEEDBACK)"
+            )
         t = tensors[0]
         with self._lock:
             step = self.counters.compressed_calls
             self.counters.compressed_calls += 1
             self.counters.compressed_elements += t.numel()
         rng = RngKey(self.config.seed, self.rank(), step, 0)
-        work = collectives.allreduce(self.comm, t.view(-1), self._codec, async_op=True,
-                                     average=opts.reduceOp == dist.ReduceOp.AVG, rng=rng)
+        work = collectives.allreduce(
+            self.comm,
+            t.view(-1),
+            self._codec,
+            async_op=True,
+            average=opts.reduceOp == dist.ReduceOp.AVG,
+            rng=rng,
+        )
         future: torch.futures.Future = torch.futures.Future()
 
         def finish() -> None:  # runs on commopt's collective thread, after the reduction
@@ -248,8 +288,10 @@ def register() -> None:
 def _commopt_group(group) -> CommoptProcessGroup:
     pg = group if group is not None else dist.group.WORLD
     if not isinstance(pg, CommoptProcessGroup):
-        raise TypeError(f"the process group is {dist.get_backend(pg)!r}, not {BACKEND_NAME!r}: "
-                        f"create it with dist.init_process_group({BACKEND_NAME!r})")
+        raise TypeError(
+            f"the process group is {dist.get_backend(pg)!r}, not {BACKEND_NAME!r}: "
+            f"create it with dist.init_process_group({BACKEND_NAME!r})"
+        )
     return pg
 
 
@@ -283,13 +325,19 @@ def register_model(ddp_model, policy: CompressionPolicy | None = None) -> Commop
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError("register_model takes the DistributedDataParallel model: call it after "
-                        "ddp_model = DistributedDataParallel(model)")
+        raise TypeError(
+            "register_model takes the DistributedDataParallel model: call it after "
+            "ddp_model = DistributedDataParallel(model)"
+        )
     pg = _commopt_group(ddp_model.process_group)
     codec = pg.config.codec()
-    state = _BackendHookState(pg, compression=codec if codec is not None else "none",
-                              model=ddp_model.module, policy=policy or pg.config.policy(),
-                              seed=pg.config.seed)
+    state = _BackendHookState(
+        pg,
+        compression=codec if codec is not None else "none",
+        model=ddp_model.module,
+        policy=policy or pg.config.policy(),
+        seed=pg.config.seed,
+    )
     ddp_model.register_comm_hook(state, commopt_hook)
     return state
 
@@ -308,6 +356,7 @@ def stats(group=None) -> dict:
         return dataclasses.asdict(_LAST_COUNTERS)
     return dataclasses.asdict(_commopt_group(group).counters)
 
+
 if __name__ != "__main__":  # run as a script, the importable module registers (below)
     register()
 
@@ -317,9 +366,11 @@ def _main(argv: list[str]) -> None:
     import runpy
 
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m commopt.integrations.backend SCRIPT.py [ARGS...]\n"
-              "Runs SCRIPT with the 'commopt' torch.distributed backend registered, so that\n"
-              "dist.init_process_group('commopt') works without importing commopt.")
+        print(
+            "usage: python -m commopt.integrations.backend SCRIPT.py [ARGS...]\n"
+            "Runs SCRIPT with the 'commopt' torch.distributed backend registered, so that\n"
+            "dist.init_process_group('commopt') works without importing commopt."
+        )
         raise SystemExit(0 if argv else 2)
     sys.argv = list(argv)
     runpy.run_path(argv[0], run_name="__main__")

@@ -13,7 +13,9 @@ which is how tests and users see that compression happened.
     >>> import datetime, torch, torch.distributed as dist
     >>> store = dist.HashStore()
     >>> comm = C10dCommunicator(store, rank=0, size=1, timeout=datetime.timedelta(seconds=30))
-    >>> t = torch.ones(3); comm.allreduce(t); t.tolist()
+    >>> t = torch.ones(3)
+    ... comm.allreduce(t)
+    ... t.tolist()
     [1.0, 1.0, 1.0]
 
 ``bcast_obj``/``allgather_obj`` carry JSON (strings, numbers, lists), never pickles. The
@@ -21,6 +23,7 @@ node of each rank (host name, or ``COMMOPT_NODE_NAME``) is exchanged at construc
 ``split`` makes sub-communicators from the same store, so ``commopt.collectives`` can run
 its hierarchical algorithm across nodes.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -61,17 +64,31 @@ class C10dCommunicator(Communicator):
 
     name = "c10d"
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, *,
-                 use_cuda: bool | None = None, on_send: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        *,
+        use_cuda: bool | None = None,
+        on_send: Callable[[int], None] | None = None,
+    ):
         super().__init__()
         self.rank, self.size = int(rank), int(size)
         self._store, self._timeout = store, timeout
         self._backends: dict[str, Any] = {
-            "cpu": dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), self.rank, self.size, timeout)}
-        if (torch.cuda.is_available() if use_cuda is None else use_cuda) and dist.is_nccl_available():
+            "cpu": dist.ProcessGroupGloo(
+                dist.PrefixStore("gloo/", store), self.rank, self.size, timeout
+            )
+        }
+        if (
+            torch.cuda.is_available() if use_cuda is None else use_cuda
+        ) and dist.is_nccl_available():
             # options has a default at run time; the stubs make it required
             self._backends["cuda"] = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
-                dist.PrefixStore("nccl/", store), self.rank, self.size)
+                dist.PrefixStore("nccl/", store), self.rank, self.size
+            )
         self._lock = threading.Lock()
         self.sent_bytes = 0
         #: called with each send's byte count (under a lock), e.g. to keep a running total;
@@ -84,8 +101,10 @@ class C10dCommunicator(Communicator):
         try:
             return self._backends[t.device.type]
         except KeyError:
-            raise RuntimeError(f"the commopt backend has no transport for {t.device.type} tensors "
-                               f"(it has {', '.join(self._backends)})") from None
+            raise RuntimeError(
+                f"the commopt backend has no transport for {t.device.type} tensors "
+                f"(it has {', '.join(self._backends)})"
+            ) from None
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
@@ -95,8 +114,14 @@ class C10dCommunicator(Communicator):
 
     # gloo (torch >= 2.1) and nccl sum fp16 and bf16 themselves.
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float32, torch.float64, torch.int32, torch.int64,
-                         torch.float16, torch.bfloat16)
+        return dtype in (
+            torch.float32,
+            torch.float64,
+            torch.int32,
+            torch.int64,
+            torch.float16,
+            torch.bfloat16,
+        )
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
         self._count(buf.numel() * buf.element_size())
@@ -145,11 +170,15 @@ class C10dCommunicator(Communicator):
         self._raw_allgather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
         width = int(sizes.max().item())
         mine = torch.zeros(width, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        mine[: len(data)] = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        )
         everyone = torch.zeros(self.size * width, dtype=torch.uint8)
         self._raw_allgather(mine, everyone).wait()
         rows = everyone.view(self.size, width)
-        return [json.loads(bytes(rows[r, :int(sizes[r])].tolist()).decode()) for r in range(self.size)]
+        return [
+            json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode()) for r in range(self.size)
+        ]
 
     def _split(self, color: int, key: int) -> Communicator:
         # Collective over this communicator: every rank learns every (color, key, rank) and
@@ -158,5 +187,11 @@ class C10dCommunicator(Communicator):
         members = [r for _, r in sorted((k, r) for c, k, r in triples if c == color)]
         self._splits += 1
         store = dist.PrefixStore(f"split{self._splits}/{color}/", self._store)
-        return C10dCommunicator(store, members.index(self.rank), len(members), self._timeout,
-                                use_cuda="cuda" in self._backends, on_send=self._count)
+        return C10dCommunicator(
+            store,
+            members.index(self.rank),
+            len(members),
+            self._timeout,
+            use_cuda="cuda" in self._backends,
+            on_send=self._count,
+        )

@@ -21,6 +21,7 @@ The state holds no process group when pickled or saved: ``state_dict()`` is plai
 and numbers (error-feedback residuals, the step counter, the seed), and the communicator
 is rebuilt lazily from the process group given at construction (or the default group).
 """
+
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 import copy
 from typing import TYPE_CHECKING, Any, cast
@@ -67,9 +68,16 @@ class CommoptHookState:
     :func:`commopt.collectives.allreduce`. ``seed``: for stochastic rounding.
     """
 
-    def __init__(self, compression: str | Codec = "fp16", *, model: torch.nn.Module | None = None,
-                 process_group=None, policy: CompressionPolicy | None = None,
-                 algorithm: str = "auto", seed: int = 0):
+    def __init__(
+        self,
+        compression: str | Codec = "fp16",
+        *,
+        model: torch.nn.Module | None = None,
+        process_group=None,
+        policy: CompressionPolicy | None = None,
+        algorithm: str = "auto",
+        seed: int = 0,
+    ):
         self.compression = compression
         get_codec(compression)  # a bad name fails here, not inside backward
         self.policy = policy if policy is not None else CompressionPolicy()
@@ -93,8 +101,13 @@ class CommoptHookState:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(_comm=None, process_group=None, _reducers={}, _names={},
-                     _pending_codec_state=self.state_dict()["codecs"])
+        state.update(
+            _comm=None,
+            process_group=None,
+            _reducers={},
+            _names={},
+            _pending_codec_state=self.state_dict()["codecs"],
+        )
         return state
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -125,13 +138,21 @@ class CommoptHookState:
             # new reducer (and starts its error-feedback residuals from zero).
             spec = self.compression
             codec = copy.deepcopy(spec) if isinstance(spec, Codec) else get_codec(spec)
-            names = [self._names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)]
+            names = [
+                self._names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)
+            ]
             reducer = GradientReducer(
                 # duck-typed: the reducer reads only shape, dtype, device, numel() and grad
-                self.comm, [cast(torch.Tensor, _GradView(g)) for g in grads], names,
+                self.comm,
+                [cast(torch.Tensor, _GradView(g)) for g in grads],
+                names,
                 codec=None if codec.name in ("none", "fp32") else codec,
-                plain_codec=None, policy=self.policy, bucket_cap_mb=1e9,  # DDP sized the bucket
-                algorithm=self.algorithm, seed=self.seed)
+                plain_codec=None,
+                policy=self.policy,
+                bucket_cap_mb=1e9,  # DDP sized the bucket
+                algorithm=self.algorithm,
+                seed=self.seed,
+            )
             if str(index) in self._pending_codec_state:
                 reducer.load_codec_states(self._pending_codec_state.pop(str(index)))
             self._reducers[index] = (signature, reducer)
@@ -142,7 +163,9 @@ class CommoptHookState:
         return reducer
 
 
-def commopt_hook(state: CommoptHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def commopt_hook(
+    state: CommoptHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket`` over DDP's group through commopt's codec."""
     reducer = state._reducer(bucket)
     comm = reducer.comm

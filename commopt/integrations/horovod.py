@@ -26,6 +26,7 @@ bf16: Horovod 0.28 cannot sum bfloat16 tensors (it has no bf16 data type), so
 ``Compression.bf16`` raises a ValueError naming the alternatives when first used with
 such a Horovod.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -114,8 +115,9 @@ class CodecCompressor(_Compressor):
         self._check_transport()
         n = self._world()
         flat = tensor.detach().reshape(-1).contiguous()
-        wire = torch.empty(self.codec.encoded_nbytes(flat.numel()), dtype=torch.uint8,
-                           device=tensor.device)
+        wire = torch.empty(
+            self.codec.encoded_nbytes(flat.numel()), dtype=torch.uint8, device=tensor.device
+        )
         self.codec.encode(flat, wire, scale=1.0 / n)  # divide first: the sum of n cannot overflow
         return wire.view(self._wire_dtype).view(tensor.shape), (tensor.shape, n)
 

@@ -26,6 +26,7 @@ kernels; on a GPU machine set it yourself): slow, meant for tests.
     >>> torch.equal(wire, ref)
     True
 """
+
 from __future__ import annotations
 
 import itertools
@@ -209,13 +210,17 @@ def _check_qsgd(bits: int, levels: int, bucket_size: int, norm: str, scale_bytes
     if bits not in QSGD_BITS:
         raise ValueError(f"bits must be one of {QSGD_BITS}, got {bits}")
     if not 1 <= levels <= 2 ** (bits - 1) - 1:
-        raise ValueError(f"levels must be in [1, {2 ** (bits - 1) - 1}] for {bits} bits, got {levels}")
+        raise ValueError(
+            f"levels must be in [1, {2 ** (bits - 1) - 1}] for {bits} bits, got {levels}"
+        )
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if scale_bytes not in (2, 4):
-        raise ValueError(f"scale_bytes must be 4 (float32 scales) or 2 (float16), got {scale_bytes}")
+        raise ValueError(
+            f"scale_bytes must be 4 (float32 scales) or 2 (float16), got {scale_bytes}"
+        )
 
 
 def _scale32(scale: float) -> float:
@@ -252,9 +257,16 @@ def qsgd_encode(
     _check_flat("out", out, torch.uint8, nbytes)
     k0, k1 = (int(k) & 0xFFFFFFFF for k in key)
     which = _pick(impl, x, out)
-    kwargs: dict[str, Any] = dict(bits=bits, levels=levels, bucket_size=bucket_size,
-                                  key=(k0, k1), norm=norm, stochastic=stochastic,
-                                  scale=_scale32(scale), scale_bytes=scale_bytes)
+    kwargs: dict[str, Any] = dict(
+        bits=bits,
+        levels=levels,
+        bucket_size=bucket_size,
+        key=(k0, k1),
+        norm=norm,
+        stochastic=stochastic,
+        scale=_scale32(scale),
+        scale_bytes=scale_bytes,
+    )
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).qsgd_encode(x, out, **kwargs)
@@ -279,8 +291,14 @@ def qsgd_decode(
     nbytes = qsgd_nbytes(out.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
     _check_flat("wire", wire, torch.uint8, nbytes)
     which = _pick(impl, wire, out)
-    kwargs: dict[str, Any] = dict(bits=bits, levels=levels, bucket_size=bucket_size,
-                                  accumulate=accumulate, alpha=_scale32(alpha), scale_bytes=scale_bytes)
+    kwargs: dict[str, Any] = dict(
+        bits=bits,
+        levels=levels,
+        bucket_size=bucket_size,
+        accumulate=accumulate,
+        alpha=_scale32(alpha),
+        scale_bytes=scale_bytes,
+    )
     if which == "native":
         kwargs["threads"] = threads
     _backend(which).qsgd_decode(wire, out, **kwargs)
@@ -328,13 +346,16 @@ def cast_decode(
 # check (``pack_nonfinite``), and the check alone after the reduction (``nonfinite``).
 # Exact: a value is flagged iff it is NaN or +-Inf (``flat.sum()`` can also overflow).
 
+
 def _check_pieces(pieces, dst: torch.Tensor) -> list[tuple]:
     out, end = [], dst.numel()
     for k, piece in enumerate(pieces):
         src, offset, numel = piece
         offset, numel = int(offset), int(numel)
         if offset < 0 or numel < 0 or offset + numel > end:
-            raise ValueError(f"piece {k} writes [{offset}, {offset + numel}) outside dst's {end} elements")
+            raise ValueError(
+                f"piece {k} writes [{offset}, {offset + numel}) outside dst's {end} elements"
+            )
         if src is not None:
             _check_flat(f"piece {k}'s source", src, torch.float32, numel)
             if src.device != dst.device:
@@ -346,8 +367,9 @@ def _check_pieces(pieces, dst: torch.Tensor) -> list[tuple]:
     return out
 
 
-def pack_nonfinite(pieces, dst: torch.Tensor, *, impl: str | None = None,
-                   threads: int | None = None) -> bool:
+def pack_nonfinite(
+    pieces, dst: torch.Tensor, *, impl: str | None = None, threads: int | None = None
+) -> bool:
     """Copy ``pieces`` into float32 ``dst``; True if a copied value is NaN or +-Inf.
 
     Each piece is ``(src, offset, numel)``: ``src`` (float32, contiguous, ``numel``
@@ -370,7 +392,7 @@ def pack_nonfinite(pieces, dst: torch.Tensor, *, impl: str | None = None,
         return _native().pack_nonfinite(checked, dst, threads=threads)
     bad = False
     for src, offset, numel in checked:
-        part = dst[offset: offset + numel]
+        part = dst[offset : offset + numel]
         if src is None:
             part.zero_()
         else:
@@ -382,13 +404,15 @@ def pack_nonfinite(pieces, dst: torch.Tensor, *, impl: str | None = None,
 def nonfinite(x: torch.Tensor, *, impl: str | None = None, threads: int | None = None) -> bool:
     """True if float32 ``x`` (contiguous) holds a NaN or +-Inf: one read of every element.
 
-        >>> import torch
-        >>> nonfinite(torch.tensor([1.0, -3e38])), nonfinite(torch.tensor([0.0, float("nan")]))
-        (False, True)
+    >>> import torch
+    >>> nonfinite(torch.tensor([1.0, -3e38])), nonfinite(torch.tensor([0.0, float("nan")]))
+    (False, True)
     """
     _check_flat("x", x, torch.float32)
     which = _pick(impl, x)
     if which == "native":
         return _native().nonfinite(x, threads=threads)
     return not bool(torch.isfinite(x).all())
+
+
 # ----------------------------------------------------------------------------- end pack and check

@@ -7,6 +7,7 @@ Python (``ctypes.PyDLL`` would hold it).
 Called through :mod:`commopt.kernels`, which validates arguments first; these functions
 trust their inputs (contiguous CPU tensors of the right dtype and size).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -51,10 +52,28 @@ def load():
     if version != ABI_VERSION:
         _load_error = f"{path} has ABI {version}, expected {ABI_VERSION}: rebuild it"
         return None
-    vp, i64, i32, u32, f32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32,
-                              ctypes.c_float)
-    lib.commopt_qsgd_encode.argtypes = [vp, vp, i64, i32, i32, i64, i32, i32, u32, u32, f32,
-                                        i32, i32]
+    vp, i64, i32, u32, f32 = (
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_uint32,
+        ctypes.c_float,
+    )
+    lib.commopt_qsgd_encode.argtypes = [
+        vp,
+        vp,
+        i64,
+        i32,
+        i32,
+        i64,
+        i32,
+        i32,
+        u32,
+        u32,
+        f32,
+        i32,
+        i32,
+    ]
     lib.commopt_qsgd_encode.restype = i32
     lib.commopt_qsgd_decode.argtypes = [vp, vp, i64, i32, i32, i64, i32, i32, f32, i32]
     lib.commopt_qsgd_decode.restype = i32
@@ -84,33 +103,62 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"native {what} failed with code {rc} (invalid arguments)")
 
 
-def qsgd_encode(x, out, *, bits, levels, bucket_size, key, norm, stochastic, scale,
-                scale_bytes, threads=None) -> None:
+def qsgd_encode(
+    x, out, *, bits, levels, bucket_size, key, norm, stochastic, scale, scale_bytes, threads=None
+) -> None:
     rc = load().commopt_qsgd_encode(
-        x.data_ptr(), out.data_ptr(), x.numel(), bits, levels, bucket_size,
-        1 if norm == "l2" else 0, 1 if stochastic else 0, key[0], key[1], scale, scale_bytes,
-        _threads(threads))
+        x.data_ptr(),
+        out.data_ptr(),
+        x.numel(),
+        bits,
+        levels,
+        bucket_size,
+        1 if norm == "l2" else 0,
+        1 if stochastic else 0,
+        key[0],
+        key[1],
+        scale,
+        scale_bytes,
+        _threads(threads),
+    )
     _check(rc, "qsgd_encode")
 
 
-def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scale_bytes,
-                threads=None) -> None:
+def qsgd_decode(
+    wire, out, *, bits, levels, bucket_size, accumulate, alpha, scale_bytes, threads=None
+) -> None:
     rc = load().commopt_qsgd_decode(
-        wire.data_ptr(), out.data_ptr(), out.numel(), bits, levels, bucket_size, scale_bytes,
-        1 if accumulate else 0, alpha, _threads(threads))
+        wire.data_ptr(),
+        out.data_ptr(),
+        out.numel(),
+        bits,
+        levels,
+        bucket_size,
+        scale_bytes,
+        1 if accumulate else 0,
+        alpha,
+        _threads(threads),
+    )
     _check(rc, "qsgd_decode")
 
 
 def cast_encode(x, out, *, scale, threads=None) -> None:
-    rc = load().commopt_cast_encode(x.data_ptr(), out.data_ptr(), x.numel(),
-                                    _DTYPE_CODE[out.dtype], scale, _threads(threads))
+    rc = load().commopt_cast_encode(
+        x.data_ptr(), out.data_ptr(), x.numel(), _DTYPE_CODE[out.dtype], scale, _threads(threads)
+    )
     _check(rc, "cast_encode")
 
 
 def cast_decode(wire, out, *, accumulate, alpha, threads=None) -> None:
-    rc = load().commopt_cast_decode(wire.data_ptr(), out.data_ptr(), out.numel(),
-                                    _DTYPE_CODE[wire.dtype], 1 if accumulate else 0, alpha,
-                                    _threads(threads))
+    rc = load().commopt_cast_decode(
+        wire.data_ptr(),
+        out.data_ptr(),
+        out.numel(),
+        _DTYPE_CODE[wire.dtype],
+        1 if accumulate else 0,
+        alpha,
+        _threads(threads),
+    )
     _check(rc, "cast_decode")
 
 
@@ -124,10 +172,14 @@ def nonfinite(x, *, threads=None) -> bool:
 def pack_nonfinite(pieces, dst, *, threads=None) -> bool:
     """``pieces``: (float32 source or None for zeros, offset into ``dst``, numel) each."""
     count = len(pieces)
-    srcs = (ctypes.c_void_p * count)(*[None if src is None else src.data_ptr() for src, _, _ in pieces])
+    srcs = (ctypes.c_void_p * count)(
+        *[None if src is None else src.data_ptr() for src, _, _ in pieces]
+    )
     offsets = (ctypes.c_int64 * count)(*[int(off) for _, off, _ in pieces])
     numels = (ctypes.c_int64 * count)(*[int(n) for _, _, n in pieces])
-    rc = load().commopt_pack_nonfinite(srcs, offsets, numels, count, dst.data_ptr(), _threads(threads))
+    rc = load().commopt_pack_nonfinite(
+        srcs, offsets, numels, count, dst.data_ptr(), _threads(threads)
+    )
     if rc < 0:
         _check(rc, "pack_nonfinite")
     return bool(rc)

@@ -15,6 +15,7 @@ kernel is available. See docs/codecs.md for the wire formats and the random numb
     >>> bool((out - x).abs().max() < 1.0 / 7)
     True
 """
+
 from __future__ import annotations
 
 import torch
@@ -105,12 +106,13 @@ def bucket_steps(m: torch.Tensor, levels: int, scale_bytes: int) -> torch.Tensor
     return step
 
 
-def _split_wire(wire: torch.Tensor, nbuckets: int,
-                scale_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_wire(
+    wire: torch.Tensor, nbuckets: int, scale_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     scale_dtype = torch.float32 if scale_bytes == 4 else torch.float16
     # copy: the wire may sit at an offset that is not a multiple of the scale size
     scales = wire[: nbuckets * scale_bytes].clone().view(scale_dtype)
-    return scales, wire[nbuckets * scale_bytes:]
+    return scales, wire[nbuckets * scale_bytes :]
 
 
 def qsgd_encode(
@@ -160,8 +162,8 @@ def qsgd_encode(
     scale_dtype = torch.float32 if scale_bytes == 4 else torch.float16
     head = nb * scale_bytes
     out[:head].copy_(step.to(scale_dtype).view(torch.uint8))
-    out[head: head + ncode_bytes].copy_(packed)
-    out[head + ncode_bytes:].zero_()
+    out[head : head + ncode_bytes].copy_(packed)
+    out[head + ncode_bytes :].zero_()
 
 
 def qsgd_decode(

@@ -23,13 +23,17 @@ device); max norms of any width are computed in the kernel.
     >>> device = "cpu" if kernels.triton_interpreted() else "cuda"
     >>> x = torch.linspace(-1, 1, 1000)
     >>> wire = torch.empty(kernels.qsgd_nbytes(1000, bits=4, bucket_size=100), dtype=torch.uint8)
-    >>> kernels.qsgd_encode(x, wire, bits=4, levels=7, bucket_size=100, key=(1, 2), impl="reference")
+    >>> kernels.qsgd_encode(
+    ...     x, wire, bits=4, levels=7, bucket_size=100, key=(1, 2), impl="reference"
+    ... )
     >>> on_device = torch.empty(wire.numel(), dtype=torch.uint8, device=device)
-    >>> kernels.qsgd_encode(x.to(device), on_device, bits=4, levels=7, bucket_size=100, key=(1, 2),
-    ...                     impl="triton")
+    >>> kernels.qsgd_encode(
+    ...     x.to(device), on_device, bits=4, levels=7, bucket_size=100, key=(1, 2), impl="triton"
+    ... )
     >>> torch.equal(on_device.cpu(), wire)
     True
 """
+
 from __future__ import annotations
 
 import os
@@ -128,7 +132,7 @@ def _quantize(y, step, i, ok, levels, k0, k1, STOCHASTIC: tl.constexpr, BITS: tl
     if STOCHASTIC:
         h = _lowbias32(i.to(tl.uint32) + k0.to(tl.uint32, bitcast=True))
         h = _lowbias32(h ^ k1.to(tl.uint32, bitcast=True))
-        up = ((h >> 8).to(tl.float32) * (2.0 ** -24)) < frac
+        up = ((h >> 8).to(tl.float32) * (2.0**-24)) < frac
     else:
         up = frac >= 0.5
     q = tl.minimum(low.to(tl.int32) + up.to(tl.int32), levels)
@@ -137,10 +141,26 @@ def _quantize(y, step, i, ok, levels, k0, k1, STOCHASTIC: tl.constexpr, BITS: tl
 
 
 @triton.jit(do_not_specialize=["levels", "k0", "k1"])
-def _qsgd_encode_fused_kernel(x_ptr, out_ptr, payload_ptr, n, nb, bucket, levels, k0, k1, scale,
-                              HAS_SCALE: tl.constexpr, HALF: tl.constexpr,
-                              STOCHASTIC: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-                              ROWS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+def _qsgd_encode_fused_kernel(
+    x_ptr,
+    out_ptr,
+    payload_ptr,
+    n,
+    nb,
+    bucket,
+    levels,
+    k0,
+    k1,
+    scale,
+    HAS_SCALE: tl.constexpr,
+    HALF: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_BYTE: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    WIDE: tl.constexpr,
+):
     # One pass, max norms: ROWS whole buckets per program, held in one tile; buckets start on
     # a byte (bucket * BITS % 8 == 0), so each row packs its own bytes.
     rows = _start(ROWS, WIDE) + tl.arange(0, ROWS)
@@ -155,7 +175,9 @@ def _qsgd_encode_fused_kernel(x_ptr, out_ptr, payload_ptr, n, nb, bucket, levels
     step = _store_steps(m, rows, row_ok, out_ptr, levels, HALF)
     code = _quantize(y, step[:, None], idx, ok, levels, k0, k1, STOCHASTIC, BITS)
     shifts = tl.arange(0, PER_BYTE) * BITS
-    packed = tl.sum(tl.reshape(code, (ROWS, WIDTH // PER_BYTE, PER_BYTE)) << shifts[None, None, :], axis=2)
+    packed = tl.sum(
+        tl.reshape(code, (ROWS, WIDTH // PER_BYTE, PER_BYTE)) << shifts[None, None, :], axis=2
+    )
     col_byte = tl.arange(0, WIDTH // PER_BYTE)
     first = rows[:, None] * (bucket // PER_BYTE) + col_byte[None, :]
     keep = row_ok[:, None] & (col_byte[None, :] * PER_BYTE < bucket) & (first * PER_BYTE < n)
@@ -163,10 +185,26 @@ def _qsgd_encode_fused_kernel(x_ptr, out_ptr, payload_ptr, n, nb, bucket, levels
 
 
 @triton.jit(do_not_specialize=["levels"])
-def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchunks, levels,
-                       scale, HAS_SCALE: tl.constexpr, L2: tl.constexpr, PRE_NORMS: tl.constexpr,
-                       HALF: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
-                       LOG2W: tl.constexpr, WIDE: tl.constexpr):
+def _qsgd_steps_kernel(
+    x_ptr,
+    norms_ptr,
+    out_ptr,
+    steps_ptr,
+    n,
+    nb,
+    bucket,
+    nchunks,
+    levels,
+    scale,
+    HAS_SCALE: tl.constexpr,
+    L2: tl.constexpr,
+    PRE_NORMS: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    LOG2W: tl.constexpr,
+    WIDE: tl.constexpr,
+):
     # Two-pass encode, pass 1: the scales, and the steps for pass 2.
     rows = _start(ROWS, WIDE) + tl.arange(0, ROWS)
     row_ok = rows < nb
@@ -175,7 +213,9 @@ def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchu
         m = tl.load(norms_ptr + rows, mask=row_ok, other=0.0)
     elif L2:  # the whole bucket in one tile (wider ones come with PRE_NORMS)
         idx = rows[:, None] * bucket + cols[None, :]
-        y = tl.load(x_ptr + idx, mask=row_ok[:, None] & (cols[None, :] < bucket) & (idx < n), other=0.0)
+        y = tl.load(
+            x_ptr + idx, mask=row_ok[:, None] & (cols[None, :] < bucket) & (idx < n), other=0.0
+        )
         if HAS_SCALE:
             y = y * scale
         m = _tile_norm(y, ROWS, WIDTH, LOG2W)
@@ -184,7 +224,9 @@ def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchu
         for c in range(nchunks):
             j = c * WIDTH + cols
             idx = rows[:, None] * bucket + j[None, :]
-            y = tl.load(x_ptr + idx, mask=row_ok[:, None] & (j[None, :] < bucket) & (idx < n), other=0.0)
+            y = tl.load(
+                x_ptr + idx, mask=row_ok[:, None] & (j[None, :] < bucket) & (idx < n), other=0.0
+            )
             if HAS_SCALE:
                 y = y * scale
             bitmax = tl.maximum(bitmax, _bitmax(y))
@@ -194,10 +236,24 @@ def _qsgd_steps_kernel(x_ptr, norms_ptr, out_ptr, steps_ptr, n, nb, bucket, nchu
 
 
 @triton.jit(do_not_specialize=["levels", "k0", "k1"])
-def _qsgd_quantize_kernel(x_ptr, steps_ptr, payload_ptr, n, payload_bytes, bucket, levels, k0, k1,
-                          scale, HAS_SCALE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                          BITS: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
-                          WIDE: tl.constexpr):
+def _qsgd_quantize_kernel(
+    x_ptr,
+    steps_ptr,
+    payload_ptr,
+    n,
+    payload_bytes,
+    bucket,
+    levels,
+    k0,
+    k1,
+    scale,
+    HAS_SCALE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_BYTE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
+):
     # Two-pass encode, pass 2: one lane per wire byte (buckets may start inside a byte).
     byte = _start(BLOCK, WIDE) + tl.arange(0, BLOCK)
     e = tl.arange(0, PER_BYTE)
@@ -222,9 +278,21 @@ def _store(out_ptr, offs, ok, v, alpha, HAS_ALPHA: tl.constexpr, ACCUMULATE: tl.
 
 
 @triton.jit
-def _qsgd_decode_kernel(wire_ptr, out_ptr, n, nb, bucket, alpha, HAS_ALPHA: tl.constexpr,
-                        ACCUMULATE: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
-                        PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def _qsgd_decode_kernel(
+    wire_ptr,
+    out_ptr,
+    n,
+    nb,
+    bucket,
+    alpha,
+    HAS_ALPHA: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    HALF: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_BYTE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
+):
     i = _start(BLOCK, WIDE) + tl.arange(0, BLOCK)
     ok = i < n
     b = i // bucket
@@ -269,8 +337,15 @@ def _cast_encode_kernel(x_ptr, out_ptr, n, scale, HAS_SCALE: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _cast_decode_kernel(wire_ptr, out_ptr, n, alpha, HAS_ALPHA: tl.constexpr,
-                        ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def _cast_decode_kernel(
+    wire_ptr,
+    out_ptr,
+    n,
+    alpha,
+    HAS_ALPHA: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     w = tl.load(wire_ptr + i, mask=ok, other=0.0)
@@ -286,7 +361,8 @@ INTERPRETED = type(_cast_encode_kernel).__name__ == "InterpretedFunction"
 if (type(tl.max).__name__ == "InterpretedFunction") != INTERPRETED:
     raise ImportError(
         "TRITON_INTERPRET changed between the import of triton and of commopt's kernels; set it "
-        "(or leave it unset) before triton is first imported")
+        "(or leave it unset) before triton is first imported"
+    )
 #: elements (or wire bytes) per program: the interpreter pays per program, a GPU per register.
 BLOCK = 8192 if INTERPRETED else 1024
 #: elements of the bucket-norm tile (several buckets per program when they are narrow).
@@ -327,15 +403,32 @@ def _steps(x, out, *, bits, levels, bucket_size, norm, scale, scale_bytes):
     width = min(width, MAX_WIDTH)
     rows = max(1, TILE // width)
     _qsgd_steps_kernel[_grid(nb, rows)](
-        x, norms if norms is not None else steps, out, steps, n, nb, bucket_size,
-        -(-bucket_size // width), levels, scale, HAS_SCALE=scale != 1.0, L2=l2,
-        PRE_NORMS=norms is not None, HALF=scale_bytes == 2, ROWS=rows, WIDTH=width,
-        LOG2W=width.bit_length() - 1, WIDE=_wide(n, bucket_size), **_LAUNCH)
+        x,
+        norms if norms is not None else steps,
+        out,
+        steps,
+        n,
+        nb,
+        bucket_size,
+        -(-bucket_size // width),
+        levels,
+        scale,
+        HAS_SCALE=scale != 1.0,
+        L2=l2,
+        PRE_NORMS=norms is not None,
+        HALF=scale_bytes == 2,
+        ROWS=rows,
+        WIDTH=width,
+        LOG2W=width.bit_length() - 1,
+        WIDE=_wide(n, bucket_size),
+        **_LAUNCH,
+    )
     return steps
 
 
-def qsgd_encode(x, out, *, bits, levels, bucket_size, key, norm, stochastic, scale,
-                scale_bytes) -> None:
+def qsgd_encode(
+    x, out, *, bits, levels, bucket_size, key, norm, stochastic, scale, scale_bytes
+) -> None:
     n = x.numel()
     nb = -(-n // bucket_size)
     head = nb * scale_bytes
@@ -352,17 +445,56 @@ def qsgd_encode(x, out, *, bits, levels, bucket_size, key, norm, stochastic, sca
         payload[code_bytes:].zero_()
         rows = max(1, TILE // width)
         _qsgd_encode_fused_kernel[_grid(nb, rows)](
-            x, out, payload, n, nb, bucket_size, levels, _i32(key[0]), _i32(key[1]), scale,
-            HAS_SCALE=scale != 1.0, HALF=scale_bytes == 2, STOCHASTIC=bool(stochastic),
-            BITS=bits, PER_BYTE=per_byte, ROWS=rows, WIDTH=width, WIDE=_wide(n, bucket_size),
-            **_LAUNCH)
+            x,
+            out,
+            payload,
+            n,
+            nb,
+            bucket_size,
+            levels,
+            _i32(key[0]),
+            _i32(key[1]),
+            scale,
+            HAS_SCALE=scale != 1.0,
+            HALF=scale_bytes == 2,
+            STOCHASTIC=bool(stochastic),
+            BITS=bits,
+            PER_BYTE=per_byte,
+            ROWS=rows,
+            WIDTH=width,
+            WIDE=_wide(n, bucket_size),
+            **_LAUNCH,
+        )
         return
-    steps = _steps(x, out, bits=bits, levels=levels, bucket_size=bucket_size, norm=norm,
-                   scale=scale, scale_bytes=scale_bytes)
+    steps = _steps(
+        x,
+        out,
+        bits=bits,
+        levels=levels,
+        bucket_size=bucket_size,
+        norm=norm,
+        scale=scale,
+        scale_bytes=scale_bytes,
+    )
     _qsgd_quantize_kernel[_grid(payload.numel(), BLOCK // per_byte)](
-        x, steps, payload, n, payload.numel(), bucket_size, levels, _i32(key[0]), _i32(key[1]),
-        scale, HAS_SCALE=scale != 1.0, STOCHASTIC=bool(stochastic), BITS=bits, PER_BYTE=per_byte,
-        BLOCK=BLOCK // per_byte, WIDE=_wide(n, bucket_size), **_LAUNCH)
+        x,
+        steps,
+        payload,
+        n,
+        payload.numel(),
+        bucket_size,
+        levels,
+        _i32(key[0]),
+        _i32(key[1]),
+        scale,
+        HAS_SCALE=scale != 1.0,
+        STOCHASTIC=bool(stochastic),
+        BITS=bits,
+        PER_BYTE=per_byte,
+        BLOCK=BLOCK // per_byte,
+        WIDE=_wide(n, bucket_size),
+        **_LAUNCH,
+    )
 
 
 def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scale_bytes) -> None:
@@ -370,20 +502,41 @@ def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scal
     if n == 0:
         return
     _qsgd_decode_kernel[_grid(n, BLOCK)](
-        wire, out, n, -(-n // bucket_size), bucket_size, alpha, HAS_ALPHA=alpha != 1.0,
-        ACCUMULATE=bool(accumulate), HALF=scale_bytes == 2, BITS=bits, PER_BYTE=8 // bits,
-        BLOCK=BLOCK, WIDE=_wide(n, bucket_size), **_LAUNCH)
+        wire,
+        out,
+        n,
+        -(-n // bucket_size),
+        bucket_size,
+        alpha,
+        HAS_ALPHA=alpha != 1.0,
+        ACCUMULATE=bool(accumulate),
+        HALF=scale_bytes == 2,
+        BITS=bits,
+        PER_BYTE=8 // bits,
+        BLOCK=BLOCK,
+        WIDE=_wide(n, bucket_size),
+        **_LAUNCH,
+    )
 
 
 def cast_encode(x, out, *, scale) -> None:
     n = x.numel()
     if n:
-        _cast_encode_kernel[_grid(n, BLOCK)](x, out, n, scale, HAS_SCALE=scale != 1.0,
-                                             BLOCK=BLOCK, **_LAUNCH)
+        _cast_encode_kernel[_grid(n, BLOCK)](
+            x, out, n, scale, HAS_SCALE=scale != 1.0, BLOCK=BLOCK, **_LAUNCH
+        )
 
 
 def cast_decode(wire, out, *, accumulate, alpha) -> None:
     n = out.numel()
     if n:
-        _cast_decode_kernel[_grid(n, BLOCK)](wire, out, n, alpha, HAS_ALPHA=alpha != 1.0,
-                                             ACCUMULATE=bool(accumulate), BLOCK=BLOCK, **_LAUNCH)
+        _cast_decode_kernel[_grid(n, BLOCK)](
+            wire,
+            out,
+            n,
+            alpha,
+            HAS_ALPHA=alpha != 1.0,
+            ACCUMULATE=bool(accumulate),
+            BLOCK=BLOCK,
+            **_LAUNCH,
+        )

@@ -9,6 +9,7 @@ Modules: ``probe`` (collects a snapshot of this machine), ``doctor`` (pure check
 snapshot), ``nccl_vars`` (what each NCCL version reads), ``profiles`` (per-cloud
 environments), ``tune`` (sweeps environment settings with ``commopt bench``).
 """
+
 from commopt.network.doctor import Finding, diagnose
 
 __all__ = ["Finding", "diagnose"]

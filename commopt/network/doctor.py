@@ -5,15 +5,20 @@ test. The checks follow the published cloud practices for NCCL and MPI (see
 docs/network-tuning.md for the numbers behind them).
 
     >>> from commopt.network.doctor import diagnose
-    >>> snap = {"env": {}, "interfaces": [
-    ...     {"name": "eth0", "state": "up", "speed_mbps": 25000},
-    ...     {"name": "eth1", "state": "up", "speed_mbps": 1000}]}
+    >>> snap = {
+    ...     "env": {},
+    ...     "interfaces": [
+    ...         {"name": "eth0", "state": "up", "speed_mbps": 25000},
+    ...         {"name": "eth1", "state": "up", "speed_mbps": 1000},
+    ...     ],
+    ... }
     >>> [(f.code, f.fix) for f in diagnose(snap)]
     [('nccl-socket-ifname', 'export NCCL_SOCKET_IFNAME=eth0')]
 
 Snapshot keys read here (all optional): env, interfaces, rdma_devices, versions,
 nccl_net_plugins, mca_params, virtualized.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -116,8 +121,12 @@ def _int(value: str | None, name: str) -> tuple[int | None, Finding | None]:
         return int(value), None
     except ValueError:
         return None, Finding(
-            "nccl-socket-limit", "error", f"{name}={value!r} is not an integer; NCCL ignores it.",
-            f"export {name}=4", "NCCL docs: environment variables")
+            "nccl-socket-limit",
+            "error",
+            f"{name}={value!r} is not an integer; NCCL ignores it.",
+            f"export {name}=4",
+            "NCCL docs: environment variables",
+        )
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -130,23 +139,34 @@ def check_socket_ifname(snap: dict) -> list[Finding]:
         if len(cands) < 2:
             return []
         best = fastest_interface(snap)
-        names = ", ".join(i["name"] + (f" ({i['speed_mbps']} Mbit/s)" if i.get("speed_mbps") else "")
-                          for i in cands)
-        return [Finding(
-            "nccl-socket-ifname", "warning",
-            f"{len(cands)} network interfaces are up ({names}) and NCCL_SOCKET_IFNAME is unset: "
-            "NCCL may carry traffic (or bootstrap) over the wrong one, or ranks may pick "
-            "different ones and hang.",
-            f"export NCCL_SOCKET_IFNAME={best}",
-            "published: AWS TCP practice (set NCCL_SOCKET_IFNAME); NCCL docs")]
+        names = ", ".join(
+            i["name"] + (f" ({i['speed_mbps']} Mbit/s)" if i.get("speed_mbps") else "")
+            for i in cands
+        )
+        return [
+            Finding(
+                "nccl-socket-ifname",
+                "warning",
+                f"{len(cands)} network interfaces are up ({names}) and NCCL_SOCKET_IFNAME is unset: "
+                "NCCL may carry traffic (or bootstrap) over the wrong one, or ranks may pick "
+                "different ones and hang.",
+                f"export NCCL_SOCKET_IFNAME={best}",
+                "published: AWS TCP practice (set NCCL_SOCKET_IFNAME); NCCL docs",
+            )
+        ]
     all_names = [i.get("name", "") for i in snap.get("interfaces") or []]
     if all_names and not nccl_ifname_matches(spec, all_names):
         best = fastest_interface(snap) or "<interface>"
-        return [Finding(
-            "nccl-socket-ifname", "error",
-            f"NCCL_SOCKET_IFNAME={spec!r} matches none of this machine's interfaces "
-            f"({', '.join(all_names)}); NCCL will fail with 'no socket interface found'.",
-            f"export NCCL_SOCKET_IFNAME={best}", "NCCL docs: NCCL_SOCKET_IFNAME")]
+        return [
+            Finding(
+                "nccl-socket-ifname",
+                "error",
+                f"NCCL_SOCKET_IFNAME={spec!r} matches none of this machine's interfaces "
+                f"({', '.join(all_names)}); NCCL will fail with 'no socket interface found'.",
+                f"export NCCL_SOCKET_IFNAME={best}",
+                "NCCL docs: NCCL_SOCKET_IFNAME",
+            )
+        ]
     return []
 
 
@@ -162,16 +182,23 @@ def check_mpi_tcp_exclude(snap: dict) -> list[Finding]:
     env, files = _env(snap), snap.get("mca_params") or {}
     include = env.get("OMPI_MCA_btl_tcp_if_include", files.get("btl_tcp_if_include"))
     if include:
-        bad = [p for p in include.split(",") if p == "lo" or p.startswith("127.")
-               or p.startswith(BRIDGE_PREFIXES)]
+        bad = [
+            p
+            for p in include.split(",")
+            if p == "lo" or p.startswith("127.") or p.startswith(BRIDGE_PREFIXES)
+        ]
         if not bad:
             return []
-        return [Finding(
-            "mpi-tcp-exclude", "warning",
-            f"btl_tcp_if_include={include!r} lists {', '.join(bad)}: between nodes those "
-            "addresses are not reachable (a bridge has the same address on every host).",
-            "export OMPI_MCA_btl_tcp_if_include=<the data interface, e.g. eth0>",
-            "published: AWS TCP practice (exclude lo,docker0 from MPI's TCP transport)")]
+        return [
+            Finding(
+                "mpi-tcp-exclude",
+                "warning",
+                f"btl_tcp_if_include={include!r} lists {', '.join(bad)}: between nodes those "
+                "addresses are not reachable (a bridge has the same address on every host).",
+                "export OMPI_MCA_btl_tcp_if_include=<the data interface, e.g. eth0>",
+                "published: AWS TCP practice (exclude lo,docker0 from MPI's TCP transport)",
+            )
+        ]
     exclude = env.get("OMPI_MCA_btl_tcp_if_exclude", files.get("btl_tcp_if_exclude"))
     user_set = exclude is not None
     items = [p.strip() for p in (exclude or OMPI_DEFAULT_TCP_EXCLUDE).split(",") if p.strip()]
@@ -179,20 +206,27 @@ def check_mpi_tcp_exclude(snap: dict) -> list[Finding]:
     # Setting btl_tcp_if_exclude replaces Open MPI's default, which was what excluded loopback.
     if user_set and not any(p == "lo" or p.startswith("127.") for p in items):
         missing.append("lo")
-    bridges = [i["name"] for i in snap.get("interfaces") or []
-               if i.get("name", "").startswith(BRIDGE_PREFIXES)]
+    bridges = [
+        i["name"]
+        for i in snap.get("interfaces") or []
+        if i.get("name", "").startswith(BRIDGE_PREFIXES)
+    ]
     missing += [b for b in bridges if b not in items]
     if not missing:
         return []
     value = ",".join(dict.fromkeys(["lo", "docker0"] + [m for m in missing if m != "lo"]))
-    return [Finding(
-        "mpi-tcp-exclude", "warning",
-        f"Open MPI's TCP transport does not exclude {', '.join(missing)}"
-        + (f" (btl_tcp_if_exclude={exclude!r})" if user_set else "")
-        + ": it may try to reach peers over loopback or a container bridge, which hangs or "
-        "fails between nodes.",
-        f"export OMPI_MCA_btl_tcp_if_exclude={value}",
-        "published: AWS TCP practice (exclude lo,docker0 from MPI's TCP transport)")]
+    return [
+        Finding(
+            "mpi-tcp-exclude",
+            "warning",
+            f"Open MPI's TCP transport does not exclude {', '.join(missing)}"
+            + (f" (btl_tcp_if_exclude={exclude!r})" if user_set else "")
+            + ": it may try to reach peers over loopback or a container bridge, which hangs or "
+            "fails between nodes.",
+            f"export OMPI_MCA_btl_tcp_if_exclude={value}",
+            "published: AWS TCP practice (exclude lo,docker0 from MPI's TCP transport)",
+        )
+    ]
 
 
 def check_socket_limit(snap: dict) -> list[Finding]:
@@ -202,28 +236,39 @@ def check_socket_limit(snap: dict) -> list[Finding]:
     ns, bad_ns = _int(env.get("NCCL_NSOCKS_PERTHREAD"), "NCCL_NSOCKS_PERTHREAD")
     out = [f for f in (bad_nt, bad_ns) if f]
     if nt is not None and nt > NCCL_MAX_SOCKET_THREADS:
-        out.append(Finding(
-            "nccl-socket-limit", "warning",
-            f"NCCL_SOCKET_NTHREADS={nt} is above NCCL's maximum of {NCCL_MAX_SOCKET_THREADS}; "
-            f"NCCL lowers it to {NCCL_MAX_SOCKET_THREADS}.",
-            f"export NCCL_SOCKET_NTHREADS={NCCL_MAX_SOCKET_THREADS}", "NCCL source: net_socket.cc"))
+        out.append(
+            Finding(
+                "nccl-socket-limit",
+                "warning",
+                f"NCCL_SOCKET_NTHREADS={nt} is above NCCL's maximum of {NCCL_MAX_SOCKET_THREADS}; "
+                f"NCCL lowers it to {NCCL_MAX_SOCKET_THREADS}.",
+                f"export NCCL_SOCKET_NTHREADS={NCCL_MAX_SOCKET_THREADS}",
+                "NCCL source: net_socket.cc",
+            )
+        )
         nt = NCCL_MAX_SOCKET_THREADS
     if nt is not None and ns is not None and nt > 0 and ns > 0 and nt * ns > NCCL_MAX_SOCKETS:
         capped = NCCL_MAX_SOCKETS // nt
-        out.append(Finding(
-            "nccl-socket-limit", "warning",
-            f"NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD = {nt} x {ns} = {nt * ns} sockets, above "
-            f"NCCL's limit of {NCCL_MAX_SOCKETS}; NCCL lowers NCCL_NSOCKS_PERTHREAD to {capped}, so "
-            "the setting you measured is not the one that runs.",
-            f"export NCCL_NSOCKS_PERTHREAD={capped}",
-            "NCCL docs (product of the two at most 64); NCCL source: net_socket.cc"))
+        out.append(
+            Finding(
+                "nccl-socket-limit",
+                "warning",
+                f"NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD = {nt} x {ns} = {nt * ns} sockets, above "
+                f"NCCL's limit of {NCCL_MAX_SOCKETS}; NCCL lowers NCCL_NSOCKS_PERTHREAD to {capped}, so "
+                "the setting you measured is not the one that runs.",
+                f"export NCCL_NSOCKS_PERTHREAD={capped}",
+                "NCCL docs (product of the two at most 64); NCCL source: net_socket.cc",
+            )
+        )
     return out
 
 
 def _has_ofi_plugin(snap: dict) -> bool:
     plugins = snap.get("nccl_net_plugins") or []
-    return any("ofi" in p.lower() for p in plugins) or \
-        "ofi" in (_env(snap).get("NCCL_NET_PLUGIN") or "").lower()
+    return (
+        any("ofi" in p.lower() for p in plugins)
+        or "ofi" in (_env(snap).get("NCCL_NET_PLUGIN") or "").lower()
+    )
 
 
 def check_efa(snap: dict) -> list[Finding]:
@@ -235,21 +280,30 @@ def check_efa(snap: dict) -> list[Finding]:
     provider = _env(snap).get("FI_PROVIDER")
     if provider != "efa":
         now = f"FI_PROVIDER={provider!r}" if provider is not None else "FI_PROVIDER is unset"
-        out.append(Finding(
-            "efa-provider", "warning" if provider is None else "error",
-            f"EFA device(s) {', '.join(efa)} present but {now}: libfabric may pick another "
-            "provider; published: about 3x lower all-reduce bus bandwidth with FI_PROVIDER=tcp "
-            "than with efa.",
-            "export FI_PROVIDER=efa", "published: AWS EFA practice"))
+        out.append(
+            Finding(
+                "efa-provider",
+                "warning" if provider is None else "error",
+                f"EFA device(s) {', '.join(efa)} present but {now}: libfabric may pick another "
+                "provider; published: about 3x lower all-reduce bus bandwidth with FI_PROVIDER=tcp "
+                "than with efa.",
+                "export FI_PROVIDER=efa",
+                "published: AWS EFA practice",
+            )
+        )
     if not _has_ofi_plugin(snap):
-        out.append(Finding(
-            "efa-ofi-plugin", "warning",
-            f"EFA device(s) {', '.join(efa)} present but no aws-ofi-nccl plugin "
-            "(libnccl-net*.so with 'ofi' in its path) on LD_LIBRARY_PATH or in the usual "
-            "folders: NCCL will fall back to TCP sockets.",
-            "install aws-ofi-nccl (the EFA installer ships it under /opt/amazon/ofi-nccl) and "
-            "export LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:$LD_LIBRARY_PATH",
-            "published: AWS EFA practice (libfabric + aws-ofi-nccl plugin)"))
+        out.append(
+            Finding(
+                "efa-ofi-plugin",
+                "warning",
+                f"EFA device(s) {', '.join(efa)} present but no aws-ofi-nccl plugin "
+                "(libnccl-net*.so with 'ofi' in its path) on LD_LIBRARY_PATH or in the usual "
+                "folders: NCCL will fall back to TCP sockets.",
+                "install aws-ofi-nccl (the EFA installer ships it under /opt/amazon/ofi-nccl) and "
+                "export LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:$LD_LIBRARY_PATH",
+                "published: AWS EFA practice (libfabric + aws-ofi-nccl plugin)",
+            )
+        )
     return out
 
 
@@ -271,27 +325,43 @@ def check_ib_in_vm(snap: dict) -> list[Finding]:
         return []
     env, out = _env(snap), []
     version = _nccl_version(snap)
-    src = "published: Azure InfiniBand VMs (25 vs 188 GB/s all-reduce bus bandwidth, 2 VMs x 8 GPUs)"
+    src = (
+        "published: Azure InfiniBand VMs (25 vs 188 GB/s all-reduce bus bandwidth, 2 VMs x 8 GPUs)"
+    )
     if version is not None and version < RELAXED_ORDERING_SINCE:
-        out.append(Finding(
-            "ib-relaxed-ordering", "warning",
-            f"InfiniBand ({', '.join(ib)}) in a VM with NCCL {nccl_vars.format_version(version)}: "
-            f"NCCL_IB_PCI_RELAXED_ORDERING needs NCCL >= "
-            f"{nccl_vars.format_version(RELAXED_ORDERING_SINCE)}, so PCIe relaxed ordering stays off.",
-            "upgrade NCCL (or PyTorch, which bundles it) to 2.12 or newer", src))
+        out.append(
+            Finding(
+                "ib-relaxed-ordering",
+                "warning",
+                f"InfiniBand ({', '.join(ib)}) in a VM with NCCL {nccl_vars.format_version(version)}: "
+                f"NCCL_IB_PCI_RELAXED_ORDERING needs NCCL >= "
+                f"{nccl_vars.format_version(RELAXED_ORDERING_SINCE)}, so PCIe relaxed ordering stays off.",
+                "upgrade NCCL (or PyTorch, which bundles it) to 2.12 or newer",
+                src,
+            )
+        )
     elif env.get("NCCL_IB_PCI_RELAXED_ORDERING") == "0":
-        out.append(Finding(
-            "ib-relaxed-ordering", "warning",
-            f"InfiniBand ({', '.join(ib)}) in a VM with NCCL_IB_PCI_RELAXED_ORDERING=0: relaxed "
-            "ordering is off.",
-            "export NCCL_IB_PCI_RELAXED_ORDERING=1", src))
+        out.append(
+            Finding(
+                "ib-relaxed-ordering",
+                "warning",
+                f"InfiniBand ({', '.join(ib)}) in a VM with NCCL_IB_PCI_RELAXED_ORDERING=0: relaxed "
+                "ordering is off.",
+                "export NCCL_IB_PCI_RELAXED_ORDERING=1",
+                src,
+            )
+        )
     if "NCCL_TOPO_FILE" not in env:
-        out.append(Finding(
-            "ib-topo-file", "info",
-            f"InfiniBand ({', '.join(ib)}) in a VM and NCCL_TOPO_FILE unset: a VM hides the PCIe "
-            "topology NCCL uses to pair GPUs with NICs.",
-            "export NCCL_TOPO_FILE=<the VM image's topology file, e.g. /opt/microsoft/ndv4-topo.xml>",
-            "published: Azure InfiniBand VMs (NCCL_TOPO_FILE for the VM's topology)"))
+        out.append(
+            Finding(
+                "ib-topo-file",
+                "info",
+                f"InfiniBand ({', '.join(ib)}) in a VM and NCCL_TOPO_FILE unset: a VM hides the PCIe "
+                "topology NCCL uses to pair GPUs with NICs.",
+                "export NCCL_TOPO_FILE=<the VM image's topology file, e.g. /opt/microsoft/ndv4-topo.xml>",
+                "published: Azure InfiniBand VMs (NCCL_TOPO_FILE for the VM's topology)",
+            )
+        )
     return out
 
 
@@ -305,32 +375,56 @@ def check_nccl_variables(snap: dict) -> list[Finding]:
             continue
         c = nccl_vars.check_variable(name, version)
         if c.kind == "too-new":
-            out.append(Finding(
-                "nccl-unknown-variable", "warning",
-                f"{name} is set but NCCL {vname} does not read it (added in "
-                f"{nccl_vars.format_version(c.version)}).",
-                f"upgrade NCCL to {nccl_vars.format_version(c.version)} or newer, or unset {name}",
-                "NCCL docs: environment variables"))
+            out.append(
+                Finding(
+                    "nccl-unknown-variable",
+                    "warning",
+                    f"{name} is set but NCCL {vname} does not read it (added in "
+                    f"{nccl_vars.format_version(c.version)}).",
+                    f"upgrade NCCL to {nccl_vars.format_version(c.version)} or newer, or unset {name}",
+                    "NCCL docs: environment variables",
+                )
+            )
         elif c.kind == "removed":
-            out.append(Finding(
-                "nccl-unknown-variable", "warning",
-                f"{name} is set but NCCL {vname} no longer reads it (not read since "
-                f"{nccl_vars.format_version(c.version)}).",
-                f"unset {name}", "NCCL docs: environment variables"))
+            out.append(
+                Finding(
+                    "nccl-unknown-variable",
+                    "warning",
+                    f"{name} is set but NCCL {vname} no longer reads it (not read since "
+                    f"{nccl_vars.format_version(c.version)}).",
+                    f"unset {name}",
+                    "NCCL docs: environment variables",
+                )
+            )
         elif c.kind == "misspelt":
-            out.append(Finding(
-                "nccl-unknown-variable", "warning",
-                f"{name} is not an NCCL variable; did you mean {c.suggestion}?",
-                f"unset {name}; export {c.suggestion}=...", "NCCL docs: environment variables"))
+            out.append(
+                Finding(
+                    "nccl-unknown-variable",
+                    "warning",
+                    f"{name} is not an NCCL variable; did you mean {c.suggestion}?",
+                    f"unset {name}; export {c.suggestion}=...",
+                    "NCCL docs: environment variables",
+                )
+            )
         elif c.kind == "unrecognised":
-            out.append(Finding(
-                "nccl-unknown-variable", "info",
-                f"{name} is not in commopt's list of NCCL variables (the documented ones); "
-                "check its spelling, or ignore this if a plugin reads it.",
-                f"check {name} against the NCCL docs for version {vname}",
-                "NCCL docs: environment variables"))
+            out.append(
+                Finding(
+                    "nccl-unknown-variable",
+                    "info",
+                    f"{name} is not in commopt's list of NCCL variables (the documented ones); "
+                    "check its spelling, or ignore this if a plugin reads it.",
+                    f"check {name} against the NCCL docs for version {vname}",
+                    "NCCL docs: environment variables",
+                )
+            )
     return out
 
 
-CHECKS = (check_socket_ifname, check_mpi_tcp_exclude, check_socket_limit, check_efa,
-          check_ib_in_vm, check_nccl_variables)
+CHECKS = (
+    check_socket_ifname,
+    check_mpi_tcp_exclude,
+    check_socket_limit,
+    check_efa,
+    check_ib_in_vm,
+    check_nccl_variables,
+)

@@ -13,6 +13,7 @@ reported as typos.
     >>> check_variable("NCCL_SOCKET_NTHREAD", (2, 21, 5)).suggestion
     'NCCL_SOCKET_NTHREADS'
 """
+
 from __future__ import annotations
 
 import difflib
@@ -126,8 +127,11 @@ def parse_version(text: str | tuple | None) -> Version | None:
     if text is None:
         return None
     try:
-        release = tuple(int(p) for p in text) if isinstance(text, tuple) else \
-            PackagingVersion(str(text).strip()).release
+        release = (
+            tuple(int(p) for p in text)
+            if isinstance(text, tuple)
+            else PackagingVersion(str(text).strip()).release
+        )
     except (InvalidVersion, ValueError, TypeError):
         raise ValueError(f"not a version: {text!r} (expected like '2.21.5')") from None
     return (release + (0, 0, 0))[:3]  # type: ignore[return-value]
@@ -141,7 +145,11 @@ def decode_nccl_version_code(code: int) -> Version:
     """
     if code >= 10000:  # NCCL >= 2.9: major*10000 + minor*100 + patch
         return (code // 10000, (code % 10000) // 100, code % 100)
-    return (code // 1000, (code % 1000) // 100, code % 100)  # before: major*1000 + minor*100 + patch
+    return (
+        code // 1000,
+        (code % 1000) // 100,
+        code % 100,
+    )  # before: major*1000 + minor*100 + patch
 
 
 def format_version(v: Version | None) -> str:

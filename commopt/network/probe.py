@@ -12,6 +12,7 @@ functions of it and tests can craft any machine:
 Every probe is cheap (sysfs reads, ``mpirun --version`` with a timeout) and never fails:
 what cannot be read is None or empty.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,21 +26,55 @@ from pathlib import Path
 from commopt.network.nccl_vars import decode_nccl_version_code, format_version
 
 # Environment variables shown by the doctor and read by its checks.
-ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "OMPI_MCA_", "UCX_", "GLOO_", "HOROVOD_",
-                "COMMOPT_", "RDMAV_", "MASTER_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_RANK",
-                "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_")
-ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
-             "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
+ENV_PREFIXES = (
+    "NCCL_",
+    "TORCH_NCCL_",
+    "FI_",
+    "OMPI_MCA_",
+    "UCX_",
+    "GLOO_",
+    "HOROVOD_",
+    "COMMOPT_",
+    "RDMAV_",
+    "MASTER_",
+    "OMPI_COMM_WORLD_",
+    "PMI_",
+    "PMIX_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "TORCHELASTIC_",
+)
+ENV_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+)
 
 # Where network plugins for NCCL are usually installed (besides LD_LIBRARY_PATH).
-PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib",
-               "/opt/amazon/efa/lib", "/opt/amazon/efa/lib64", "/usr/local/lib",
-               "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/nccl-fastsocket/lib",
-               "/usr/local/fastsocket/lib", "/usr/local/nvidia/lib64")
+PLUGIN_DIRS = (
+    "/opt/amazon/ofi-nccl/lib",
+    "/opt/amazon/ofi-nccl/lib64",
+    "/opt/aws-ofi-nccl/lib",
+    "/opt/amazon/efa/lib",
+    "/opt/amazon/efa/lib64",
+    "/usr/local/lib",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib64",
+    "/usr/local/nccl-fastsocket/lib",
+    "/usr/local/fastsocket/lib",
+    "/usr/local/nvidia/lib64",
+)
 
 # Open MPI's system and user MCA parameter files (the environment overrides both).
-MCA_FILES = ("/etc/openmpi/openmpi-mca-params.conf", "/usr/etc/openmpi-mca-params.conf",
-             "~/.openmpi/mca-params.conf")
+MCA_FILES = (
+    "/etc/openmpi/openmpi-mca-params.conf",
+    "/usr/etc/openmpi-mca-params.conf",
+    "~/.openmpi/mca-params.conf",
+)
 
 
 def collect_snapshot(sys_root: str = "/") -> dict:
@@ -59,8 +94,9 @@ def collect_snapshot(sys_root: str = "/") -> dict:
 
 
 def relevant_env(environ) -> dict[str, str]:
-    return {k: v for k, v in sorted(environ.items())
-            if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return {
+        k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES
+    }
 
 
 def _read(path: Path) -> str | None:
@@ -77,16 +113,20 @@ def interfaces(sys_root: str = "/") -> list[dict]:
     for d in sorted(base.glob("*")):
         speed = _read(d / "speed")
         driver = d / "device" / "driver"
-        out.append({
-            "name": d.name,
-            "state": _read(d / "operstate") or "unknown",
-            # speed is -1 (or unreadable) for virtual and virtio links
-            "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit() and int(speed) > 0 else None,
-            "mtu": int(_read(d / "mtu") or 0) or None,
-            "driver": os.path.basename(os.readlink(driver)) if driver.is_symlink() else None,
-            "loopback": _read(d / "type") == "772",  # ARPHRD_LOOPBACK
-            "address": _ipv4_of(d.name),
-        })
+        out.append(
+            {
+                "name": d.name,
+                "state": _read(d / "operstate") or "unknown",
+                # speed is -1 (or unreadable) for virtual and virtio links
+                "speed_mbps": int(speed)
+                if speed and speed.lstrip("-").isdigit() and int(speed) > 0
+                else None,
+                "mtu": int(_read(d / "mtu") or 0) or None,
+                "driver": os.path.basename(os.readlink(driver)) if driver.is_symlink() else None,
+                "loopback": _read(d / "type") == "772",  # ARPHRD_LOOPBACK
+                "address": _ipv4_of(d.name),
+            }
+        )
     return out
 
 
@@ -174,8 +214,12 @@ def virtualized(sys_root: str = "/") -> bool | None:
 def cloud(sys_root: str = "/") -> str | None:
     """aws, gcp or azure from the DMI vendor strings; None elsewhere or unreadable."""
     dmi = Path(sys_root, "sys/class/dmi/id")
-    text = " ".join(filter(None, (_read(dmi / f) for f in
-                                  ("sys_vendor", "product_name", "bios_vendor", "board_vendor")))).lower()
+    text = " ".join(
+        filter(
+            None,
+            (_read(dmi / f) for f in ("sys_vendor", "product_name", "bios_vendor", "board_vendor")),
+        )
+    ).lower()
     if "amazon" in text or "ec2" in text:
         return "aws"
     if "google" in text:
@@ -212,7 +256,9 @@ def _torch_versions() -> tuple[str | None, str | None, str | None]:
     if torch.version.cuda is not None:
         try:  # ncclGetVersion needs no GPU, only a CUDA build of torch
             v = torch.cuda.nccl.version()
-            nccl = format_version(tuple(v) if isinstance(v, tuple) else decode_nccl_version_code(int(v)))
+            nccl = format_version(
+                tuple(v) if isinstance(v, tuple) else decode_nccl_version_code(int(v))
+            )
         except Exception:
             nccl = None
     return torch.__version__, torch.version.cuda, nccl
@@ -268,8 +314,9 @@ def _mpi_version() -> str | None:
     if shutil.which("mpirun") is None:
         return None
     try:
-        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     m = re.search(r"Open MPI\)? ([\d.]+\w*)", out)
@@ -288,5 +335,6 @@ def _driver_version() -> str | None:
         m = re.search(r"Kernel Module\s+([\d.]+)", text)
         if m:
             return m.group(1)
-    return _command_version(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            r"([\d.]+)")
+    return _command_version(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], r"([\d.]+)"
+    )

@@ -15,6 +15,7 @@ Each point runs the benchmark once (through ``commopt launch`` or a runner comma
 own), points are ranked by their mean bus bandwidth over the large messages (published
 practice: socket settings matter above about 1 MB), and the best is written as an env file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,7 @@ from commopt.network.doctor import NCCL_MAX_SOCKET_THREADS, NCCL_MAX_SOCKETS
 # (2 ranks, loopback and the emulated link alike).
 DEFAULT_GRIDS = {
     "nccl": ["NCCL_SOCKET_NTHREADS=1,2,4,8", "NCCL_NSOCKS_PERTHREAD=1,2,4,8"],
-    "mpi": ["btl_tcp_links=1,2,4",
-            "btl_tcp_eager_limit+btl_tcp_rndv_eager_limit=64K,256K,1M"],
+    "mpi": ["btl_tcp_links=1,2,4", "btl_tcp_eager_limit+btl_tcp_rndv_eager_limit=64K,256K,1M"],
 }
 _SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_LARGE_FROM = 2**20  # bytes; "large" messages for the ranking
@@ -79,7 +79,9 @@ def parse_grid(specs: list[str]) -> list[dict[str, str]]:
     seen: set[str] = set()
     for spec in specs:
         if "=" not in spec:
-            raise ValueError(f"grid spec {spec!r} needs NAME=v1,v2,... (e.g. NCCL_SOCKET_NTHREADS=1,2,4)")
+            raise ValueError(
+                f"grid spec {spec!r} needs NAME=v1,v2,... (e.g. NCCL_SOCKET_NTHREADS=1,2,4)"
+            )
         names_text, values_text = spec.split("=", 1)
         names = [env_name(n) for n in names_text.split("+")]
         values = _values(values_text)
@@ -102,6 +104,7 @@ def parse_grid(specs: list[str]) -> list[dict[str, str]]:
 
 def skip_reason(point: dict[str, str]) -> str | None:
     """Why a point is not worth running (the transport would silently change it), or None."""
+
     def num(name):
         try:
             return int(point[name]) if name in point else None
@@ -127,8 +130,13 @@ class BenchRow:
 
 
 _SIZE_KEYS = ("bytes", "nbytes", "size_bytes", "size")
-_BUSBW_KEYS = {"busbw_gbps": 1.0, "busbw_GBps": 1.0, "busbw": 1.0, "busbw_bytes_per_s": 1e-9,
-               "busbw_Bps": 1e-9}
+_BUSBW_KEYS = {
+    "busbw_gbps": 1.0,
+    "busbw_GBps": 1.0,
+    "busbw": 1.0,
+    "busbw_bytes_per_s": 1e-9,
+    "busbw_Bps": 1e-9,
+}
 
 
 def parse_bench_output(text: str) -> list[BenchRow]:
@@ -141,8 +149,10 @@ def parse_bench_output(text: str) -> list[BenchRow]:
     doc = _last_json(text)
     rows = doc.get("results", doc.get("rows")) if isinstance(doc, dict) else doc
     if not isinstance(rows, list) or not rows:
-        raise ValueError("benchmark output has no rows (expected a JSON list, or an object with "
-                         f"'results'); got: {text[-300:]!r}")
+        raise ValueError(
+            "benchmark output has no rows (expected a JSON list, or an object with "
+            f"'results'); got: {text[-300:]!r}"
+        )
     codecs = list(dict.fromkeys(row.get("codec") for row in rows if isinstance(row, dict)))
     if len(codecs) > 1:
         raise ValueError(f"benchmark output mixes codecs {codecs}: rank one codec at a time")
@@ -214,30 +224,48 @@ def _size(n: int) -> str:
 
 def format_table(ranked: list[PointResult], large_from: int = DEFAULT_LARGE_FROM) -> str:
     """The ranked table: score, ratio to the defaults point, busbw at each large size."""
-    sizes = sorted({r.nbytes for res in ranked for r in res.rows if r.nbytes >= large_from}) or \
-        sorted({res.rows[-1].nbytes for res in ranked if res.rows})
+    sizes = sorted(
+        {r.nbytes for res in ranked for r in res.rows if r.nbytes >= large_from}
+    ) or sorted({res.rows[-1].nbytes for res in ranked if res.rows})
     base = next((r for r in ranked if not r.point and r.rows), None)
     spread = any(len(r.run_scores) > 1 for r in ranked)
-    head = ["#", "setting", "score GB/s"] + (["runs min-max"] if spread else []) + \
-        ["vs defaults"] + [f"{_size(s)} GB/s" for s in sizes]
+    head = (
+        ["#", "setting", "score GB/s"]
+        + (["runs min-max"] if spread else [])
+        + ["vs defaults"]
+        + [f"{_size(s)} GB/s" for s in sizes]
+    )
     body = []
     for i, res in enumerate(ranked, 1):
         if res.error or not res.rows:
             body.append([str(i), describe(res.point), "failed", "", (res.error or "no rows")[:60]])
             continue
         by = {r.nbytes: r.busbw for r in res.rows}
-        ratio = f"{res.score(large_from) / base.score(large_from):.2f}x" if base and \
-            base.score(large_from) > 0 else ""
-        runs = ([f"{min(res.run_scores):.3g}-{max(res.run_scores):.3g}" if res.run_scores else ""]
-                if spread else [])
-        body.append([str(i), describe(res.point), f"{res.score(large_from):.4g}", *runs, ratio]
-                    + [f"{by[s]:.4g}" if s in by else "" for s in sizes])
+        ratio = (
+            f"{res.score(large_from) / base.score(large_from):.2f}x"
+            if base and base.score(large_from) > 0
+            else ""
+        )
+        runs = (
+            [f"{min(res.run_scores):.3g}-{max(res.run_scores):.3g}" if res.run_scores else ""]
+            if spread
+            else []
+        )
+        body.append(
+            [str(i), describe(res.point), f"{res.score(large_from):.4g}", *runs, ratio]
+            + [f"{by[s]:.4g}" if s in by else "" for s in sizes]
+        )
     ncols = max(len(row) for row in [head] + body)
     return table(head + [""] * (ncols - len(head)), body, align="l" * ncols)
 
 
-def env_file_text(best: PointResult, *, command: str, large_from: int = DEFAULT_LARGE_FROM,
-                  baseline: PointResult | None = None) -> str:
+def env_file_text(
+    best: PointResult,
+    *,
+    command: str,
+    large_from: int = DEFAULT_LARGE_FROM,
+    baseline: PointResult | None = None,
+) -> str:
     """The env file for the best point: `source` it, or pass it to `commopt launch`/docker."""
     score = best.score(large_from)
     lines = [
@@ -245,8 +273,12 @@ def env_file_text(best: PointResult, *, command: str, large_from: int = DEFAULT_
         f"# command: {comment_safe(command)}",
         f"# best of the sweep: mean all-reduce bus bandwidth {score:.4g} GB/s over messages "
         f">= {_size(large_from)}"
-        + (f" ({score / baseline.score(large_from):.2f}x the defaults' "
-           f"{baseline.score(large_from):.4g} GB/s)" if baseline and baseline.score(large_from) > 0 else ""),
+        + (
+            f" ({score / baseline.score(large_from):.2f}x the defaults' "
+            f"{baseline.score(large_from):.4g} GB/s)"
+            if baseline and baseline.score(large_from) > 0
+            else ""
+        ),
     ]
     if not best.point:
         lines.append("# the defaults won: nothing to export")
@@ -288,26 +320,39 @@ def write_env_file(path: str, text: str) -> None:
 
 
 # -- running ----------------------------------------------------------------------------------------
-def run_point(point: dict[str, str], argv: list[str], *, timeout: float,
-              base_env: dict[str, str] | None = None) -> PointResult:
+def run_point(
+    point: dict[str, str],
+    argv: list[str],
+    *,
+    timeout: float,
+    base_env: dict[str, str] | None = None,
+) -> PointResult:
     """Run the benchmark command once with ``point`` added to the environment."""
     env = dict(os.environ if base_env is None else base_env)
     env.update(point)
     start = time.monotonic()
     # Its own session, so a timeout stops the launcher and every rank it started.
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _stop(proc)
-        return PointResult(point, error=f"timed out after {timeout:.0f}s",
-                           seconds=time.monotonic() - start)
+        return PointResult(
+            point, error=f"timed out after {timeout:.0f}s", seconds=time.monotonic() - start
+        )
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         tail = (err or out).strip().splitlines()[-3:]
-        return PointResult(point, error=f"exit code {proc.returncode}: {' | '.join(tail)}",
-                           seconds=seconds)
+        return PointResult(
+            point, error=f"exit code {proc.returncode}: {' | '.join(tail)}", seconds=seconds
+        )
     try:
         return PointResult(point, rows=parse_bench_output(out), seconds=seconds)
     except ValueError as exc:
@@ -338,8 +383,9 @@ def merge_runs(runs: list[PointResult], large_from: int = DEFAULT_LARGE_FROM) ->
     seconds = sum(r.seconds for r in runs)
     errors = [r.error for r in runs if r.error or not r.rows]
     if errors:
-        return PointResult(point, error=f"{len(errors)} of {len(runs)} runs failed: {errors[0]}",
-                           seconds=seconds)
+        return PointResult(
+            point, error=f"{len(errors)} of {len(runs)} runs failed: {errors[0]}", seconds=seconds
+        )
     sizes = sorted({row.nbytes for r in runs for row in r.rows})
     rows = []
     for n in sizes:
@@ -347,13 +393,20 @@ def merge_runs(runs: list[PointResult], large_from: int = DEFAULT_LARGE_FROM) ->
         mid = len(values) // 2
         median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
         rows.append(BenchRow(n, median))
-    return PointResult(point, rows=rows, seconds=seconds,
-                       run_scores=[r.score(large_from) for r in runs])
+    return PointResult(
+        point, rows=rows, seconds=seconds, run_scores=[r.score(large_from) for r in runs]
+    )
 
 
-def sweep(points: list[dict[str, str]], argv: list[str], *, timeout: float = 300,
-          repeats: int = 1, progress=None,
-          large_from: int = DEFAULT_LARGE_FROM) -> list[PointResult]:
+def sweep(
+    points: list[dict[str, str]],
+    argv: list[str],
+    *,
+    timeout: float = 300,
+    repeats: int = 1,
+    progress=None,
+    large_from: int = DEFAULT_LARGE_FROM,
+) -> list[PointResult]:
     """Run every point ``repeats`` times; ``progress(i, total, result)`` after each run.
 
     Repeats go round-robin over the points (all points, then all again), so a slow drift of
@@ -374,4 +427,3 @@ def sweep(points: list[dict[str, str]], argv: list[str], *, timeout: float = 300
             if progress is not None:
                 progress(done, total, res)
     return [merge_runs(r, large_from) for r in runs]
-

@@ -3,14 +3,16 @@
     >>> import torch, commopt
     >>> from commopt.optim import create_multi_node_optimizer
     >>> model = torch.nn.Linear(2, 1)
-    >>> opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-    ...                                   commopt.create_communicator("local"))
+    >>> opt = create_multi_node_optimizer(
+    ...     torch.optim.SGD(model.parameters(), lr=0.1), commopt.create_communicator("local")
+    ... )
     >>> type(opt).__name__
     'MultiNodeOptimizer'
 
 Names load on first use, so ``import commopt.optim`` stays cheap and each part works even
 while another is missing.
 """
+
 from __future__ import annotations
 
 import importlib

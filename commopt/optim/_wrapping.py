@@ -5,14 +5,18 @@ in the optimizer they wrap; calling ``Optimizer.__init__`` would add the paramet
 second time. They still need the hook tables that ``Optimizer`` methods (``step`` hooks,
 ``state_dict`` hooks) read.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
 
 _HOOK_TABLES = (
-    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
 )
 
 
@@ -22,11 +26,14 @@ def inner_attribute(name: str, inner: str) -> property:
     >>> import torch
     >>> class Wrapper:
     ...     state = inner_attribute("state", "wrapped")
-    ...     def __init__(self, opt): self.wrapped = opt
+    ...
+    ...     def __init__(self, opt):
+    ...         self.wrapped = opt
     >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     >>> Wrapper(opt).state is opt.state
     True
     """
+
     def get(self):
         return getattr(getattr(self, inner), name)
 

@@ -8,18 +8,31 @@ number of ranks and no rank ever holds a peer's residuals (``save_checkpoint`` i
 :mod:`commopt.optim.checkpoint_files` writes the per-rank part with
 ``torch.distributed.checkpoint``).
 
-    >>> extra = {"version": STATE_VERSION, "rank": 0, "world_size": 2, "buckets": ["b0"],
-    ...          "codec_state": {"compressed": {"residuals": {}}}}
+    >>> extra = {
+    ...     "version": STATE_VERSION,
+    ...     "rank": 0,
+    ...     "world_size": 2,
+    ...     "buckets": ["b0"],
+    ...     "codec_state": {"compressed": {"residuals": {}}},
+    ... }
     >>> check_compatible(extra, ["b0"], rank=0, size=2)
     >>> drop_codec_state({"commopt": extra})["commopt"]["codec_state"]
     {}
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STATE_VERSION", "check_compatible", "own_codec_state", "drop_codec_state",
-           "has_codec_state", "split_rank_state", "join_rank_state"]
+__all__ = [
+    "STATE_VERSION",
+    "check_compatible",
+    "drop_codec_state",
+    "has_codec_state",
+    "join_rank_state",
+    "own_codec_state",
+    "split_rank_state",
+]
 
 #: 2: each rank's own ``codec_state`` (1: ``codec_states`` of every rank, still loadable).
 STATE_VERSION = 2
@@ -43,13 +56,16 @@ def _nonempty(state) -> bool:
     return state is not None
 
 
-def check_compatible(extra: dict[str, Any], bucket_keys: list[str], *, rank: int,
-                     size: int) -> None:
+def check_compatible(
+    extra: dict[str, Any], bucket_keys: list[str], *, rank: int, size: int
+) -> None:
     """Raise a ValueError saying what to change when ``extra`` cannot be loaded here."""
     version = extra.get("version")
     if version not in (1, STATE_VERSION):
-        raise ValueError(f"unknown commopt state version {version!r} (this commopt reads 1 "
-                         f"and {STATE_VERSION}): upgrade commopt")
+        raise ValueError(
+            f"unknown commopt state version {version!r} (this commopt reads 1 "
+            f"and {STATE_VERSION}): upgrade commopt"
+        )
     if extra["buckets"] != bucket_keys:
         raise ValueError(
             "the checkpoint's gradient buckets differ from this optimizer's: load it into "
@@ -58,8 +74,10 @@ def check_compatible(extra: dict[str, Any], bucket_keys: list[str], *, rank: int
     if version == 1:
         states = extra["codec_states"]
         if any(has_codec_state(s) for s in states) and len(states) != size:
-            raise ValueError(f"the checkpoint holds codec state (error feedback) of "
-                             f"{len(states)} ranks but this job has {size}: {_RESUME_HINT}")
+            raise ValueError(
+                f"the checkpoint holds codec state (error feedback) of "
+                f"{len(states)} ranks but this job has {size}: {_RESUME_HINT}"
+            )
         return
     if not has_codec_state(extra.get("codec_state", {})):
         return
@@ -67,12 +85,14 @@ def check_compatible(extra: dict[str, Any], bucket_keys: list[str], *, rank: int
         raise ValueError(
             f"the checkpoint holds codec state (error feedback) saved by rank "
             f"{extra['rank']} of {extra['world_size']} ranks but this job has {size}: "
-            f"{_RESUME_HINT}")
+            f"{_RESUME_HINT}"
+        )
     if extra["rank"] != rank:
         raise ValueError(
             f"rank {rank}: this state dict holds rank {extra['rank']}'s codec state (error "
             f"feedback residuals); each rank must load the state it saved itself: "
-            f"{_RESUME_HINT}")
+            f"{_RESUME_HINT}"
+        )
 
 
 def own_codec_state(extra: dict[str, Any], rank: int) -> dict:

@@ -11,14 +11,17 @@ every commopt communicator (``mpi`` included); the communicator only provides a 
     >>> from commopt.optim import create_multi_node_optimizer, save_checkpoint, load_checkpoint
     >>> comm = commopt.create_communicator("local")
     >>> model = torch.nn.Linear(4, 2)
-    >>> opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-    ...                                   model=model, compression="qsgd4+ef")
-    >>> model(torch.ones(3, 4)).sum().backward(); opt.step()
+    >>> opt = create_multi_node_optimizer(
+    ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model, compression="qsgd4+ef"
+    ... )
+    >>> model(torch.ones(3, 4)).sum().backward()
+    ... opt.step()
     >>> path = tempfile.mkdtemp() + "/ckpt"
     >>> save_checkpoint(path, model, opt, extra={"epoch": 3})
     >>> load_checkpoint(path, model, opt)
     {'epoch': 3}
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,7 +32,7 @@ from typing import Any
 
 from commopt.optim.checkpoint import drop_codec_state, join_rank_state, split_rank_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_bytes"]
+__all__ = ["checkpoint_bytes", "load_checkpoint", "save_checkpoint"]
 
 REPLICATED = "replicated"
 
@@ -38,7 +41,9 @@ def _rank_dir(path: Path, rank: int) -> Path:
     return path / f"rank{rank}"
 
 
-def save_checkpoint(path: str | os.PathLike, model, optimizer, *, extra: dict | None = None) -> None:
+def save_checkpoint(
+    path: str | os.PathLike, model, optimizer, *, extra: dict | None = None
+) -> None:
     """Write ``model``, ``optimizer`` (a MultiNodeOptimizer) and ``extra`` under ``path``.
 
     A collective call: every rank calls it; it returns once every rank's part is written.
@@ -55,15 +60,18 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, *, extra: dict | 
             # rank's predicted ones are in its own part), so the file also serves inference.
             true_weights = getattr(optimizer, "true_weights", contextlib.nullcontext)
             with true_weights():
-                dcp.save({"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
-                         checkpoint_id=str(path / REPLICATED), no_dist=True)
-        dcp.save({"commopt_rank": own}, checkpoint_id=str(_rank_dir(path, comm.rank)),
-                 no_dist=True)
+                dcp.save(
+                    {"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
+                    checkpoint_id=str(path / REPLICATED),
+                    no_dist=True,
+                )
+        dcp.save({"commopt_rank": own}, checkpoint_id=str(_rank_dir(path, comm.rank)), no_dist=True)
     comm.barrier()  # the checkpoint is complete when any rank returns
 
 
-def load_checkpoint(path: str | os.PathLike, model, optimizer, *,
-                    reset_codec_state: bool = False) -> dict:
+def load_checkpoint(
+    path: str | os.PathLike, model, optimizer, *, reset_codec_state: bool = False
+) -> dict:
     """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``; return ``extra``.
 
     Each rank reads the replicated part and its own ``rank{r}`` part. Resuming error
@@ -73,8 +81,10 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, *,
     path = Path(path)
     rank = optimizer.comm.rank
     if not (path / REPLICATED).is_dir():
-        raise FileNotFoundError(f"{path} is not a commopt checkpoint (no {REPLICATED}/ inside); "
-                                "write one with commopt.optim.save_checkpoint")
+        raise FileNotFoundError(
+            f"{path} is not a commopt checkpoint (no {REPLICATED}/ inside); "
+            "write one with commopt.optim.save_checkpoint"
+        )
     shared = _read(path / REPLICATED)
     optim = shared["optim"]
     # DCP stores dict keys as strings; torch optimizers index their state by int.
@@ -83,14 +93,16 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, *,
     if mine.is_dir():
         state = join_rank_state(optim, _read(mine)["commopt_rank"])
     elif reset_codec_state:
-        state = join_rank_state(optim, {"rank": rank, "world_size": optimizer.comm.size,
-                                        "codec_state": {}})
+        state = join_rank_state(
+            optim, {"rank": rank, "world_size": optimizer.comm.size, "codec_state": {}}
+        )
     else:
         saved = sorted(p.name for p in path.glob("rank*"))
         raise ValueError(
             f"rank {rank}: {path} holds no state for this rank (saved by {len(saved)} ranks: "
             f"{', '.join(saved)}); resume with that many ranks, or pass "
-            "reset_codec_state=True to restart the error-feedback residuals at zero")
+            "reset_codec_state=True to restart the error-feedback residuals at zero"
+        )
     if reset_codec_state:
         state = drop_codec_state(state)
     model.load_state_dict(shared["model"])
@@ -101,8 +113,11 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, *,
 def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
     """Bytes on disk per part (``replicated``, ``rank0``, ...) of a checkpoint directory."""
     path = Path(path)
-    return {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-            for d in sorted(path.iterdir()) if d.is_dir()}
+    return {
+        d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        for d in sorted(path.iterdir())
+        if d.is_dir()
+    }
 
 
 def _read(directory: Path) -> dict[str, Any]:
@@ -116,8 +131,12 @@ def _read(directory: Path) -> dict[str, Any]:
     state: dict[str, Any] = {}
     with warnings.catch_warnings():  # "no process group: loading in a single process" is intended
         warnings.simplefilter("ignore", UserWarning)
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(directory)),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            state,
+            storage_reader=dcp.FileSystemReader(str(directory)),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
     return state
 
 
@@ -125,6 +144,8 @@ def _dcp():
     try:
         import torch.distributed.checkpoint as dcp
     except ImportError as exc:  # torch built without distributed support
-        raise ImportError("commopt checkpoints need torch.distributed.checkpoint: install a "
-                          "torch build with distributed support (pip install torch)") from exc
+        raise ImportError(
+            "commopt checkpoints need torch.distributed.checkpoint: install a "
+            "torch build with distributed support (pip install torch)"
+        ) from exc
     return dcp

@@ -10,18 +10,21 @@ third way, a write before the reduction, through the tensors' version counters (
 in-place operation bumps them; reading one costs nothing), so it fails loudly instead.
 
     >>> import torch
-    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
-    >>> clip_grad_norm([w], max_norm=1.0)      # returns the norm before clipping
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    ... w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grad_norm([w], max_norm=1.0)  # returns the norm before clipping
     5.0
     >>> [round(x, 3) for x in w.grad.tolist()]
     [0.6, 0.8]
-    >>> guard = GradWriteGuard(); guard.record([w])
+    >>> guard = GradWriteGuard()
+    ... guard.record([w])
     >>> guard.written([w], ["w"])
     []
-    >>> _ = w.grad.mul_(0.5)                    # what clip_grad_norm_ does
+    >>> _ = w.grad.mul_(0.5)  # what clip_grad_norm_ does
     >>> guard.written([w], ["w"])
     ['w']
 """
+
 from __future__ import annotations
 
 import math
@@ -39,10 +42,14 @@ def check_max_norm(max_norm) -> float | None:
     try:
         value = float(max_norm)
     except (TypeError, ValueError):
-        raise TypeError(f"clip_grad_norm must be a positive number or None, got {max_norm!r}") from None
+        raise TypeError(
+            f"clip_grad_norm must be a positive number or None, got {max_norm!r}"
+        ) from None
     if not value > 0 or math.isinf(value):
-        raise ValueError(f"clip_grad_norm must be a positive, finite number (the largest global "
-                         f"L2 norm of the averaged gradient), got {max_norm!r}")
+        raise ValueError(
+            f"clip_grad_norm must be a positive, finite number (the largest global "
+            f"L2 norm of the averaged gradient), got {max_norm!r}"
+        )
     return value
 
 
@@ -97,7 +104,9 @@ class GradWriteGuard:
 
 def write_before_reduction_error(names: list[str], mode: str) -> RuntimeError:
     """The error for a ``.grad`` write before the reduction, naming both fixes."""
-    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    shown = ", ".join(repr(n) for n in names[:3]) + (
+        f" and {len(names) - 3} more" if len(names) > 3 else ""
+    )
     return RuntimeError(
         f"the gradient of {shown} was changed after backward() but before commopt averaged it "
         f"across ranks (e.g. by torch.nn.utils.clip_grad_norm_ or an in-place scale). With "

@@ -11,23 +11,26 @@ weights (the same on every rank) and the predicted weights each rank's model hol
 steps (its own).
 
     >>> import torch
-    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([1.0, -2.0])
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    ... w.grad = torch.tensor([1.0, -2.0])
     >>> local = LocalGradients.take([w], [w], scale=1.0, keep_reference=lambda p: True)
-    >>> local.grads[0].data_ptr() == w.grad.data_ptr()   # held, not copied
+    >>> local.grads[0].data_ptr() == w.grad.data_ptr()  # held, not copied
     True
-    >>> [round(x, 3) for x in local.clipped(max_norm=1.0)[0].tolist()]   # as clip_grad_norm= would
+    >>> [round(x, 3) for x in local.clipped(max_norm=1.0)[0].tolist()]  # as clip_grad_norm= would
     [0.447, -0.894]
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from commopt.optim.staleness import LocalStepPrediction
 
-__all__ = ["Compensation", "LocalGradients", "COMPENSATED", "parse_mode", "refuse_prediction"]
+__all__ = ["COMPENSATED", "Compensation", "LocalGradients", "parse_mode", "refuse_prediction"]
 
 COMPENSATED = "compensated"
 
@@ -36,8 +39,9 @@ def parse_mode(double_buffering) -> tuple[bool, bool]:
     """``(double buffering on, compensated)`` from the wrapper's ``double_buffering=`` value."""
     if isinstance(double_buffering, str):
         if double_buffering != COMPENSATED:
-            raise ValueError(f"double_buffering must be False, True or 'compensated', got "
-                             f"{double_buffering!r}")
+            raise ValueError(
+                f"double_buffering must be False, True or 'compensated', got {double_buffering!r}"
+            )
         return True, True
     return bool(double_buffering), False
 
@@ -49,8 +53,13 @@ class LocalGradients:
         self.grads = grads
 
     @classmethod
-    def take(cls, all_params: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], scale: float,
-             keep_reference: Callable[[torch.Tensor], bool]) -> "LocalGradients":
+    def take(
+        cls,
+        all_params: Sequence[torch.Tensor],
+        sent: Sequence[torch.Tensor],
+        scale: float,
+        keep_reference: Callable[[torch.Tensor], bool],
+    ) -> LocalGradients:
         """Take the gradients of ``sent`` before the reduction starts.
 
         ``keep_reference(p)``: the reduction will *replace* ``p.grad`` (its averages land in
@@ -66,11 +75,13 @@ class LocalGradients:
             if g is None:
                 grads.append(None)
             elif scale != 1.0:
-                grads.append(g.detach().float() * scale)   # a new tensor: .grad is still to be sent
+                grads.append(g.detach().float() * scale)  # a new tensor: .grad is still to be sent
             elif g.dtype == torch.float32 and keep_reference(p):
                 grads.append(g.detach())
             else:
-                grads.append(g.detach().float().clone() if g.dtype == torch.float32 else g.detach().float())
+                grads.append(
+                    g.detach().float().clone() if g.dtype == torch.float32 else g.detach().float()
+                )
         return cls(grads)
 
     def clipped(self, max_norm: float | None) -> list[torch.Tensor | None]:
@@ -103,8 +114,10 @@ class Compensation:
     def restore(self) -> None:
         """Put the true weights back (before an average is applied, a flush, a re-broadcast)."""
         if self.aside is not None:
-            raise RuntimeError("optimizer.step() or flush() inside `with optimizer.true_weights():`: "
-                               "evaluate inside the block, step outside it")
+            raise RuntimeError(
+                "optimizer.step() or flush() inside `with optimizer.true_weights():`: "
+                "evaluate inside the block, step outside it"
+            )
         self.prediction.restore()
 
     def predict(self, step_skipped_here: bool, max_norm: float | None) -> None:
@@ -151,21 +164,29 @@ class Compensation:
             return
         predicted = extra.get("predicted")
         if predicted is None:
-            raise ValueError(f"rank {rank}: the checkpoint holds the true weights of compensated "
-                             "double buffering but not this rank's predicted weights: load the "
-                             "state this rank saved (its own part)")
+            raise ValueError(
+                f"rank {rank}: the checkpoint holds the true weights of compensated "
+                "double buffering but not this rank's predicted weights: load the "
+                "state this rank saved (its own part)"
+            )
         self.prediction.load_state_dict(saved)
         params = self._params()
         if len(predicted) != len(params):
-            raise ValueError("the checkpoint's predicted weights do not match this model's parameters")
+            raise ValueError(
+                "the checkpoint's predicted weights do not match this model's parameters"
+            )
         with torch.no_grad():
-            torch._foreach_copy_(params, [w.to(p.device, p.dtype) for w, p in zip(predicted, params)])
+            torch._foreach_copy_(
+                params, [w.to(p.device, p.dtype) for w, p in zip(predicted, params)]
+            )
 
 
 def refuse_prediction(extra: dict[str, Any]) -> None:
     """Raise when a non-compensated optimizer is given a checkpoint taken between compensated steps."""
     saved = extra.get("compensated")
     if saved is not None and saved.get("weights") is not None:
-        raise ValueError("the checkpoint was saved with double_buffering='compensated' between "
-                         "steps: load it into an optimizer created with "
-                         "double_buffering='compensated' (or call flush() before saving)")
+        raise ValueError(
+            "the checkpoint was saved with double_buffering='compensated' between "
+            "steps: load it into an optimizer created with "
+            "double_buffering='compensated' (or call flush() before saving)"
+        )

@@ -9,18 +9,21 @@ reduction still pending, so a resumed run applies exactly what the original woul
     >>> import torch, commopt
     >>> from commopt.reducer import GradientReducer
     >>> from commopt.optim.double_buffering import DoubleBuffer
-    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.ones(2)
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    ... w.grad = torch.ones(2)
     >>> reducer = GradientReducer(commopt.create_communicator("local"), [w], ["w"], num_buffers=2)
     >>> db = DoubleBuffer()
     >>> db.exchange(lambda buffer: reducer.start(step=0, buffer=buffer), reducer, zero_fill=True)
-    >>> db.take() is None          # the first step has nothing to apply yet
+    >>> db.take() is None  # the first step has nothing to apply yet
     True
     >>> db.flush(zero_fill=True).nonfinite, w.grad.tolist()
     (False, [1.0, 1.0])
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
@@ -41,8 +44,9 @@ class DoubleBuffer:
         """Whether this step's gradients were sent already (by ``synchronize()``)."""
         return self._exchanged
 
-    def exchange(self, start: Callable[[int], StepReduction], reducer: GradientReducer,
-                 zero_fill: bool) -> None:
+    def exchange(
+        self, start: Callable[[int], StepReduction], reducer: GradientReducer, zero_fill: bool
+    ) -> None:
         """Send this step's gradients (``start(buffer)``); unpack the previous step's averages."""
         previous = self.pending
         if previous is not None:
@@ -84,8 +88,10 @@ class DoubleBuffer:
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``db_buffer`` (the buffer set) and ``pending`` (the reduction in flight, completed first)."""
-        return {"db_buffer": self.buffer,
-                "pending": self.pending.state_dict() if self.pending is not None else None}
+        return {
+            "db_buffer": self.buffer,
+            "pending": self.pending.state_dict() if self.pending is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any], reducer: GradientReducer) -> None:
         """Restore :meth:`state_dict`'s keys; the pending reduction onto ``reducer``'s buckets."""

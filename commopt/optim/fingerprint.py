@@ -11,11 +11,13 @@ each differing setting and the ranks on each side.
     >>> import torch, commopt
     >>> comm = commopt.create_communicator("local")
     >>> opt = commopt.create_multi_node_optimizer(
-    ...     torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1), comm, compression="qsgd4")
+    ...     torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1), comm, compression="qsgd4"
+    ... )
     >>> wire_settings(opt)["compression"]
     "QSGD(bits=4, bucket_size=128, scale='max')"
-    >>> check_same_settings(opt)     # a world of one always agrees
+    >>> check_same_settings(opt)  # a world of one always agrees
 """
+
 from __future__ import annotations
 
 __all__ = ["SettingsMismatchError", "check_same_settings", "wire_settings"]
@@ -26,8 +28,10 @@ class SettingsMismatchError(ValueError):
 
 
 def _bucket_layout(reducer) -> list[str]:
-    return [f"{b.key} {b.dtype} codec={b.codec!r} slots={[(s.param, s.offset, s.numel) for s in b.slots]}"
-            for b in reducer.buckets]
+    return [
+        f"{b.key} {b.dtype} codec={b.codec!r} slots={[(s.param, s.offset, s.numel) for s in b.slots]}"
+        for b in reducer.buckets
+    ]
 
 
 def wire_settings(opt) -> dict[str, str]:
@@ -39,8 +43,9 @@ def wire_settings(opt) -> dict[str, str]:
         "bucket_cap_mb": repr(opt.bucket_cap_mb),
         "bucket layout": "; ".join(_bucket_layout(opt._reducer)),
         "algorithm": repr(opt.algorithm),
-        "double_buffering": repr("compensated" if getattr(opt, "compensated", False)
-                                 else opt.double_buffering),
+        "double_buffering": repr(
+            "compensated" if getattr(opt, "compensated", False) else opt.double_buffering
+        ),
     }
 
 
@@ -68,9 +73,11 @@ def check_same_settings(opt) -> None:
             problems = [p for p in problems if not p.startswith("bucket layout")]
         raise SettingsMismatchError(
             f"rank {comm.rank}: the ranks created create_multi_node_optimizer with different "
-            f"settings, so their collectives would not match: " + "; ".join(problems)
+            f"settings, so their collectives would not match: "
+            + "; ".join(problems)
             + ". Pass the same compression, allreduce_grad_dtype, policy, bucket_cap_mb, "
-              "algorithm and double_buffering on every rank.")
+            "algorithm and double_buffering on every rank."
+        )
 
 
 def _short(text: str, limit: int = 160) -> str:

@@ -26,6 +26,7 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
     >>> model(torch.randn(8, 4)).sum().backward()
     >>> opt.step()
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -59,8 +60,13 @@ def _skips(group: dict, params: list[Tensor], exclude: ExcludeFn | None) -> list
     return [bool(exclude(p)) for p in params]
 
 
-def trust_ratios(params: list[Tensor], grads: list[Tensor], trust_coefficient: float,
-                 weight_decay: float = 0.0, eps: float = 0.0) -> list[Tensor]:
+def trust_ratios(
+    params: list[Tensor],
+    grads: list[Tensor],
+    trust_coefficient: float,
+    weight_decay: float = 0.0,
+    eps: float = 0.0,
+) -> list[Tensor]:
     """One 0-dim float32 tensor per parameter: ``eta*||w|| / (||g|| + wd*||w|| + eps)``,
     or 1 where ``||w||`` or ``||g||`` is 0. Stays on the device: no host synchronisation.
 
@@ -87,8 +93,10 @@ def trust_ratios(params: list[Tensor], grads: list[Tensor], trust_coefficient: f
 def _check_dense(grads: Iterable[Tensor], who: str) -> None:
     for g in grads:
         if g.is_sparse:
-            raise RuntimeError(f"{who} does not support sparse gradients; use a dense embedding "
-                               "(sparse=False) or exclude the parameter from this optimizer")
+            raise RuntimeError(
+                f"{who} does not support sparse gradients; use a dense embedding "
+                "(sparse=False) or exclude the parameter from this optimizer"
+            )
 
 
 class LARS(Optimizer):
@@ -108,14 +116,22 @@ class LARS(Optimizer):
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2, 2))
         >>> opt = LARS([p], lr=1.0, momentum=0.0, weight_decay=0.0, trust_coefficient=0.5)
-        >>> p.grad = torch.full((2, 2), 4.0)   # ||w|| = 2, ||g|| = 8: trust = 0.5 * 2 / 8
-        >>> opt.step(); p.data[0, 0].item()
+        >>> p.grad = torch.full((2, 2), 4.0)  # ||w|| = 2, ||g|| = 8: trust = 0.5 * 2 / 8
+        >>> opt.step()
+        ... p.data[0, 0].item()
         0.5
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 1e-4,
-                 trust_coefficient: float = 0.001, eps: float = 0.0,
-                 exclude: ExcludeFn | None = exclude_bias_and_norm):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        trust_coefficient: float = 0.001,
+        eps: float = 0.0,
+        exclude: ExcludeFn | None = exclude_bias_and_norm,
+    ):
         if not (isinstance(lr, Tensor) or lr >= 0.0):
             raise ValueError(f"LARS: lr must be >= 0, got {lr}")
         if momentum < 0.0:
@@ -129,8 +145,14 @@ class LARS(Optimizer):
         if exclude is not None and not callable(exclude):
             raise TypeError("LARS: exclude must be a function param -> bool, or None")
         self._exclude = exclude
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        trust_coefficient=trust_coefficient, eps=eps, lars_skip=None)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            lars_skip=None,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -151,7 +173,9 @@ class LARS(Optimizer):
             for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
                 bufs.append(state["momentum_buffer"])
 
             adapt = [i for i, s in enumerate(skip) if not s]
@@ -191,11 +215,19 @@ class LayerwiseAdaptation(Optimizer):
     schedulers, GradScaler and checkpoints work unchanged.
     """
 
-    def __init__(self, optimizer: Optimizer, trust_coefficient: float = 0.001, clip: bool = False,
-                 eps: float = 0.0, exclude: ExcludeFn | None = exclude_bias_and_norm):
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        trust_coefficient: float = 0.001,
+        clip: bool = False,
+        eps: float = 0.0,
+        exclude: ExcludeFn | None = exclude_bias_and_norm,
+    ):
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
-            raise TypeError(f"lars() wraps an optimizer with param_groups and step(); "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(
+                f"lars() wraps an optimizer with param_groups and step(); "
+                f"got {type(optimizer).__name__}"
+            )
         if trust_coefficient <= 0.0:
             raise ValueError(f"lars: trust_coefficient must be > 0, got {trust_coefficient}")
         if eps < 0.0:
@@ -272,8 +304,14 @@ class LayerwiseAdaptation(Optimizer):
         return loss
 
 
-def lars(optimizer: Optimizer, trust_coefficient: float = 0.001, clip: bool = False, *,
-         eps: float = 0.0, exclude: ExcludeFn | None = exclude_bias_and_norm) -> LayerwiseAdaptation:
+def lars(
+    optimizer: Optimizer,
+    trust_coefficient: float = 0.001,
+    clip: bool = False,
+    *,
+    eps: float = 0.0,
+    exclude: ExcludeFn | None = exclude_bias_and_norm,
+) -> LayerwiseAdaptation:
     """Add layer-wise adaptation to ``optimizer`` (see :class:`LayerwiseAdaptation`).
 
     ``clip=False`` (scale mode) multiplies each layer's gradient by its trust ratio; with

@@ -16,9 +16,11 @@ each method with the docstring its users read.
     >>> comm = commopt.create_communicator("local")
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = commopt.create_multi_node_optimizer(
-    ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model)
+    ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model
+    ... )
     >>> model(torch.ones(3, 4)).sum().backward()
-    >>> opt.step(); opt.zero_grad()
+    >>> opt.step()
+    ... opt.zero_grad()
     >>> opt.applied_steps, opt.skipped_steps
     (1, 0)
 
@@ -30,6 +32,7 @@ last one); ``double_buffering="compensated"`` also moves each rank's model, betw
 to the weights its local gradient predicts for the next step, so the stale average is
 applied (nearly) where it was computed (:mod:`~commopt.optim.staleness`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,26 +40,28 @@ import logging
 import sys
 import types
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from commopt import driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
-from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim import clipping
-from commopt.optim.compensation import Compensation, LocalGradients, parse_mode, refuse_prediction
+from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
+from commopt.optim.compensation import Compensation, LocalGradients, parse_mode, refuse_prediction
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
-__all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer", "ModelMismatchError"]
+__all__ = ["ModelMismatchError", "MultiNodeOptimizer", "create_multi_node_optimizer"]
 
 log = logging.getLogger("commopt")
+
 
 def create_multi_node_optimizer(
     optimizer: torch.optim.Optimizer,
@@ -73,7 +78,7 @@ def create_multi_node_optimizer(
     seed: int | None = None,
     algorithm: str = "auto",
     clip_grad_norm: float | None = None,
-) -> "MultiNodeOptimizer":
+) -> MultiNodeOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
 
     ``allreduce_grad_dtype`` (torch dtype or "float16"/"bfloat16"/"float32"; default: the
@@ -97,9 +102,18 @@ def create_multi_node_optimizer(
     communication: each rank saves its own).
     """
     return MultiNodeOptimizer(
-        optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
-        allreduce_grad_dtype=allreduce_grad_dtype, compression=compression, overlap=overlap,
-        bucket_cap_mb=bucket_cap_mb, policy=policy, model=model, seed=seed, algorithm=algorithm,
+        optimizer,
+        comm,
+        double_buffering=double_buffering,
+        zero_fill=zero_fill,
+        allreduce_grad_dtype=allreduce_grad_dtype,
+        compression=compression,
+        overlap=overlap,
+        bucket_cap_mb=bucket_cap_mb,
+        policy=policy,
+        model=model,
+        seed=seed,
+        algorithm=algorithm,
         clip_grad_norm=clip_grad_norm,
     )
 
@@ -111,9 +125,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     skipped the same step), ``last_step_skipped``. See :func:`create_multi_node_optimizer`.
     """
 
-    def __init__(self, optimizer, comm, *, double_buffering=False, zero_fill=True,
-                 allreduce_grad_dtype=None, compression=None, overlap=True, bucket_cap_mb=25,
-                 policy=None, model=None, seed=None, algorithm="auto", clip_grad_norm=None):
+    def __init__(
+        self,
+        optimizer,
+        comm,
+        *,
+        double_buffering=False,
+        zero_fill=True,
+        allreduce_grad_dtype=None,
+        compression=None,
+        overlap=True,
+        bucket_cap_mb=25,
+        policy=None,
+        model=None,
+        seed=None,
+        algorithm="auto",
+        clip_grad_norm=None,
+    ):
         if isinstance(optimizer, MultiNodeOptimizer):
             raise TypeError(
                 "this optimizer is already wrapped by create_multi_node_optimizer; wrap the "
@@ -140,7 +168,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.algorithm = algorithm
         self.codec, self.plain_codec, self.policy = resolve_codecs(
-            comm, allreduce_grad_dtype, compression, policy)
+            comm, allreduce_grad_dtype, compression, policy
+        )
         self._model_ref = weakref.ref(model) if model is not None else None
         # Counters (saved in state_dict).
         self.applied_steps = 0
@@ -152,7 +181,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._signature: tuple | None = None
         self._current: StepReduction | None = None  # issued by hooks, not all issued yet
-        self._reduced: StepReduction | None = None  # all issued, waited for and unpacked, not applied
+        self._reduced: StepReduction | None = (
+            None  # all issued, waited for and unpacked, not applied
+        )
         self._dirty = False  # backward wrote gradients since the last reduction
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
@@ -168,7 +199,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         private = comm.size > 1 and not getattr(comm, "stream_ordered", False)
         self._data_comm = comm.split(0, comm.rank) if private else comm
         # The private communicator is released by close(), or when this optimizer is dropped.
-        self._release = weakref.finalize(self, driver.release_when_idle, self._data_comm) if private else None
+        self._release = (
+            weakref.finalize(self, driver.release_when_idle, self._data_comm) if private else None
+        )
         if self._release is not None:
             self._release.atexit = False
         self._rebuild(broadcast=True)
@@ -184,8 +217,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ reads gradients through param_groups: finish the reduction
         # first so that every rank inspects the same averaged gradients and takes the same
         # skip decision (local gradients would differ, and so would the decisions).
-        if (not self.double_buffering and not self._internal
-                and (self._dirty or self._current is not None)):
+        if (
+            not self.double_buffering
+            and not self._internal
+            and (self._dirty or self._current is not None)
+        ):
             self.synchronize()
         return self._inner.param_groups
 
@@ -216,8 +252,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._guard.clear()
         buffer = self._db.buffer if self.double_buffering else 0
         in_flight = self._current is not None and not self.double_buffering
-        if (not set_to_none and self.zero_fill and self._reducer is not None and not in_flight
-                and not self._no_sync):
+        if (
+            not set_to_none
+            and self.zero_fill
+            and self._reducer is not None
+            and not in_flight
+            and not self._no_sync
+        ):
             self._reducer.zero_grads_into(buffer)
             return
         self._inner.zero_grad(set_to_none=set_to_none)
@@ -233,13 +274,17 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         codec = self.codec.name if self.codec is not None else self.plain_codec.name
-        return (f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
-                f"double_buffering={'compensated' if self.compensated else self.double_buffering}, overlap={self.overlap}, "
-                f"zero_fill={self.zero_fill})")
+        return (
+            f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
+            f"double_buffering={'compensated' if self.compensated else self.double_buffering}, overlap={self.overlap}, "
+            f"zero_fill={self.zero_fill})"
+        )
 
     def __getstate__(self):
-        raise TypeError("a MultiNodeOptimizer holds a communicator and cannot be pickled or "
-                        "deep-copied; save opt.state_dict() instead")
+        raise TypeError(
+            "a MultiNodeOptimizer holds a communicator and cannot be pickled or "
+            "deep-copied; save opt.state_dict() instead"
+        )
 
     # -- layout: which parameters, in which buckets ------------------------------------------
     def _all_params(self) -> list[torch.Tensor]:
@@ -273,10 +318,17 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 h.remove()
             self._hooks = []
             self._reducer = GradientReducer(
-                self._data_comm, [params[i] for i in trainable], [names[i] for i in trainable],
-                codec=self.codec, plain_codec=self.plain_codec, policy=self.policy,
-                bucket_cap_mb=self.bucket_cap_mb, algorithm=self.algorithm,
-                num_buffers=2 if self.double_buffering else 1, seed=self.seed, grad_views=True,
+                self._data_comm,
+                [params[i] for i in trainable],
+                [names[i] for i in trainable],
+                codec=self.codec,
+                plain_codec=self.plain_codec,
+                policy=self.policy,
+                bucket_cap_mb=self.bucket_cap_mb,
+                algorithm=self.algorithm,
+                num_buffers=2 if self.double_buffering else 1,
+                seed=self.seed,
+                grad_views=True,
             )
             check_same_settings(self)  # every rank's wire settings agree, or all raise
             me = weakref.ref(self)
@@ -309,7 +361,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "a backward inside optimizer.no_sync() after this step's reduction started "
                     "(a backward outside no_sync(), or synchronize()): these gradients would "
                     "miss the average. Run every micro-batch but the last inside no_sync() and "
-                    "the last one outside, then synchronize()/step()")
+                    "the last one outside, then synchronize()/step()"
+                )
             return
         if not self._backward_queued and not _in_nested_backward():
             # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
@@ -395,8 +448,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             red.issue_remaining()
             red.unpack(self.zero_fill)
             self._reduced = red
-            self._averaged = [None if p.grad is None else weakref.ref(p.grad)  # (second-backward
-                              for p in self._layout.params]                  # check)
+            self._averaged = [
+                None if p.grad is None else weakref.ref(p.grad)  # (second-backward
+                for p in self._layout.params
+            ]  # check)
             self._dirty = False
 
     def wait(self) -> None:
@@ -412,12 +467,16 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             >>> comm = commopt.create_communicator("local")
             >>> model = torch.nn.Linear(2, 1)
             >>> opt = commopt.create_multi_node_optimizer(
-            ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model,
-            ...     double_buffering=True)
+            ...     torch.optim.SGD(model.parameters(), lr=0.1),
+            ...     comm,
+            ...     model=model,
+            ...     double_buffering=True,
+            ... )
             >>> model(torch.ones(1, 2)).sum().backward()
-            >>> opt.step()   # sends this step's gradients; applies nothing yet
-            >>> opt.wait()   # that reduction has completed
-            >>> opt.flush(); opt.applied_steps
+            >>> opt.step()  # sends this step's gradients; applies nothing yet
+            >>> opt.wait()  # that reduction has completed
+            >>> opt.flush()
+            ... opt.applied_steps
             1
         """
         driver.drain(self._data_comm)
@@ -458,7 +517,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         Horovod's pattern for changing the averaged gradients before the step (clipping)::
 
             loss.backward()
-            optimizer.synchronize()            # param.grad: the averaged gradients
+            optimizer.synchronize()  # param.grad: the averaged gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with optimizer.skip_synchronize():
                 optimizer.step()
@@ -524,8 +583,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             if self.comm.rank == 0:
                 log.warning(
                     "commopt: skipped step %d on every rank: NaN/Inf gradients on some rank "
-                    "(buckets %s); %d step(s) skipped so far", self.applied_steps + self.skipped_steps,
-                    result.bad_buckets, self.skipped_steps)
+                    "(buckets %s); %d step(s) skipped so far",
+                    self.applied_steps + self.skipped_steps,
+                    result.bad_buckets,
+                    self.skipped_steps,
+                )
             return
         self._clip()
         self._inner.step()
@@ -554,8 +616,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "with double_buffering=False for closure optimizers such as LBFGS"
             )
         if self._skip_sync:
-            raise RuntimeError("step(closure) inside skip_synchronize(): the closure's gradients "
-                               "are averaged by step() itself; call step(closure) outside it")
+            raise RuntimeError(
+                "step(closure) inside skip_synchronize(): the closure's gradients "
+                "are averaged by step() itself; call step(closure) outside it"
+            )
 
         def averaged_closure():
             self._reduced = None  # the previous evaluation's gradients are consumed
@@ -576,8 +640,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """The mean of ``loss`` over the ranks (same type back: tensor or number; None stays)."""
         if loss is None or self.comm.size == 1:
             return loss
-        value = torch.tensor([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)],
-                             dtype=torch.float64)
+        value = torch.tensor(
+            [float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=torch.float64
+        )
         self.comm.allreduce(value)
         mean = value.item() / self.comm.size
         if isinstance(loss, torch.Tensor):
@@ -597,10 +662,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """Send this step's gradients; put the previous step's averages into param.grad."""
         if self._comp is not None:
             reducer = self._layout
-            self._comp.local = LocalGradients.take(self._all_params(), reducer.params, scale,
-                                              self._reducer_replaces_grad())
-        self._db.exchange(lambda buffer: self._start(scale=scale, buffer=buffer), self._layout,
-                          self.zero_fill)
+            self._comp.local = LocalGradients.take(
+                self._all_params(), reducer.params, scale, self._reducer_replaces_grad()
+            )
+        self._db.exchange(
+            lambda buffer: self._start(scale=scale, buffer=buffer), self._layout, self.zero_fill
+        )
 
     def _reducer_replaces_grad(self) -> Callable[[torch.Tensor], bool]:
         """``f(p)``: unpacking points ``p.grad`` at its bucket, leaving the tensor now there alone.
@@ -614,8 +681,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
         def replaces(p: torch.Tensor) -> bool:
             flat = reducer.buffers[0][reducer.bucket_of[index[id(p)]]]
-            return (p.grad is not None and p.grad.untyped_storage().data_ptr() not in storages
-                    and reducer._viewable(p, flat))
+            return (
+                p.grad is not None
+                and p.grad.untyped_storage().data_ptr() not in storages
+                and reducer._viewable(p, flat)
+            )
+
         return replaces
 
     def _step_double_buffered(self) -> None:
@@ -623,7 +694,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if not self._db.exchanged:
             if self._skip_sync:
                 raise self._not_synchronized_error()
-            if not (getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None):
+            if not (
+                getattr(self, "found_inf", None) is not None
+                and getattr(self, "grad_scale", None) is None
+            ):
                 self._check_no_local_writes()  # (GradScaler.unscale_ writes them: allowed)
             self._guard.clear()
             self._ensure_layout()
@@ -639,8 +713,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if self._comp is not None:
             pending = self._db.pending  # this step's reduction: its local NaN/Inf flags
             local_bad = pending is not None and any(bool(b) for b in pending._bad if b is not None)
-            self._comp.predict(local_bad,
-                               self.clip_grad_norm)
+            self._comp.predict(local_bad, self.clip_grad_norm)
 
     @contextlib.contextmanager
     def true_weights(self):
@@ -653,10 +726,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             >>> import torch, commopt
             >>> model = torch.nn.Linear(2, 1)
             >>> opt = commopt.create_multi_node_optimizer(
-            ...     torch.optim.SGD(model.parameters(), lr=0.1), commopt.create_communicator("local"),
-            ...     model=model, double_buffering="compensated")
-            >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
-            >>> before = model.bias.item()            # predicted: one local step ahead
+            ...     torch.optim.SGD(model.parameters(), lr=0.1),
+            ...     commopt.create_communicator("local"),
+            ...     model=model,
+            ...     double_buffering="compensated",
+            ... )
+            >>> model(torch.ones(1, 2)).sum().backward()
+            ... opt.step()
+            ... opt.zero_grad()
+            >>> before = model.bias.item()  # predicted: one local step ahead
             >>> with opt.true_weights():
             ...     round(before - model.bias.item(), 6)
             -0.1
@@ -721,8 +799,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            check_compatible(extra, [b.key for b in self._layout.buckets],
-                             rank=self.comm.rank, size=self.comm.size)
+            check_compatible(
+                extra,
+                [b.key for b in self._layout.buckets],
+                rank=self.comm.rank,
+                size=self.comm.size,
+            )
             self._layout.load_codec_states(own_codec_state(extra, self.comm.rank))
             self.seed = int(extra["seed"])
             self._layout.seed = self.seed
@@ -771,10 +853,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit torch may be gone
             self.remove_hooks()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _in_nested_backward() -> bool:

@@ -1,11 +1,12 @@
 """The wrapper's options: checked with errors that say what to pass, and the codecs they name.
 
-    >>> import commopt
-    >>> from commopt.optim.options import resolve_codecs
-    >>> codec, plain, policy = resolve_codecs(commopt.create_communicator("local"), None, "qsgd4", None)
-    >>> codec.name, plain.name, policy.uncompressed
-    ('qsgd4', 'none', 'none')
+>>> import commopt
+>>> from commopt.optim.options import resolve_codecs
+>>> codec, plain, policy = resolve_codecs(commopt.create_communicator("local"), None, "qsgd4", None)
+>>> codec.name, plain.name, policy.uncompressed
+('qsgd4', 'none', 'none')
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ from commopt import collectives
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 
-__all__ = ["check_arguments", "resolve_codecs", "refuse_ddp"]
+__all__ = ["check_arguments", "refuse_ddp", "resolve_codecs"]
 
 _CAST_NAMES = {None: "none", torch.float32: "none", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -44,8 +45,11 @@ def resolve_codecs(comm, allreduce_grad_dtype, compression, policy):
     from commopt.codecs import CompressionPolicy, get_codec
     from commopt.comm import parse_dtype
 
-    dtype = parse_dtype(allreduce_grad_dtype) if allreduce_grad_dtype is not None else \
-        getattr(comm, "allreduce_grad_dtype", None)
+    dtype = (
+        parse_dtype(allreduce_grad_dtype)
+        if allreduce_grad_dtype is not None
+        else getattr(comm, "allreduce_grad_dtype", None)
+    )
     cast_name = _CAST_NAMES[dtype]
     if compression is None:
         return None, get_codec(cast_name), None
@@ -74,15 +78,19 @@ def refuse_ddp(params, model=None) -> None:
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    fix = ("commopt's optimizer replaces DDP: pass the plain module (ddp_model.module) and its "
-           "parameters, without DistributedDataParallel; or keep DDP and use commopt's DDP "
-           "communication hook instead (from commopt.integrations.ddp import "
-           "CommoptHookState, commopt_hook; ddp_model.register_comm_hook(CommoptHookState(...), "
-           "commopt_hook)); see docs/porting.md")
+    fix = (
+        "commopt's optimizer replaces DDP: pass the plain module (ddp_model.module) and its "
+        "parameters, without DistributedDataParallel; or keep DDP and use commopt's DDP "
+        "communication hook instead (from commopt.integrations.ddp import "
+        "CommoptHookState, commopt_hook; ddp_model.register_comm_hook(CommoptHookState(...), "
+        "commopt_hook)); see docs/porting.md"
+    )
     if model is not None and any(isinstance(m, DDP) for m in model.modules()):
-        raise ValueError("model is wrapped in torch.nn.parallel.DistributedDataParallel, which "
-                         "averages the gradients already, and commopt would average them a second "
-                         "time. " + fix)
+        raise ValueError(
+            "model is wrapped in torch.nn.parallel.DistributedDataParallel, which "
+            "averages the gradients already, and commopt would average them a second "
+            "time. " + fix
+        )
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     import gc
@@ -92,6 +100,8 @@ def refuse_ddp(params, model=None) -> None:
     # objects on a busy 2-core machine): DDP leaves no mark on the parameters it hooks.
     for obj in gc.get_objects():
         if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
-            raise ValueError("these parameters belong to a torch.nn.parallel.DistributedDataParallel "
-                             "model, which averages their gradients during backward, and commopt "
-                             "would average them a second time. " + fix)
+            raise ValueError(
+                "these parameters belong to a torch.nn.parallel.DistributedDataParallel "
+                "model, which averages their gradients during backward, and commopt "
+                "would average them a second time. " + fix
+            )

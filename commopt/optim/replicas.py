@@ -4,23 +4,28 @@ Run when a MultiNodeOptimizer is created and whenever its parameters change: eve
 must hold the same parameters (else averaging their gradients is meaningless, and the
 error names the ranks and tensors that differ), and every rank starts from rank 0's values.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from commopt.comm.base import Communicator
 
-__all__ = ["ModelMismatchError", "check_same_model", "broadcast_from_root"]
+__all__ = ["ModelMismatchError", "broadcast_from_root", "check_same_model"]
 
 
 class ModelMismatchError(ValueError):
     """The ranks' optimizers (models) do not hold the same parameters."""
 
 
-def check_same_model(comm: Communicator, params: Sequence[torch.Tensor], names: Sequence[str],
-                     model: torch.nn.Module | None = None) -> None:
+def check_same_model(
+    comm: Communicator,
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    model: torch.nn.Module | None = None,
+) -> None:
     """Raise :class:`ModelMismatchError`, naming every rank that differs, unless every rank
     holds the same parameters (and ``model``'s buffers): names, shapes, dtypes, requires_grad.
 
@@ -30,27 +35,45 @@ def check_same_model(comm: Communicator, params: Sequence[torch.Tensor], names: 
         >>> w = torch.nn.Parameter(torch.zeros(2))
         >>> check_same_model(commopt.create_communicator("local"), [w], ["w"])
     """
-    mine = [(names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad))
-            for i, p in enumerate(params)]
+    mine = [
+        (names[i], tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+        for i, p in enumerate(params)
+    ]
     if model is not None:
-        mine += [(f"buffer {n}", tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()]
+        mine += [
+            (f"buffer {n}", tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()
+        ]
     everyone = comm.allgather_obj(mine)
     problems = []
     ref = everyone[0]
     for r, theirs in enumerate(everyone[1:], start=1):
         if len(theirs) != len(ref):
-            k = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), min(len(ref), len(theirs)))
+            k = next(
+                (i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b),
+                min(len(ref), len(theirs)),
+            )
             at = ref[k] if k < len(ref) else theirs[k]
-            problems.append(f"rank {r} has {len(theirs)} parameters/buffers but rank 0 has "
-                            f"{len(ref)}; first difference at {at[0]!r}")
+            problems.append(
+                f"rank {r} has {len(theirs)} parameters/buffers but rank 0 has "
+                f"{len(ref)}; first difference at {at[0]!r}"
+            )
             continue
         for a, b in zip(ref, theirs):
             if a != b:
-                what = "shape" if a[1] != b[1] else "dtype" if a[2] != b[2] else \
-                    "requires_grad" if a[3] != b[3] else "name"
+                what = (
+                    "shape"
+                    if a[1] != b[1]
+                    else "dtype"
+                    if a[2] != b[2]
+                    else "requires_grad"
+                    if a[3] != b[3]
+                    else "name"
+                )
                 alias = f" (rank 0 calls it {a[0]!r})" if a[0] != b[0] and what != "name" else ""
-                problems.append(f"rank {r}: parameter {b[0]!r} has {what} "
-                                f"{_field(b, what)} but rank 0 has {_field(a, what)}{alias}")
+                problems.append(
+                    f"rank {r}: parameter {b[0]!r} has {what} "
+                    f"{_field(b, what)} but rank 0 has {_field(a, what)}{alias}"
+                )
                 break
     if problems:
         raise ModelMismatchError(
@@ -59,9 +82,11 @@ def check_same_model(comm: Communicator, params: Sequence[torch.Tensor], names: 
             + ". Build the same model on every rank (same architecture and parameter order)."
         )
 
+
 @torch.no_grad()
-def broadcast_from_root(comm: Communicator, params: Sequence[torch.Tensor],
-                        model: torch.nn.Module | None = None) -> None:
+def broadcast_from_root(
+    comm: Communicator, params: Sequence[torch.Tensor], model: torch.nn.Module | None = None
+) -> None:
     """Rank 0's parameters (and ``model``'s parameters and buffers) to every rank, in place.
 
     One flat message per (device, dtype), so a model of many small tensors costs a few
@@ -69,13 +94,16 @@ def broadcast_from_root(comm: Communicator, params: Sequence[torch.Tensor],
 
         >>> import torch, commopt
         >>> w = torch.ones(3)
-        >>> broadcast_from_root(commopt.create_communicator("local"), [w]); w.tolist()
+        >>> broadcast_from_root(commopt.create_communicator("local"), [w])
+        ... w.tolist()
         [1.0, 1.0, 1.0]
     """
     tensors = list(params)
     if model is not None:
         seen = {id(t) for t in tensors}
-        tensors += [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in seen]
+        tensors += [
+            t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in seen
+        ]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((str(t.device), t.dtype), []).append(t)
@@ -85,7 +113,7 @@ def broadcast_from_root(comm: Communicator, params: Sequence[torch.Tensor],
         offset = 0
         for t in group:
             n = t.numel()
-            t.detach().copy_(flat[offset: offset + n].view_as(t))
+            t.detach().copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
 

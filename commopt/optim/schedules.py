@@ -17,9 +17,10 @@ LR, so a recipe can set ``group["lr"]`` itself and resume exactly from a step co
     10.0
     >>> poly_warmup_lr(100, base_lr=10.0, total_steps=100, warmup_steps=10)
     0.0001
-    >>> step_warmup_lr(45.0, base_lr=1.0)   # after the x0.2 at epoch 30
+    >>> step_warmup_lr(45.0, base_lr=1.0)  # after the x0.2 at epoch 30
     0.2
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,15 @@ __all__ = [
 CHAINERMN_MILESTONES: tuple[tuple[float, float], ...] = ((30, 0.2), (60, 0.1), (80, 0.1))
 
 
-def poly_warmup_lr(step: float, *, base_lr: float, total_steps: float, warmup_steps: float,
-                   power: float = 2.0, end_lr: float = 1e-4) -> float:
+def poly_warmup_lr(
+    step: float,
+    *,
+    base_lr: float,
+    total_steps: float,
+    warmup_steps: float,
+    power: float = 2.0,
+    end_lr: float = 1e-4,
+) -> float:
     """LR at ``step`` (int or fractional) of ``total_steps``.
 
     Warm-up: ``base_lr * step / warmup_steps``. Then
@@ -53,8 +61,10 @@ def poly_warmup_lr(step: float, *, base_lr: float, total_steps: float, warmup_st
     if total_steps <= 0:
         raise ValueError(f"poly_warmup_lr: total_steps must be > 0, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"poly_warmup_lr: warmup_steps must be in [0, total_steps={total_steps}], "
-                         f"got {warmup_steps}")
+        raise ValueError(
+            f"poly_warmup_lr: warmup_steps must be in [0, total_steps={total_steps}], "
+            f"got {warmup_steps}"
+        )
     if step < 0:
         raise ValueError(f"poly_warmup_lr: step must be >= 0, got {step}")
     if step < warmup_steps:
@@ -63,12 +73,17 @@ def poly_warmup_lr(step: float, *, base_lr: float, total_steps: float, warmup_st
     if decay_steps == 0:
         return end_lr
     remaining = max(0.0, 1.0 - (step - warmup_steps) / decay_steps)
-    return end_lr + (base_lr - end_lr) * remaining ** power
+    return end_lr + (base_lr - end_lr) * remaining**power
 
 
-def step_warmup_lr(epoch: float, *, base_lr: float, warmup_epochs: float = 5.0,
-                   warmup_start_factor: float = 0.1,
-                   milestones: tuple[tuple[float, float], ...] = CHAINERMN_MILESTONES) -> float:
+def step_warmup_lr(
+    epoch: float,
+    *,
+    base_lr: float,
+    warmup_epochs: float = 5.0,
+    warmup_start_factor: float = 0.1,
+    milestones: tuple[tuple[float, float], ...] = CHAINERMN_MILESTONES,
+) -> float:
     """LR at a fractional ``epoch``: linear warm-up from ``warmup_start_factor * base_lr`` to
     ``base_lr`` over ``warmup_epochs``, then ``base_lr`` times every milestone factor reached.
 
@@ -113,17 +128,25 @@ class PolyWarmup(LambdaLR):
         >>> import torch
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
         >>> sched = PolyWarmup(opt, total_steps=10, warmup_steps=2, end_lr=0.0)
-        >>> [round(g["lr"], 3) for g in opt.param_groups]   # step 0 of the warm-up
+        >>> [round(g["lr"], 3) for g in opt.param_groups]  # step 0 of the warm-up
         [0.0]
     """
 
-    def __init__(self, optimizer, total_steps: int, warmup_steps: int = 0, power: float = 2.0,
-                 end_lr: float = 1e-4, last_epoch: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        total_steps: int,
+        warmup_steps: int = 0,
+        power: float = 2.0,
+        end_lr: float = 1e-4,
+        last_epoch: int = -1,
+    ):
         poly_warmup_lr(0, base_lr=1.0, total_steps=total_steps, warmup_steps=warmup_steps)
         self.total_steps, self.warmup_steps = total_steps, warmup_steps
         self.power, self.end_lr = power, end_lr
-        schedule = functools.partial(_poly_at, total_steps=total_steps, warmup_steps=warmup_steps,
-                                     power=power, end_lr=end_lr)
+        schedule = functools.partial(
+            _poly_at, total_steps=total_steps, warmup_steps=warmup_steps, power=power, end_lr=end_lr
+        )
         super().__init__(optimizer, _lambdas(optimizer, last_epoch, schedule), last_epoch)
 
 
@@ -131,19 +154,27 @@ class StepWarmup(LambdaLR):
     """``step_warmup_lr`` as torch's ``LambdaLR``, stepped once per step
     (``steps_per_epoch`` steps an epoch)."""
 
-    def __init__(self, optimizer, steps_per_epoch: int, warmup_epochs: float = 5.0,
-                 warmup_start_factor: float = 0.1,
-                 milestones: tuple[tuple[float, float], ...] = CHAINERMN_MILESTONES,
-                 last_epoch: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        steps_per_epoch: int,
+        warmup_epochs: float = 5.0,
+        warmup_start_factor: float = 0.1,
+        milestones: tuple[tuple[float, float], ...] = CHAINERMN_MILESTONES,
+        last_epoch: int = -1,
+    ):
         if steps_per_epoch <= 0:
             raise ValueError(f"StepWarmup: steps_per_epoch must be > 0, got {steps_per_epoch}")
         self.steps_per_epoch = steps_per_epoch
         self.warmup_epochs, self.warmup_start_factor = warmup_epochs, warmup_start_factor
         self.milestones = tuple(milestones)
-        schedule = functools.partial(_step_at, steps_per_epoch=steps_per_epoch,
-                                     warmup_epochs=warmup_epochs,
-                                     warmup_start_factor=warmup_start_factor,
-                                     milestones=self.milestones)
+        schedule = functools.partial(
+            _step_at,
+            steps_per_epoch=steps_per_epoch,
+            warmup_epochs=warmup_epochs,
+            warmup_start_factor=warmup_start_factor,
+            milestones=self.milestones,
+        )
         super().__init__(optimizer, _lambdas(optimizer, last_epoch, schedule), last_epoch)
 
 

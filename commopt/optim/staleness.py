@@ -16,11 +16,11 @@ point where each rank takes its gradient differs (by its own local step).
 Contract, per rank and per double-buffered step (``local`` is this rank's unscaled fp32
 gradient of the step, before any codec; the averaged gradient is in ``param.grad``)::
 
-    comp.restore()          # params <- true weights (no-op before the first prediction)
-    optimizer.step()        # the stale average, applied at the true weights
-    comp.predict(local)     # keep the true weights, params <- predicted next weights
+    comp.restore()  # params <- true weights (no-op before the first prediction)
+    optimizer.step()  # the stale average, applied at the true weights
+    comp.predict(local)  # keep the true weights, params <- predicted next weights
     ...
-    comp.restore()          # end of training / evaluation: params <- true weights
+    comp.restore()  # end of training / evaluation: params <- true weights
 
 On the first step, with no average to apply yet, call ``predict`` only. The prediction
 uses the hyper-parameters in force when ``predict`` runs: a learning-rate schedule that
@@ -35,18 +35,22 @@ and ``commopt.optim.layerwise.LARS``.
     >>> w = torch.nn.Parameter(torch.zeros(2))
     >>> opt = torch.optim.SGD([w], lr=0.5, momentum=0.0)
     >>> comp = LocalStepPrediction(opt)
-    >>> comp.predict([torch.tensor([1.0, -2.0])])   # step 0: nothing applied yet
-    >>> w.data.tolist()                               # the next step's forward runs here
+    >>> comp.predict([torch.tensor([1.0, -2.0])])  # step 0: nothing applied yet
+    >>> w.data.tolist()  # the next step's forward runs here
     [-0.5, 1.0]
-    >>> w.grad = torch.tensor([2.0, -2.0])           # the average of step 0 arrives
-    >>> comp.restore(); opt.step(); w.data.tolist()  # applied at the true weights (zero)
+    >>> w.grad = torch.tensor([2.0, -2.0])  # the average of step 0 arrives
+    >>> comp.restore()
+    ... opt.step()
+    ... w.data.tolist()  # applied at the true weights (zero)
     [-1.0, 1.0]
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,8 +86,8 @@ def _adam_step(group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool) 
     v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if "exp_avg_sq" in state else g * g * (1 - b2)
     if group.get("amsgrad") and "max_exp_avg_sq" in state:
         v = torch.maximum(v, state["max_exp_avg_sq"])
-    denom = v.sqrt_().div_(math.sqrt(1 - b2 ** n)).add_(eps)
-    step = m.div_(denom).mul_(lr / (1 - b1 ** n))
+    denom = v.sqrt_().div_(math.sqrt(1 - b2**n)).add_(eps)
+    step = m.div_(denom).mul_(lr / (1 - b1**n))
     if wd and decoupled:
         step.add_(p, alpha=lr * wd)
     return step
@@ -116,32 +120,49 @@ def predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Tens
 
     pairs = _params(optimizer)
     if len(local_grads) != len(pairs):
-        raise ValueError(f"predicted_step: {len(local_grads)} gradients for {len(pairs)} parameters "
-                         "(pass one per parameter, in param_groups order, None for no gradient)")
+        raise ValueError(
+            f"predicted_step: {len(local_grads)} gradients for {len(pairs)} parameters "
+            "(pass one per parameter, in param_groups order, None for no gradient)"
+        )
     kind = type(optimizer)
     with torch.no_grad():
         if kind is LARS:
             steps: list[Tensor | None] = [None] * len(pairs)
             index = 0
             for group in optimizer.param_groups:
-                idx = [index + i for i, _ in enumerate(group["params"]) if local_grads[index + i] is not None]
+                idx = [
+                    index + i
+                    for i, _ in enumerate(group["params"])
+                    if local_grads[index + i] is not None
+                ]
                 index += len(group["params"])
-                got = _lars_steps(optimizer, group, [pairs[i][1] for i in idx],
-                                  [g for i in idx if (g := local_grads[i]) is not None])
+                got = _lars_steps(
+                    optimizer,
+                    group,
+                    [pairs[i][1] for i in idx],
+                    [g for i in idx if (g := local_grads[i]) is not None],
+                )
                 for i, s in zip(idx, got):
                     steps[i] = s
             return steps
         if kind is torch.optim.SGD:
             rule = _sgd_step
         elif kind in (torch.optim.Adam, torch.optim.AdamW):
-            decoupled = kind is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
-            def rule(group, state, p, g):  # noqa: E306
+            decoupled = kind is torch.optim.AdamW or bool(
+                optimizer.defaults.get("decoupled_weight_decay")
+            )
+
+            def rule(group, state, p, g):
                 return _adam_step(group, state, p, g, decoupled)
         else:
-            raise TypeError(f"compensated double buffering predicts steps of SGD, Adam, AdamW and LARS, "
-                            f"not {kind.__name__}; use double_buffering=True (plain) with this optimizer")
-        return [None if g is None else rule(group, optimizer.state.get(p, {}), p, g)
-                for (group, p), g in zip(pairs, local_grads)]
+            raise TypeError(
+                f"compensated double buffering predicts steps of SGD, Adam, AdamW and LARS, "
+                f"not {kind.__name__}; use double_buffering=True (plain) with this optimizer"
+            )
+        return [
+            None if g is None else rule(group, optimizer.state.get(p, {}), p, g)
+            for (group, p), g in zip(pairs, local_grads)
+        ]
 
 
 class LocalStepPrediction:
@@ -154,7 +175,7 @@ class LocalStepPrediction:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         predicted_step(optimizer, [None] * len(_params(optimizer)))  # unsupported: fail now
-        self._weights: list[Tensor] | None = None   # true weights while the model is predicted
+        self._weights: list[Tensor] | None = None  # true weights while the model is predicted
 
     @property
     def predicting(self) -> bool:
@@ -175,8 +196,10 @@ class LocalStepPrediction:
     def predict(self, local_grads: Sequence[Tensor | None]) -> None:
         """Keep the true weights and move the parameters by the step ``local_grads`` predicts."""
         if self._weights is not None:
-            raise RuntimeError("LocalStepPrediction.predict() twice without restore(): call restore() "
-                               "before the optimizer applies the averaged gradients")
+            raise RuntimeError(
+                "LocalStepPrediction.predict() twice without restore(): call restore() "
+                "before the optimizer applies the averaged gradients"
+            )
         params = self._tensors()
         steps = predicted_step(self.optimizer, local_grads)
         self._weights = [p.detach().clone() for p in params]
@@ -207,14 +230,18 @@ class LocalStepPrediction:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         weights = state.get("weights") if isinstance(state, dict) else None
         if not isinstance(state, dict) or "weights" not in state:
-            raise ValueError("LocalStepPrediction.load_state_dict: expected {'weights': [...] or None} "
-                             "as saved by state_dict()")
+            raise ValueError(
+                "LocalStepPrediction.load_state_dict: expected {'weights': [...] or None} "
+                "as saved by state_dict()"
+            )
         if weights is None:
             self._weights = None
             return
         params = self._tensors()
         if len(weights) != len(params) or any(w.shape != p.shape for w, p in zip(weights, params)):
-            raise ValueError("LocalStepPrediction.load_state_dict: the saved weights do not match the "
-                             f"optimizer's {len(params)} parameters (shapes differ); load the state "
-                             "saved with this model")
+            raise ValueError(
+                "LocalStepPrediction.load_state_dict: the saved weights do not match the "
+                f"optimizer's {len(params)} parameters (shapes differ); load the state "
+                "saved with this model"
+            )
         self._weights = [w.detach().to(p.device, p.dtype).clone() for w, p in zip(weights, params)]

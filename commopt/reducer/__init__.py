@@ -11,11 +11,12 @@ carries one codec. In a compressed bucket every tensor starts at a multiple of t
     >>> import torch, commopt
     >>> from commopt.reducer import GradientReducer
     >>> comm = commopt.create_communicator("local")
-    >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 2.0)
+    >>> w = torch.nn.Parameter(torch.ones(3))
+    ... w.grad = torch.full((3,), 2.0)
     >>> reducer = GradientReducer(comm, [w], ["w"])
     >>> step = reducer.start(step=0)
     >>> step.issue_remaining()
-    >>> result = step.unpack(zero_fill=True)   # waits, then writes param.grad
+    >>> result = step.unpack(zero_fill=True)  # waits, then writes param.grad
     >>> w.grad.tolist(), result.nonfinite
     ([2.0, 2.0, 2.0], False)
 
@@ -30,6 +31,7 @@ Modules: :mod:`~commopt.reducer.layout` (buckets and slots),
 :mod:`~commopt.reducer.step` (one step's ordered reduction),
 :mod:`~commopt.reducer.agreement` (the NaN/Inf and presence trailer).
 """
+
 from __future__ import annotations
 
 from commopt.reducer.agreement import StepResult
@@ -37,4 +39,4 @@ from commopt.reducer.gradient_reducer import GradientReducer
 from commopt.reducer.layout import Bucket, Slot, build_buckets
 from commopt.reducer.step import StepReduction
 
-__all__ = ["Slot", "Bucket", "build_buckets", "GradientReducer", "StepReduction", "StepResult"]
+__all__ = ["Bucket", "GradientReducer", "Slot", "StepReduction", "StepResult", "build_buckets"]

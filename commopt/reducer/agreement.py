@@ -4,10 +4,11 @@ After a step's buckets, one small allreduce of flags tells every rank which buck
 NaN/Inf on any rank and which parameters had a gradient on any rank, so all ranks take the
 same decisions (skip the step, leave ``grad`` None).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -28,8 +29,14 @@ class StepResult:
     present: list[bool]  # per parameter: had a gradient on at least one rank
 
 
-def agree(comm: Communicator, buckets: Sequence[Bucket], flats: Sequence[torch.Tensor],
-          bad: Sequence, present: Sequence[bool], scale: float) -> StepResult:
+def agree(
+    comm: Communicator,
+    buckets: Sequence[Bucket],
+    flats: Sequence[torch.Tensor],
+    bad: Sequence,
+    present: Sequence[bool],
+    scale: float,
+) -> StepResult:
     """One small allreduce: which buckets held NaN/Inf on any rank, which parameters had a
     gradient on any rank. Runs after the buckets' reductions (on the worker, in order).
 
@@ -46,9 +53,10 @@ def agree(comm: Communicator, buckets: Sequence[Bucket], flats: Sequence[torch.T
         StepResult(nonfinite=True, bad_buckets=[0], present=[True])
     """
     n = len(flats)
-    local = [float(bool(bad[i]) or (may_overflow(buckets[i].codec, scale)
-                                    and has_nonfinite(flat)))
-             for i, flat in enumerate(flats)]
+    local = [
+        float(bool(bad[i]) or (may_overflow(buckets[i].codec, scale) and has_nonfinite(flat)))
+        for i, flat in enumerate(flats)
+    ]
     local += [float(p) for p in present]
     # On the buckets' device: a GPU transport (NCCL) reduces device memory only.
     device = flats[0].device if flats else torch.device("cpu")
@@ -73,9 +81,9 @@ def may_overflow(codec: Codec | None, scale: float) -> bool:
 def has_nonfinite(flat: torch.Tensor) -> bool:
     """Whether ``flat`` holds a NaN or Inf (exact: huge finite values are no false alarm).
 
-        >>> import torch
-        >>> has_nonfinite(torch.tensor([3e38, 3e38])), has_nonfinite(torch.tensor([float("nan")]))
-        (False, True)
+    >>> import torch
+    >>> has_nonfinite(torch.tensor([3e38, 3e38])), has_nonfinite(torch.tensor([float("nan")]))
+    (False, True)
     """
     if flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
         return kernels.nonfinite(flat)  # one native pass, no temporary

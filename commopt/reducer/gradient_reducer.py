@@ -4,9 +4,10 @@ Packs ``param.grad`` into a bucket's buffer (zeros for None, with a local NaN/In
 reduces the buffer with :func:`commopt.collectives.allreduce`, writes the averages back
 (as views of the bucket where it can), and keeps the codecs' state (error feedback).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -53,8 +54,14 @@ class GradientReducer:
         self.algorithm = algorithm
         self.seed = int(seed)
         self.pending_discards = 0  # skipped steps whose numbers the next start() gives back
-        self.buckets = build_buckets(self.params, self.names, codec=codec, plain_codec=plain_codec,
-                                     policy=policy, bucket_cap_mb=bucket_cap_mb)
+        self.buckets = build_buckets(
+            self.params,
+            self.names,
+            codec=codec,
+            plain_codec=plain_codec,
+            policy=policy,
+            bucket_cap_mb=bucket_cap_mb,
+        )
         self.bucket_of = [0] * len(self.params)
         for b in self.buckets:
             for s in b.slots:
@@ -104,7 +111,7 @@ class GradientReducer:
         views: list[torch.Tensor] = []
         for s in bucket.slots:
             g = self.params[s.param].grad
-            dst = flat[s.offset: s.offset + s.numel]
+            dst = flat[s.offset : s.offset + s.numel]
             if g is None:
                 present[s.param] = False
                 pieces.append((None, s.offset, s.numel))
@@ -121,16 +128,24 @@ class GradientReducer:
             else:
                 pieces.append((g.reshape(-1), s.offset, s.numel))
         # a NaN decoded into the padding must not stay there
-        pieces += [(None, s.offset + s.numel, s.padded - s.numel)
-                   for s in bucket.slots if s.padded > s.numel]
-        if flat.device.type == "cpu" and flat.dtype == torch.float32 and all(
+        pieces += [
+            (None, s.offset + s.numel, s.padded - s.numel)
+            for s in bucket.slots
+            if s.padded > s.numel
+        ]
+        if (
+            flat.device.type == "cpu"
+            and flat.dtype == torch.float32
+            and all(
                 src is None or (src.dtype == torch.float32 and src.is_contiguous())
-                for src, _, _ in pieces):
+                for src, _, _ in pieces
+            )
+        ):
             # One pass copies and checks (the native kernel); views are checked in place.
             bad = kernels.pack_nonfinite(pieces, flat)
             return bad or any(kernels.nonfinite(v) for v in views)
         for src, offset, numel in pieces:
-            dst = flat[offset: offset + numel]
+            dst = flat[offset : offset + numel]
             if src is None:
                 dst.zero_()
             else:
@@ -141,9 +156,17 @@ class GradientReducer:
 
     def reduce(self, bucket: Bucket, flat: torch.Tensor, step: int, scale: float) -> Work:
         rng = RngKey(self.seed, self.comm.rank, int(step), bucket.index)
-        return collectives.allreduce(self.comm, flat, bucket.codec, average=True,
-                                     algorithm=self.algorithm, async_op=True, scale=scale,
-                                     rng=rng, key=bucket.key)
+        return collectives.allreduce(
+            self.comm,
+            flat,
+            bucket.codec,
+            average=True,
+            algorithm=self.algorithm,
+            async_op=True,
+            scale=scale,
+            rng=rng,
+            key=bucket.key,
+        )
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: list[bool]) -> None:
         """Write the reduced values into ``param.grad`` (None where ``keep`` is False)."""
@@ -182,8 +205,12 @@ class GradientReducer:
                     p.grad = None
 
     def _viewable(self, p: torch.Tensor, flat: torch.Tensor) -> bool:
-        return (self.grad_views and p.dtype == flat.dtype and p.device == flat.device
-                and p.layout == torch.strided)
+        return (
+            self.grad_views
+            and p.dtype == flat.dtype
+            and p.device == flat.device
+            and p.layout == torch.strided
+        )
 
     def codec_states(self) -> dict[str, dict]:
         """State of each distinct codec of the buckets (error-feedback residuals)."""
@@ -199,8 +226,10 @@ class GradientReducer:
             if name in codecs:
                 codecs[name].load_state_dict(state)
             elif state:
-                raise ValueError(f"checkpoint holds state for codec {name!r}, which this optimizer "
-                                 f"does not use (its codecs: {sorted(codecs)})")
+                raise ValueError(
+                    f"checkpoint holds state for codec {name!r}, which this optimizer "
+                    f"does not use (its codecs: {sorted(codecs)})"
+                )
 
     def _codecs(self) -> dict[str, Codec]:
         found: dict[str, Codec] = {}

@@ -8,20 +8,23 @@ gradient, and in a compressed bucket every tensor starts at a multiple of the co
     >>> import torch
     >>> from commopt.reducer.layout import build_buckets
     >>> ps = [torch.zeros(3), torch.zeros(5)]
-    >>> [(b.index, b.numel, [s.param for s in b.slots])
-    ...  for b in build_buckets(ps, ["a", "b"], codec=None, plain_codec=None)]
+    >>> [
+    ...     (b.index, b.numel, [s.param for s in b.slots])
+    ...     for b in build_buckets(ps, ["a", "b"], codec=None, plain_codec=None)
+    ... ]
     [(0, 8, [1, 0])]
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from commopt.codecs.base import Codec
 
-__all__ = ["Slot", "Bucket", "build_buckets", "slot_view", "is_view_of"]
+__all__ = ["Bucket", "Slot", "build_buckets", "is_view_of", "slot_view"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,11 @@ def build_buckets(
     for i in reversed(range(len(params))):
         p = params[i]
         dtype = _flat_dtype(p)
-        compress = (codec is not None and dtype == torch.float32
-                    and (policy is None or policy.should_compress(names[i], tuple(p.shape))))
+        compress = (
+            codec is not None
+            and dtype == torch.float32
+            and (policy is None or policy.should_compress(names[i], tuple(p.shape)))
+        )
         chosen = codec if compress else (plain_codec if dtype == torch.float32 else None)
         kind = (str(p.device), dtype, compress)
         align = chosen.alignment if chosen is not None else 1
@@ -103,17 +109,23 @@ def build_buckets(
             order.append(kind)
         b.slots.append(Slot(i, b.numel, p.numel(), padded))
         b.numel += padded
-    for kind in list(order):
+    for kind in order:
         close(kind)
     return buckets
 
 
 def slot_view(flat: torch.Tensor, s: Slot, p: torch.Tensor) -> torch.Tensor:
     """The part of a bucket that holds parameter ``p``'s gradient, shaped like ``p``."""
-    return flat[s.offset: s.offset + s.numel].view(p.shape)
+    return flat[s.offset : s.offset + s.numel].view(p.shape)
 
 
 def is_view_of(g: torch.Tensor | None, region: torch.Tensor) -> bool:
     """True when ``g`` is exactly ``region`` of a bucket (same memory, same elements)."""
-    return (g is not None and g.data_ptr() == region.data_ptr() and g.numel() == region.numel()
-            and g.dtype == region.dtype and g.device == region.device and g.is_contiguous())
+    return (
+        g is not None
+        and g.data_ptr() == region.data_ptr()
+        and g.numel() == region.numel()
+        and g.dtype == region.dtype
+        and g.device == region.device
+        and g.is_contiguous()
+    )

@@ -5,6 +5,7 @@ backward hooks report gradients in, so every rank issues the same collectives in
 order; ``issue_remaining()`` issues what is left and the agreement trailer
 (:mod:`commopt.reducer.agreement`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -78,8 +79,9 @@ class StepReduction:
 
     def _agree(self) -> None:
         """On the worker, after every bucket: agree on NaN/Inf and presence (the trailer)."""
-        self._result = agree(self.reducer.comm, self.reducer.buckets, self.flats, self._bad,
-                             self.present, self.scale)
+        self._result = agree(
+            self.reducer.comm, self.reducer.buckets, self.flats, self._bad, self.present, self.scale
+        )
         if self._result.nonfinite:  # every rank skips it: leave no trace in codec state
             self.reducer.discard_step()
 
@@ -94,16 +96,23 @@ class StepReduction:
         return {
             "step": self.step,
             "flats": [f.detach().clone().cpu() for f in self.flats],
-            "result": {"nonfinite": result.nonfinite, "bad_buckets": list(result.bad_buckets),
-                       "present": list(result.present)},
+            "result": {
+                "nonfinite": result.nonfinite,
+                "bad_buckets": list(result.bad_buckets),
+                "present": list(result.present),
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Become the completed reduction ``state`` describes (from :meth:`state_dict`)."""
         flats = state["flats"]
-        if len(flats) != len(self.flats) or any(a.numel() != b.numel() for a, b in zip(flats, self.flats)):
-            raise ValueError("the checkpoint's pending gradients do not match this model's buckets "
-                             "(different model, bucket_cap_mb or compression?)")
+        if len(flats) != len(self.flats) or any(
+            a.numel() != b.numel() for a, b in zip(flats, self.flats)
+        ):
+            raise ValueError(
+                "the checkpoint's pending gradients do not match this model's buckets "
+                "(different model, bucket_cap_mb or compression?)"
+            )
         res = state["result"]
         result = StepResult(bool(res["nonfinite"]), list(res["bad_buckets"]), list(res["present"]))
         for dst, src in zip(self.flats, flats):
@@ -145,6 +154,6 @@ class StepReduction:
             flat = self.flats[i]
             if i in result.bad_buckets and not has_nonfinite(flat):
                 for s in bucket.slots:
-                    flat[s.offset: s.offset + s.numel].fill_(float("nan"))
+                    flat[s.offset : s.offset + s.numel].fill_(float("nan"))
             self.reducer.unpack(bucket, flat, keep)
         return result

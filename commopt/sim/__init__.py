@@ -5,11 +5,12 @@ per level, GPUs per node) and a communication plan (algorithm, codec, buckets, o
 
     >>> from commopt.sim import simulate, Plan
     >>> p = simulate("transformer-xl-base", "v100-nvlink-25g", Plan(), gpus=8)
-    >>> round(p.throughput, -3)           # published: 259k tokens/s
+    >>> round(p.throughput, -3)  # published: 259k tokens/s
     255000.0
 
 See docs/scaling.md for the model, its validation and its limits.
 """
+
 from commopt.sim.codec_costs import (
     CodecCost,
     from_benchmark,

@@ -12,6 +12,7 @@ kernel streams ``*_bytes_per_elem`` bytes per element at half the device's memor
     >>> get_codec_cost("fp16").wire_bytes(1000, grad_bytes=4)
     2000.0
 """
+
 from __future__ import annotations
 
 import json
@@ -20,21 +21,21 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-MEMORY_EFFICIENCY = 0.5   # assumption: codec kernels stream at half the spec memory bandwidth
+MEMORY_EFFICIENCY = 0.5  # assumption: codec kernels stream at half the spec memory bandwidth
 
 
 @dataclass(frozen=True)
 class CodecCost:
     name: str
-    linear: bool                     # may partial sums be added in wire format (ring, tree)?
-    wire_bits: float | None          # bits per element on the wire; None: the gradient's dtype
-    bucket_size: int = 0             # elements sharing one scale
+    linear: bool  # may partial sums be added in wire format (ring, tree)?
+    wire_bits: float | None  # bits per element on the wire; None: the gradient's dtype
+    bucket_size: int = 0  # elements sharing one scale
     scale_bytes: int = 0
-    encode_bytes_per_elem: float = 0.0   # memory traffic per element, beyond the wire bytes
+    encode_bytes_per_elem: float = 0.0  # memory traffic per element, beyond the wire bytes
     decode_bytes_per_elem: float = 0.0
     encode_elems_per_s: float | None = None  # measured speeds override the memory model
     decode_elems_per_s: float | None = None
-    bytes_ratio: float | None = None     # measured wire bytes / float32 bytes, overrides wire_bits
+    bytes_ratio: float | None = None  # measured wire bytes / float32 bytes, overrides wire_bits
 
     def wire_bytes(self, numel: float, grad_bytes: int) -> float:
         if self.bytes_ratio is not None:
@@ -46,15 +47,18 @@ class CodecCost:
 
     def is_identity(self, grad_bytes: int) -> bool:
         """True when encoding does nothing (no codec, or a cast to the gradient's own width)."""
-        return self.wire_bits is None or (self.linear and self.wire_bits == 8 * grad_bytes
-                                          and self.bytes_ratio is None)
+        return self.wire_bits is None or (
+            self.linear and self.wire_bits == 8 * grad_bytes and self.bytes_ratio is None
+        )
 
     def encode_s(self, numel: float, memory_GBps: float, grad_bytes: int) -> float:
         if numel <= 0 or self.is_identity(grad_bytes):
             return 0.0
         if self.encode_elems_per_s:
             return numel / self.encode_elems_per_s
-        traffic = numel * (self.encode_bytes_per_elem + grad_bytes) + self.wire_bytes(numel, grad_bytes)
+        traffic = numel * (self.encode_bytes_per_elem + grad_bytes) + self.wire_bytes(
+            numel, grad_bytes
+        )
         return traffic / (memory_GBps * 1e9 * MEMORY_EFFICIENCY)
 
     def decode_s(self, numel: float, memory_GBps: float, grad_bytes: int) -> float:
@@ -62,7 +66,9 @@ class CodecCost:
             return 0.0
         if self.decode_elems_per_s:
             return numel / self.decode_elems_per_s
-        traffic = numel * (self.decode_bytes_per_elem + grad_bytes) + self.wire_bytes(numel, grad_bytes)
+        traffic = numel * (self.decode_bytes_per_elem + grad_bytes) + self.wire_bytes(
+            numel, grad_bytes
+        )
         return traffic / (memory_GBps * 1e9 * MEMORY_EFFICIENCY)
 
 
@@ -72,9 +78,15 @@ NONE = CodecCost("none", linear=True, wire_bits=None)
 def _qsgd(bits: int, bucket: int = 128) -> CodecCost:
     # encode reads the gradient twice (scale pass, quantise pass); decode adds into the
     # output (one more read of it).
-    return CodecCost(f"qsgd{bits}" + ("" if bucket == 128 else f"b{bucket}"), linear=False,
-                     wire_bits=float(bits), bucket_size=bucket, scale_bytes=4,
-                     encode_bytes_per_elem=4.0, decode_bytes_per_elem=4.0)
+    return CodecCost(
+        f"qsgd{bits}" + ("" if bucket == 128 else f"b{bucket}"),
+        linear=False,
+        wire_bits=float(bits),
+        bucket_size=bucket,
+        scale_bytes=4,
+        encode_bytes_per_elem=4.0,
+        decode_bytes_per_elem=4.0,
+    )
 
 
 PRESETS: dict[str, CodecCost] = {
@@ -117,8 +129,12 @@ def _codec_perf_rows(cpu: dict) -> list[dict]:
         else:
             continue
         if "native_encode" in row and "native_decode" in row:
-            entry = {"codec": name, "encode_GBps": row["native_encode"], "decode_GBps": row["native_decode"]}
-            if m and row.get("wire_ratio") is not None:   # a cast's width is exact already
+            entry = {
+                "codec": name,
+                "encode_GBps": row["native_encode"],
+                "decode_GBps": row["native_decode"],
+            }
+            if m and row.get("wire_ratio") is not None:  # a cast's width is exact already
                 entry["bytes_ratio"] = row["wire_ratio"]
             out.append(entry)
     return out
@@ -132,7 +148,9 @@ def _entries(data) -> list[dict]:
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list) or not all(isinstance(e, dict) for e in data):
-        raise ValueError("codec benchmark file must hold an object, a list of objects, or {'results': [...]}")
+        raise ValueError(
+            "codec benchmark file must hold an object, a list of objects, or {'results': [...]}"
+        )
     return data
 
 
@@ -145,7 +163,7 @@ def from_benchmark(source: str | dict | list, codec: str | CodecCost) -> CodecCo
     "decode_GBps": 60.0}`` with GB/s counted in float32 input bytes.
 
         >>> c = from_benchmark({"codec": "qsgd4", "encode_GBps": 4.0, "decode_GBps": 8.0}, "qsgd4")
-        >>> c.encode_s(1e9, memory_GBps=900, grad_bytes=4)     # 4 GB at 4 GB/s
+        >>> c.encode_s(1e9, memory_GBps=900, grad_bytes=4)  # 4 GB at 4 GB/s
         1.0
     """
     base = get_codec_cost(codec)
@@ -166,6 +184,10 @@ def from_benchmark(source: str | dict | list, codec: str | CodecCost) -> CodecCo
     if enc <= 0 or dec <= 0:
         raise ValueError(f"codec benchmark speeds must be > 0 GB/s, got {e}")
     ratio = e.get("bytes_ratio")
-    return replace(base, encode_elems_per_s=enc, decode_elems_per_s=dec,
-                   bytes_ratio=None if ratio is None else float(ratio),
-                   linear=bool(e.get("linear", base.linear)))
+    return replace(
+        base,
+        encode_elems_per_s=enc,
+        decode_elems_per_s=dec,
+        bytes_ratio=None if ratio is None else float(ratio),
+        linear=bool(e.get("linear", base.linear)),
+    )

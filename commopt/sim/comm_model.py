@@ -14,12 +14,13 @@ of one piece with the transfers of its neighbours: see :func:`sra_pipelined`.
     >>> from commopt.sim.machines import get_machine
     >>> m = get_machine("testbed-1gbit")
     >>> t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="ring", codec="none")
-    >>> round(t.total_s, 3)      # 64 MiB over 1 Gbit/s at 0.956 efficiency: 0.537 s / 0.956
+    >>> round(t.total_s, 3)  # 64 MiB over 1 Gbit/s at 0.956 efficiency: 0.537 s / 0.956
     0.562
     >>> q = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
-    >>> round(q.total_s * 1e3, 1), round(q.hidden_s / q.codec_s, 2)   # ms; codec work hidden
+    >>> round(q.total_s * 1e3, 1), round(q.hidden_s / q.codec_s, 2)  # ms; codec work hidden
     (77.4, 0.94)
 """
+
 from __future__ import annotations
 
 import math
@@ -36,9 +37,9 @@ SRA_PIECE_BYTES = 4 * 2**20
 
 @dataclass(frozen=True)
 class CommTime:
-    transfer_s: float      # on the wire (latency + bandwidth)
-    codec_s: float         # encode + decode
-    wire_bytes: float      # bytes each GPU sends for this bucket
+    transfer_s: float  # on the wire (latency + bandwidth)
+    codec_s: float  # encode + decode
+    wire_bytes: float  # bytes each GPU sends for this bucket
     hidden_s: float = 0.0  # codec work that runs while the link is busy (pipelined pieces)
     pieces: int = 1
 
@@ -69,7 +70,7 @@ def _hop(machine: Machine, nodes: int, per_node: int, flow_bytes: float, alltoal
                 g = machine.group_size
                 cross = g * (per_node - g) / max(n - 1, 1) * flow_bytes
             else:
-                cross = flow_bytes   # a ring crosses between two groups once per direction
+                cross = flow_bytes  # a ring crosses between two groups once per direction
             terms.append(cross / machine.cross_group.bandwidth_Bps)
     if nodes > 1:
         lat = max(lat, machine.inter.latency_s)
@@ -77,7 +78,7 @@ def _hop(machine: Machine, nodes: int, per_node: int, flow_bytes: float, alltoal
             # The node's GPUs send the off-node part of their chunks through one NIC.
             nic = per_node * (n - per_node) / max(n - 1, 1) * flow_bytes
         else:
-            nic = flow_bytes    # one ring edge leaves each node
+            nic = flow_bytes  # one ring edge leaves each node
         terms.append(nic / machine.inter.bandwidth_Bps)
     return lat, max(terms)
 
@@ -112,7 +113,9 @@ def tree_time(machine: Machine, nodes: int, per_node: int, nbytes: float) -> flo
     return lat + 2 * max(intra_bw, inter_bw)
 
 
-def _sra_phase(machine: Machine, nodes: int, per_node: int, wire_bytes: float) -> tuple[float, float]:
+def _sra_phase(
+    machine: Machine, nodes: int, per_node: int, wire_bytes: float
+) -> tuple[float, float]:
     """(fixed, bandwidth) seconds of one all-to-all phase over all GPUs moving (n-1)/n of
     ``wire_bytes`` per GPU: the n-1 messages go out back to back, so one latency and n-1 send
     overheads."""
@@ -130,8 +133,9 @@ def sra_time(machine: Machine, nodes: int, per_node: int, wire_bytes: float) -> 
     return 2 * (fixed + bw)
 
 
-def hierarchical_time(machine: Machine, nodes: int, per_node: int, fp_bytes: float,
-                      wire_bytes: float, linear: bool) -> float:
+def hierarchical_time(
+    machine: Machine, nodes: int, per_node: int, fp_bytes: float, wire_bytes: float, linear: bool
+) -> float:
     """Reduce-scatter inside the node (uncompressed for a non-linear codec), all-reduce of
     each GPU's shard between nodes (ring for linear codecs, scatter-reduce/all-gather for the
     others; the node's shards share its NIC), all-gather inside the node. Transfers only,
@@ -156,12 +160,20 @@ def _inter_sra_phase(machine: Machine, nodes: int, wire_bytes: float) -> tuple[f
     """One all-to-all phase between nodes of the node's g shards (S/g each, concurrently):
     the NIC carries (N-1)/N of the whole bucket's wire bytes."""
     inter = machine.inter
-    return (inter.latency_s + (nodes - 1) * machine.message_overhead_s,
-            (nodes - 1) / nodes * wire_bytes / inter.bandwidth_Bps)
+    return (
+        inter.latency_s + (nodes - 1) * machine.message_overhead_s,
+        (nodes - 1) / nodes * wire_bytes / inter.bandwidth_Bps,
+    )
 
 
-def on_transport(machine: Machine, nodes: int, per_node: int, wire_bytes: float, algorithm: str,
-                 codec_linear: bool = True) -> Machine:
+def on_transport(
+    machine: Machine,
+    nodes: int,
+    per_node: int,
+    wire_bytes: float,
+    algorithm: str,
+    codec_linear: bool = True,
+) -> Machine:
     """The machine with its inter-node link as its transport delivers it to this collective.
 
     The message of a connection is one step's chunk, ``wire_bytes / n``; a ring or tree has one
@@ -189,7 +201,9 @@ def _with_machine_speeds(codec: CodecCost, machine: Machine) -> CodecCost:
     speed = machine.codec_speed(codec.name)
     if speed is None or codec.encode_elems_per_s or codec.decode_elems_per_s:
         return codec
-    return replace(codec, encode_elems_per_s=speed[0] * 1e9 / 4, decode_elems_per_s=speed[1] * 1e9 / 4)
+    return replace(
+        codec, encode_elems_per_s=speed[0] * 1e9 / 4, decode_elems_per_s=speed[1] * 1e9 / 4
+    )
 
 
 def sra_codec_s(codec: CodecCost, machine: Machine, shard: float, k: int, grad_bytes: int) -> float:
@@ -198,8 +212,9 @@ def sra_codec_s(codec: CodecCost, machine: Machine, shard: float, k: int, grad_b
     encode the own reduced chunk (the own term is never encoded before the sum), decode all k
     gathered chunks: encode S, decode (2k-1)/k S."""
     mem = machine.memory_GBps
-    return (codec.encode_s(shard, mem, grad_bytes)
-            + codec.decode_s((2 * k - 1) / k * shard, mem, grad_bytes))
+    return codec.encode_s(shard, mem, grad_bytes) + codec.decode_s(
+        (2 * k - 1) / k * shard, mem, grad_bytes
+    )
 
 
 def _pieces(numel: float, grad_bytes: int, piece_bytes: float) -> int:
@@ -208,8 +223,15 @@ def _pieces(numel: float, grad_bytes: int, piece_bytes: float) -> int:
     return max(1, math.ceil(numel * grad_bytes / piece_bytes))
 
 
-def sra_pipelined(machine: Machine, nodes: int, per_node: int, numel: float, grad_bytes: int,
-                  codec: CodecCost, piece_bytes: float = SRA_PIECE_BYTES) -> CommTime:
+def sra_pipelined(
+    machine: Machine,
+    nodes: int,
+    per_node: int,
+    numel: float,
+    grad_bytes: int,
+    codec: CodecCost,
+    piece_bytes: float = SRA_PIECE_BYTES,
+) -> CommTime:
     """commopt's scatter-reduce/allgather over all GPUs, pipelined over pieces.
 
     Per piece: encode the peers' chunks, alltoall, sum the own chunk, encode it, allgather,
@@ -224,21 +246,45 @@ def sra_pipelined(machine: Machine, nodes: int, per_node: int, numel: float, gra
         return CommTime(0.0, 0.0, 0.0)
     pieces = _pieces(numel, grad_bytes, piece_bytes)
     fixed, bw = _sra_phase(machine, nodes, per_node, wire / pieces)
-    codec_s = 0.0 if codec.is_identity(grad_bytes) else sra_codec_s(codec, machine, numel, n, grad_bytes)
+    codec_s = (
+        0.0 if codec.is_identity(grad_bytes) else sra_codec_s(codec, machine, numel, n, grad_bytes)
+    )
     return _pipeline(2 * bw * pieces, 2 * fixed, codec_s, pieces, wire)
 
 
-def _pipeline(wire_s: float, fixed_per_piece: float, codec_s: float, pieces: int, wire_bytes: float,
-              before_s: float = 0.0) -> CommTime:
+def _pipeline(
+    wire_s: float,
+    fixed_per_piece: float,
+    codec_s: float,
+    pieces: int,
+    wire_bytes: float,
+    before_s: float = 0.0,
+) -> CommTime:
     transfer = wire_s + pieces * fixed_per_piece
     # What the pipeline hides: all but one piece of the faster resource's work, min(W, C)(1 - 1/p).
-    hidden = 0.0 if pieces == 1 else transfer + codec_s - pipeline_time(wire_s, codec_s, pieces, fixed_per_piece)
-    return CommTime(transfer_s=before_s + transfer, codec_s=codec_s, wire_bytes=wire_bytes,
-                    hidden_s=hidden, pieces=pieces)
+    hidden = (
+        0.0
+        if pieces == 1
+        else transfer + codec_s - pipeline_time(wire_s, codec_s, pieces, fixed_per_piece)
+    )
+    return CommTime(
+        transfer_s=before_s + transfer,
+        codec_s=codec_s,
+        wire_bytes=wire_bytes,
+        hidden_s=hidden,
+        pieces=pieces,
+    )
 
 
-def hierarchical_pipelined(machine: Machine, nodes: int, per_node: int, numel: float, grad_bytes: int,
-                           codec: CodecCost, piece_bytes: float = SRA_PIECE_BYTES) -> CommTime:
+def hierarchical_pipelined(
+    machine: Machine,
+    nodes: int,
+    per_node: int,
+    numel: float,
+    grad_bytes: int,
+    codec: CodecCost,
+    piece_bytes: float = SRA_PIECE_BYTES,
+) -> CommTime:
     """Hierarchical all-reduce with a non-linear codec: uncompressed reduce-scatter and
     all-gather inside the node, and between nodes each GPU's pipelined scatter-reduce/
     allgather of its shard (S/g elements, pieces of ``piece_bytes``), the node's shards
@@ -250,7 +296,11 @@ def hierarchical_pipelined(machine: Machine, nodes: int, per_node: int, numel: f
     shard = numel / per_node
     pieces = _pieces(shard, grad_bytes, piece_bytes)
     fixed, bw = _inter_sra_phase(machine, nodes, wire / pieces)
-    codec_s = 0.0 if codec.is_identity(grad_bytes) else sra_codec_s(codec, machine, shard, nodes, grad_bytes)
+    codec_s = (
+        0.0
+        if codec.is_identity(grad_bytes)
+        else sra_codec_s(codec, machine, shard, nodes, grad_bytes)
+    )
     return _pipeline(2 * bw * pieces, 2 * fixed, codec_s, pieces, wire, before_s=intra)
 
 
@@ -262,8 +312,16 @@ def _cast_codec_s(codec: CodecCost, machine: Machine, numel: float, grad_bytes: 
     return codec.encode_s(numel, mem, grad_bytes) + codec.decode_s(numel, mem, grad_bytes)
 
 
-def allreduce_time(machine: Machine, gpus: int, *, numel: float, grad_bytes: int, algorithm: str,
-                   codec: str | CodecCost = "none", piece_bytes: float = SRA_PIECE_BYTES) -> CommTime:
+def allreduce_time(
+    machine: Machine,
+    gpus: int,
+    *,
+    numel: float,
+    grad_bytes: int,
+    algorithm: str,
+    codec: str | CodecCost = "none",
+    piece_bytes: float = SRA_PIECE_BYTES,
+) -> CommTime:
     """Seconds to all-reduce ``numel`` gradient elements of ``grad_bytes`` each over ``gpus``.
 
     ``piece_bytes``: gradient bytes per piece of the pipelined scatter-reduce/allgather
@@ -281,17 +339,26 @@ def allreduce_time(machine: Machine, gpus: int, *, numel: float, grad_bytes: int
         return CommTime(0.0, 0.0, 0.0)
     if algorithm not in ("ring", "tree", "sra", "hierarchical"):
         raise ValueError(f"unknown algorithm {algorithm!r}")
-    machine = on_transport(machine, nodes, per_node, codec.wire_bytes(numel, grad_bytes), algorithm, codec.linear)
+    machine = on_transport(
+        machine, nodes, per_node, codec.wire_bytes(numel, grad_bytes), algorithm, codec.linear
+    )
     if algorithm == "sra":
         return sra_pipelined(machine, nodes, per_node, numel, grad_bytes, codec, piece_bytes)
     if algorithm == "hierarchical" and not codec.linear:
-        return hierarchical_pipelined(machine, nodes, per_node, numel, grad_bytes, codec, piece_bytes)
+        return hierarchical_pipelined(
+            machine, nodes, per_node, numel, grad_bytes, codec, piece_bytes
+        )
     wire = codec.wire_bytes(numel, grad_bytes)
     if algorithm == "ring":
         transfer = ring_time(machine, nodes, per_node, wire)
     elif algorithm == "tree":
         transfer = tree_time(machine, nodes, per_node, wire)
     else:
-        transfer = hierarchical_time(machine, nodes, per_node, numel * grad_bytes, wire, linear=True)
-    return CommTime(transfer_s=transfer, codec_s=_cast_codec_s(codec, machine, numel, grad_bytes),
-                    wire_bytes=wire)
+        transfer = hierarchical_time(
+            machine, nodes, per_node, numel * grad_bytes, wire, linear=True
+        )
+    return CommTime(
+        transfer_s=transfer,
+        codec_s=_cast_codec_s(codec, machine, numel, grad_bytes),
+        wire_bytes=wire,
+    )

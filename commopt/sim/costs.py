@@ -5,16 +5,17 @@ second, one direction). The textbook formulas are here unchanged so that they ca
 as written; :mod:`commopt.sim.topology` applies them to a machine with shared links.
 
     >>> ring = ring_allreduce_time(4, 64 * 2**20, Link(latency_s=0.0, bandwidth_Bps=1e9))
-    >>> round(ring, 4)         # 2(n-1)/n * S / beta = 1.5 * 64 MiB / 1 GB/s
+    >>> round(ring, 4)  # 2(n-1)/n * S / beta = 1.5 * 64 MiB / 1 GB/s
     0.1007
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-GBIT = 1e9 / 8   # bytes per second in one Gbit/s
-GBYTE = 1e9      # bytes per second in one GB/s
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+GBYTE = 1e9  # bytes per second in one GB/s
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,17 @@ def alltoall_phase_time(n: int, nbytes: float, link: Link, message_overhead_s: f
     return link.latency_s + (n - 1) * message_overhead_s + (n - 1) / n * nbytes / link.bandwidth_Bps
 
 
-def scatter_reduce_allgather_time(n: int, nbytes: float, link: Link, message_overhead_s: float) -> float:
+def scatter_reduce_allgather_time(
+    n: int, nbytes: float, link: Link, message_overhead_s: float
+) -> float:
     """Scatter-reduce then all-gather of compressed chunks: the same bytes as the ring, in two
     phases of n-1 concurrent messages instead of 2(n-1) sequential steps."""
     return 2 * alltoall_phase_time(n, nbytes, link, message_overhead_s)
 
 
-def hierarchical_allreduce_time(gpus_per_node: int, nodes: int, nbytes: float,
-                                intra: Link, inter: Link) -> float:
+def hierarchical_allreduce_time(
+    gpus_per_node: int, nodes: int, nbytes: float, intra: Link, inter: Link
+) -> float:
     """Intra-node reduce-scatter, inter-node ring all-reduce of each GPU's 1/g shard (the g
     shards of a node share its NIC, so the NIC carries S/N per ring step), intra all-gather.
 
@@ -116,7 +120,9 @@ def hierarchical_allreduce_time(gpus_per_node: int, nodes: int, nbytes: float,
     return intra_part + inter_part
 
 
-def pipeline_time(wire_s: float, codec_s: float, pieces: int, fixed_s_per_piece: float = 0.0) -> float:
+def pipeline_time(
+    wire_s: float, codec_s: float, pieces: int, fixed_s_per_piece: float = 0.0
+) -> float:
     """A buffer cut into ``pieces`` equal pieces, each of which needs the link (``wire_s / pieces``
     of transfers) and the processor (``codec_s / pieces`` of codec work), one piece's codec work
     overlapping the neighbouring pieces' transfers:
@@ -128,12 +134,14 @@ def pipeline_time(wire_s: float, codec_s: float, pieces: int, fixed_s_per_piece:
     it is done: fill and drain). ``fixed_s_per_piece`` is what every piece's collectives cost
     regardless of size (their latencies). One piece is the unpipelined sum W + C + fixed.
 
-        >>> round(pipeline_time(0.075, 0.019, pieces=16) * 1e3, 4)   # wire-bound: 75 + 19/16 ms
+        >>> round(pipeline_time(0.075, 0.019, pieces=16) * 1e3, 4)  # wire-bound: 75 + 19/16 ms
         76.1875
     """
     if int(pieces) != pieces or pieces < 1:
         raise ValueError(f"number of pieces must be a positive integer, got {pieces}")
     if wire_s < 0 or codec_s < 0 or fixed_s_per_piece < 0:
-        raise ValueError(f"pipeline times must be >= 0 s, got wire {wire_s}, codec {codec_s}, "
-                         f"fixed {fixed_s_per_piece}")
+        raise ValueError(
+            f"pipeline times must be >= 0 s, got wire {wire_s}, codec {codec_s}, "
+            f"fixed {fixed_s_per_piece}"
+        )
     return max(wire_s, codec_s) + min(wire_s, codec_s) / pieces + pieces * fixed_s_per_piece

@@ -6,9 +6,10 @@ the parameter: then the effect is in-sample only, and :mod:`commopt.sim.loo` sho
 left of it out of sample).
 
     >>> e = ec2_socket_threads_effect()
-    >>> 1.5 < e.predicted_value < 2.5       # published: about 2x above ~1 MB
+    >>> 1.5 < e.predicted_value < 2.5  # published: about 2x above ~1 MB
     True
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,20 +49,30 @@ def ec2_socket_ratio(nbytes: float) -> tuple[float, float]:
 
 def ec2_socket_threads_effect(nbytes: float = 64 * MB) -> Effect:
     default, tuned = ec2_socket_ratio(nbytes)
-    return Effect(f"NCCL socket threads on EC2 (4 x 4 flows), all-reduce of {nbytes / MB:g} MB, 2 nodes",
-                  "about 2x all-reduce throughput above ~1 MB", 2.0, tuned / default, 1.0,
-                  f"busbw {default:.2f} -> {tuned:.2f} GB/s; per-flow cap 10 Gbit/s (EC2 documentation), "
-                  "not this ratio")
+    return Effect(
+        f"NCCL socket threads on EC2 (4 x 4 flows), all-reduce of {nbytes / MB:g} MB, 2 nodes",
+        "about 2x all-reduce throughput above ~1 MB",
+        2.0,
+        tuned / default,
+        1.0,
+        f"busbw {default:.2f} -> {tuned:.2f} GB/s; per-flow cap 10 Gbit/s (EC2 documentation), "
+        "not this ratio",
+    )
 
 
 def azure_relaxed_ordering_effect(nbytes: float = 2**30) -> Effect:
     on = get_machine("azure-ndv4")
     off = on.with_overrides(nccl_env={"NCCL_IB_PCI_RELAXED_ORDERING": "0"})
     b_on, b_off = busbw_GBps(on, 16, nbytes), busbw_GBps(off, 16, nbytes)
-    return Effect("PCIe relaxed ordering on Azure ND A100 v4, all-reduce of 1 GiB, 2 VMs x 8 GPUs",
-                  "188 vs 25 GB/s bus bandwidth (7.5x)", 188 / 25, b_on / b_off, 1.0,
-                  f"busbw {b_off:.1f} -> {b_on:.1f} GB/s predicted; in-sample: the fraction kept without "
-                  "relaxed ordering is this published ratio")
+    return Effect(
+        "PCIe relaxed ordering on Azure ND A100 v4, all-reduce of 1 GiB, 2 VMs x 8 GPUs",
+        "188 vs 25 GB/s bus bandwidth (7.5x)",
+        188 / 25,
+        b_on / b_off,
+        1.0,
+        f"busbw {b_off:.1f} -> {b_on:.1f} GB/s predicted; in-sample: the fraction kept without "
+        "relaxed ordering is this published ratio",
+    )
 
 
 def _fastsocket_ratio(transport: str, seqs: int) -> float:
@@ -69,53 +80,79 @@ def _fastsocket_ratio(transport: str, seqs: int) -> float:
     fast = base.with_overrides(nccl_env=parse_nccl_env("gcp-fastsocket"))
     profile = load_profile("bert-large").with_overrides(batch_per_gpu=seqs * 384)
     plan = software_plan("pytorch-ddp")
-    return simulate(profile, fast, plan, 64).throughput / simulate(profile, base, plan, 64).throughput
+    return (
+        simulate(profile, fast, plan, 64).throughput / simulate(profile, base, plan, 64).throughput
+    )
 
 
 def gcp_fastsocket_effect() -> Effect:
     """Fast Socket (4 sockets, 4 helper threads: the plugin's defaults) against the preset's
     NCCL of one socket thread."""
     ratio = _fastsocket_ratio("nccl-sockets-gcp", 4)
-    return Effect("NCCL Fast Socket on Google Cloud, BERT-Large, 64 V100 on 8 VMs (DDP)",
-                  "+30% training speed", 1.30, ratio, 1.0,
-                  "Fast Socket: 4 sockets x 4 threads (its defaults, net_fastsocket.cc); baseline NCCL 1 thread x 1 "
-                  "socket; the published run's NCCL version (which sets the baseline's threads) and per-GPU batch "
-                  "(profile: 4 x 384 tokens) are not given: see the baseline table")
+    return Effect(
+        "NCCL Fast Socket on Google Cloud, BERT-Large, 64 V100 on 8 VMs (DDP)",
+        "+30% training speed",
+        1.30,
+        ratio,
+        1.0,
+        "Fast Socket: 4 sockets x 4 threads (its defaults, net_fastsocket.cc); baseline NCCL 1 thread x 1 "
+        "socket; the published run's NCCL version (which sets the baseline's threads) and per-GPU batch "
+        "(profile: 4 x 384 tokens) are not given: see the baseline table",
+    )
 
 
 #: BERT-Large sequences of 384 per GPU tried in the Fast Socket sensitivity table (none is published).
 FASTSOCKET_SEQS = (2, 4, 8, 16)
 #: The two baselines NCCL's own code gives on gVNIC, by version (transport preset, label).
-FASTSOCKET_BASELINES = (("nccl-sockets-gcp", "NCCL without gVNIC detection: 1 thread x 1 socket"),
-                        ("nccl-sockets-gcp-auto", "NCCL with gVNIC detection: 4 threads x 1 socket"))
+FASTSOCKET_BASELINES = (
+    ("nccl-sockets-gcp", "NCCL without gVNIC detection: 1 thread x 1 socket"),
+    ("nccl-sockets-gcp-auto", "NCCL with gVNIC detection: 4 threads x 1 socket"),
+)
 
 
 def gcp_fastsocket_sensitivity() -> list[tuple[str, dict]]:
     """(baseline, {sequences per GPU: predicted Fast Socket speed-up}) for each cited baseline."""
-    return [(label, {seqs: _fastsocket_ratio(t, seqs) for seqs in FASTSOCKET_SEQS})
-            for t, label in FASTSOCKET_BASELINES]
+    return [
+        (label, {seqs: _fastsocket_ratio(t, seqs) for seqs in FASTSOCKET_SEQS})
+        for t, label in FASTSOCKET_BASELINES
+    ]
 
 
 def chainermn_10gbe_effect() -> Effect:
     m = "p100-10gbe"
-    with_features = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16"))
+    with_features = chainermn_efficiency(
+        m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    )
     without = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl"))
-    return Effect("ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 P100 over 10 GbE "
-                  "(NCCL 2.2 sockets)", "near-linear scaling (taken as 100%)", 1.0, with_features, without,
-                  "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass")
+    return Effect(
+        "ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 P100 over 10 GbE "
+        "(NCCL 2.2 sockets)",
+        "near-linear scaling (taken as 100%)",
+        1.0,
+        with_features,
+        without,
+        "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass",
+    )
 
 
 def all_effects() -> list[Effect]:
-    return [ec2_socket_threads_effect(), azure_relaxed_ordering_effect(), gcp_fastsocket_effect(),
-            chainermn_effect(), chainermn_10gbe_effect(), cgx_effect("bert-large"),
-            cgx_effect("transformer-xl-base")]
+    return [
+        ec2_socket_threads_effect(),
+        azure_relaxed_ordering_effect(),
+        gcp_fastsocket_effect(),
+        chainermn_effect(),
+        chainermn_10gbe_effect(),
+        cgx_effect("bert-large"),
+        cgx_effect("transformer-xl-base"),
+    ]
 
 
 @dataclass(frozen=True)
 class NetworkComparison:
     """ChainerMN ResNet-50 on 32 P100: 10 GbE against InfiniBand FDR (the held-out table)."""
-    step_ib_s: float            # pure_nccl, FP32, no overlap, InfiniBand
-    step_10gbe_s: float         # the same on 10 GbE
+
+    step_ib_s: float  # pure_nccl, FP32, no overlap, InfiniBand
+    step_10gbe_s: float  # the same on 10 GbE
     step_10gbe_db_fp16_s: float  # double buffering + FP16 on 10 GbE
 
     @property
@@ -132,6 +169,8 @@ def chainermn_network_comparison(gpus: int = 32) -> NetworkComparison:
     plain = software_plan("chainermn-1.3-pure_nccl")
     feats = software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
     prof = chainermn_profile("p100-10gbe")
-    return NetworkComparison(simulate(prof, "p100-ib-fdr", plain, gpus).step_s,
-                             simulate(prof, "p100-10gbe", plain, gpus).step_s,
-                             simulate(prof, "p100-10gbe", feats, gpus).step_s)
+    return NetworkComparison(
+        simulate(prof, "p100-ib-fdr", plain, gpus).step_s,
+        simulate(prof, "p100-10gbe", plain, gpus).step_s,
+        simulate(prof, "p100-10gbe", feats, gpus).step_s,
+    )

@@ -13,6 +13,7 @@ the result: its out-of-sample error, beside the in-sample one.
     >>> all(r.in_sample_error is not None for r in rows)
     True
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,8 +33,8 @@ Transform = Callable[[object, object], tuple]
 class Choice:
     parameter: str
     chosen: str
-    candidates: dict            # label -> Transform
-    informs: Callable[[PublishedRow], bool]   # which rows informed the choice
+    candidates: dict  # label -> Transform
+    informs: Callable[[PublishedRow], bool]  # which rows informed the choice
     why: str
 
 
@@ -42,6 +43,7 @@ def _uplink(gbps: float) -> Transform:
         if machine.name != "rtx3090-pcie":
             return machine, profile
         return replace(machine, uplink=Link(machine.uplink.latency_s, gbps * 1e9)), profile
+
     return t
 
 
@@ -50,6 +52,7 @@ def _bert_batch(seqs: int) -> Transform:
         if profile.name != "bert-large":
             return machine, profile
         return machine, profile.with_overrides(batch_per_gpu=seqs * 384)
+
     return t
 
 
@@ -58,22 +61,32 @@ def _nvlinks(links: int) -> Transform:
         if machine.gpu != "v100":
             return machine, profile
         return replace(machine, intra=Link(machine.intra.latency_s, links * 25e9 * 0.8)), profile
+
     return t
 
 
 PUBLISHED_CHOICES = (
-    Choice("rtx3090-pcie staged path per PCIe switch", "6.1 GB/s",
-           {"6.1 GB/s": _uplink(6.1), "8.6 GB/s": _uplink(8.6), "12.6 GB/s": _uplink(12.6)},
-           lambda r: r.machine == "rtx3090-pcie" and r.gpus > 1,
-           "readings of NVIDIA/nccl#1127's measurement and PCIe 3.0 x16, chosen with the 3090 rows in view"),
-    Choice("bert-large sequences of 384 per GPU", "4",
-           {"2": _bert_batch(2), "4": _bert_batch(4), "8": _bert_batch(8)},
-           lambda r: r.model == "bert-large" and r.gpus > 1,
-           "unpublished; chosen with the BERT rows in view"),
-    Choice("NVLinks per ring hop (V100)", "1",
-           {"1": _nvlinks(1), "2": _nvlinks(2)},
-           lambda r: r.machine == "v100-nvlink-25g" and r.gpus > 1,
-           "pairs of the hybrid cube-mesh have 1 or 2 links; chosen with the V100 rows in view"),
+    Choice(
+        "rtx3090-pcie staged path per PCIe switch",
+        "6.1 GB/s",
+        {"6.1 GB/s": _uplink(6.1), "8.6 GB/s": _uplink(8.6), "12.6 GB/s": _uplink(12.6)},
+        lambda r: r.machine == "rtx3090-pcie" and r.gpus > 1,
+        "readings of NVIDIA/nccl#1127's measurement and PCIe 3.0 x16, chosen with the 3090 rows in view",
+    ),
+    Choice(
+        "bert-large sequences of 384 per GPU",
+        "4",
+        {"2": _bert_batch(2), "4": _bert_batch(4), "8": _bert_batch(8)},
+        lambda r: r.model == "bert-large" and r.gpus > 1,
+        "unpublished; chosen with the BERT rows in view",
+    ),
+    Choice(
+        "NVLinks per ring hop (V100)",
+        "1",
+        {"1": _nvlinks(1), "2": _nvlinks(2)},
+        lambda r: r.machine == "v100-nvlink-25g" and r.gpus > 1,
+        "pairs of the hybrid cube-mesh have 1 or 2 links; chosen with the V100 rows in view",
+    ),
 )
 
 
@@ -81,7 +94,9 @@ def _predict(row: PublishedRow, transforms: list) -> float:
     profile = load_profile(row.model)
     machine = get_machine(row.machine)
     if row.batch_per_gpu is not None or row.single_gpu is not None:
-        profile = profile.with_overrides(batch_per_gpu=row.batch_per_gpu, gpu=machine.gpu, throughput=row.single_gpu)
+        profile = profile.with_overrides(
+            batch_per_gpu=row.batch_per_gpu, gpu=machine.gpu, throughput=row.single_gpu
+        )
     for t in transforms:
         machine, profile = t(machine, profile)
     return simulate(profile, machine, row.plan, row.gpus).throughput / row.published - 1
@@ -89,15 +104,17 @@ def _predict(row: PublishedRow, transforms: list) -> float:
 
 def _choose(choice: Choice, rows: list) -> str:
     """The candidate whose worst error over ``rows`` is smallest (the others at the preset)."""
+
     def worst(label):
         return max((abs(_predict(r, [choice.candidates[label]])) for r in rows), default=0.0)
+
     return min(choice.candidates, key=lambda label: (worst(label), label != choice.chosen))
 
 
 @dataclass(frozen=True)
 class LooRow:
     row: str
-    parameters: tuple           # (parameter, value in sample, value out of sample)
+    parameters: tuple  # (parameter, value in sample, value out of sample)
     in_sample_error: float
     out_of_sample_error: float | None
     note: str = ""
@@ -125,8 +142,15 @@ def published_loo() -> list[LooRow]:
             params.append((c.parameter, c.chosen, pick))
             transforms.append(c.candidates[pick])
         ins = _predict(row, [c.candidates[c.chosen] for c in mine])
-        out.append(LooRow(_row_id(row), tuple(params), ins, _predict(row, transforms),
-                          "known miss (explained below the table)" if row.known_miss else ""))
+        out.append(
+            LooRow(
+                _row_id(row),
+                tuple(params),
+                ins,
+                _predict(row, transforms),
+                "known miss (explained below the table)" if row.known_miss else "",
+            )
+        )
     return out
 
 
@@ -139,15 +163,28 @@ TESTBED_ALPHA_US = (20.0, 50.0, 100.0, 200.0)
 
 def testbed_loo(measurements) -> list[LooRow]:
     """Leave-one-out over the mpi transport's allreduce rows for the latency per collective."""
-    rows = [m for m in measurements if m.kind == "allreduce" and m.transport_name() == "mpi" and not m.not_modelled]
+    rows = [
+        m
+        for m in measurements
+        if m.kind == "allreduce" and m.transport_name() == "mpi" and not m.not_modelled
+    ]
     out: list[LooRow] = []
     if len(rows) < 2:
-        return out     # nothing left to choose on without the row
+        return out  # nothing left to choose on without the row
     for m in rows:
         others = [o for o in rows if o is not m]
-        pick = min(TESTBED_ALPHA_US, key=lambda a: (max(abs(_testbed_error(o, _alpha(o, a))) for o in others), a != 50.0))
-        out.append(LooRow(m.what, (("testbed-1gbit latency per collective (us)", "50", f"{pick:g}"),),
-                          _testbed_error(m, _alpha(m, 50.0)), _testbed_error(m, _alpha(m, pick))))
+        pick = min(
+            TESTBED_ALPHA_US,
+            key=lambda a: (max(abs(_testbed_error(o, _alpha(o, a))) for o in others), a != 50.0),
+        )
+        out.append(
+            LooRow(
+                m.what,
+                (("testbed-1gbit latency per collective (us)", "50", f"{pick:g}"),),
+                _testbed_error(m, _alpha(m, 50.0)),
+                _testbed_error(m, _alpha(m, pick)),
+            )
+        )
     return out
 
 
@@ -161,10 +198,21 @@ def _testbed_error(m, machine) -> float:
     from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
     from commopt.sim.validation import _plan_codec, compare_measured
 
-    plan = Plan(m.plan.get("algorithm", "ring"), _plan_codec(m), m.plan.get("bucket_mb", 25),
-                m.plan.get("overlap", "none"), m.plan.get("piece_mb", DEFAULT_PIECE_MB))
-    return compare_measured(measured_step_s=m.measured_step_s, compute_s=m.compute_s, grad_bytes=m.grad_bytes,
-                            gpus=m.gpus, plan=plan, machine=machine)["error"]
+    plan = Plan(
+        m.plan.get("algorithm", "ring"),
+        _plan_codec(m),
+        m.plan.get("bucket_mb", 25),
+        m.plan.get("overlap", "none"),
+        m.plan.get("piece_mb", DEFAULT_PIECE_MB),
+    )
+    return compare_measured(
+        measured_step_s=m.measured_step_s,
+        compute_s=m.compute_s,
+        grad_bytes=m.grad_bytes,
+        gpus=m.gpus,
+        plan=plan,
+        machine=machine,
+    )["error"]
 
 
 def effects_loo() -> list[LooRow]:
@@ -178,14 +226,23 @@ def effects_loo() -> list[LooRow]:
 
     e = azure_relaxed_ordering_effect()
     m = PRESETS["azure-ndv4"]
-    assert m.transport is not None  # the preset names its transport (relaxed ordering is its effect)
+    assert (
+        m.transport is not None
+    )  # the preset names its transport (relaxed ordering is its effect)
     PRESETS["azure-ndv4"] = replace(m, transport=replace(m.transport, ro_off_fraction=1.0))
     try:
         out_e = azure_relaxed_ordering_effect()
     finally:
         PRESETS["azure-ndv4"] = m
-    rows = [LooRow(e.name, (("fraction of bandwidth without relaxed ordering", "25/188", "1 (no source)"),),
-                   e.error, out_e.error, "in-sample only: the published ratio is the parameter")]
+    rows = [
+        LooRow(
+            e.name,
+            (("fraction of bandwidth without relaxed ordering", "25/188", "1 (no source)"),),
+            e.error,
+            out_e.error,
+            "in-sample only: the published ratio is the parameter",
+        )
+    ]
     # EC2: the baseline's socket count (1 x 1) is read from the note itself; without it, the
     # NCCL default would be its auto-detected 2 x 8 on AWS's NIC.
     from commopt.sim.effects import ec2_socket_threads_effect
@@ -197,9 +254,21 @@ def effects_loo() -> list[LooRow]:
         out_e = ec2_socket_threads_effect()
     finally:
         PRESETS["v100-nvlink-25g"] = m
-    rows.append(LooRow(e.name, (("NCCL's default sockets on EC2", "1 x 1 (read from the note)",
-                                 "2 x 8 (NCCL's auto-detection)"),),
-                       e.error, out_e.error, "in-sample only: the baseline's socket count is read from the note"))
+    rows.append(
+        LooRow(
+            e.name,
+            (
+                (
+                    "NCCL's default sockets on EC2",
+                    "1 x 1 (read from the note)",
+                    "2 x 8 (NCCL's auto-detection)",
+                ),
+            ),
+            e.error,
+            out_e.error,
+            "in-sample only: the baseline's socket count is read from the note",
+        )
+    )
     return rows
 
 
@@ -217,5 +286,7 @@ def choice_alternatives() -> list[tuple]:
         rows = [r for r in PUBLISHED_ROWS if c.informs(r)]
         for label, t in c.candidates.items():
             errs = {_row_id(r): _predict(r, [t]) for r in rows}
-            out.append((c.parameter, label, label == c.chosen, max(abs(e) for e in errs.values()), errs))
+            out.append(
+                (c.parameter, label, label == c.chosen, max(abs(e) for e in errs.values()), errs)
+            )
     return out

@@ -10,9 +10,10 @@ one). Absolute times come from the single-GPU throughput of the machine's GPU:
     >>> p = load_profile("resnet50")
     >>> p.numel
     25557032
-    >>> round(p.step_time("v100") * 1000, 1)     # 64 images at the published 1226 img/s
+    >>> round(p.step_time("v100") * 1000, 1)  # 64 images at the published 1226 img/s
     52.2
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ import os
 from dataclasses import dataclass, field, replace
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
-ALIASES = {"bert": "bert-large", "txl": "transformer-xl-base", "transformer-xl": "transformer-xl-base",
-           "transformer-big": "transformer-big", "fairseq-transformer-big": "transformer-big"}
+ALIASES = {
+    "bert": "bert-large",
+    "txl": "transformer-xl-base",
+    "transformer-xl": "transformer-xl-base",
+    "transformer-big": "transformer-big",
+    "fairseq-transformer-big": "transformer-big",
+}
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,11 @@ class Layer:
 @dataclass(frozen=True)
 class ModelProfile:
     name: str
-    sample_unit: str                   # what the throughput counts: images, tokens, ...
-    batch_per_gpu: float               # samples per GPU per step
-    grad_bytes_per_param: int          # 4: float32 gradients, 2: float16 (e.g. apex O2)
+    sample_unit: str  # what the throughput counts: images, tokens, ...
+    batch_per_gpu: float  # samples per GPU per step
+    grad_bytes_per_param: int  # 4: float32 gradients, 2: float16 (e.g. apex O2)
     forward_fraction: float
-    throughput: dict                   # gpu -> samples/s on one GPU
+    throughput: dict  # gpu -> samples/s on one GPU
     layers: tuple
     update_fraction: float = 0.0
     description: str = ""
@@ -47,11 +53,18 @@ class ModelProfile:
     def __post_init__(self):
         if not self.layers:
             raise ValueError(f"profile {self.name!r} has no layers")
-        if not 0 <= self.forward_fraction < 1 or not 0 <= self.update_fraction < 1 \
-                or self.forward_fraction + self.update_fraction >= 1:
-            raise ValueError(f"profile {self.name!r}: forward_fraction + update_fraction must be in [0, 1)")
+        if (
+            not 0 <= self.forward_fraction < 1
+            or not 0 <= self.update_fraction < 1
+            or self.forward_fraction + self.update_fraction >= 1
+        ):
+            raise ValueError(
+                f"profile {self.name!r}: forward_fraction + update_fraction must be in [0, 1)"
+            )
         if self.grad_bytes_per_param not in (2, 4, 8):
-            raise ValueError(f"grad_bytes_per_param must be 2, 4 or 8, got {self.grad_bytes_per_param}")
+            raise ValueError(
+                f"grad_bytes_per_param must be 2, 4 or 8, got {self.grad_bytes_per_param}"
+            )
         if not self.batch_per_gpu > 0:
             raise ValueError(f"batch_per_gpu must be > 0, got {self.batch_per_gpu}")
         if any(lay.numel < 0 or lay.backward_weight < 0 for lay in self.layers):
@@ -73,12 +86,19 @@ class ModelProfile:
             known = ", ".join(sorted(self.throughput)) or "none"
             raise ValueError(
                 f"profile {self.name!r} has no single-GPU throughput for {gpu!r} (it has: {known}); "
-                "pass --throughput SAMPLES_PER_S or --step-time SECONDS")
+                "pass --throughput SAMPLES_PER_S or --step-time SECONDS"
+            )
         return self.batch_per_gpu / float(self.throughput[gpu])
 
-    def with_overrides(self, *, batch_per_gpu: float | None = None, gpu: str | None = None,
-                       throughput: float | None = None, step_time: float | None = None,
-                       grad_bytes_per_param: int | None = None) -> ModelProfile:
+    def with_overrides(
+        self,
+        *,
+        batch_per_gpu: float | None = None,
+        gpu: str | None = None,
+        throughput: float | None = None,
+        step_time: float | None = None,
+        grad_bytes_per_param: int | None = None,
+    ) -> ModelProfile:
         """A copy with another batch, gradient width, or single-GPU speed for ``gpu``."""
         p = self
         if batch_per_gpu is not None:
@@ -98,26 +118,39 @@ class ModelProfile:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "description": self.description, "sample_unit": self.sample_unit,
-            "batch_per_gpu": self.batch_per_gpu, "grad_bytes_per_param": self.grad_bytes_per_param,
-            "forward_fraction": self.forward_fraction, "update_fraction": self.update_fraction,
-            "throughput": dict(self.throughput), "sources": dict(self.sources),
-            "layers": [{"name": lay.name, "numel": lay.numel, "backward_weight": lay.backward_weight}
-                       for lay in self.layers],
+            "name": self.name,
+            "description": self.description,
+            "sample_unit": self.sample_unit,
+            "batch_per_gpu": self.batch_per_gpu,
+            "grad_bytes_per_param": self.grad_bytes_per_param,
+            "forward_fraction": self.forward_fraction,
+            "update_fraction": self.update_fraction,
+            "throughput": dict(self.throughput),
+            "sources": dict(self.sources),
+            "layers": [
+                {"name": lay.name, "numel": lay.numel, "backward_weight": lay.backward_weight}
+                for lay in self.layers
+            ],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelProfile:
         try:
-            layers = tuple(Layer(str(e["name"]), int(e["numel"]), float(e["backward_weight"]))
-                           for e in d["layers"])
+            layers = tuple(
+                Layer(str(e["name"]), int(e["numel"]), float(e["backward_weight"]))
+                for e in d["layers"]
+            )
             return cls(
-                name=d["name"], description=d.get("description", ""), sample_unit=d.get("sample_unit", "samples"),
-                batch_per_gpu=float(d["batch_per_gpu"]), grad_bytes_per_param=int(d.get("grad_bytes_per_param", 4)),
+                name=d["name"],
+                description=d.get("description", ""),
+                sample_unit=d.get("sample_unit", "samples"),
+                batch_per_gpu=float(d["batch_per_gpu"]),
+                grad_bytes_per_param=int(d.get("grad_bytes_per_param", 4)),
                 forward_fraction=float(d.get("forward_fraction", 1 / 3)),
                 update_fraction=float(d.get("update_fraction", 0.0)),
                 throughput={str(k): float(v) for k, v in d.get("throughput", {}).items()},
-                layers=layers, sources=dict(d.get("sources", {})),
+                layers=layers,
+                sources=dict(d.get("sources", {})),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"model profile lacks or mistypes the field {exc}") from exc
@@ -145,7 +178,9 @@ def load_profile(name_or_path: str | ModelProfile) -> ModelProfile:
         if not os.path.exists(path):
             raise FileNotFoundError(f"model profile {path!r} does not exist")
     else:
-        raise ValueError(f"unknown model {name_or_path!r}; built-in: {', '.join(list_profiles())} "
-                         "(or give a profile JSON file, or --profile-model NAME to measure one)")
+        raise ValueError(
+            f"unknown model {name_or_path!r}; built-in: {', '.join(list_profiles())} "
+            "(or give a profile JSON file, or --profile-model NAME to measure one)"
+        )
     with open(path) as f:
         return ModelProfile.from_dict(json.load(f))

@@ -3,13 +3,14 @@ pipelined scatter-reduce/allgather.
 
     >>> Plan(codec="fp16", overlap="double-buffering").codec.name
     'fp16'
-    >>> Plan(codec="qsgd4").piece_mb       # commopt.collectives.PIECE_BYTES, in MiB
+    >>> Plan(codec="qsgd4").piece_mb  # commopt.collectives.PIECE_BYTES, in MiB
     4.0
     >>> Plan(algorithm="ring", codec="qsgd4")
     Traceback (most recent call last):
     ...
     ValueError: codec qsgd4 is not linear: a ring or tree would decode and re-encode at every hop; use --algorithm sra or hierarchical (or auto)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -32,23 +33,35 @@ class Plan:
     piece_mb: float
     copy_passes: float
 
-    def __init__(self, algorithm: str = "auto", codec: str | CodecCost = "none",
-                 bucket_mb: float = 25.0, overlap: str = "backward",
-                 piece_mb: float = DEFAULT_PIECE_MB, copy_passes: float = 0.0):
+    def __init__(
+        self,
+        algorithm: str = "auto",
+        codec: str | CodecCost = "none",
+        bucket_mb: float = 25.0,
+        overlap: str = "backward",
+        piece_mb: float = DEFAULT_PIECE_MB,
+        copy_passes: float = 0.0,
+    ):
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+            )
         if overlap not in OVERLAPS:
             raise ValueError(f"unknown overlap {overlap!r}; choose one of {', '.join(OVERLAPS)}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         if not copy_passes >= 0:
-            raise ValueError(f"copy passes must be >= 0 (gradient-sized copies per step), got {copy_passes}")
+            raise ValueError(
+                f"copy passes must be >= 0 (gradient-sized copies per step), got {copy_passes}"
+            )
         if not piece_mb >= 0:
             raise ValueError(f"piece size must be >= 0 MiB (0: no pipeline), got {piece_mb}")
         codec = get_codec_cost(codec)
         if algorithm in ("ring", "tree") and not codec.linear:
-            raise ValueError(f"codec {codec.name} is not linear: a ring or tree would decode and re-encode "
-                             "at every hop; use --algorithm sra or hierarchical (or auto)")
+            raise ValueError(
+                f"codec {codec.name} is not linear: a ring or tree would decode and re-encode "
+                "at every hop; use --algorithm sra or hierarchical (or auto)"
+            )
         object.__setattr__(self, "algorithm", algorithm)
         object.__setattr__(self, "codec", codec)
         object.__setattr__(self, "bucket_mb", float(bucket_mb))
@@ -67,7 +80,7 @@ class Plan:
         """The algorithms to try: ``auto`` takes, bucket by bucket, the fastest of those that
         suit the codec (as NCCL's tuner picks by message size); ``nccl`` the fastest of NCCL's
         own, ring and tree."""
-        if self.algorithm == "nccl":   # what NCCL itself chooses between (no hierarchical ring)
+        if self.algorithm == "nccl":  # what NCCL itself chooses between (no hierarchical ring)
             return ("ring", "tree") if self.codec.linear else ("sra",)
         if self.algorithm != "auto":
             return (self.algorithm,)
@@ -75,6 +88,8 @@ class Plan:
 
     def describe(self) -> str:
         pieces = "" if self.codec.linear else f", pieces of {self.piece_mb:g} MiB"
-        buckets = "one buffer" if self.bucket_mb == float("inf") else f"{self.bucket_mb:g} MB buckets"
+        buckets = (
+            "one buffer" if self.bucket_mb == float("inf") else f"{self.bucket_mb:g} MB buckets"
+        )
         copies = f", {self.copy_passes:g} gradient copies" if self.copy_passes else ""
         return f"{self.algorithm}, codec {self.codec.name}, {buckets}{pieces}, overlap {self.overlap}{copies}"

@@ -1,12 +1,13 @@
 """Plot a sweep: throughput and parallel efficiency against the swept axis (matplotlib).
 
-    >>> from commopt.sim import simulate, Plan
-    >>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Plan(), n)) for n in (8, 16)]
-    >>> import tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "s.png")
-    >>> plot_sweep(rows, "gpus", path, title="resnet50") == path
-    True
+>>> from commopt.sim import simulate, Plan
+>>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Plan(), n)) for n in (8, 16)]
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "s.png")
+>>> plot_sweep(rows, "gpus", path, title="resnet50") == path
+True
 """
+
 from __future__ import annotations
 
 
@@ -14,8 +15,10 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install matplotlib (or commopt[plot])") from exc
-    matplotlib.use("Agg")   # files only, no display
+        raise ImportError(
+            "plotting needs matplotlib: pip install matplotlib (or commopt[plot])"
+        ) from exc
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     return plt
@@ -33,10 +36,17 @@ def plot_sweep(rows, axis: str, path: str, *, title: str = "") -> str:
     eff = [100 * p.efficiency for _, p in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     try:
-        for ax, ys, label in ((ax1, thr, f"throughput ({rows[0][1].unit}/s)"), (ax2, eff, "parallel efficiency (%)")):
+        for ax, ys, label in (
+            (ax1, thr, f"throughput ({rows[0][1].unit}/s)"),
+            (ax2, eff, "parallel efficiency (%)"),
+        ):
             if numeric:
                 ax.plot(xs, ys, marker="o")
-                if axis in ("gpus", "inter_gbps", "bucket_mb") and min(xs) > 0 and max(xs) / min(xs) >= 8:
+                if (
+                    axis in ("gpus", "inter_gbps", "bucket_mb")
+                    and min(xs) > 0
+                    and max(xs) / min(xs) >= 8
+                ):
                     ax.set_xscale("log", base=2)
             else:
                 ax.bar(xs, ys)

@@ -1,17 +1,27 @@
 """Tables and JSON for predictions.
 
-    >>> from commopt.sim import simulate, Plan
-    >>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Plan(), n)) for n in (1, 8)]
-    >>> format_table(rows, axis="gpus").splitlines()[0].split()[:3]
-    ['gpus', 'nodes', 'algorithm']
+>>> from commopt.sim import simulate, Plan
+>>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Plan(), n)) for n in (1, 8)]
+>>> format_table(rows, axis="gpus").splitlines()[0].split()[:3]
+['gpus', 'nodes', 'algorithm']
 """
+
 from __future__ import annotations
 
 from commopt._tables import table
 from commopt.sim.step import Prediction
 
-_COLUMNS = ("nodes", "algorithm", "step ms", "compute ms", "comm ms", "exposed ms", "throughput/s", "speedup",
-            "efficiency")
+_COLUMNS = (
+    "nodes",
+    "algorithm",
+    "step ms",
+    "compute ms",
+    "comm ms",
+    "exposed ms",
+    "throughput/s",
+    "speedup",
+    "efficiency",
+)
 
 
 def _number(x: float) -> str:
@@ -19,9 +29,17 @@ def _number(x: float) -> str:
 
 
 def _cells(p: Prediction) -> list[str]:
-    return [str(p.nodes), p.algorithm, f"{p.step_s * 1e3:.1f}", f"{p.compute_s * 1e3:.1f}",
-            f"{p.comm_s * 1e3:.1f}", f"{p.exposed_comm_s * 1e3:.1f}", _number(p.throughput),
-            f"{p.speedup:.1f}", f"{p.efficiency:.1%}"]
+    return [
+        str(p.nodes),
+        p.algorithm,
+        f"{p.step_s * 1e3:.1f}",
+        f"{p.compute_s * 1e3:.1f}",
+        f"{p.comm_s * 1e3:.1f}",
+        f"{p.exposed_comm_s * 1e3:.1f}",
+        _number(p.throughput),
+        f"{p.speedup:.1f}",
+        f"{p.efficiency:.1%}",
+    ]
 
 
 def format_table(rows: list[tuple[object, Prediction]], axis: str = "gpus") -> str:
@@ -41,10 +59,20 @@ def format_table(rows: list[tuple[object, Prediction]], axis: str = "gpus") -> s
 def to_json(rows: list[tuple[object, Prediction]], *, axis: str, machine, model, plan) -> dict:
     return {
         "machine": machine.to_dict(),
-        "model": {"name": model.name, "sample_unit": model.sample_unit, "batch_per_gpu": model.batch_per_gpu,
-                  "params": model.numel, "grad_bytes": model.grad_bytes},
-        "plan": {"algorithm": plan.algorithm, "codec": plan.codec.name, "bucket_mb": plan.bucket_mb,
-                 "overlap": plan.overlap, "copy_passes": plan.copy_passes},
+        "model": {
+            "name": model.name,
+            "sample_unit": model.sample_unit,
+            "batch_per_gpu": model.batch_per_gpu,
+            "params": model.numel,
+            "grad_bytes": model.grad_bytes,
+        },
+        "plan": {
+            "algorithm": plan.algorithm,
+            "codec": plan.codec.name,
+            "bucket_mb": plan.bucket_mb,
+            "overlap": plan.overlap,
+            "copy_passes": plan.copy_passes,
+        },
         "axis": axis,
         "rows": [{axis: value, **p.as_dict()} for value, p in rows],
     }

@@ -17,6 +17,7 @@ profiles and checkpoints agree either way. :func:`model_source` says which one a
     >>> model_source(m).startswith("built-in ResNet-50")
     True
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,13 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["ResNet", "model_source", "resnet50", "torchvision_available", "torchvision_import_error"]
+__all__ = [
+    "ResNet",
+    "model_source",
+    "resnet50",
+    "torchvision_available",
+    "torchvision_import_error",
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,14 +49,16 @@ def torchvision_available() -> bool:
     return torchvision_import_error() is None
 
 
-def resnet50(num_classes: int = 1000, zero_init_residual: bool = False,
-             prefer_torchvision: bool = True) -> nn.Module:
+def resnet50(
+    num_classes: int = 1000, zero_init_residual: bool = False, prefer_torchvision: bool = True
+) -> nn.Module:
     """ResNet-50 (v1.5: stride on the 3x3 convolution), randomly initialised."""
     if prefer_torchvision and torchvision_available():
         import torchvision
 
-        return torchvision.models.resnet50(weights=None, num_classes=num_classes,
-                                           zero_init_residual=zero_init_residual)
+        return torchvision.models.resnet50(
+            weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual
+        )
     return ResNet([3, 4, 6, 3], num_classes=num_classes, zero_init_residual=zero_init_residual)
 
 
@@ -66,7 +75,9 @@ def model_source(model: nn.Module) -> str:
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, in_ch: int, width: int, stride: int = 1, downsample: nn.Module | None = None):
+    def __init__(
+        self, in_ch: int, width: int, stride: int = 1, downsample: nn.Module | None = None
+    ):
         super().__init__()
         out_ch = width * self.expansion
         self.conv1 = nn.Conv2d(in_ch, width, 1, bias=False)
@@ -87,7 +98,9 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, blocks: list[int], num_classes: int = 1000, zero_init_residual: bool = False):
+    def __init__(
+        self, blocks: list[int], num_classes: int = 1000, zero_init_residual: bool = False
+    ):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
@@ -120,8 +133,9 @@ class ResNet(nn.Module):
         out_ch = width * Bottleneck.expansion
         downsample = None
         if stride != 1 or in_ch != out_ch:
-            downsample = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False),
-                                       nn.BatchNorm2d(out_ch))
+            downsample = nn.Sequential(
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch)
+            )
         layers = [Bottleneck(in_ch, width, stride, downsample)]
         layers += [Bottleneck(out_ch, width) for _ in range(n - 1)]
         return nn.Sequential(*layers), out_ch

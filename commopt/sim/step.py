@@ -19,10 +19,13 @@ before it ends; with ``double-buffering`` the step is the longer of compute + al
 (the core) and the communication (the link, with the codec work the pipeline cannot hide).
 
     >>> from commopt.sim import simulate, Plan
-    >>> p = simulate("resnet50", "v100-nvlink-25g", Plan(codec="fp16", overlap="double-buffering"), gpus=32)
+    >>> p = simulate(
+    ...     "resnet50", "v100-nvlink-25g", Plan(codec="fp16", overlap="double-buffering"), gpus=32
+    ... )
     >>> p.nodes, p.efficiency > 0.9
     (4, True)
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -37,10 +40,10 @@ from commopt.sim.plan import Plan
 @dataclass(frozen=True)
 class Bucket:
     numel: int
-    ready_s: float         # since the start of the step
+    ready_s: float  # since the start of the step
     comm_s: float
     wire_bytes: float
-    codec_s: float = 0.0   # the bucket's encode + decode work (processor seconds)
+    codec_s: float = 0.0  # the bucket's encode + decode work (processor seconds)
     latency_s: float = 0.0  # its size-independent part (latencies, per-message overheads)
 
 
@@ -51,17 +54,17 @@ class Prediction:
     algorithm: str
     step_s: float
     compute_s: float
-    comm_s: float            # all buckets' all-reduce time, codec included
-    exposed_comm_s: float    # step - compute
-    throughput: float        # samples/s over all GPUs
+    comm_s: float  # all buckets' all-reduce time, codec included
+    exposed_comm_s: float  # step - compute
+    throughput: float  # samples/s over all GPUs
     single_gpu_throughput: float
-    efficiency: float        # throughput / (gpus * single-GPU throughput)
+    efficiency: float  # throughput / (gpus * single-GPU throughput)
     unit: str
     wire_bytes_per_step: float
     buckets: int
-    codec_s: float = 0.0     # all buckets' encode + decode work (processor seconds)
-    copy_s: float = 0.0      # the software's gradient copies on the compute stream
-    latency_s: float = 0.0   # the fixed (size-independent) part of all buckets' all-reduces
+    codec_s: float = 0.0  # all buckets' encode + decode work (processor seconds)
+    copy_s: float = 0.0  # the software's gradient copies on the compute stream
+    latency_s: float = 0.0  # the fixed (size-independent) part of all buckets' all-reduces
 
     @property
     def dominant(self) -> str:
@@ -104,8 +107,12 @@ def make_buckets(profile: ModelProfile, bucket_bytes: float, forward_s: float, b
     return out
 
 
-def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | None = None,
-             gpus: int | None = None) -> Prediction:
+def simulate(
+    model: str | ModelProfile,
+    machine: str | Machine,
+    plan: Plan | None = None,
+    gpus: int | None = None,
+) -> Prediction:
     """Predict one step of data-parallel training of ``model`` on ``gpus`` GPUs of ``machine``."""
     profile = load_profile(model)
     machine = get_machine(machine)
@@ -117,7 +124,11 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     grad_total = profile.numel * profile.grad_bytes_per_param
     # Gradient-sized copies the software makes on the compute stream (packing, a second
     # buffer): one read and one write each, at the codecs' share of memory bandwidth.
-    copy = 0.0 if gpus == 1 else plan.copy_passes * 2 * grad_total / (machine.memory_GBps * 1e9 * MEMORY_EFFICIENCY)
+    copy = (
+        0.0
+        if gpus == 1
+        else plan.copy_passes * 2 * grad_total / (machine.memory_GBps * 1e9 * MEMORY_EFFICIENCY)
+    )
     forward = step1 * profile.forward_fraction
     update = step1 * profile.update_fraction
     backward = step1 - forward - update + copy
@@ -126,13 +137,33 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     buckets, used = [], []
     for numel, ready in make_buckets(profile, plan.bucket_mb * 2**20, forward, backward):
         algorithm, c = min(
-            ((a, allreduce_time(machine, gpus, numel=numel, grad_bytes=profile.grad_bytes_per_param,
-                                algorithm=a, codec=plan.codec, piece_bytes=plan.piece_mb * 2**20))
-             for a in plan.candidates()),
-            key=lambda ac: ac[1].total_s)
+            (
+                (
+                    a,
+                    allreduce_time(
+                        machine,
+                        gpus,
+                        numel=numel,
+                        grad_bytes=profile.grad_bytes_per_param,
+                        algorithm=a,
+                        codec=plan.codec,
+                        piece_bytes=plan.piece_mb * 2**20,
+                    ),
+                )
+                for a in plan.candidates()
+            ),
+            key=lambda ac: ac[1].total_s,
+        )
         used.append(algorithm)
-        fixed = allreduce_time(machine, gpus, numel=1, grad_bytes=profile.grad_bytes_per_param, algorithm=algorithm,
-                               codec=plan.codec, piece_bytes=plan.piece_mb * 2**20).transfer_s
+        fixed = allreduce_time(
+            machine,
+            gpus,
+            numel=1,
+            grad_bytes=profile.grad_bytes_per_param,
+            algorithm=algorithm,
+            codec=plan.codec,
+            piece_bytes=plan.piece_mb * 2**20,
+        ).transfer_s
         buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes, c.codec_s, fixed))
     algorithm = "+".join(sorted(set(used), key=used.index))
     comm = sum(b.comm_s for b in buckets)
@@ -143,7 +174,7 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
         step = compute + comm
     elif plan.overlap == "backward":
         shared = machine.codec_shares_compute_core
-        t, delay = 0.0, 0.0    # delay: codec work that ran on the core during backward
+        t, delay = 0.0, 0.0  # delay: codec work that ran on the core during backward
         for b in buckets:
             start = max(t, b.ready_s + delay)
             t = start + b.comm_s
@@ -158,9 +189,20 @@ def simulate(model: str | ModelProfile, machine: str | Machine, plan: Plan | Non
     single = profile.batch_per_gpu / step1
     throughput = gpus * profile.batch_per_gpu / step
     return Prediction(
-        gpus=gpus, nodes=nodes, algorithm=algorithm if gpus > 1 else "-", step_s=step,
-        compute_s=compute, comm_s=comm if gpus > 1 else 0.0, exposed_comm_s=step - compute,
-        throughput=throughput, single_gpu_throughput=single, efficiency=throughput / (gpus * single),
-        unit=profile.sample_unit, wire_bytes_per_step=sum(b.wire_bytes for b in buckets),
-        buckets=len(buckets), codec_s=sum(b.codec_s for b in buckets) if gpus > 1 else 0.0, copy_s=copy,
-        latency_s=sum(b.latency_s for b in buckets) if gpus > 1 else 0.0)
+        gpus=gpus,
+        nodes=nodes,
+        algorithm=algorithm if gpus > 1 else "-",
+        step_s=step,
+        compute_s=compute,
+        comm_s=comm if gpus > 1 else 0.0,
+        exposed_comm_s=step - compute,
+        throughput=throughput,
+        single_gpu_throughput=single,
+        efficiency=throughput / (gpus * single),
+        unit=profile.sample_unit,
+        wire_bytes_per_step=sum(b.wire_bytes for b in buckets),
+        buckets=len(buckets),
+        codec_s=sum(b.codec_s for b in buckets) if gpus > 1 else 0.0,
+        copy_s=copy,
+        latency_s=sum(b.latency_s for b in buckets) if gpus > 1 else 0.0,
+    )

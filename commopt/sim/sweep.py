@@ -1,10 +1,11 @@
 """Sweeping one axis: ``gpus=8..1024`` (doubling), ``inter_gbps=25,100,400``, ``codec=none,fp16``.
 
-    >>> parse_sweep("gpus=8..64")
-    ('gpus', [8, 16, 32, 64])
-    >>> parse_sweep("codec=none,qsgd4")
-    ('codec', ['none', 'qsgd4'])
+>>> parse_sweep("gpus=8..64")
+('gpus', [8, 16, 32, 64])
+>>> parse_sweep("codec=none,qsgd4")
+('codec', ['none', 'qsgd4'])
 """
+
 from __future__ import annotations
 
 from commopt.sim.machines import Machine, get_machine
@@ -12,7 +13,13 @@ from commopt.sim.model_profiles import ModelProfile, load_profile
 from commopt.sim.plan import Plan
 from commopt.sim.step import Prediction, simulate
 
-NUMERIC = {"gpus": int, "inter_gbps": float, "intra_GBps": float, "bucket_mb": float, "batch": float}
+NUMERIC = {
+    "gpus": int,
+    "inter_gbps": float,
+    "intra_GBps": float,
+    "bucket_mb": float,
+    "batch": float,
+}
 CATEGORICAL = ("codec", "overlap", "algorithm")
 AXES = tuple(NUMERIC) + CATEGORICAL
 
@@ -40,15 +47,23 @@ def parse_sweep(spec: str) -> tuple[str, list]:
             else:
                 out = [kind(v) for v in values.split(",") if v.strip()]
         except ValueError:
-            raise ValueError(f"--sweep {axis}: expected A..B with 0 < A <= B or a comma list of "
-                             f"numbers, got {values!r}") from None
+            raise ValueError(
+                f"--sweep {axis}: expected A..B with 0 < A <= B or a comma list of "
+                f"numbers, got {values!r}"
+            ) from None
     if not out:
         raise ValueError(f"--sweep {axis}: no values in {values!r}")
     return axis, out
 
 
-def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpus: int | None,
-              axis: str, values: list) -> list[tuple[object, Prediction]]:
+def run_sweep(
+    model: str | ModelProfile,
+    machine: str | Machine,
+    plan: Plan,
+    gpus: int | None,
+    axis: str,
+    values: list,
+) -> list[tuple[object, Prediction]]:
     """One prediction per value of ``axis``, everything else as given."""
     profile = load_profile(model)
     machine = get_machine(machine)
@@ -70,4 +85,3 @@ def run_sweep(model: str | ModelProfile, machine: str | Machine, plan: Plan, gpu
 # The axes that are a field of the machine or of the plan, by the field's own name.
 _MACHINE_AXES = frozenset({"inter_gbps", "intra_GBps"})
 _PLAN_AXES = frozenset({"bucket_mb", "codec", "overlap", "algorithm"})
-

@@ -7,9 +7,10 @@ defensible parameters carries ``known_miss``: the reason, stated rather than tun
     >>> rows = published_comparison()
     >>> all(abs(r.error) <= 0.15 for r in rows if r.known_miss is None)
     True
-    >>> round(physical_allreduce_s(64 * 2**20, 2, 1.0), 4)   # 64 MiB on 1 Gbit/s, 2 hosts
+    >>> round(physical_allreduce_s(64 * 2**20, 2, 1.0), 4)  # 64 MiB on 1 Gbit/s, 2 hosts
     0.5369
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,15 @@ _TXL_3090_4 = (
     "sequence, in reverse definition order; the first holds r_w_bias and r_r_bias, defined last and "
     "used by all 16 layers, so no all-reduce starts before the backward pass reaches layer 0. Modelled "
     "so (overlap none) the 3090 rows fall further: -11 / -33 / -22% for 2 / 4 / 8 GPUs. Nor the placement "
-    "(unpublished): 2 + 2 across the switches swings this row to +15% and the BERT 4-GPU row to +72%")
+    "(unpublished): 2 + 2 across the switches swings this row to +15% and the BERT 4-GPU row to +72%"
+)
 
 
 _BERT_3090_BATCH = (
     "matched only under the assumed per-GPU batch (4 x 384 tokens; none is published): with 2 or 8 "
     "sequences the 2/4/8-GPU predictions move by -38/-53/-55% or +93/+72/+65%, so these rows are "
-    "consistent with the model, not a test of it (the V100 BERT rows move by less than 4%)")
+    "consistent with the model, not a test of it (the V100 BERT rows move by less than 4%)"
+)
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,10 @@ class PublishedRow:
     published: float
     unit: str
     plan: Plan = DDP
-    known_miss: str | None = None     # outside 15% with defensible parameters: why
-    caveat: str | None = None         # within 15%, but only under an unpublished assumption
+    known_miss: str | None = None  # outside 15% with defensible parameters: why
+    caveat: str | None = None  # within 15%, but only under an unpublished assumption
     source: str = "CGX scaling table (PyTorch + NCCL, no compression)"
-    batch_per_gpu: float | None = None    # other workload than the profile's default
+    batch_per_gpu: float | None = None  # other workload than the profile's default
     single_gpu: float | None = None
 
 
@@ -79,15 +82,34 @@ def _rows() -> list[PublishedRow]:
     for (model, machine), values in table.items():
         unit = "tokens/s" if model.startswith("transformer") else "samples/s"
         for gpus, value in zip((1, 2, 4, 8), values):
-            miss = _TXL_3090_4 if (model, machine, gpus) == ("transformer-xl-base", "rtx3090-pcie", 4) else None
-            caveat = _BERT_3090_BATCH if (model, machine) == ("bert-large", "rtx3090-pcie") and gpus > 1 else None
-            out.append(PublishedRow(model, machine, gpus, value, unit, known_miss=miss, caveat=caveat))
+            miss = (
+                _TXL_3090_4
+                if (model, machine, gpus) == ("transformer-xl-base", "rtx3090-pcie", 4)
+                else None
+            )
+            caveat = (
+                _BERT_3090_BATCH
+                if (model, machine) == ("bert-large", "rtx3090-pcie") and gpus > 1
+                else None
+            )
+            out.append(
+                PublishedRow(model, machine, gpus, value, unit, known_miss=miss, caveat=caveat)
+            )
     # The same Transformer-XL base at half the batch (16 x 192 tokens per GPU) on a DGX-1 with 8x
     # V100 16 GB: NVIDIA DeepLearningExamples' Transformer-XL README, mixed precision.
     for gpus, value in zip((1, 2, 4, 8), (26639, 45299, 92618, 170532)):
-        out.append(PublishedRow("transformer-xl-base", "v100-nvlink-25g", gpus, value, "tokens/s",
-                                source="NVIDIA DeepLearningExamples Transformer-XL README (DGX-1, batch 16)",
-                                batch_per_gpu=16 * 192, single_gpu=26639))
+        out.append(
+            PublishedRow(
+                "transformer-xl-base",
+                "v100-nvlink-25g",
+                gpus,
+                value,
+                "tokens/s",
+                source="NVIDIA DeepLearningExamples Transformer-XL README (DGX-1, batch 16)",
+                batch_per_gpu=16 * 192,
+                single_gpu=26639,
+            )
+        )
     return out
 
 
@@ -111,7 +133,6 @@ class ComparedRow:
     def known_miss(self) -> str | None:
         return self.row.known_miss
 
-
     @property
     def caveat(self) -> str | None:
         return self.row.caveat
@@ -120,8 +141,9 @@ class ComparedRow:
 def _predict(r: PublishedRow) -> Prediction:
     profile = load_profile(r.model)
     if r.batch_per_gpu is not None or r.single_gpu is not None:
-        profile = profile.with_overrides(batch_per_gpu=r.batch_per_gpu, gpu=get_machine(r.machine).gpu,
-                                         throughput=r.single_gpu)
+        profile = profile.with_overrides(
+            batch_per_gpu=r.batch_per_gpu, gpu=get_machine(r.machine).gpu, throughput=r.single_gpu
+        )
     return simulate(profile, r.machine, r.plan, r.gpus)
 
 
@@ -133,10 +155,10 @@ def published_comparison() -> list[ComparedRow]:
 @dataclass(frozen=True)
 class Effect:
     name: str
-    published: str            # the published statement, as a number where there is one
+    published: str  # the published statement, as a number where there is one
     published_value: float
     predicted_value: float
-    baseline_value: float     # the same prediction without the feature
+    baseline_value: float  # the same prediction without the feature
     detail: str = ""
 
     @property
@@ -145,8 +167,10 @@ class Effect:
 
 
 #: ChainerMN's 2018 experiments trained in FP32 (FP16 was offered for the all-reduce only).
-CHAINERMN_FP32 = ("FP32 compute: ResNet-50 on one V100 at 367 img/s (NVIDIA DeepLearningExamples ResNet-50 "
-                  "v1.5 README, FP32); P100: the profile's FP32 figure")
+CHAINERMN_FP32 = (
+    "FP32 compute: ResNet-50 on one V100 at 367 img/s (NVIDIA DeepLearningExamples ResNet-50 "
+    "v1.5 README, FP32); P100: the profile's FP32 figure"
+)
 
 
 def chainermn_profile(machine: str) -> ModelProfile:
@@ -158,7 +182,9 @@ def chainermn_profile(machine: str) -> ModelProfile:
     return profile
 
 
-def chainermn_efficiency(machine: str | Machine, plan: Plan, small: int = 8, large: int = 32) -> float:
+def chainermn_efficiency(
+    machine: str | Machine, plan: Plan, small: int = 8, large: int = 32
+) -> float:
     """Parallel efficiency from ``small`` to ``large`` GPUs, e = t / (t0 n) (published definition)."""
     m = get_machine(machine)
     profile = chainermn_profile(m.name.split("[")[0].split("@")[0].split("+")[0])
@@ -176,12 +202,19 @@ CHAINERMN_AWS_TRANSPORT = "nccl-2.2-sockets-ec2"
 def chainermn_effect() -> Effect:
     """ResNet-50 8 -> 32 GPUs on AWS (p3.16xlarge, 25 Gbit/s), double buffering + FP16: 96%."""
     m = get_machine(CHAINERMN_AWS).with_overrides(transport=CHAINERMN_AWS_TRANSPORT)
-    with_features = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16"))
+    with_features = chainermn_efficiency(
+        m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    )
     without = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl"))
-    return Effect("ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s "
-                  "(NCCL 2.2 sockets)",
-                  "96% parallel efficiency (8 -> 32 GPUs)", 0.96, with_features, without,
-                  "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass")
+    return Effect(
+        "ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s "
+        "(NCCL 2.2 sockets)",
+        "96% parallel efficiency (8 -> 32 GPUs)",
+        0.96,
+        with_features,
+        without,
+        "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass",
+    )
 
 
 #: What CGX's published scaling runs used: "4 bits quantization with 1024 bucket size" for all
@@ -196,21 +229,32 @@ def cgx_effect(model: str = "transformer-xl-base") -> Effect:
     v100_eff = v100[0] / (8 * v100[1])
     compressed = simulate(model, "rtx3090-pcie", Plan(codec=CGX_BENCHMARK_CODEC), 8).efficiency
     plain = simulate(model, "rtx3090-pcie", DDP, 8).efficiency
-    return Effect(f"CGX: 4-bit QSGD (bucket 1024, as CGX's runs) on 8x RTX 3090, {model}",
-                  f"about the V100 server's scaling ({v100_eff:.1%} at 8 GPUs)", v100_eff, compressed, plain,
-                  "baseline: the same server without compression")
+    return Effect(
+        f"CGX: 4-bit QSGD (bucket 1024, as CGX's runs) on 8x RTX 3090, {model}",
+        f"about the V100 server's scaling ({v100_eff:.1%} at 8 GPUs)",
+        v100_eff,
+        compressed,
+        plain,
+        "baseline: the same server without compression",
+    )
 
 
 # --- this project's testbed ---------------------------------------------------------------
 
 #: The machine preset of each transport of the testbed (``transport`` of a measurement).
-TRANSPORT_MACHINES = {"mpi": "testbed-1gbit", "torch": "testbed-1gbit-gloo", "gloo": "testbed-1gbit-gloo"}
+TRANSPORT_MACHINES = {
+    "mpi": "testbed-1gbit",
+    "torch": "testbed-1gbit-gloo",
+    "gloo": "testbed-1gbit-gloo",
+}
 
 #: Transports the simulator does not model, and why (their rows are shown, not counted).
 NOT_MODELLED = {
-    "mpi-native": ("Open MPI's own collectives (COMMOPT_MPI_PIPELINE=off, Open MPI's TCP eager limit): the "
-                   "transport before commopt's pipelined path, at about 1.8-2x the link time; the simulator "
-                   "predicts what the link allows"),
+    "mpi-native": (
+        "Open MPI's own collectives (COMMOPT_MPI_PIPELINE=off, Open MPI's TCP eager limit): the "
+        "transport before commopt's pipelined path, at about 1.8-2x the link time; the simulator "
+        "predicts what the link allows"
+    ),
 }
 
 
@@ -219,39 +263,76 @@ def physical_allreduce_s(nbytes: float, hosts: int, gbps: float) -> float:
     return 2 * (hosts - 1) / hosts * nbytes / (gbps * GBIT)
 
 
-def predict_testbed_allreduce(nbytes: float = 64 * 2**20, hosts: int = 2, codec: str = "none",
-                              machine: str = "testbed-1gbit") -> float:
+def predict_testbed_allreduce(
+    nbytes: float = 64 * 2**20, hosts: int = 2, codec: str = "none", machine: str = "testbed-1gbit"
+) -> float:
     """Predicted seconds for one all-reduce of ``nbytes`` float32 bytes on the testbed: the
     transport's ring for linear codecs, commopt's pipelined scatter-reduce/allgather otherwise."""
     c = get_codec_cost(codec)
-    return allreduce_time(get_machine(machine), hosts, numel=nbytes / 4, grad_bytes=4,
-                          algorithm="ring" if c.linear else "sra", codec=c).total_s
+    return allreduce_time(
+        get_machine(machine),
+        hosts,
+        numel=nbytes / 4,
+        grad_bytes=4,
+        algorithm="ring" if c.linear else "sra",
+        codec=c,
+    ).total_s
 
 
-def synthetic_profile(compute_s: float, grad_bytes: float, *, batch: float = 1.0, layers: int = 16,
-                      forward_fraction: float = 1 / 3, device: str = "cpu", name: str = "measured") -> ModelProfile:
+def synthetic_profile(
+    compute_s: float,
+    grad_bytes: float,
+    *,
+    batch: float = 1.0,
+    layers: int = 16,
+    forward_fraction: float = 1 / 3,
+    device: str = "cpu",
+    name: str = "measured",
+) -> ModelProfile:
     """A profile from two measured numbers: compute time per step and gradient bytes (float32),
     spread evenly over ``layers`` layers."""
     if not compute_s > 0 or not grad_bytes > 0:
-        raise ValueError(f"compute time and gradient bytes must be > 0, got {compute_s} s and {grad_bytes} B")
+        raise ValueError(
+            f"compute time and gradient bytes must be > 0, got {compute_s} s and {grad_bytes} B"
+        )
     numel = round(grad_bytes / 4)
     per, extra = divmod(numel, layers)
     return ModelProfile(
-        name=name, sample_unit="samples", batch_per_gpu=batch, grad_bytes_per_param=4,
-        forward_fraction=forward_fraction, throughput={device: batch / compute_s},
+        name=name,
+        sample_unit="samples",
+        batch_per_gpu=batch,
+        grad_bytes_per_param=4,
+        forward_fraction=forward_fraction,
+        throughput={device: batch / compute_s},
         layers=tuple(Layer(f"layer{i}", per + (1 if i < extra else 0), 1.0) for i in range(layers)),
-        description=f"synthetic: {compute_s} s compute, {grad_bytes:.0f} gradient bytes")
+        description=f"synthetic: {compute_s} s compute, {grad_bytes:.0f} gradient bytes",
+    )
 
 
-def compare_measured(*, measured_step_s: float, compute_s: float, grad_bytes: float, gpus: int = 2,
-                     plan: Plan | None = None, machine: str | Machine = "testbed-1gbit") -> dict:
+def compare_measured(
+    *,
+    measured_step_s: float,
+    compute_s: float,
+    grad_bytes: float,
+    gpus: int = 2,
+    plan: Plan | None = None,
+    machine: str | Machine = "testbed-1gbit",
+) -> dict:
     """Predicted vs measured step time for a testbed run."""
     plan = plan or Plan("ring", "none", 25, "none")
     machine = get_machine(machine)
-    pred = simulate(synthetic_profile(compute_s, grad_bytes, device=machine.gpu), machine, plan, gpus)
-    return {"gpus": gpus, "plan": plan.describe(), "predicted_step_s": pred.step_s,
-            "measured_step_s": measured_step_s, "error": pred.step_s / measured_step_s - 1,
-            "comm_s": pred.comm_s, "codec_s": pred.codec_s}
+    pred = simulate(
+        synthetic_profile(compute_s, grad_bytes, device=machine.gpu), machine, plan, gpus
+    )
+    return {
+        "gpus": gpus,
+        "plan": plan.describe(),
+        "predicted_step_s": pred.step_s,
+        "measured_step_s": measured_step_s,
+        "error": pred.step_s / measured_step_s - 1,
+        "comm_s": pred.comm_s,
+        "codec_s": pred.codec_s,
+    }
 
 
 @dataclass
@@ -267,13 +348,16 @@ class Measurement:
     shown, not counted), and ``measured_cpu_s``: the processor time one rank used per step (all
     its threads), shown beside a miss. A plan codec ``<codec>+ef`` (error feedback) is predicted as
     ``<codec>``: the residual's passes over the gradient are not modelled."""
+
     what: str
     command: str
     gpus: int
     compute_s: float
     grad_bytes: float
     measured_step_s: float
-    plan: dict = field(default_factory=lambda: {"algorithm": "ring", "codec": "none", "overlap": "none"})
+    plan: dict = field(
+        default_factory=lambda: {"algorithm": "ring", "codec": "none", "overlap": "none"}
+    )
     transport: str | None = None
     machine: str | None = None
     link_bits_per_s: float | None = None
@@ -282,7 +366,9 @@ class Measurement:
     measured_max_s: float | None = None
     load_average: list | None = None
     per_round: list | None = None
-    not_modelled: str | None = None   # why the simulator cannot predict this row (shown, not counted)
+    not_modelled: str | None = (
+        None  # why the simulator cannot predict this row (shown, not counted)
+    )
     measured_cpu_s: float | None = None  # one rank's processor time per step (not an input)
 
     @property
@@ -304,8 +390,10 @@ _FIELDS = ", ".join(Measurement.__dataclass_fields__)
 def load_measurements(path: str) -> list[Measurement]:
     """Testbed measurements from a JSON list of :class:`Measurement` fields."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"measurement file {path!r} does not exist (write one with "
-                                f"benchmarks/allreduce_link.py --sim-measurements)")
+        raise FileNotFoundError(
+            f"measurement file {path!r} does not exist (write one with "
+            f"benchmarks/allreduce_link.py --sim-measurements)"
+        )
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, list):
@@ -313,8 +401,10 @@ def load_measurements(path: str) -> list[Measurement]:
     try:
         return [Measurement(**e) for e in data]
     except TypeError as exc:
-        raise ValueError(f"{path}: each entry needs what, command, gpus, compute_s, grad_bytes, "
-                         f"measured_step_s and may have: {_FIELDS}: {exc}") from exc
+        raise ValueError(
+            f"{path}: each entry needs what, command, gpus, compute_s, grad_bytes, "
+            f"measured_step_s and may have: {_FIELDS}: {exc}"
+        ) from exc
 
 
 def testbed_machine(m: Measurement, codec_speeds: tuple = ()) -> Machine:
@@ -352,16 +442,29 @@ def _round_evidence(m: Measurement, predicted_s: float) -> dict | None:
     if not rounds:
         if m.measured_min_s is None:
             return None
-        fastest = {"time_s": m.measured_min_s, "load_average": None, "error": predicted_s / m.measured_min_s - 1}
+        fastest = {
+            "time_s": m.measured_min_s,
+            "load_average": None,
+            "error": predicted_s / m.measured_min_s - 1,
+        }
         return {"fastest": fastest, "quietest": fastest}
 
     def one(r):
-        return {"time_s": r["time_s"], "load_average": r["load_average"], "error": predicted_s / r["time_s"] - 1}
-    return {"fastest": one(min(rounds, key=lambda r: r["time_s"])),
-            "quietest": one(min(rounds, key=lambda r: r["load_average"]))}
+        return {
+            "time_s": r["time_s"],
+            "load_average": r["load_average"],
+            "error": predicted_s / r["time_s"] - 1,
+        }
+
+    return {
+        "fastest": one(min(rounds, key=lambda r: r["time_s"])),
+        "quietest": one(min(rounds, key=lambda r: r["load_average"])),
+    }
 
 
-def compare_testbed_measurements(measurements: list[Measurement], codec_speeds: tuple = ()) -> list[dict]:
+def compare_testbed_measurements(
+    measurements: list[Measurement], codec_speeds: tuple = ()
+) -> list[dict]:
     """Every measurement with its prediction, on its transport's preset.
 
     ``status`` is ``ok`` (median within 15%), ``miss`` or ``not modelled`` (a transport the
@@ -374,22 +477,52 @@ def compare_testbed_measurements(measurements: list[Measurement], codec_speeds: 
     for m in measurements:
         machine = testbed_machine(m, codec_speeds)
         row: dict[str, Any]  # values of several types, filled in below
-        row = {"what": m.what, "command": m.command, "transport": m.transport_name(), "machine": machine.name,
-               "kind": m.kind, "compute_s": m.compute_s, "limit_s": _link_limit_s(m, machine),
-               "measured_min_s": m.measured_min_s, "measured_max_s": m.measured_max_s,
-               "load_average": m.load_average, "evidence": None, "measured_cpu_s": m.measured_cpu_s}
+        row = {
+            "what": m.what,
+            "command": m.command,
+            "transport": m.transport_name(),
+            "machine": machine.name,
+            "kind": m.kind,
+            "compute_s": m.compute_s,
+            "limit_s": _link_limit_s(m, machine),
+            "measured_min_s": m.measured_min_s,
+            "measured_max_s": m.measured_max_s,
+            "load_average": m.load_average,
+            "evidence": None,
+            "measured_cpu_s": m.measured_cpu_s,
+        }
         if m.not_modelled:
             # A codec the simulator lacks: no prediction at all.
-            row.update(gpus=m.gpus, plan=", ".join(f"{k} {v}" for k, v in m.plan.items()),
-                       predicted_step_s=None, measured_step_s=m.measured_step_s, error=None, comm_s=None,
-                       status="not modelled", reason=m.not_modelled, label=m.plan.get("codec", m.what))
+            row.update(
+                gpus=m.gpus,
+                plan=", ".join(f"{k} {v}" for k, v in m.plan.items()),
+                predicted_step_s=None,
+                measured_step_s=m.measured_step_s,
+                error=None,
+                comm_s=None,
+                status="not modelled",
+                reason=m.not_modelled,
+                label=m.plan.get("codec", m.what),
+            )
             out.append(row)
             continue
-        plan = Plan(m.plan.get("algorithm", "ring"), _plan_codec(m),
-                    m.plan.get("bucket_mb", 25), m.plan.get("overlap", "none"),
-                    m.plan.get("piece_mb", DEFAULT_PIECE_MB))
-        row.update(compare_measured(measured_step_s=m.measured_step_s, compute_s=m.compute_s,
-                                    grad_bytes=m.grad_bytes, gpus=m.gpus, plan=plan, machine=machine))
+        plan = Plan(
+            m.plan.get("algorithm", "ring"),
+            _plan_codec(m),
+            m.plan.get("bucket_mb", 25),
+            m.plan.get("overlap", "none"),
+            m.plan.get("piece_mb", DEFAULT_PIECE_MB),
+        )
+        row.update(
+            compare_measured(
+                measured_step_s=m.measured_step_s,
+                compute_s=m.compute_s,
+                grad_bytes=m.grad_bytes,
+                gpus=m.gpus,
+                plan=plan,
+                machine=machine,
+            )
+        )
         if row["transport"] in NOT_MODELLED:
             row["status"], row["reason"] = "not modelled", NOT_MODELLED[row["transport"]]
             row["label"] = row["transport"]

@@ -7,6 +7,7 @@ Each process gets its own session, so a Ctrl-C at the terminal reaches only the 
 which then stops the job in order (SIGTERM, then SIGKILL after a grace period) before it
 cleans up. Children also get SIGTERM if the launcher dies without that chance.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,13 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
             return
 
 
-def run_processes(argvs: list[list[str]], *, envs: list[dict[str, str]] | None = None,
-                  names: list[str] | None = None, timeout: float | None = None) -> int:
+def run_processes(
+    argvs: list[list[str]],
+    *,
+    envs: list[dict[str, str]] | None = None,
+    names: list[str] | None = None,
+    timeout: float | None = None,
+) -> int:
     """Start every argv, wait; return 0, the first non-zero exit code, or 124 on timeout.
 
     ``envs`` are added to this process's environment, one per argv.
@@ -58,8 +64,11 @@ def run_processes(argvs: list[list[str]], *, envs: list[dict[str, str]] | None =
         for i, argv in enumerate(argvs):
             env = dict(os.environ, **(envs[i] if envs else {}))
             try:
-                procs.append(subprocess.Popen(argv, env=env, start_new_session=True,
-                                              preexec_fn=_die_with_parent))
+                procs.append(
+                    subprocess.Popen(
+                        argv, env=env, start_new_session=True, preexec_fn=_die_with_parent
+                    )
+                )
             except FileNotFoundError as exc:
                 _say(f"cannot start {names[i]}: {exc.filename} not found")
                 stop(procs)

@@ -7,6 +7,7 @@ Standalone on purpose (standard library only, no commopt import), so it starts f
 under any interpreter inside ``ip netns exec``. The receiver times from the first byte to the
 end of the stream: connection set-up is not part of a link's rate.
 """
+
 import json
 import socket
 import sys

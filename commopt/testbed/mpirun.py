@@ -8,6 +8,7 @@ host through the agent script; every MPI byte between ranks on different hosts g
 the shaped data links (only Open MPI's TCP transport is allowed between hosts, and only on the
 data subnet), while mpirun's own traffic uses the unshaped control network.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,10 @@ from commopt.testbed.netns import EmulatedCluster
 def mpirun_path() -> str:
     path = shutil.which("mpirun")
     if path is None:
-        raise FileNotFoundError("mpirun not found: install Open MPI (e.g. apt-get install "
-                                "openmpi-bin libopenmpi-dev) or use --launcher torch")
+        raise FileNotFoundError(
+            "mpirun not found: install Open MPI (e.g. apt-get install "
+            "openmpi-bin libopenmpi-dev) or use --launcher torch"
+        )
     return path
 
 
@@ -51,10 +54,10 @@ TCP_EAGER_LIMIT = 1 << 20
 def tcp_mca_defaults(environ=None) -> dict[str, str]:
     """MCA settings for Open MPI's TCP transport, unless the environment chooses its own.
 
-        >>> tcp_mca_defaults({})
-        {'btl_tcp_eager_limit': '1048576', 'btl_tcp_rndv_eager_limit': '1048576'}
-        >>> tcp_mca_defaults({"OMPI_MCA_btl_tcp_eager_limit": "65536"})
-        {}
+    >>> tcp_mca_defaults({})
+    {'btl_tcp_eager_limit': '1048576', 'btl_tcp_rndv_eager_limit': '1048576'}
+    >>> tcp_mca_defaults({"OMPI_MCA_btl_tcp_eager_limit": "65536"})
+    {}
     """
     environ = os.environ if environ is None else environ
     names = ("btl_tcp_eager_limit", "btl_tcp_rndv_eager_limit")
@@ -76,8 +79,14 @@ def _loopback_only() -> list[str]:
     return ["--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
 
 
-def mpirun_local_argv(nprocs: int, command: list[str], *, ranks_per_node: int | None = None,
-                      is_root: bool | None = None, ncpus: int | None = None) -> list[str]:
+def mpirun_local_argv(
+    nprocs: int,
+    command: list[str],
+    *,
+    ranks_per_node: int | None = None,
+    is_root: bool | None = None,
+    ncpus: int | None = None,
+) -> list[str]:
     """mpirun starting ``nprocs`` ranks here.
 
     With ``ranks_per_node`` the ranks are told (COMMOPT_NODE_NAME) that they sit on nodes of
@@ -86,8 +95,11 @@ def mpirun_local_argv(nprocs: int, command: list[str], *, ranks_per_node: int | 
     """
     is_root = os.geteuid() == 0 if is_root is None else is_root
     ncpus = (os.cpu_count() or 1) if ncpus is None else ncpus
-    flags = (_common_flags(nprocs, is_root=is_root, ncpus=ncpus) + _loopback_only()
-             + _mca_flags(tcp_mca_defaults()))
+    flags = (
+        _common_flags(nprocs, is_root=is_root, ncpus=ncpus)
+        + _loopback_only()
+        + _mca_flags(tcp_mca_defaults())
+    )
     if ranks_per_node is None or ranks_per_node >= nprocs:
         return ["mpirun", "-n", str(nprocs), *flags, *command]
     contexts: list[str] = []
@@ -99,8 +111,14 @@ def mpirun_local_argv(nprocs: int, command: list[str], *, ranks_per_node: int | 
     return ["mpirun", *flags, *contexts]
 
 
-def mpirun_cluster_argv(cluster: EmulatedCluster, nprocs: int, ranks_per_host: int,
-                        command: list[str], *, ncpus: int | None = None) -> list[str]:
+def mpirun_cluster_argv(
+    cluster: EmulatedCluster,
+    nprocs: int,
+    ranks_per_host: int,
+    command: list[str],
+    *,
+    ncpus: int | None = None,
+) -> list[str]:
     """mpirun that starts ``nprocs`` ranks, ``ranks_per_host`` per emulated host.
 
     Writes the run's hostfile and agent into ``cluster.workdir``. The returned argv is meant
@@ -113,7 +131,7 @@ def mpirun_cluster_argv(cluster: EmulatedCluster, nprocs: int, ranks_per_host: i
     flags = _common_flags(nprocs, is_root=os.geteuid() == 0, ncpus=ncpus)
     mca = {
         "plm_rsh_agent": str(agent),
-        "plm_rsh_no_tree_spawn": "1",           # only mpirun starts daemons
+        "plm_rsh_no_tree_spawn": "1",  # only mpirun starts daemons
         "oob_tcp_if_include": cluster.ctl_cidr,  # daemons <-> mpirun: control network
         # Ranks: shared memory within a host, TCP on the data network between hosts, and
         # nothing else (UCX or OFI could find a path that bypasses the shaped links).
@@ -123,8 +141,17 @@ def mpirun_cluster_argv(cluster: EmulatedCluster, nprocs: int, ranks_per_host: i
         "osc": "^ucx",
         **tcp_mca_defaults(),
     }
-    argv = [mpirun_path(), "-n", str(nprocs), "--hostfile", str(hostfile), "--map-by", "slot",
-            *flags, *_mca_flags(mca)]
+    argv = [
+        mpirun_path(),
+        "-n",
+        str(nprocs),
+        "--hostfile",
+        str(hostfile),
+        "--map-by",
+        "slot",
+        *flags,
+        *_mca_flags(mca),
+    ]
     for var, value in cluster_env(cluster).items():
         argv += ["-x", f"{var}={value}"]
     return argv + list(command)

@@ -13,7 +13,7 @@ The switch-side end of each data link is shaped too, so every host sends and rec
 link rate, as on a switch port. Nothing is added to the root namespace and IP forwarding stays
 off everywhere, so no packet can leave the namespaces of the run.
 
-    >>> with emulated_cluster(2, rate="1gbit") as cluster:           # doctest: +SKIP
+    >>> with emulated_cluster(2, rate="1gbit") as cluster:  # doctest: +SKIP
     ...     subprocess.run(cluster.host_argv(1, ["ip", "-br", "addr"]))
 
 Everything is removed on exit, on an exception, on Ctrl-C and on SIGTERM/SIGHUP. A run killed
@@ -21,6 +21,7 @@ with SIGKILL leaves its namespaces and its work directory (``$TMPDIR/commopt-tes
 behind; the next run that takes the same slot (or ``cleanup_stale()``, ``commopt launch
 --cleanup``) removes them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,8 @@ class TestbedUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Host:
     index: int
-    name: str          # the host name ranks see (COMMOPT_NODE_NAME), e.g. "host0"
-    netns: str         # e.g. "commopt7-h0"
+    name: str  # the host name ranks see (COMMOPT_NODE_NAME), e.g. "host0"
+    netns: str  # e.g. "commopt7-h0"
     data_ip: str
     ctl_ip: str
 
@@ -67,11 +68,11 @@ class EmulatedCluster:
     slot: int
     rate_bits: int | None
     hosts: list[Host]
-    switch: str                       # namespace of the bridges; mpirun runs here
+    switch: str  # namespace of the bridges; mpirun runs here
     data_cidr: str
     ctl_cidr: str
-    head_ip: str                      # the switch's address on the control network
-    workdir: Path                     # run-private files: hostfile, agent script
+    head_ip: str  # the switch's address on the control network
+    workdir: Path  # run-private files: hostfile, agent script
     data_ifname: str = DATA_IFNAME
     _lock_fd: int | None = field(default=None, repr=False)
 
@@ -103,12 +104,32 @@ def unavailable_reason() -> str | None:
     probe = f"{PREFIX}-probe-{os.getpid()}"
     r = _run(["ip", "netns", "add", probe], check=False)
     if r.returncode != 0:
-        return (f"cannot create a network namespace (`ip netns add` said: "
-                f"{r.stderr.strip() or r.returncode}); the emulated cluster needs "
-                f"CAP_SYS_ADMIN and kernel namespace support")
+        return (
+            f"cannot create a network namespace (`ip netns add` said: "
+            f"{r.stderr.strip() or r.returncode}); the emulated cluster needs "
+            f"CAP_SYS_ADMIN and kernel namespace support"
+        )
     try:
-        r = _run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-                  "1gbit", "burst", "65536", "latency", "20ms"], check=False)
+        r = _run(
+            [
+                "tc",
+                "-n",
+                probe,
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1gbit",
+                "burst",
+                "65536",
+                "latency",
+                "20ms",
+            ],
+            check=False,
+        )
         if r.returncode != 0:
             return f"the kernel has no tbf qdisc for link shaping: {r.stderr.strip()}"
     finally:
@@ -184,7 +205,7 @@ def _workdirs() -> dict[int, list[Path]]:
     """Work directories of runs (``commopt-testbed<slot>-*`` in the temp dir), by slot."""
     found: dict[int, list[Path]] = {}
     for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
-        slot = path.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        slot = path.name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
         if slot.isdigit() and path.is_dir() and not path.is_symlink():
             found.setdefault(int(slot), []).append(path)
     return found
@@ -271,46 +292,78 @@ def _allocate(n_hosts: int, rate_bits: int | None) -> EmulatedCluster:
             shutil.rmtree(old, ignore_errors=True)
         # Addresses only exist inside this run's namespaces, so runs cannot collide on them;
         # the slot in the third octet just makes `ip addr` output say which run it is.
-        hosts = [Host(i, f"host{i}", f"{PREFIX}{slot}-h{i}", f"10.231.{slot}.{i + 1}",
-                      f"10.232.{slot}.{i + 1}") for i in range(n_hosts)]
+        hosts = [
+            Host(
+                i,
+                f"host{i}",
+                f"{PREFIX}{slot}-h{i}",
+                f"10.231.{slot}.{i + 1}",
+                f"10.232.{slot}.{i + 1}",
+            )
+            for i in range(n_hosts)
+        ]
         workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{slot}-"))
-        return EmulatedCluster(slot=slot, rate_bits=rate_bits, hosts=hosts,
-                               switch=f"{PREFIX}{slot}-sw", data_cidr=f"10.231.{slot}.0/24",
-                               ctl_cidr=f"10.232.{slot}.0/24", head_ip=f"10.232.{slot}.254",
-                               workdir=workdir, _lock_fd=fd)
+        return EmulatedCluster(
+            slot=slot,
+            rate_bits=rate_bits,
+            hosts=hosts,
+            switch=f"{PREFIX}{slot}-sw",
+            data_cidr=f"10.231.{slot}.0/24",
+            ctl_cidr=f"10.232.{slot}.0/24",
+            head_ip=f"10.232.{slot}.254",
+            workdir=workdir,
+            _lock_fd=fd,
+        )
     raise TestbedUnavailable(f"all {MAX_SLOTS} emulated-cluster slots are in use")
 
 
 def _build(c: EmulatedCluster) -> None:
     _write_hosts_files(c)
     _run(["ip", "-batch", "-"], input="".join(f"netns add {ns}\n" for ns in c.namespaces))
-    sw = ["link set lo up",
-          "link add brdata type bridge", "link set brdata addrgenmode none", "link set brdata up",
-          "link add brctl type bridge", "link set brctl addrgenmode none",
-          f"addr add {c.head_ip}/24 dev brctl", "link set brctl up"]
+    sw = [
+        "link set lo up",
+        "link add brdata type bridge",
+        "link set brdata addrgenmode none",
+        "link set brdata up",
+        "link add brctl type bridge",
+        "link set brctl addrgenmode none",
+        f"addr add {c.head_ip}/24 dev brctl",
+        "link set brctl up",
+    ]
     for h in c.hosts:
         i = h.index
         # Create each veth pair from the switch side with the other end already in the host.
-        sw += [f"link add d{i} type veth peer name {DATA_IFNAME} netns {h.netns}",
-               f"link add c{i} type veth peer name {CTL_IFNAME} netns {h.netns}",
-               f"link set d{i} addrgenmode none", f"link set c{i} addrgenmode none",
-               f"link set d{i} master brdata up", f"link set c{i} master brctl up"]
+        sw += [
+            f"link add d{i} type veth peer name {DATA_IFNAME} netns {h.netns}",
+            f"link add c{i} type veth peer name {CTL_IFNAME} netns {h.netns}",
+            f"link set d{i} addrgenmode none",
+            f"link set c{i} addrgenmode none",
+            f"link set d{i} master brdata up",
+            f"link set c{i} master brctl up",
+        ]
     _run(["ip", "-n", c.switch, "-batch", "-"], input="\n".join(sw) + "\n")
     for h in c.hosts:
         # addrgenmode none: no IPv6 link-local addresses, so IPv4 on data0 is the only way out.
-        cmds = ["link set lo up",
-                f"link set {DATA_IFNAME} addrgenmode none",
-                f"link set {CTL_IFNAME} addrgenmode none",
-                f"addr add {h.data_ip}/24 dev {DATA_IFNAME}",
-                f"addr add {h.ctl_ip}/24 dev {CTL_IFNAME}",
-                f"link set {DATA_IFNAME} up", f"link set {CTL_IFNAME} up"]
+        cmds = [
+            "link set lo up",
+            f"link set {DATA_IFNAME} addrgenmode none",
+            f"link set {CTL_IFNAME} addrgenmode none",
+            f"addr add {h.data_ip}/24 dev {DATA_IFNAME}",
+            f"addr add {h.ctl_ip}/24 dev {CTL_IFNAME}",
+            f"link set {DATA_IFNAME} up",
+            f"link set {CTL_IFNAME} up",
+        ]
         _run(["ip", "-n", h.netns, "-batch", "-"], input="\n".join(cmds) + "\n")
     if c.rate_bits is not None:
-        _run(["tc", "-n", c.switch, "-batch", "-"],
-             input="".join(tbf_command(f"d{h.index}", c.rate_bits) + "\n" for h in c.hosts))
+        _run(
+            ["tc", "-n", c.switch, "-batch", "-"],
+            input="".join(tbf_command(f"d{h.index}", c.rate_bits) + "\n" for h in c.hosts),
+        )
         for h in c.hosts:
-            _run(["tc", "-n", h.netns, "-batch", "-"],
-                 input=tbf_command(DATA_IFNAME, c.rate_bits) + "\n")
+            _run(
+                ["tc", "-n", h.netns, "-batch", "-"],
+                input=tbf_command(DATA_IFNAME, c.rate_bits) + "\n",
+            )
 
 
 def _write_hosts_files(c: EmulatedCluster) -> None:
@@ -347,8 +400,9 @@ def _remove_namespaces(names: list[str]) -> None:
     _run(["ip", "-batch", "-"], input="".join(f"netns delete {n}\n" for n in names), check=False)
     left = set(names) & set(list_namespaces())
     if left:
-        raise RuntimeError(f"could not delete namespaces {sorted(left)}; "
-                           f"remove them with `ip netns delete NAME`")
+        raise RuntimeError(
+            f"could not delete namespaces {sorted(left)}; remove them with `ip netns delete NAME`"
+        )
 
 
 def _pids_in(names: list[str]) -> list[int]:

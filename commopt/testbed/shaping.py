@@ -1,21 +1,37 @@
 """Link rates: parse them the way `tc` spells them, and build the `tbf` qdisc that enforces one.
 
-    >>> parse_rate("1gbit")
-    1000000000
-    >>> parse_rate("100mbit")
-    100000000
-    >>> tbf_command("d0", 1_000_000_000)
-    'qdisc add dev d0 root tbf rate 1000000000bit burst 131072 latency 20ms'
+>>> parse_rate("1gbit")
+1000000000
+>>> parse_rate("100mbit")
+100000000
+>>> tbf_command("d0", 1_000_000_000)
+'qdisc add dev d0 root tbf rate 1000000000bit burst 131072 latency 20ms'
 """
+
 from __future__ import annotations
 
 import re
 
 # tc's units: "bit" suffixes are bits per second, "bps" suffixes are BYTES per second (tc(8)).
-_BIT_UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-              "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40}
-_BYTE_UNITS = {"bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9,
-               "tbps": 8 * 10**12}
+_BIT_UNITS = {
+    "": 1,
+    "bit": 1,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "kibit": 2**10,
+    "mibit": 2**20,
+    "gibit": 2**30,
+    "tibit": 2**40,
+}
+_BYTE_UNITS = {
+    "bps": 8,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+    "tbps": 8 * 10**12,
+}
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 
 # Shaping on this kind of machine stays faithful only while the CPUs can move the bytes;
@@ -30,7 +46,8 @@ def parse_rate(text: str) -> int:
     if m is None or (unit not in _BIT_UNITS and unit not in _BYTE_UNITS):
         raise ValueError(
             f"cannot read the link rate {text!r}: write it as tc does, e.g. 1gbit, 500mbit, "
-            f"10gbit (bits per second) or 125mbps (bytes per second)")
+            f"10gbit (bits per second) or 125mbps (bytes per second)"
+        )
     bits = float(m.group(1)) * (_BIT_UNITS.get(unit) or _BYTE_UNITS[unit])
     if bits < 8 * 10**3:
         raise ValueError(f"link rate {text!r} is below 8 kbit/s: too slow to carry a job")

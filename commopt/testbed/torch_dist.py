@@ -9,6 +9,7 @@ LOCAL_WORLD_SIZE, GROUP_RANK) and GLOO_SOCKET_IFNAME, so gloo binds to the right
 loopback here, the data link on an emulated cluster. On an emulated cluster the rendezvous
 store also lives on the data network: ranks never touch the control network.
 """
+
 from __future__ import annotations
 
 import socket
@@ -26,7 +27,7 @@ CLUSTER_MASTER_PORT = 29500
 class RankSpec:
     rank: int
     argv: list[str]
-    env: dict[str, str]   # added to the launcher's own environment
+    env: dict[str, str]  # added to the launcher's own environment
 
 
 def free_port() -> int:
@@ -38,16 +39,24 @@ def free_port() -> int:
 
 def _torch_env(rank: int, nprocs: int, per_node: int, addr: str, port: int) -> dict[str, str]:
     return {
-        "MASTER_ADDR": addr, "MASTER_PORT": str(port),
-        "RANK": str(rank), "WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nprocs),
         "LOCAL_RANK": str(rank % per_node),
         "LOCAL_WORLD_SIZE": str(min(per_node, nprocs - rank // per_node * per_node)),
         "GROUP_RANK": str(rank // per_node),
     }
 
 
-def local_rank_specs(nprocs: int, command: list[str], *, ranks_per_node: int | None = None,
-                     port: int | None = None, ifname: str = "lo") -> list[RankSpec]:
+def local_rank_specs(
+    nprocs: int,
+    command: list[str],
+    *,
+    ranks_per_node: int | None = None,
+    port: int | None = None,
+    ifname: str = "lo",
+) -> list[RankSpec]:
     """Ranks on this machine; with ``ranks_per_node`` they see fake nodes node0, node1, ..."""
     port = free_port() if port is None else port
     per_node = ranks_per_node or nprocs
@@ -61,14 +70,14 @@ def local_rank_specs(nprocs: int, command: list[str], *, ranks_per_node: int | N
     return specs
 
 
-def cluster_rank_specs(cluster: EmulatedCluster, nprocs: int, ranks_per_host: int,
-                       command: list[str]) -> list[RankSpec]:
+def cluster_rank_specs(
+    cluster: EmulatedCluster, nprocs: int, ranks_per_host: int, command: list[str]
+) -> list[RankSpec]:
     """Ranks placed ``ranks_per_host`` per emulated host, rank 0 on host0."""
     specs = []
     for r in range(nprocs):
         host = cluster.hosts[r // ranks_per_host]
-        env = _torch_env(r, nprocs, ranks_per_host, cluster.hosts[0].data_ip,
-                         CLUSTER_MASTER_PORT)
+        env = _torch_env(r, nprocs, ranks_per_host, cluster.hosts[0].data_ip, CLUSTER_MASTER_PORT)
         env.update(cluster_env(cluster))
         specs.append(RankSpec(r, host_prefix(host) + list(command), env))
     return specs

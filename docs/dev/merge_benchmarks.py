@@ -1,8 +1,14 @@
 """Assemble docs/benchmarks.md from the per-area result sections (run from the repo root)."""
+
 from pathlib import Path
 
 DOCS = Path("docs")
-SECTIONS = ["benchmarks-allreduce.md", "benchmarks-step.md", "benchmarks-optimizer.md", "benchmarks-codecs.md"]
+SECTIONS = [
+    "benchmarks-allreduce.md",
+    "benchmarks-step.md",
+    "benchmarks-optimizer.md",
+    "benchmarks-codecs.md",
+]
 INTRO = """# Benchmarks
 
 Measured on this project's development machine: 2 cores, no GPU, shared with other jobs while

@@ -17,6 +17,7 @@ the same whatever the number of ranks.
     >>> len(sampler), len(next(iter(sampler)))
     (2, 2)
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,15 @@ class SyntheticImages(Dataset):
     another ``seed`` and the same ``pattern_seed`` holds new samples of the same classes.
     """
 
-    def __init__(self, num_samples: int, num_classes: int, image_size: int, seed: int = 0,
-                 noise: float = 3.0, pattern_seed: int | None = None):
+    def __init__(
+        self,
+        num_samples: int,
+        num_classes: int,
+        image_size: int,
+        seed: int = 0,
+        noise: float = 3.0,
+        pattern_seed: int | None = None,
+    ):
         if num_samples <= 0 or num_classes <= 0 or image_size <= 0:
             raise ValueError("SyntheticImages: num_samples, num_classes and image_size must be > 0")
         self.num_samples, self.num_classes, self.image_size = num_samples, num_classes, image_size
@@ -66,8 +74,9 @@ class SyntheticImages(Dataset):
         """Class ``label``'s pattern: 4x4 random values per channel, smoothly upsampled."""
         gen = torch.Generator().manual_seed(_mix(self.pattern_seed, 0xC1A55, label))
         coarse = torch.randn(1, 3, 4, 4, generator=gen)
-        return torch.nn.functional.interpolate(coarse, size=(self.image_size, self.image_size),
-                                               mode="bilinear", align_corners=False)[0]
+        return torch.nn.functional.interpolate(
+            coarse, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False
+        )[0]
 
     def set_epoch(self, epoch: int) -> None:  # no augmentation: same pixels every epoch
         pass
@@ -78,8 +87,9 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index: int):
         label = index % self.num_classes
         gen = torch.Generator().manual_seed(_mix(self.seed, index))
-        x = self.prototype(label) + self.noise * torch.randn(3, self.image_size, self.image_size,
-                                                             generator=gen)
+        x = self.prototype(label) + self.noise * torch.randn(
+            3, self.image_size, self.image_size, generator=gen
+        )
         return x, label
 
 
@@ -95,10 +105,14 @@ class FakeImages(Dataset):
 
         self.num_classes = num_classes
         self.fake = torchvision.datasets.FakeData(
-            size=num_samples, image_size=(3, image_size, image_size), num_classes=num_classes,
-            transform=transforms.Compose([transforms.ToTensor(),
-                                          transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]),
-            random_offset=_mix(seed, 0xFA4E) % (1 << 40))
+            size=num_samples,
+            image_size=(3, image_size, image_size),
+            num_classes=num_classes,
+            transform=transforms.Compose(
+                [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+            ),
+            random_offset=_mix(seed, 0xFA4E) % (1 << 40),
+        )
 
     def set_epoch(self, epoch: int) -> None:  # no augmentation
         pass
@@ -127,13 +141,18 @@ def find_images(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
         raise DataError(f"data folder {str(root)!r} not found")
     classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
     if not classes:
-        raise DataError(f"{str(root)!r} has no class sub-folders: expected ImageFolder layout "
-                        f"{root}/<class>/<image>.JPEG")
+        raise DataError(
+            f"{str(root)!r} has no class sub-folders: expected ImageFolder layout "
+            f"{root}/<class>/<image>.JPEG"
+        )
     samples = []
     for idx, name in enumerate(classes):
         for dirpath, _, files in sorted(os.walk(root / name)):
-            samples.extend((os.path.join(dirpath, f), idx) for f in sorted(files)
-                           if f.lower().endswith(IMAGE_SUFFIXES))
+            samples.extend(
+                (os.path.join(dirpath, f), idx)
+                for f in sorted(files)
+                if f.lower().endswith(IMAGE_SUFFIXES)
+            )
     if not samples:
         raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {str(root)!r}")
     return classes, samples
@@ -206,8 +225,9 @@ class ImageFolderImages(Dataset):
         w, h = img.size
         short = max(1, round(self.image_size / 0.875))
         scale = short / min(w, h)
-        img = img.resize((max(short, round(w * scale)), max(short, round(h * scale))),
-                         Image.Resampling.BILINEAR)
+        img = img.resize(
+            (max(short, round(w * scale)), max(short, round(h * scale))), Image.Resampling.BILINEAR
+        )
         w, h = img.size
         s = self.image_size
         x0, y0 = (w - s) // 2, (h - s) // 2
@@ -223,8 +243,16 @@ class EpochBatches(Sampler):
     batches, for resuming mid-epoch.
     """
 
-    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int,
-                 seed: int, epoch: int, start: int = 0):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        epoch: int,
+        start: int = 0,
+    ):
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by {world_size} ranks")
         self.num_samples, self.global_batch = num_samples, global_batch
@@ -232,8 +260,10 @@ class EpochBatches(Sampler):
         self.start = start
         self.steps = num_samples // global_batch
         if self.steps == 0:
-            raise ValueError(f"the data set has {num_samples} samples, fewer than one global batch "
-                             f"of {global_batch}: use a smaller --batch-size")
+            raise ValueError(
+                f"the data set has {num_samples} samples, fewer than one global batch "
+                f"of {global_batch}: use a smaller --batch-size"
+            )
 
     def __len__(self) -> int:
         return max(0, self.steps - self.start)
@@ -244,17 +274,25 @@ class EpochBatches(Sampler):
         per_rank = self.global_batch // self.world_size
         for k in range(self.start, self.steps):
             lo = k * self.global_batch + self.rank * per_rank
-            yield order[lo:lo + per_rank].tolist()
+            yield order[lo : lo + per_rank].tolist()
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int, batch: int) -> list[list[int]]:
     """Every sample exactly once over all ranks (rank r takes r, r+n, ...), in batches."""
     mine = list(range(rank, num_samples, world_size))
-    return [mine[i:i + batch] for i in range(0, len(mine), batch)]
+    return [mine[i : i + batch] for i in range(0, len(mine), batch)]
 
 
-def make_datasets(kind: str, *, data_dir: str | None, image_size: int, num_classes: int,
-                  train_size: int, val_size: int, seed: int):
+def make_datasets(
+    kind: str,
+    *,
+    data_dir: str | None,
+    image_size: int,
+    num_classes: int,
+    train_size: int,
+    val_size: int,
+    seed: int,
+):
     """(train, val) data sets; ``kind`` is "synthetic", "fake" or "folder" (``data_dir/train``, ``/val``).
 
     "fake" is torchvision's FakeData when torchvision imports, else "synthetic".
@@ -263,8 +301,10 @@ def make_datasets(kind: str, *, data_dir: str | None, image_size: int, num_class
         from recipes.resnet50.model import torchvision_available
 
         if torchvision_available():
-            return (FakeImages(train_size, num_classes, image_size, seed=seed),
-                    FakeImages(val_size, num_classes, image_size, seed=seed + 1))
+            return (
+                FakeImages(train_size, num_classes, image_size, seed=seed),
+                FakeImages(val_size, num_classes, image_size, seed=seed + 1),
+            )
         kind = "synthetic"
     if kind == "synthetic":
         train = SyntheticImages(train_size, num_classes, image_size, seed=seed)
@@ -274,24 +314,37 @@ def make_datasets(kind: str, *, data_dir: str | None, image_size: int, num_class
     if kind != "folder":
         raise ValueError(f"unknown data kind {kind!r}: use 'synthetic', 'fake' or 'folder'")
     if not data_dir:
-        raise DataError("this preset reads ImageNet from a folder: give --data DIR (with train/ "
-                        "and val/ in ImageFolder layout) or use --synthetic")
+        raise DataError(
+            "this preset reads ImageNet from a folder: give --data DIR (with train/ "
+            "and val/ in ImageFolder layout) or use --synthetic"
+        )
     root = Path(data_dir)
     if not root.is_dir():
-        raise DataError(f"--data {data_dir}: folder not found. Give a folder with train/<class>/*.JPEG "
-                        "and val/<class>/*.JPEG (ImageFolder layout), or use --synthetic")
+        raise DataError(
+            f"--data {data_dir}: folder not found. Give a folder with train/<class>/*.JPEG "
+            "and val/<class>/*.JPEG (ImageFolder layout), or use --synthetic"
+        )
     for split in ("train", "val"):
         if not (root / split).is_dir():
-            raise DataError(f"--data {data_dir}: no {split}/ sub-folder. Expected {data_dir}/train/"
-                            f"<class>/*.JPEG and {data_dir}/val/<class>/*.JPEG (ImageFolder layout)")
+            raise DataError(
+                f"--data {data_dir}: no {split}/ sub-folder. Expected {data_dir}/train/"
+                f"<class>/*.JPEG and {data_dir}/val/<class>/*.JPEG (ImageFolder layout)"
+            )
     train = ImageFolderImages(root / "train", image_size, train=True, seed=seed)
     val = ImageFolderImages(root / "val", image_size, train=False, seed=seed)
     if train.classes != val.classes:
-        raise DataError(f"--data {data_dir}: train/ has {len(train.classes)} classes and val/ has "
-                        f"{len(val.classes)}; they must have the same class folders")
+        raise DataError(
+            f"--data {data_dir}: train/ has {len(train.classes)} classes and val/ has "
+            f"{len(val.classes)}; they must have the same class folders"
+        )
     return train, val
 
 
 def make_loader(dataset, batch_sampler, workers: int, pin_memory: bool) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
-                      pin_memory=pin_memory, persistent_workers=False)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+    )

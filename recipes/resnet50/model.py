@@ -6,6 +6,7 @@ initialisation, so checkpoints load in either).
     >>> sum(p.numel() for p in m.parameters())
     23528522
 """
+
 from commopt.sim.resnet import (
     ResNet,
     model_source,
@@ -14,4 +15,10 @@ from commopt.sim.resnet import (
     torchvision_import_error,
 )
 
-__all__ = ["ResNet", "model_source", "resnet50", "torchvision_available", "torchvision_import_error"]
+__all__ = [
+    "ResNet",
+    "model_source",
+    "resnet50",
+    "torchvision_available",
+    "torchvision_import_error",
+]

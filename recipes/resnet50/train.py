@@ -13,6 +13,7 @@ state (double-buffer gradients and error-feedback residuals included) and ``--re
 continues bit-exactly. Rank 0 shows progress and, with ``--log-jsonl``, writes one JSON
 record a line: ``train`` (loss, top1, images_per_s, lr), ``eval``, ``checkpoint``, ``done``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,18 +60,29 @@ CHECKPOINT_FORMAT = "commopt-resnet50/1"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="presets: " + "; ".join(f"{n}: {pr.description}"
-                                                               for n, pr in PRESETS.items()))
-    p.add_argument("--preset", default="smoke", metavar="NAME",
-                   help=f"starting settings: {', '.join(PRESETS)} (default smoke)")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items()),
+    )
+    p.add_argument(
+        "--preset",
+        default="smoke",
+        metavar="NAME",
+        help=f"starting settings: {', '.join(PRESETS)} (default smoke)",
+    )
     d = p.add_argument_group("data")
-    d.add_argument("--data", metavar="DIR", help="ImageNet folder with train/ and val/ in ImageFolder layout")
+    d.add_argument(
+        "--data", metavar="DIR", help="ImageNet folder with train/ and val/ in ImageFolder layout"
+    )
     d.add_argument("--synthetic", action="store_true", help="synthetic images instead of --data")
-    d.add_argument("--fake-data", action="store_true",
-                   help="torchvision's FakeData instead of --data (random labels: for speed, it "
-                        "does not learn); the synthetic images when torchvision does not import")
+    d.add_argument(
+        "--fake-data",
+        action="store_true",
+        help="torchvision's FakeData instead of --data (random labels: for speed, it "
+        "does not learn); the synthetic images when torchvision does not import",
+    )
     d.add_argument("--image-size", type=int, help="crop size (224 for ImageNet)")
     d.add_argument("--num-classes", type=int, help="classes of the synthetic data")
     d.add_argument("--train-size", type=int, help="synthetic training images")
@@ -80,32 +92,60 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--epochs", type=int)
     t.add_argument("--batch-size", type=int, help="global batch: images per step over all ranks")
     t.add_argument("--optimizer", choices=("sgd", "lars"))
-    t.add_argument("--lr", type=float, help="base LR (default: 0.1 per 256 images for sgd, "
-                                            "the MLPerf table for lars)")
+    t.add_argument(
+        "--lr",
+        type=float,
+        help="base LR (default: 0.1 per 256 images for sgd, the MLPerf table for lars)",
+    )
     t.add_argument("--momentum", type=float)
     t.add_argument("--weight-decay", type=float)
     t.add_argument("--warmup-epochs", type=float)
     t.add_argument("--label-smoothing", type=float)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-steps", type=int, default=0, help="stop after this many steps in all "
-                   "(the schedule still spans --epochs; 0: no limit)")
-    t.add_argument("--amp", choices=PRECISIONS, default="auto",
-                   help="mixed precision: fp16 (autocast + GradScaler, CUDA) or bf16 (autocast, "
-                        "CUDA or CPU); on: fp16 on CUDA, bf16 on the CPU; auto: fp16 with CUDA, "
-                        "else fp32")
+    t.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many steps in all (the schedule still spans --epochs; 0: no limit)",
+    )
+    t.add_argument(
+        "--amp",
+        choices=PRECISIONS,
+        default="auto",
+        help="mixed precision: fp16 (autocast + GradScaler, CUDA) or bf16 (autocast, "
+        "CUDA or CPU); on: fp16 on CUDA, bf16 on the CPU; auto: fp16 with CUDA, "
+        "else fp32",
+    )
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     t.add_argument("--threads", type=int, help="torch CPU threads per rank")
     e = p.add_argument_group("evaluation, checkpoints and logs")
-    e.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (and at the end)")
-    e.add_argument("--eval-every-steps", type=int, default=0, metavar="N",
-                   help="also evaluate every N steps (for time-to-accuracy curves)")
+    e.add_argument(
+        "--eval-every", type=int, default=1, help="evaluate every N epochs (and at the end)"
+    )
+    e.add_argument(
+        "--eval-every-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also evaluate every N steps (for time-to-accuracy curves)",
+    )
     e.add_argument("--no-eval", action="store_true", help="skip evaluation")
     e.add_argument("--checkpoint-dir", metavar="DIR")
-    e.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
-                   help="also checkpoint every N steps (always at each epoch end and at the stop)")
-    e.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
-                   help="continue from the latest checkpoint in --checkpoint-dir, or from the "
-                        "one named (e.g. step-00000100)")
+    e.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also checkpoint every N steps (always at each epoch end and at the stop)",
+    )
+    e.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="STEP",
+        help="continue from the latest checkpoint in --checkpoint-dir, or from the "
+        "one named (e.g. step-00000100)",
+    )
     e.add_argument("--log-jsonl", metavar="FILE", help="rank 0 appends JSON records here")
     e.add_argument("--log-every", type=int, help="steps between train records")
     e.add_argument("--progress", choices=("auto", "bar", "text", "none"), default="auto")
@@ -149,17 +189,41 @@ class Config:
     def lr_at(self, progress: float) -> float:
         """The LR at a fractional epoch."""
         if self.optimizer == "lars":
-            return poly_warmup_lr(min(progress, self.epochs), base_lr=self.lr, total_steps=self.epochs,
-                                  warmup_steps=min(self.warmup_epochs, self.epochs), power=2.0,
-                                  end_lr=1e-4)
-        return step_warmup_lr(progress, base_lr=self.lr, warmup_epochs=self.warmup_epochs,
-                              milestones=tuple(tuple(m) for m in self.milestones))
+            return poly_warmup_lr(
+                min(progress, self.epochs),
+                base_lr=self.lr,
+                total_steps=self.epochs,
+                warmup_steps=min(self.warmup_epochs, self.epochs),
+                power=2.0,
+                end_lr=1e-4,
+            )
+        return step_warmup_lr(
+            progress,
+            base_lr=self.lr,
+            warmup_epochs=self.warmup_epochs,
+            milestones=tuple(tuple(m) for m in self.milestones),
+        )
 
     def fingerprint(self) -> dict:
         """What a resumed run must share with the checkpoint's run."""
-        keep = ("preset", "data_kind", "image_size", "num_classes", "train_size", "epochs",
-                "global_batch", "batch_schedule", "optimizer", "lr", "momentum", "weight_decay",
-                "warmup_epochs", "label_smoothing", "seed", "comm")
+        keep = (
+            "preset",
+            "data_kind",
+            "image_size",
+            "num_classes",
+            "train_size",
+            "epochs",
+            "global_batch",
+            "batch_schedule",
+            "optimizer",
+            "lr",
+            "momentum",
+            "weight_decay",
+            "warmup_epochs",
+            "label_smoothing",
+            "seed",
+            "comm",
+        )
         d = asdict(self)
         return {k: d[k] for k in keep}
 
@@ -172,21 +236,31 @@ def resolve(args: argparse.Namespace) -> Config:
         raise RecipeError(str(exc)) from None
     if sum(map(bool, (args.synthetic, args.fake_data, args.data))) > 1:
         raise RecipeError("give either --data DIR or --synthetic (or --fake-data), not two of them")
-    kind = "synthetic" if args.synthetic or (preset.data == "synthetic" and not args.data) else "folder"
+    kind = (
+        "synthetic"
+        if args.synthetic or (preset.data == "synthetic" and not args.data)
+        else "folder"
+    )
     kind = "fake" if args.fake_data else kind
     if kind == "folder":
         if not args.data:
-            raise DataError(f"preset {preset.name} reads ImageNet from a folder: give --data DIR "
-                            "(train/ and val/ in ImageFolder layout) or add --synthetic")
+            raise DataError(
+                f"preset {preset.name} reads ImageNet from a folder: give --data DIR "
+                "(train/ and val/ in ImageFolder layout) or add --synthetic"
+            )
         root = Path(args.data)
         if not root.is_dir():
-            raise DataError(f"--data {args.data}: folder not found. Give a folder with "
-                            "train/<class>/*.JPEG and val/<class>/*.JPEG (ImageFolder layout), "
-                            "or use --synthetic")
+            raise DataError(
+                f"--data {args.data}: folder not found. Give a folder with "
+                "train/<class>/*.JPEG and val/<class>/*.JPEG (ImageFolder layout), "
+                "or use --synthetic"
+            )
         for split in ("train", "val"):
             if not (root / split).is_dir():
-                raise DataError(f"--data {args.data}: no {split}/ sub-folder; expected "
-                                f"{args.data}/train/<class>/*.JPEG and {args.data}/val/<class>/*.JPEG")
+                raise DataError(
+                    f"--data {args.data}: no {split}/ sub-folder; expected "
+                    f"{args.data}/train/<class>/*.JPEG and {args.data}/val/<class>/*.JPEG"
+                )
 
     def pick(value, default):
         return default if value is None else value
@@ -202,48 +276,81 @@ def resolve(args: argparse.Namespace) -> Config:
         lr = pick(args.lr, pick(preset.lr, lars_defaults.base_lr))
         wd = pick(args.weight_decay, pick(preset.weight_decay, lars_defaults.weight_decay))
         warmup = pick(args.warmup_epochs, pick(preset.warmup_epochs, lars_defaults.warmup_epochs))
-        smoothing = pick(args.label_smoothing, pick(preset.label_smoothing, lars_defaults.label_smoothing))
+        smoothing = pick(
+            args.label_smoothing, pick(preset.label_smoothing, lars_defaults.label_smoothing)
+        )
     else:  # Goyal et al.'s linear scaling rule, which ChainerMN's runs followed
         lr = pick(args.lr, pick(preset.lr, 0.1 * batch / 256))
         wd = pick(args.weight_decay, pick(preset.weight_decay, 1e-4))
         warmup = pick(args.warmup_epochs, pick(preset.warmup_epochs, 5.0))
         smoothing = pick(args.label_smoothing, pick(preset.label_smoothing, 0.0))
     cfg = Config(
-        preset=preset.name, data_kind=kind, data_dir=args.data,
+        preset=preset.name,
+        data_kind=kind,
+        data_dir=args.data,
         image_size=pick(args.image_size, preset.image_size),
         num_classes=pick(args.num_classes, preset.num_classes),
         train_size=pick(args.train_size, preset.synthetic_train_size),
         val_size=pick(args.val_size, preset.synthetic_val_size),
-        workers=pick(args.workers, preset.workers), epochs=pick(args.epochs, preset.epochs),
-        global_batch=batch, batch_schedule=schedule, optimizer=optimizer, lr=lr,
-        momentum=pick(args.momentum, preset.momentum), weight_decay=wd, warmup_epochs=warmup,
-        milestones=[list(m) for m in preset.milestones], label_smoothing=smoothing,
-        zero_init_residual=preset.zero_init_residual, seed=args.seed, max_steps=args.max_steps,
+        workers=pick(args.workers, preset.workers),
+        epochs=pick(args.epochs, preset.epochs),
+        global_batch=batch,
+        batch_schedule=schedule,
+        optimizer=optimizer,
+        lr=lr,
+        momentum=pick(args.momentum, preset.momentum),
+        weight_decay=wd,
+        warmup_epochs=warmup,
+        milestones=[list(m) for m in preset.milestones],
+        label_smoothing=smoothing,
+        zero_init_residual=preset.zero_init_residual,
+        seed=args.seed,
+        max_steps=args.max_steps,
         log_every=pick(args.log_every, preset.log_every),
-        comm=dict(communicator=args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype,
-                  compression=args.compression, double_buffering=args.double_buffering,
-                  overlap=not args.no_overlap),
+        comm=dict(
+            communicator=args.communicator,
+            allreduce_grad_dtype=args.allreduce_grad_dtype,
+            compression=args.compression,
+            double_buffering=args.double_buffering,
+            overlap=not args.no_overlap,
+        ),
     )
     checks = [
         (cfg.global_batch > 0, f"--batch-size must be > 0, got {cfg.global_batch}"),
         (cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}"),
-        (cfg.image_size >= 32, f"--image-size must be >= 32 (ResNet-50 downsamples 32x), got {cfg.image_size}"),
+        (
+            cfg.image_size >= 32,
+            f"--image-size must be >= 32 (ResNet-50 downsamples 32x), got {cfg.image_size}",
+        ),
         (cfg.num_classes >= 2, f"--num-classes must be >= 2, got {cfg.num_classes}"),
         (cfg.lr >= 0, f"--lr must be >= 0, got {cfg.lr}"),
         (cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}"),
         (cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}"),
-        (0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
+        (
+            0 <= cfg.label_smoothing < 1,
+            f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}",
+        ),
         (cfg.workers >= 0, f"--workers must be >= 0, got {cfg.workers}"),
         (cfg.max_steps >= 0, f"--max-steps must be >= 0, got {cfg.max_steps}"),
         (cfg.log_every > 0, f"--log-every must be > 0, got {cfg.log_every}"),
-        (args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"),
+        (
+            args.checkpoint_every >= 0,
+            f"--checkpoint-every must be >= 0, got {args.checkpoint_every}",
+        ),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
-        (args.eval_every_steps >= 0, f"--eval-every-steps must be >= 0, got {args.eval_every_steps}"),
+        (
+            args.eval_every_steps >= 0,
+            f"--eval-every-steps must be >= 0, got {args.eval_every_steps}",
+        ),
         (not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR"),
     ]
     if kind in ("synthetic", "fake"):
-        checks += [(cfg.train_size > 0 and cfg.val_size > 0,
-                    "--train-size and --val-size must be > 0 for synthetic data")]
+        checks += [
+            (
+                cfg.train_size > 0 and cfg.val_size > 0,
+                "--train-size and --val-size must be > 0 for synthetic data",
+            )
+        ]
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
@@ -259,11 +366,15 @@ def check_world(cfg: Config, world_size: int) -> None:
             when = "" if epoch_from == 0 else f" (the preset's batch from epoch {epoch_from})"
             raise RecipeError(
                 f"--batch-size {batch}{when} is the global batch and must be divisible by the "
-                f"number of ranks ({world_size}): use {lo or hi} or {hi}")
-    if cfg.data_kind != "folder" and cfg.train_size < max(b for _, b in [(0, cfg.global_batch)]
-                                                             + [tuple(x) for x in cfg.batch_schedule]):
-        raise RecipeError(f"--train-size {cfg.train_size} is smaller than one global batch "
-                          f"({cfg.global_batch}): raise --train-size or lower --batch-size")
+                f"number of ranks ({world_size}): use {lo or hi} or {hi}"
+            )
+    if cfg.data_kind != "folder" and cfg.train_size < max(
+        b for _, b in [(0, cfg.global_batch)] + [tuple(x) for x in cfg.batch_schedule]
+    ):
+        raise RecipeError(
+            f"--train-size {cfg.train_size} is smaller than one global batch "
+            f"({cfg.global_batch}): raise --train-size or lower --batch-size"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,24 +384,35 @@ def check_world(cfg: Config, world_size: int) -> None:
 # RNG states) goes into small per-rank files.
 # The folder must be visible to every rank (a shared file system on a cluster).
 
+
 def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, cfg: Config) -> Path:
     step_dir = directory / f"step-{position['global_step']:08d}"
     optimizer_state, optimizer_own = split_rank_state(opt.state_dict())  # no communication
     if comm.rank == 0:
         step_dir.mkdir(parents=True, exist_ok=True)
-        atomic_save({
-            "format": CHECKPOINT_FORMAT, "world_size": comm.size, "position": dict(position),
-            "config": cfg.fingerprint(), "model": model.state_dict(), "optimizer": optimizer_state,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-        }, step_dir / "shared.pt")
+        atomic_save(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "world_size": comm.size,
+                "position": dict(position),
+                "config": cfg.fingerprint(),
+                "model": model.state_dict(),
+                "optimizer": optimizer_state,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+            },
+            step_dir / "shared.pt",
+        )
     comm.barrier()
-    atomic_save({
-        "rank": comm.rank,
-        "optimizer": optimizer_own,  # this rank's error-feedback residuals
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }, step_dir / f"rank-{comm.rank}.pt")
+    atomic_save(
+        {
+            "rank": comm.rank,
+            "optimizer": optimizer_own,  # this rank's error-feedback residuals
+            "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        },
+        step_dir / f"rank-{comm.rank}.pt",
+    )
     comm.barrier()
     if comm.rank == 0:
         (directory / "latest.tmp").write_text(step_dir.name + "\n")
@@ -301,39 +423,53 @@ def save_checkpoint(directory: Path, comm, position: dict, model, opt, scaler, c
     return step_dir
 
 
-def load_checkpoint(directory: Path, comm, cfg: Config, device, which: str = "latest") -> tuple[dict, dict]:
+def load_checkpoint(
+    directory: Path, comm, cfg: Config, device, which: str = "latest"
+) -> tuple[dict, dict]:
     """(shared state, this rank's state) of checkpoint ``which``, checked against ``cfg``."""
     if which == "latest":
         latest = directory / "latest"
         if not latest.is_file():
-            raise RecipeError(f"--resume: no checkpoint in {directory} (no 'latest' file); "
-                              "run without --resume first, with --checkpoint-dir")
+            raise RecipeError(
+                f"--resume: no checkpoint in {directory} (no 'latest' file); "
+                "run without --resume first, with --checkpoint-dir"
+            )
         which = latest.read_text().strip()
     if not (directory / which).is_dir():
         found = ", ".join(sorted(p.name for p in directory.glob("step-*"))) or "none"
         raise RecipeError(f"--resume {which}: no such checkpoint in {directory} (found: {found})")
-    shared_path, own_path = directory / which / "shared.pt", directory / which / f"rank-{comm.rank}.pt"
+    shared_path, own_path = (
+        directory / which / "shared.pt",
+        directory / which / f"rank-{comm.rank}.pt",
+    )
     for path in (shared_path, own_path):
         if not path.is_file():
-            raise RecipeError(f"--resume: {path} is missing; was the checkpoint written by "
-                              f"{comm.size} ranks, on a folder every rank can read?")
+            raise RecipeError(
+                f"--resume: {path} is missing; was the checkpoint written by "
+                f"{comm.size} ranks, on a folder every rank can read?"
+            )
     shared = torch.load(shared_path, map_location=device, weights_only=True)
     if shared.get("format") != CHECKPOINT_FORMAT:
         raise RecipeError(f"--resume: {shared_path} is not a checkpoint of this recipe")
     if shared["world_size"] != comm.size:
-        raise RecipeError(f"--resume: the checkpoint was written by {shared['world_size']} ranks; "
-                          f"resume with the same number (now {comm.size})")
+        raise RecipeError(
+            f"--resume: the checkpoint was written by {shared['world_size']} ranks; "
+            f"resume with the same number (now {comm.size})"
+        )
     now = cfg.fingerprint()
     diff = {k: (v, now.get(k)) for k, v in shared["config"].items() if now.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-        raise RecipeError(f"--resume: settings differ from the checkpoint's run ({detail}); "
-                          "use the same options to resume exactly")
+        raise RecipeError(
+            f"--resume: settings differ from the checkpoint's run ({detail}); "
+            "use the same options to resume exactly"
+        )
     own = torch.load(own_path, map_location=device, weights_only=True)
     return shared, own
 
 
 # --------------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def average_bn_statistics(model, comm) -> None:
@@ -346,7 +482,7 @@ def average_bn_statistics(model, comm) -> None:
     flat /= comm.size
     offset = 0
     for b in bufs:
-        b.copy_(flat[offset:offset + b.numel()].view_as(b))
+        b.copy_(flat[offset : offset + b.numel()].view_as(b))
         offset += b.numel()
 
 
@@ -355,8 +491,12 @@ def evaluate(model, dataset, cfg: Config, comm, device, precision: MixedPrecisio
     average_bn_statistics(model, comm)
     model.eval()
     per_rank = max(1, cfg.global_batch // comm.size)
-    loader = make_loader(dataset, eval_shard(len(dataset), comm.rank, comm.size, per_rank),
-                         cfg.workers, device.type == "cuda")
+    loader = make_loader(
+        dataset,
+        eval_shard(len(dataset), comm.rank, comm.size, per_rank),
+        cfg.workers,
+        device.type == "cuda",
+    )
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     for x, y in loader:
@@ -374,10 +514,12 @@ def evaluate(model, dataset, cfg: Config, comm, device, precision: MixedPrecisio
 
 def build_optimizer(model, cfg: Config):
     if cfg.optimizer == "lars":
-        return LARS(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                    weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay)
+        return LARS(
+            model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
 
 
 def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
@@ -388,9 +530,15 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         raise RecipeError(f"--amp {args.amp}: {exc}") from None
     log = JsonLines(args.log_jsonl, rank0)
     torch.manual_seed(cfg.seed)
-    train_set, val_set = make_datasets(cfg.data_kind, data_dir=cfg.data_dir, image_size=cfg.image_size,
-                                       num_classes=cfg.num_classes, train_size=cfg.train_size,
-                                       val_size=cfg.val_size, seed=cfg.seed)
+    train_set, val_set = make_datasets(
+        cfg.data_kind,
+        data_dir=cfg.data_dir,
+        image_size=cfg.image_size,
+        num_classes=cfg.num_classes,
+        train_size=cfg.train_size,
+        val_size=cfg.val_size,
+        seed=cfg.seed,
+    )
     num_classes = getattr(train_set, "num_classes", cfg.num_classes)
     model = resnet50(num_classes=num_classes, zero_init_residual=cfg.zero_init_residual).to(device)
     if device.type == "cuda":
@@ -420,13 +568,23 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         position = dict(shared["position"])
         del shared, own
     sources = {"model_source": model_source(model), "data_source": data_source(train_set)}
-    log.write(event="config", world_size=comm.size, device=str(device), amp=precision.name, **sources,
-              label=config_label(args), resumed_at=position["global_step"], **asdict(cfg))
+    log.write(
+        event="config",
+        world_size=comm.size,
+        device=str(device),
+        amp=precision.name,
+        **sources,
+        label=config_label(args),
+        resumed_at=position["global_step"],
+        **asdict(cfg),
+    )
     progress = Progress(total_steps, position["global_step"], args.progress, rank0)
     if rank0:
-        progress.write(f"resnet50 {cfg.preset}: {comm.size} rank(s) on {device}, global batch "
-                       f"{cfg.global_batch}, {cfg.optimizer} lr {cfg.lr:g}, comm {config_label(args)}"
-                       + (f", resumed at step {position['global_step']}" if position["global_step"] else ""))
+        progress.write(
+            f"resnet50 {cfg.preset}: {comm.size} rank(s) on {device}, global batch "
+            f"{cfg.global_batch}, {cfg.optimizer} lr {cfg.lr:g}, comm {config_label(args)}"
+            + (f", resumed at step {position['global_step']}" if position["global_step"] else "")
+        )
         progress.write(f"model: {sources['model_source']}; data: {sources['data_source']}")
 
     clock = {"paused": 0.0}  # seconds spent in evaluation and checkpoints: not training
@@ -440,15 +598,23 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
 
     def checkpoint():
         if ckpt_dir is not None:
-            path = paused(lambda: save_checkpoint(ckpt_dir, comm, position, model, opt, precision.scaler, cfg))
+            path = paused(
+                lambda: save_checkpoint(ckpt_dir, comm, position, model, opt, precision.scaler, cfg)
+            )
             log.write(event="checkpoint", step=position["global_step"], path=str(path))
 
     def run_eval(final: bool = False):
         result = paused(lambda: evaluate(model, val_set, cfg, comm, device, precision))
         now = time.perf_counter()
-        log.write(event="eval", step=position["global_step"], epoch=position["epoch"],
-                  elapsed_s=round(now - run_start, 3),
-                  train_s=round(now - run_start - clock["paused"], 3), final=final, **result)
+        log.write(
+            event="eval",
+            step=position["global_step"],
+            epoch=position["epoch"],
+            elapsed_s=round(now - run_start, 3),
+            train_s=round(now - run_start - clock["paused"], 3),
+            final=final,
+            **result,
+        )
         what = "final eval" if final else f"eval at step {position['global_step']}"
         progress.write(f"{what}: top1 {result['top1']:.4f} loss {result['loss']:.4f}")
         return result
@@ -465,8 +631,15 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         epoch = position["epoch"]
         batch = cfg.batch_at(epoch)
         train_set.set_epoch(epoch)
-        sampler = EpochBatches(len(train_set), batch, comm.rank, comm.size, cfg.seed, epoch,
-                               start=position["step_in_epoch"])
+        sampler = EpochBatches(
+            len(train_set),
+            batch,
+            comm.rank,
+            comm.size,
+            cfg.seed,
+            epoch,
+            start=position["step_in_epoch"],
+        )
         loader = make_loader(train_set, sampler, cfg.workers, device.type == "cuda")
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -482,9 +655,13 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             precision.backward(loss)
             precision.step(opt)
             with torch.no_grad():
-                metrics += torch.stack([loss.detach().double() * y.numel(),
-                                        (out.argmax(1) == y).sum().double(),
-                                        torch.tensor(float(y.numel()), dtype=torch.float64, device=device)])
+                metrics += torch.stack(
+                    [
+                        loss.detach().double() * y.numel(),
+                        (out.argmax(1) == y).sum().double(),
+                        torch.tensor(float(y.numel()), dtype=torch.float64, device=device),
+                    ]
+                )
             position["step_in_epoch"] += 1
             position["global_step"] += 1
             images_done += batch
@@ -501,21 +678,34 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
                 now = time.perf_counter()
                 busy = now - last_log_time - (clock["paused"] - paused_at_log)
                 ips = (step - last_log_step) * batch / max(busy, 1e-9)
-                record = dict(step=step, epoch=round(epoch + position["step_in_epoch"] / steps_per_epoch[epoch], 4),
-                              lr=lr, loss=loss_sum / count, top1=correct / count,
-                              images_per_s=round(ips, 2), elapsed_s=round(now - run_start, 3))
+                record = dict(
+                    step=step,
+                    epoch=round(epoch + position["step_in_epoch"] / steps_per_epoch[epoch], 4),
+                    lr=lr,
+                    loss=loss_sum / count,
+                    top1=correct / count,
+                    images_per_s=round(ips, 2),
+                    elapsed_s=round(now - run_start, 3),
+                )
                 log.write(event="train", **record)
-                progress.update(step - last_log_step,
-                                f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
-                                f"top1 {record['top1']:.3f} {ips:.1f} img/s lr {lr:.4g}")
+                progress.update(
+                    step - last_log_step,
+                    f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
+                    f"top1 {record['top1']:.3f} {ips:.1f} img/s lr {lr:.4g}",
+                )
                 metrics.zero_()
                 last_log_time, last_log_step, paused_at_log = now, step, clock["paused"]
             if epoch_done:
                 position["epoch"] += 1
                 position["step_in_epoch"] = 0
-            if not args.no_eval and not stop and (
+            if (
+                not args.no_eval
+                and not stop
+                and (
                     (epoch_done and args.eval_every and position["epoch"] % args.eval_every == 0)
-                    or (args.eval_every_steps and step % args.eval_every_steps == 0)):
+                    or (args.eval_every_steps and step % args.eval_every_steps == 0)
+                )
+            ):
                 last_eval = run_eval()
             if epoch_done or stop or (args.checkpoint_every and step % args.checkpoint_every == 0):
                 checkpoint()
@@ -528,9 +718,14 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
     if not args.no_eval:
         last_eval = run_eval(final=True)
     progress.close()
-    summary = {"steps": position["global_step"] - first_step, "global_step": position["global_step"],
-               "world_size": comm.size, "label": config_label(args),
-               "elapsed_s": round(end - run_start, 3), "digest": state_digest(model)}
+    summary = {
+        "steps": position["global_step"] - first_step,
+        "global_step": position["global_step"],
+        "world_size": comm.size,
+        "label": config_label(args),
+        "elapsed_s": round(end - run_start, 3),
+        "digest": state_digest(model),
+    }
     if timed_from is not None and images_done > timed_from[1]:
         busy = end - timed_from[0] - (paused_at_end - timed_from[2])
         summary["images_per_s"] = round((images_done - timed_from[1]) / busy, 2)

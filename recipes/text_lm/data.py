@@ -1,10 +1,11 @@
 """The corpus: Python's help topics as characters, split once into train and valid.
 
-    >>> from recipes.text_lm.data import char_corpus
-    >>> c = char_corpus()
-    >>> c.vocab_size, len(c.valid) > 40_000, len(c.train) > 9 * len(c.valid) - 10
-    (98, True, True)
+>>> from recipes.text_lm.data import char_corpus
+>>> c = char_corpus()
+>>> c.vocab_size, len(c.valid) > 40_000, len(c.train) > 9 * len(c.valid) - 10
+(98, True, True)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ VALID_FRACTION = 0.1
 
 @dataclass(frozen=True)
 class CharCorpus:
-    train: torch.Tensor   # int64 ids
+    train: torch.Tensor  # int64 ids
     valid: torch.Tensor
     vocab_size: int
 
@@ -28,8 +29,10 @@ def char_corpus(valid_fraction: float = VALID_FRACTION) -> CharCorpus:
     try:
         from pydoc_data.topics import topics
     except ImportError as exc:  # some distributions strip pydoc_data
-        raise ImportError("the text task needs CPython's pydoc_data module (part of the standard "
-                          "library; install your distribution's full python3 package)") from exc
+        raise ImportError(
+            "the text task needs CPython's pydoc_data module (part of the standard "
+            "library; install your distribution's full python3 package)"
+        ) from exc
     text = "\n".join(topics[k] for k in sorted(topics))
     index = {ch: i for i, ch in enumerate(ALPHABET)}
     unknown = len(ALPHABET)

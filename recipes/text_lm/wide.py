@@ -14,6 +14,7 @@ the compute per sample stays small: the communication-bound task of
     >>> sum(p.numel() for p in WideCharMLP(98).parameters()) > 20_000_000
     True
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,12 @@ class WideCharMLP(nn.Module):
         self.context = context
         self.embed = nn.Embedding(vocab_size, embed)
         self.net = nn.Sequential(
-            nn.Linear(context * embed, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Linear(hidden, vocab_size))
+            nn.Linear(context * embed, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, vocab_size),
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits of the character after each window of ``context`` ids: (batch, vocab)."""

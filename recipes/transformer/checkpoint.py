@@ -5,10 +5,12 @@ A checkpoint is one ``torch.save`` dict (see ``train.py`` for its keys). Rank 0 
 a temporary file first and are renamed, so a crash never leaves a torn checkpoint.
 
     >>> import torch
-    >>> a = {"model": {"w": torch.tensor([1.0, 3.0])}}; b = {"model": {"w": torch.tensor([3.0, 5.0])}}
+    >>> a = {"model": {"w": torch.tensor([1.0, 3.0])}}
+    ... b = {"model": {"w": torch.tensor([3.0, 5.0])}}
     >>> average_model_states([a["model"], b["model"]])["w"].tolist()
     [2.0, 4.0]
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,7 +36,9 @@ def numbered_checkpoints(save_dir: str) -> list[str]:
     return [p for _, _, p in sorted(found)]
 
 
-def save_checkpoint(state: dict, save_dir: str, *, epoch: int, num_updates: int, keep_last: int) -> str:
+def save_checkpoint(
+    state: dict, save_dir: str, *, epoch: int, num_updates: int, keep_last: int
+) -> str:
     """Write the numbered checkpoint and checkpoint_last.pt; prune older numbered ones."""
     path = os.path.join(save_dir, f"checkpoint_{epoch}_{num_updates}.pt")
     atomic_save(state, path)
@@ -61,8 +65,10 @@ def average_model_states(states: list[dict]) -> dict:
     keys = list(states[-1].keys())
     for i, s in enumerate(states):
         if list(s.keys()) != keys:
-            raise ValueError(f"checkpoint {i} has different parameters from the others; "
-                             f"average checkpoints of one training run only")
+            raise ValueError(
+                f"checkpoint {i} has different parameters from the others; "
+                f"average checkpoints of one training run only"
+            )
     averaged = {}
     for k in keys:
         last = states[-1][k]
@@ -90,15 +96,22 @@ def average_checkpoints(paths: list[str]) -> dict:
         model = last["model"]
         if total is None:
             keys = list(model.keys())
-            total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in model.items()
-                     if torch.is_floating_point(v)}
+            total = {
+                k: torch.zeros_like(v, dtype=torch.float64)
+                for k, v in model.items()
+                if torch.is_floating_point(v)
+            }
         elif list(model.keys()) != keys:
-            raise ValueError(f"{path} has different parameters from {paths[0]}; "
-                             f"average checkpoints of one training run only")
+            raise ValueError(
+                f"{path} has different parameters from {paths[0]}; "
+                f"average checkpoints of one training run only"
+            )
         for k in total:
             total[k] += model[k].to(torch.float64)
     result = {k: v for k, v in last.items() if k not in ("optimizer", "rank_states")}
-    result["model"] = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v
-                       for k, v in last["model"].items()}
+    result["model"] = {
+        k: (total[k] / len(paths)).to(v.dtype) if k in total else v
+        for k, v in last["model"].items()
+    }
     result["averaged_from"] = [os.path.basename(p) for p in paths]
     return result

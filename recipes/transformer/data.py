@@ -19,6 +19,7 @@ the network; where the position in the epoch is saved, resuming is exact.
     >>> all(len(b) * int(lengths[b].max()) <= 12 for b in batches)
     True
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,11 +37,11 @@ from recipes.transformer.tokenizer import EOS, PAD
 class TokenizedSplit:
     """One split: the sentences of each side as one flat tensor with offsets."""
 
-    src_flat: torch.Tensor   # int32, every sentence followed by EOS
+    src_flat: torch.Tensor  # int32, every sentence followed by EOS
     src_offsets: torch.Tensor  # int64, len = n + 1
     tgt_flat: torch.Tensor
     tgt_offsets: torch.Tensor
-    references: list[str]    # target text as written (BLEU is scored against it)
+    references: list[str]  # target text as written (BLEU is scored against it)
     sources: list[str]
 
     def __len__(self) -> int:
@@ -55,14 +56,17 @@ class TokenizedSplit:
         return self.tgt_offsets[1:] - self.tgt_offsets[:-1]
 
     def source(self, i: int) -> torch.Tensor:
-        return self.src_flat[self.src_offsets[i]:self.src_offsets[i + 1]].long()
+        return self.src_flat[self.src_offsets[i] : self.src_offsets[i + 1]].long()
 
     def target(self, i: int) -> torch.Tensor:
-        return self.tgt_flat[self.tgt_offsets[i]:self.tgt_offsets[i + 1]].long()
+        return self.tgt_flat[self.tgt_offsets[i] : self.tgt_offsets[i + 1]].long()
 
 
 def split_paths(data_dir: str, split: str, src_lang: str, tgt_lang: str) -> tuple[str, str]:
-    return (os.path.join(data_dir, f"{split}.{src_lang}"), os.path.join(data_dir, f"{split}.{tgt_lang}"))
+    return (
+        os.path.join(data_dir, f"{split}.{src_lang}"),
+        os.path.join(data_dir, f"{split}.{tgt_lang}"),
+    )
 
 
 def _read_lines(path: str) -> list[str]:
@@ -77,7 +81,7 @@ def _flatten(encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     flat = torch.empty(int(offsets[-1]), dtype=torch.int32)
     for i, ids in enumerate(encoded):
         start, end = int(offsets[i]), int(offsets[i + 1])
-        flat[start:end - 1] = torch.tensor(ids, dtype=torch.int32)
+        flat[start : end - 1] = torch.tensor(ids, dtype=torch.int32)
         flat[end - 1] = EOS
     return flat, offsets
 
@@ -90,8 +94,16 @@ def _cache_path(data_dir: str, split: str, src_path: str, tgt_path: str, tokeniz
     return os.path.join(data_dir, ".cache", f"{split}.{h.hexdigest()[:16]}.pt")
 
 
-def load_split(data_dir: str, split: str, src_lang: str, tgt_lang: str, tokenizer, *,
-               tokenizer_key: str, use_cache: bool = True) -> TokenizedSplit:
+def load_split(
+    data_dir: str,
+    split: str,
+    src_lang: str,
+    tgt_lang: str,
+    tokenizer,
+    *,
+    tokenizer_key: str,
+    use_cache: bool = True,
+) -> TokenizedSplit:
     """Encode (or load from the cache) one split of the parallel text."""
     src_path, tgt_path = split_paths(data_dir, split, src_lang, tgt_lang)
     for p in (src_path, tgt_path):
@@ -115,7 +127,9 @@ def load_split(data_dir: str, split: str, src_lang: str, tgt_lang: str, tokenize
             pass
     src_flat, src_offsets = _flatten(tokenizer.encode_many(sources))
     tgt_flat, tgt_offsets = _flatten(tokenizer.encode_many(references))
-    tensors = dict(src_flat=src_flat, src_offsets=src_offsets, tgt_flat=tgt_flat, tgt_offsets=tgt_offsets)
+    tensors = dict(
+        src_flat=src_flat, src_offsets=src_offsets, tgt_flat=tgt_flat, tgt_offsets=tgt_offsets
+    )
     if cache:
         # a reader sees the old file or the whole new one; a read-only data folder: no cache
         with contextlib.suppress(OSError):
@@ -123,8 +137,14 @@ def load_split(data_dir: str, split: str, src_lang: str, tgt_lang: str, tokenize
     return TokenizedSplit(**tensors, references=references, sources=sources)
 
 
-def batches_by_size(src_lengths: torch.Tensor, tgt_lengths: torch.Tensor, *, max_tokens: int | None = None,
-                    max_sentences: int | None = None, indices: torch.Tensor | None = None) -> list[torch.Tensor]:
+def batches_by_size(
+    src_lengths: torch.Tensor,
+    tgt_lengths: torch.Tensor,
+    *,
+    max_tokens: int | None = None,
+    max_sentences: int | None = None,
+    indices: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """Cut ``indices`` (default: all) sorted by length into batches.
 
     A batch's cost is its padded size, ``len(batch) * max(longest source, longest
@@ -164,10 +184,10 @@ def collate(split: TokenizedSplit, indices, *, device=None) -> dict:
     target = torch.full((n, tgt_len), PAD, dtype=torch.long)
     prev_output = torch.full((n, tgt_len), PAD, dtype=torch.long)
     for j, (s, t) in enumerate(zip(srcs, tgts)):
-        src_tokens[j, :len(s)] = s
-        target[j, :len(t)] = t
+        src_tokens[j, : len(s)] = s
+        target[j, : len(t)] = t
         prev_output[j, 0] = EOS
-        prev_output[j, 1:len(t)] = t[:-1]
+        prev_output[j, 1 : len(t)] = t[:-1]
     batch = {
         "id": torch.as_tensor([int(i) for i in indices]),
         "src_tokens": src_tokens,
@@ -190,9 +210,24 @@ class ShardedBatchIterator:
     ``(epoch, updates done in it)``.
     """
 
-    def __init__(self, split: TokenizedSplit, *, rank: int, world_size: int, update_freq: int,
-                 seed: int, max_tokens: int | None, max_sentences: int | None, max_positions: int):
-        self.rank, self.world_size, self.update_freq, self.seed = rank, world_size, update_freq, seed
+    def __init__(
+        self,
+        split: TokenizedSplit,
+        *,
+        rank: int,
+        world_size: int,
+        update_freq: int,
+        seed: int,
+        max_tokens: int | None,
+        max_sentences: int | None,
+        max_positions: int,
+    ):
+        self.rank, self.world_size, self.update_freq, self.seed = (
+            rank,
+            world_size,
+            update_freq,
+            seed,
+        )
         src_len, tgt_len = split.src_lengths, split.tgt_lengths
         keep = (src_len <= max_positions) & (tgt_len <= max_positions)
         self.skipped = int((~keep).sum())
@@ -207,8 +242,9 @@ class ShardedBatchIterator:
                     f"({longest} tokens); raise --max-tokens to at least {longest} or lower "
                     f"--max-positions (longer pairs are skipped)"
                 )
-        self.batches = batches_by_size(src_len, tgt_len, max_tokens=max_tokens,
-                                       max_sentences=max_sentences, indices=kept)
+        self.batches = batches_by_size(
+            src_len, tgt_len, max_tokens=max_tokens, max_sentences=max_sentences, indices=kept
+        )
         per_update = world_size * update_freq
         self.updates_per_epoch = len(self.batches) // per_update
         if self.updates_per_epoch == 0:
@@ -230,7 +266,7 @@ class ShardedBatchIterator:
         per_update = self.world_size * self.update_freq
         while self.updates_in_epoch < self.updates_per_epoch:
             u = self.updates_in_epoch
-            mine = order[u * per_update + self.rank * self.update_freq:][:self.update_freq]
+            mine = order[u * per_update + self.rank * self.update_freq :][: self.update_freq]
             self.updates_in_epoch += 1
             yield [self.batches[b] for b in mine]
 

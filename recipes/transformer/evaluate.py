@@ -18,6 +18,7 @@ EOS is forced.
     >>> len(hyps) == 1 and len(hyps[0]) <= 4
     True
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,15 @@ def _reorder_cache(cache: dict, order: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def beam_search(model, src_tokens: torch.Tensor, *, beam: int = 4, lenpen: float = 1.0,
-                max_len_a: float = 1.2, max_len_b: int = 10) -> list[list[int]]:
+def beam_search(
+    model,
+    src_tokens: torch.Tensor,
+    *,
+    beam: int = 4,
+    lenpen: float = 1.0,
+    max_len_a: float = 1.2,
+    max_len_b: int = 10,
+) -> list[list[int]]:
     """Best hypothesis (token ids, without EOS) for each source row of ``src_tokens``."""
     device = src_tokens.device
     n = src_tokens.size(0)
@@ -88,7 +96,7 @@ def beam_search(model, src_tokens: torch.Tensor, *, beam: int = 4, lenpen: float
                 row = s * beam + int(beam_idx[s, c])
                 hyp = cpu_tokens[row, 1:].tolist()
                 length = len(hyp) + 1  # with the EOS
-                finished[s].append((float(top_scores[s, c]) / (length ** lenpen), hyp))
+                finished[s].append((float(top_scores[s, c]) / (length**lenpen), hyp))
         done |= torch.tensor([len(f) >= beam for f in finished])
         if bool(done.all()):
             break
@@ -104,8 +112,19 @@ def beam_search(model, src_tokens: torch.Tensor, *, beam: int = 4, lenpen: float
     return [max(f)[1] if f else [] for f in finished]
 
 
-def translate(model, split, indices, *, tokenizer, device, beam: int, lenpen: float, max_len_a: float,
-              max_len_b: int, max_sentences: int = 128) -> dict[int, str]:
+def translate(
+    model,
+    split,
+    indices,
+    *,
+    tokenizer,
+    device,
+    beam: int,
+    lenpen: float,
+    max_len_a: float,
+    max_len_b: int,
+    max_sentences: int = 128,
+) -> dict[int, str]:
     """Decode the source sentences ``indices`` of ``split``; returns {index: detokenized text}."""
     from recipes.transformer.data import collate
 
@@ -115,10 +134,16 @@ def translate(model, split, indices, *, tokenizer, device, beam: int, lenpen: fl
     out: dict[int, str] = {}
     try:
         for start in range(0, len(order), max_sentences):
-            chunk = order[start:start + max_sentences]
+            chunk = order[start : start + max_sentences]
             batch = collate(split, chunk, device=device)
-            hyps = beam_search(model, batch["src_tokens"], beam=beam, lenpen=lenpen,
-                               max_len_a=max_len_a, max_len_b=max_len_b)
+            hyps = beam_search(
+                model,
+                batch["src_tokens"],
+                beam=beam,
+                lenpen=lenpen,
+                max_len_a=max_len_a,
+                max_len_b=max_len_b,
+            )
             for i, hyp in zip(chunk, hyps):
                 out[int(i)] = tokenizer.decode(hyp)
     finally:
@@ -131,15 +156,23 @@ def corpus_bleu(hypotheses: list[str], references: list[str]) -> float:
     try:
         import sacrebleu
     except ImportError as exc:
-        raise ImportError("BLEU needs sacrebleu: pip install sacrebleu (or 'commopt[recipes]')") from exc
+        raise ImportError(
+            "BLEU needs sacrebleu: pip install sacrebleu (or 'commopt[recipes]')"
+        ) from exc
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.transformer.evaluate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.transformer.evaluate", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--save-dir", help="take the newest checkpoints of this folder")
-    p.add_argument("--checkpoints", nargs="+", help="explicit checkpoint files (averaged when several)")
-    p.add_argument("--average-last", type=int, default=1, help="average the N newest numbered checkpoints")
+    p.add_argument(
+        "--checkpoints", nargs="+", help="explicit checkpoint files (averaged when several)"
+    )
+    p.add_argument(
+        "--average-last", type=int, default=1, help="average the N newest numbered checkpoints"
+    )
     p.add_argument("--data", help="data folder (default: the one the checkpoint was trained on)")
     p.add_argument("--split", default="test")
     p.add_argument("--beam", type=int, default=4)
@@ -164,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoints:
         paths = args.checkpoints
     elif args.save_dir:
-        paths = numbered_checkpoints(args.save_dir)[-args.average_last:]
+        paths = numbered_checkpoints(args.save_dir)[-args.average_last :]
         if not paths:
             parser.error(f"no checkpoint_*_*.pt files in {args.save_dir}")
     else:
@@ -179,20 +212,45 @@ def main(argv: list[str] | None = None) -> int:
     model.load_state_dict(state["model"])
     model.to(args.device).eval()
     data_dir = args.data or train_args["data"]
-    split = load_split(data_dir, args.split, train_args["src_lang"], train_args["tgt_lang"], tokenizer,
-                       tokenizer_key=state["tokenizer_key"])
+    split = load_split(
+        data_dir,
+        args.split,
+        train_args["src_lang"],
+        train_args["tgt_lang"],
+        tokenizer,
+        tokenizer_key=state["tokenizer_key"],
+    )
     n = len(split) if args.limit is None else min(args.limit, len(split))
-    hyps = translate(model, split, range(n), tokenizer=tokenizer, device=args.device, beam=args.beam,
-                     lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                     max_sentences=args.max_sentences)
+    hyps = translate(
+        model,
+        split,
+        range(n),
+        tokenizer=tokenizer,
+        device=args.device,
+        beam=args.beam,
+        lenpen=args.lenpen,
+        max_len_a=args.max_len_a,
+        max_len_b=args.max_len_b,
+        max_sentences=args.max_sentences,
+    )
     ordered = [hyps[i] for i in range(n)]
     bleu = corpus_bleu(ordered, split.references[:n])
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(h + "\n" for h in ordered)
-    print(json.dumps({"event": "bleu", "split": args.split, "bleu": round(bleu, 2), "sentences": n,
-                      "checkpoints": [os.path.basename(p) for p in paths], "beam": args.beam,
-                      "lenpen": args.lenpen}))
+    print(
+        json.dumps(
+            {
+                "event": "bleu",
+                "split": args.split,
+                "bleu": round(bleu, 2),
+                "sentences": n,
+                "checkpoints": [os.path.basename(p) for p in paths],
+                "beam": args.beam,
+                "lenpen": args.lenpen,
+            }
+        )
+    )
     return 0
 
 

@@ -11,6 +11,7 @@ Every record is one JSON object per line with an ``event`` ("config", "train", "
     >>> json.loads(out.getvalue())["loss"]
     2.5
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,16 @@ def _clean(value):
 class RunLog:
     """JSON-lines records plus a progress bar (tqdm) or, without one, a text line per record."""
 
-    def __init__(self, *, rank: int, json_path: str | None = None, json_stream=None,
-                 progress: bool | None = True, total: int = 0, initial: int = 0):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        json_path: str | None = None,
+        json_stream=None,
+        progress: bool | None = True,
+        total: int = 0,
+        initial: int = 0,
+    ):
         self.active = rank == 0
         self.start = time.time()
         self._stream = json_stream
@@ -52,9 +61,12 @@ class RunLog:
             try:
                 from tqdm import tqdm
             except ImportError as exc:
-                raise ImportError("the progress bar needs tqdm: pip install tqdm "
-                                  "(or pass --no-progress-bar)") from exc
-            self._bar = tqdm(total=total, initial=initial, unit="upd", dynamic_ncols=True, file=sys.stderr)
+                raise ImportError(
+                    "the progress bar needs tqdm: pip install tqdm (or pass --no-progress-bar)"
+                ) from exc
+            self._bar = tqdm(
+                total=total, initial=initial, unit="upd", dynamic_ncols=True, file=sys.stderr
+            )
 
     def event(self, event: str, **fields) -> None:
         if not self.active:

@@ -11,10 +11,12 @@ gain 1/sqrt(2)) and N(0, d^-1/2) embeddings with a zero pad row.
     >>> import torch
     >>> cfg = ARCHITECTURES["transformer_tiny"]
     >>> model = Transformer(cfg, vocab_size=40)
-    >>> src = torch.tensor([[5, 6, 7, 2]]); prev = torch.tensor([[2, 8, 9]])
+    >>> src = torch.tensor([[5, 6, 7, 2]])
+    ... prev = torch.tensor([[2, 8, 9]])
     >>> model(src, prev).shape
     torch.Size([1, 3, 40])
 """
+
 from __future__ import annotations
 
 import math
@@ -44,14 +46,23 @@ class TransformerConfig:
 
 ARCHITECTURES = {
     # a few hundred thousand parameters: learns the smoke corpus on a CPU in minutes
-    "transformer_tiny": TransformerConfig(embed_dim=64, ffn_dim=256, heads=4, encoder_layers=2,
-                                          decoder_layers=2, dropout=0.1, max_positions=256),
+    "transformer_tiny": TransformerConfig(
+        embed_dim=64,
+        ffn_dim=256,
+        heads=4,
+        encoder_layers=2,
+        decoder_layers=2,
+        dropout=0.1,
+        max_positions=256,
+    ),
     # fairseq's transformer_wmt_en_de (Transformer base)
-    "transformer_wmt_en_de": TransformerConfig(embed_dim=512, ffn_dim=2048, heads=8, encoder_layers=6,
-                                               decoder_layers=6, dropout=0.1),
+    "transformer_wmt_en_de": TransformerConfig(
+        embed_dim=512, ffn_dim=2048, heads=8, encoder_layers=6, decoder_layers=6, dropout=0.1
+    ),
     # fairseq's transformer_vaswani_wmt_en_de_big (Ott et al. 2018: 29.3 BLEU, published)
-    "transformer_vaswani_wmt_en_de_big": TransformerConfig(embed_dim=1024, ffn_dim=4096, heads=16,
-                                                           encoder_layers=6, decoder_layers=6, dropout=0.3),
+    "transformer_vaswani_wmt_en_de_big": TransformerConfig(
+        embed_dim=1024, ffn_dim=4096, heads=16, encoder_layers=6, decoder_layers=6, dropout=0.3
+    ),
 }
 
 
@@ -66,7 +77,9 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
     """Row p holds sin(p * w_i) for the first half and cos(p * w_i) for the second half,
     with w_i geometric from 1 to 1/10000 (row ``PAD`` is zero)."""
     half = dim // 2
-    freq = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000.0) / max(half - 1, 1)))
+    freq = torch.exp(
+        torch.arange(half, dtype=torch.float) * -(math.log(10000.0) / max(half - 1, 1))
+    )
     angles = torch.arange(num_positions, dtype=torch.float).unsqueeze(1) * freq.unsqueeze(0)
     table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
     if dim % 2:
@@ -80,7 +93,9 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, dim: int, max_positions: int):
         super().__init__()
-        self.register_buffer("table", sinusoidal_table(max_positions + PAD + 1, dim), persistent=False)
+        self.register_buffer(
+            "table", sinusoidal_table(max_positions + PAD + 1, dim), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         if start:  # incremental decoding: one new (never padded) position per sentence
@@ -90,7 +105,9 @@ class SinusoidalPositions(nn.Module):
             positions = torch.cumsum(mask, dim=1) * mask + PAD
         longest = start + 1 if start else tokens.size(1)  # a bound known without a device sync
         if longest + PAD + 1 > self.table.size(0):
-            raise ValueError(f"sequence of {longest} tokens is longer than max_positions={self.table.size(0) - PAD - 1}")
+            raise ValueError(
+                f"sequence of {longest} tokens is longer than max_positions={self.table.size(0) - PAD - 1}"
+            )
         return self.table[positions]
 
 
@@ -102,7 +119,9 @@ class MultiheadAttention(nn.Module):
         if dim % heads:
             raise ValueError(f"embed_dim {dim} is not divisible by heads {heads}")
         self.heads, self.head_dim, self.dropout = heads, dim // heads, dropout
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.Linear(dim, dim) for _ in range(4)
+        )
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
         nn.init.xavier_uniform_(self.out_proj.weight)
@@ -111,7 +130,9 @@ class MultiheadAttention(nn.Module):
     def _split(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, H, T, Dh)
         return x.view(x.size(0), x.size(1), self.heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, query, key_value, *, key_padding_mask=None, causal=False, cache=None, static_kv=False):
+    def forward(
+        self, query, key_value, *, key_padding_mask=None, causal=False, cache=None, static_kv=False
+    ):
         """``key_padding_mask``: (B, S) True at pads. ``cache``: a dict kept between
         decoding steps (self-attention appends to it; ``static_kv`` reuses it as is)."""
         q = self._split(self.q_proj(query))
@@ -150,7 +171,10 @@ class _Sublayers(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.ffn_in, self.ffn_out = _linear(cfg.embed_dim, cfg.ffn_dim), _linear(cfg.ffn_dim, cfg.embed_dim)
+        self.ffn_in, self.ffn_out = (
+            _linear(cfg.embed_dim, cfg.ffn_dim),
+            _linear(cfg.ffn_dim, cfg.embed_dim),
+        )
         self.ffn_norm = nn.LayerNorm(cfg.embed_dim)
 
     def residual(self, x, norm, fn):
@@ -170,7 +194,9 @@ class EncoderLayer(_Sublayers):
         self.self_attn_norm = nn.LayerNorm(cfg.embed_dim)
 
     def forward(self, x, pad_mask):
-        x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, key_padding_mask=pad_mask))
+        x = self.residual(
+            x, self.self_attn_norm, lambda h: self.self_attn(h, h, key_padding_mask=pad_mask)
+        )
         return self.residual(x, self.ffn_norm, self.ffn)
 
 
@@ -186,11 +212,16 @@ class DecoderLayer(_Sublayers):
         self_cache = cross_cache = None
         if cache is not None:
             self_cache, cross_cache = cache.setdefault("self", {}), cache.setdefault("cross", {})
-        x = self.residual(x, self.self_attn_norm,
-                          lambda h: self.self_attn(h, h, causal=True, cache=self_cache))
-        x = self.residual(x, self.cross_attn_norm,
-                          lambda h: self.cross_attn(h, enc, key_padding_mask=enc_pad_mask,
-                                                    cache=cross_cache, static_kv=True))
+        x = self.residual(
+            x, self.self_attn_norm, lambda h: self.self_attn(h, h, causal=True, cache=self_cache)
+        )
+        x = self.residual(
+            x,
+            self.cross_attn_norm,
+            lambda h: self.cross_attn(
+                h, enc, key_padding_mask=enc_pad_mask, cache=cross_cache, static_kv=True
+            ),
+        )
         return self.residual(x, self.ffn_norm, self.ffn)
 
 
@@ -203,7 +234,7 @@ class Transformer(nn.Module):
             raise NotImplementedError("only shared (joint-vocabulary) embeddings are implemented")
         self.cfg = cfg
         self.embed = nn.Embedding(vocab_size, cfg.embed_dim, padding_idx=PAD)
-        nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.embed_dim ** -0.5)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.embed_dim**-0.5)
         with torch.no_grad():
             self.embed.weight[PAD].zero_()
         self.embed_scale = math.sqrt(cfg.embed_dim)

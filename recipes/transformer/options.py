@@ -5,6 +5,7 @@ and :func:`parse_args` rejects what cannot work with a message that says what to
     >>> args.arch, args.max_update, args.max_tokens
     ('transformer_tiny', 5, 2000)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("preset and data")
     g.add_argument("--preset", required=True, help=f"one of: {', '.join(preset_names())}")
     g.add_argument("--data", help="folder with {train,valid,test}.{src_lang,tgt_lang} text files")
-    g.add_argument("--save-dir", help="checkpoints and logs (default: checkpoints/transformer-PRESET)")
+    g.add_argument(
+        "--save-dir", help="checkpoints and logs (default: checkpoints/transformer-PRESET)"
+    )
     g.add_argument("--src-lang")
     g.add_argument("--tgt-lang")
     g.add_argument("--spm-model", help="use this sentencepiece model instead of training one")
-    g.add_argument("--bpe-vocab", help="the text is already split into subwords (e.g. '@@ ' BPE); "
-                                       "this is its vocabulary file")
-    g.add_argument("--vocab-size", type=int, help="size of the sentencepiece model the recipe trains")
+    g.add_argument(
+        "--bpe-vocab",
+        help="the text is already split into subwords (e.g. '@@ ' BPE); "
+        "this is its vocabulary file",
+    )
+    g.add_argument(
+        "--vocab-size", type=int, help="size of the sentencepiece model the recipe trains"
+    )
     g.add_argument("--spm-type", choices=["bpe", "unigram"])
     g.add_argument("--max-positions", type=int, help="sentence pairs longer than this are skipped")
 
@@ -44,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("batching and optimization")
     g.add_argument("--max-tokens", type=int, help="padded tokens per batch per rank")
-    g.add_argument("--batch-size", type=int, help="sentences per update over all ranks (instead of "
-                                                  "--max-tokens); divisible by ranks x --update-freq")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        help="sentences per update over all ranks (instead of "
+        "--max-tokens); divisible by ranks x --update-freq",
+    )
     g.add_argument("--update-freq", type=int, help="batches accumulated per update on each rank")
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--warmup-updates", type=int)
@@ -58,23 +70,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-update", type=int, help="stop after this many updates")
     g.add_argument("--max-epoch", type=int, help="stop after this many epochs (0: no limit)")
     g.add_argument("--seed", type=int)
-    g.add_argument("--precision", choices=["fp32", "fp16", "bf16"],
-                   help="compute precision (fp16 uses dynamic loss scaling; GPU only)")
+    g.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "bf16"],
+        help="compute precision (fp16 uses dynamic loss scaling; GPU only)",
+    )
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    g.add_argument("--threads", type=int, help="CPU threads per rank (default: cores / ranks per node)")
+    g.add_argument(
+        "--threads", type=int, help="CPU threads per rank (default: cores / ranks per node)"
+    )
 
     add_commopt_arguments(p)
 
     g = p.add_argument_group("checkpoints, validation and logging")
-    g.add_argument("--save-interval-updates", type=int, help="save every N updates (0: end of epoch only)")
+    g.add_argument(
+        "--save-interval-updates", type=int, help="save every N updates (0: end of epoch only)"
+    )
     g.add_argument("--keep-last", type=int, help="keep the N newest numbered checkpoints")
     g.add_argument("--no-save", action="store_true", help="write no checkpoints")
-    g.add_argument("--restore-file", help="resume from this checkpoint (default: SAVE_DIR/checkpoint_last.pt if it exists)")
-    g.add_argument("--reset", action="store_true", help="start afresh even if SAVE_DIR has a checkpoint")
-    g.add_argument("--validate-interval-updates", type=int, help="validate every N updates (0: per epoch)")
-    g.add_argument("--eval-bleu", action="store_true", help="also decode the valid set and report BLEU")
-    g.add_argument("--final-eval", choices=["none", "valid", "test"], help="split to score with BLEU at the end")
-    g.add_argument("--average-last", type=int, help="final BLEU with the average of the last N checkpoints")
+    g.add_argument(
+        "--restore-file",
+        help="resume from this checkpoint (default: SAVE_DIR/checkpoint_last.pt if it exists)",
+    )
+    g.add_argument(
+        "--reset", action="store_true", help="start afresh even if SAVE_DIR has a checkpoint"
+    )
+    g.add_argument(
+        "--validate-interval-updates", type=int, help="validate every N updates (0: per epoch)"
+    )
+    g.add_argument(
+        "--eval-bleu", action="store_true", help="also decode the valid set and report BLEU"
+    )
+    g.add_argument(
+        "--final-eval",
+        choices=["none", "valid", "test"],
+        help="split to score with BLEU at the end",
+    )
+    g.add_argument(
+        "--average-last", type=int, help="final BLEU with the average of the last N checkpoints"
+    )
     g.add_argument("--beam", type=int)
     g.add_argument("--lenpen", type=float)
     g.add_argument("--max-len-a", type=float)
@@ -122,13 +156,16 @@ def validate(args: argparse.Namespace, *, given: set[str], world_size: int | Non
     if args.arch not in ARCHITECTURES:
         raise ValueError(f"unknown --arch {args.arch!r}; choose one of: {', '.join(ARCHITECTURES)}")
     if args.data is None:
-        raise ValueError(f"the {args.preset} preset needs --data DIR (see docs/recipes.md "
-                         f"for preparing it)")
+        raise ValueError(
+            f"the {args.preset} preset needs --data DIR (see docs/recipes.md for preparing it)"
+        )
     if not os.path.isdir(args.data) and ("data" in given or not args.generate_smoke_corpus):
-        hint = ("leave --data out to let the smoke preset generate its corpus, or run "
-                f"`python -m recipes.transformer.smoke_corpus {args.data}`"
-                if args.generate_smoke_corpus else
-                "see docs/recipes.md for downloading and preparing it")
+        hint = (
+            "leave --data out to let the smoke preset generate its corpus, or run "
+            f"`python -m recipes.transformer.smoke_corpus {args.data}`"
+            if args.generate_smoke_corpus
+            else "see docs/recipes.md for downloading and preparing it"
+        )
         raise ValueError(f"data folder {args.data!r} does not exist; {hint}")
     if "batch_size" in given and "max_tokens" in given:
         raise ValueError("give --max-tokens or --batch-size, not both")
@@ -157,7 +194,9 @@ def validate(args: argparse.Namespace, *, given: set[str], world_size: int | Non
     except ValueError:
         betas = ()
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"--adam-betas must be two numbers in [0, 1) like 0.9,0.98; got {args.adam_betas!r}")
+        raise ValueError(
+            f"--adam-betas must be two numbers in [0, 1) like 0.9,0.98; got {args.adam_betas!r}"
+        )
     args.adam_betas = betas
     if not 0 <= args.label_smoothing < 1:
         raise ValueError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")

@@ -16,42 +16,72 @@
     >>> sorted(PRESETS)
     ['smoke', 'wmt16-en-de']
 """
+
 from __future__ import annotations
 
 COMMON = {
-    "src_lang": "en", "tgt_lang": "de",
-    "tokenizer": "sentencepiece", "spm_type": "bpe",
-    "adam_betas": "0.9,0.98", "adam_eps": 1e-8, "weight_decay": 0.0,
-    "warmup_init_lr": 1e-7, "label_smoothing": 0.1, "clip_norm": 0.0,
-    "update_freq": 1, "max_epoch": 0, "seed": 1,
-    "beam": 4, "lenpen": 0.6, "max_len_a": 1.2, "max_len_b": 10,
-    "log_interval": 100, "keep_last": 10, "average_last": 1, "final_eval": "test",
+    "src_lang": "en",
+    "tgt_lang": "de",
+    "tokenizer": "sentencepiece",
+    "spm_type": "bpe",
+    "adam_betas": "0.9,0.98",
+    "adam_eps": 1e-8,
+    "weight_decay": 0.0,
+    "warmup_init_lr": 1e-7,
+    "label_smoothing": 0.1,
+    "clip_norm": 0.0,
+    "update_freq": 1,
+    "max_epoch": 0,
+    "seed": 1,
+    "beam": 4,
+    "lenpen": 0.6,
+    "max_len_a": 1.2,
+    "max_len_b": 10,
+    "log_interval": 100,
+    "keep_last": 10,
+    "average_last": 1,
+    "final_eval": "test",
 }
 
 PRESETS: dict[str, dict] = {
     "smoke": {
         **COMMON,
-        "data": "data/transformer-smoke", "generate_smoke_corpus": True,
-        "src_lang": "src", "tgt_lang": "tgt",
-        "arch": "transformer_tiny", "vocab_size": 400,
-        "max_tokens": 2000, "max_positions": 256,
+        "data": "data/transformer-smoke",
+        "generate_smoke_corpus": True,
+        "src_lang": "src",
+        "tgt_lang": "tgt",
+        "arch": "transformer_tiny",
+        "vocab_size": 400,
+        "max_tokens": 2000,
+        "max_positions": 256,
         # a gentle schedule so that double buffering (one-step-stale Adam) matches fp32 too:
         # at lr 3e-3 with 100 warm-up updates it fell to 14 BLEU (docs/recipes.md)
-        "lr": 2e-3, "warmup_updates": 300, "max_update": 800,
+        "lr": 2e-3,
+        "warmup_updates": 300,
+        "max_update": 800,
         "precision": "fp32",
-        "save_interval_updates": 100, "validate_interval_updates": 100,
-        "log_interval": 25, "keep_last": 3, "average_last": 1,
-        "beam": 1, "lenpen": 1.0,  # greedy: the smoke language has one right answer
+        "save_interval_updates": 100,
+        "validate_interval_updates": 100,
+        "log_interval": 25,
+        "keep_last": 3,
+        "average_last": 1,
+        "beam": 1,
+        "lenpen": 1.0,  # greedy: the smoke language has one right answer
     },
     "wmt16-en-de": {
         **COMMON,
         "data": None,  # required: see docs/recipes.md for preparing it
         "generate_smoke_corpus": False,
-        "arch": "transformer_vaswani_wmt_en_de_big", "vocab_size": 32000,
-        "max_tokens": 3584, "max_positions": 1024,
-        "lr": 1e-3, "warmup_updates": 4000, "max_update": 30000,
+        "arch": "transformer_vaswani_wmt_en_de_big",
+        "vocab_size": 32000,
+        "max_tokens": 3584,
+        "max_positions": 1024,
+        "lr": 1e-3,
+        "warmup_updates": 4000,
+        "max_update": 30000,
         "precision": "fp16",
-        "save_interval_updates": 1000, "validate_interval_updates": 1000,
+        "save_interval_updates": 1000,
+        "validate_interval_updates": 1000,
         "average_last": 10,
     },
 }

@@ -12,12 +12,15 @@ resumes exactly from the update count saved in a checkpoint.
     >>> inverse_sqrt_lr(16000, lr=1e-3, warmup_updates=4000)
     0.0005
 """
+
 from __future__ import annotations
 
 import math
 
 
-def inverse_sqrt_lr(num_updates: int, *, lr: float, warmup_updates: int, warmup_init_lr: float = 0.0) -> float:
+def inverse_sqrt_lr(
+    num_updates: int, *, lr: float, warmup_updates: int, warmup_init_lr: float = 0.0
+) -> float:
     if num_updates < warmup_updates:
         return warmup_init_lr + num_updates * (lr - warmup_init_lr) / warmup_updates
     if warmup_updates == 0:

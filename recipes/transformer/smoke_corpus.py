@@ -23,6 +23,7 @@ files (``train``/``valid``/``test`` x ``src``/``tgt``, one sentence per line):
     >>> generate_corpus_lines(seed=1, n=2) == generate_corpus_lines(seed=1, n=2)
     True
 """
+
 from __future__ import annotations
 
 import os
@@ -30,32 +31,70 @@ import random
 
 # source singular, source plural, target root
 NOUNS = [
-    ("dog", "dogs", "tomu"), ("cat", "cats", "kasu"), ("bird", "birds", "pileto"),
-    ("man", "men", "orano"), ("woman", "women", "selima"), ("child", "children", "nuvi"),
-    ("house", "houses", "dalaka"), ("tree", "trees", "bereno"), ("river", "rivers", "soluma"),
-    ("car", "cars", "vimoti"), ("book", "books", "libelo"), ("apple", "apples", "mekana"),
-    ("teacher", "teachers", "gorasti"), ("farmer", "farmers", "tulveno"), ("horse", "horses", "ekvala"),
-    ("boat", "boats", "navire"), ("city", "cities", "polumi"), ("friend", "friends", "amiko"),
-    ("garden", "gardens", "hortena"), ("letter", "letters", "skribo"), ("king", "kings", "regalo"),
-    ("student", "students", "disipo"), ("mountain", "mountains", "montuva"), ("window", "windows", "fenestu"),
+    ("dog", "dogs", "tomu"),
+    ("cat", "cats", "kasu"),
+    ("bird", "birds", "pileto"),
+    ("man", "men", "orano"),
+    ("woman", "women", "selima"),
+    ("child", "children", "nuvi"),
+    ("house", "houses", "dalaka"),
+    ("tree", "trees", "bereno"),
+    ("river", "rivers", "soluma"),
+    ("car", "cars", "vimoti"),
+    ("book", "books", "libelo"),
+    ("apple", "apples", "mekana"),
+    ("teacher", "teachers", "gorasti"),
+    ("farmer", "farmers", "tulveno"),
+    ("horse", "horses", "ekvala"),
+    ("boat", "boats", "navire"),
+    ("city", "cities", "polumi"),
+    ("friend", "friends", "amiko"),
+    ("garden", "gardens", "hortena"),
+    ("letter", "letters", "skribo"),
+    ("king", "kings", "regalo"),
+    ("student", "students", "disipo"),
+    ("mountain", "mountains", "montuva"),
+    ("window", "windows", "fenestu"),
 ]
 ADJECTIVES = [
-    ("big", "doma"), ("small", "piko"), ("red", "ruva"), ("green", "velde"), ("old", "senu"),
-    ("young", "junka"), ("happy", "gela"), ("quiet", "silvo"), ("strong", "forta"),
-    ("clever", "saxi"), ("white", "blanu"), ("tired", "lasko"),
+    ("big", "doma"),
+    ("small", "piko"),
+    ("red", "ruva"),
+    ("green", "velde"),
+    ("old", "senu"),
+    ("young", "junka"),
+    ("happy", "gela"),
+    ("quiet", "silvo"),
+    ("strong", "forta"),
+    ("clever", "saxi"),
+    ("white", "blanu"),
+    ("tired", "lasko"),
 ]
 # present with a singular subject, present with a plural subject, past, target root
 VERBS = [
-    ("sees", "see", "saw", "mira"), ("likes", "like", "liked", "amaro"), ("finds", "find", "found", "trovi"),
-    ("helps", "help", "helped", "juvo"), ("follows", "follow", "followed", "sekva"),
-    ("calls", "call", "called", "voka"), ("visits", "visit", "visited", "vizu"),
-    ("pushes", "push", "pushed", "pusa"), ("paints", "paint", "painted", "pentu"),
-    ("carries", "carry", "carried", "porti"), ("greets", "greet", "greeted", "saluto"),
-    ("watches", "watch", "watched", "obsero"), ("builds", "build", "built", "kontra"),
+    ("sees", "see", "saw", "mira"),
+    ("likes", "like", "liked", "amaro"),
+    ("finds", "find", "found", "trovi"),
+    ("helps", "help", "helped", "juvo"),
+    ("follows", "follow", "followed", "sekva"),
+    ("calls", "call", "called", "voka"),
+    ("visits", "visit", "visited", "vizu"),
+    ("pushes", "push", "pushed", "pusa"),
+    ("paints", "paint", "painted", "pentu"),
+    ("carries", "carry", "carried", "porti"),
+    ("greets", "greet", "greeted", "saluto"),
+    ("watches", "watch", "watched", "obsero"),
+    ("builds", "build", "built", "kontra"),
     ("remembers", "remember", "remembered", "memori"),
 ]
 PREPOSITIONS = [("with", "kun"), ("near", "apu"), ("behind", "malo"), ("under", "sube")]
-ADVERBS = [("today", "veni"), ("again", "denove"), ("often", "ofta"), ("slowly", "lanta"), ("quickly", "rapi")]
+ADVERBS = [
+    ("today", "veni"),
+    ("again", "denove"),
+    ("often", "ofta"),
+    ("slowly", "lanta"),
+    ("quickly", "rapi"),
+]
 
 SPLITS = {"train": 12000, "valid": 200, "test": 400}
 #: Each split draws from its own seed so adding training data never changes valid/test.
@@ -121,8 +160,14 @@ def generate_corpus_lines(seed: int, n: int) -> list[tuple[str, str]]:
     return [sentence_pair(rng) for _ in range(n)]
 
 
-def write_smoke_corpus(out_dir: str, *, seed: int = 1, sizes: dict[str, int] | None = None,
-                       src_lang: str = "src", tgt_lang: str = "tgt") -> dict[str, int]:
+def write_smoke_corpus(
+    out_dir: str,
+    *,
+    seed: int = 1,
+    sizes: dict[str, int] | None = None,
+    src_lang: str = "src",
+    tgt_lang: str = "tgt",
+) -> dict[str, int]:
     """Write ``{split}.{lang}`` files into ``out_dir``; returns the number of lines per split.
 
     Files are written to a temporary name and renamed, so concurrent ranks never read a

@@ -13,6 +13,7 @@ Two kinds, one interface (``encode(line) -> list[int]``, ``decode(ids) -> str``,
     >>> tok.decode(ids)
     'hello world'
 """
+
 from __future__ import annotations
 
 import os
@@ -54,21 +55,37 @@ class SentencePieceTokenizer:
             return cls(f.read())
 
     @classmethod
-    def train(cls, text_files: list[str], vocab_size: int, *, model_type: str = "unigram",
-              max_sentences: int = 2_000_000, character_coverage: float = 1.0,
-              threads: int = 1) -> SentencePieceTokenizer:
+    def train(
+        cls,
+        text_files: list[str],
+        vocab_size: int,
+        *,
+        model_type: str = "unigram",
+        max_sentences: int = 2_000_000,
+        character_coverage: float = 1.0,
+        threads: int = 1,
+    ) -> SentencePieceTokenizer:
         """Train a joint model on ``text_files`` (one sentence per line)."""
         spm = _sentencepiece()
         spm.set_random_generator_seed(1)  # the sentence sampling must not differ between runs
         with tempfile.TemporaryDirectory() as tmp:
             prefix = os.path.join(tmp, "spm")
             spm.SentencePieceTrainer.train(
-                input=",".join(text_files), model_prefix=prefix, vocab_size=vocab_size,
-                model_type=model_type, character_coverage=character_coverage,
-                bos_id=BOS, pad_id=PAD, eos_id=EOS, unk_id=UNK,
+                input=",".join(text_files),
+                model_prefix=prefix,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                bos_id=BOS,
+                pad_id=PAD,
+                eos_id=EOS,
+                unk_id=UNK,
                 # sampling keeps WMT-sized corpora tractable
-                input_sentence_size=max_sentences, shuffle_input_sentence=True,
-                num_threads=threads, minloglevel=2, hard_vocab_limit=False,
+                input_sentence_size=max_sentences,
+                shuffle_input_sentence=True,
+                num_threads=threads,
+                minloglevel=2,
+                hard_vocab_limit=False,
             )
             with open(prefix + ".model", "rb") as f:
                 return cls(f.read())
@@ -124,7 +141,11 @@ class PretokenizedTokenizer:
         return text
 
     def state(self) -> dict:
-        return {"kind": self.kind, "pieces": self.pieces[len(SPECIALS):], "bpe_marker": self.bpe_marker}
+        return {
+            "kind": self.kind,
+            "pieces": self.pieces[len(SPECIALS) :],
+            "bpe_marker": self.bpe_marker,
+        }
 
 
 def tokenizer_from_state(state: dict):

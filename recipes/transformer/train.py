@@ -18,6 +18,7 @@ gradient), the loss scaler, the data position and every rank's random state, and
 dropout is seeded per update. ``SAVE_DIR/checkpoint_last.pt`` is picked up by the next
 run in the same folder unless ``--reset`` is given.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,12 @@ if __package__ in (None, ""):  # `python recipes/transformer/train.py`
 
 import torch
 
-from commopt.optim.checkpoint import drop_codec_state, has_codec_state, join_rank_state, split_rank_state
+from commopt.optim.checkpoint import (
+    drop_codec_state,
+    has_codec_state,
+    join_rank_state,
+    split_rank_state,
+)
 from recipes.common import choose_device, create_communicator, multi_node_optimizer, set_cpu_threads
 from recipes.precision import MixedPrecision
 from recipes.transformer import checkpoint as ckpt
@@ -81,10 +87,13 @@ def prepare_tokenizer(args, comm, restored: dict | None):
             files = list(split_paths(args.data, "train", args.src_lang, args.tgt_lang))
             for f in files:
                 if not os.path.isfile(f):
-                    raise FileNotFoundError(f"missing {f}: the data folder needs train.{args.src_lang} "
-                                            f"and train.{args.tgt_lang}")
-            tok = SentencePieceTokenizer.train(files, args.vocab_size, model_type=args.spm_type,
-                                               threads=torch.get_num_threads())
+                    raise FileNotFoundError(
+                        f"missing {f}: the data folder needs train.{args.src_lang} "
+                        f"and train.{args.tgt_lang}"
+                    )
+            tok = SentencePieceTokenizer.train(
+                files, args.vocab_size, model_type=args.spm_type, threads=torch.get_num_threads()
+            )
             os.makedirs(args.save_dir, exist_ok=True)
             with open(os.path.join(args.save_dir, "spm.model"), "wb") as f:
                 f.write(tok.model_proto)  # for tools outside the recipe
@@ -95,8 +104,11 @@ def prepare_tokenizer(args, comm, restored: dict | None):
 
 def load_data(args, comm, tokenizer, key: str) -> dict:
     """Encode the splits once per node (the first rank writes the cache, the others read it)."""
+
     def load(split):
-        return load_split(args.data, split, args.src_lang, args.tgt_lang, tokenizer, tokenizer_key=key)
+        return load_split(
+            args.data, split, args.src_lang, args.tgt_lang, tokenizer, tokenizer_key=key
+        )
 
     splits = ["train", "valid"] + (["test"] if args.final_eval == "test" else [])
     data = {}
@@ -106,8 +118,6 @@ def load_data(args, comm, tokenizer, key: str) -> dict:
     if comm.intra_rank != 0:
         data = {s: load(s) for s in splits}
     return data
-
-
 
 
 # -- random state ---------------------------------------------------------------------------
@@ -127,7 +137,7 @@ def set_rng_state(state: dict) -> None:
 
 def seed_update(seed: int, rank: int, num_updates: int) -> None:
     """Dropout masks depend only on (seed, rank, update): resuming reproduces them."""
-    torch.manual_seed((seed * 1_000_003 + rank * 10_007 + num_updates) % (2 ** 63))
+    torch.manual_seed((seed * 1_000_003 + rank * 10_007 + num_updates) % (2**63))
 
 
 # -- the trainer --------------------------------------------------------------------------
@@ -153,14 +163,23 @@ class Trainer:
     def __init__(self, args, comm, device, data, tokenizer, tokenizer_key, log: RunLog):
         self.args, self.comm, self.device, self.data = args, comm, device, data
         self.tokenizer, self.tokenizer_key, self.log = tokenizer, tokenizer_key, log
-        self.cfg = architecture(args.arch, dropout=args.dropout, attention_dropout=args.attention_dropout,
-                                activation_dropout=args.activation_dropout,
-                                normalize_before=args.normalize_before or None,
-                                max_positions=args.max_positions)
+        self.cfg = architecture(
+            args.arch,
+            dropout=args.dropout,
+            attention_dropout=args.attention_dropout,
+            activation_dropout=args.activation_dropout,
+            normalize_before=args.normalize_before or None,
+            max_positions=args.max_positions,
+        )
         torch.manual_seed(args.seed)  # the same initial weights everywhere (rank 0's win anyway)
         self.model = Transformer(self.cfg, tokenizer.vocab_size).to(device)
-        base = torch.optim.Adam(self.model.parameters(), lr=args.warmup_init_lr, betas=args.adam_betas,
-                                eps=args.adam_eps, weight_decay=args.weight_decay)
+        base = torch.optim.Adam(
+            self.model.parameters(),
+            lr=args.warmup_init_lr,
+            betas=args.adam_betas,
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
         self.optimizer = multi_node_optimizer(base, comm, args, model=self.model, seed=args.seed)
         self.precision = MixedPrecision.resolve(args.precision, device)
         self.scaler = self.precision.scaler
@@ -168,8 +187,13 @@ class Trainer:
         if args.batch_size:
             batch_sentences = args.batch_size // (comm.size * args.update_freq)
         self.iterator = ShardedBatchIterator(
-            data["train"], rank=comm.rank, world_size=comm.size, update_freq=args.update_freq,
-            seed=args.seed, max_tokens=args.max_tokens, max_sentences=batch_sentences,
+            data["train"],
+            rank=comm.rank,
+            world_size=comm.size,
+            update_freq=args.update_freq,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            max_sentences=batch_sentences,
             max_positions=args.max_positions,
         )
         self.num_updates = 0
@@ -183,8 +207,15 @@ class Trainer:
 
     def train_update(self, batches) -> Stats:
         args = self.args
-        set_lr(self.optimizer, inverse_sqrt_lr(self.num_updates, lr=args.lr, warmup_updates=args.warmup_updates,
-                                               warmup_init_lr=args.warmup_init_lr))
+        set_lr(
+            self.optimizer,
+            inverse_sqrt_lr(
+                self.num_updates,
+                lr=args.lr,
+                warmup_updates=args.warmup_updates,
+                warmup_init_lr=args.warmup_init_lr,
+            ),
+        )
         seed_update(args.seed, self.comm.rank, self.num_updates)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -200,8 +231,14 @@ class Trainer:
                 scaled = loss / local_tokens
                 self.precision.backward(scaled)
             # tensors, not floats: reading them would wait for the GPU at every batch
-            stats.add(Stats(loss=loss.detach(), nll=nll.detach(),
-                            ntokens=sample["ntokens"], nsentences=sample["nsentences"]))
+            stats.add(
+                Stats(
+                    loss=loss.detach(),
+                    nll=nll.detach(),
+                    ntokens=sample["ntokens"],
+                    nsentences=sample["nsentences"],
+                )
+            )
         clip, double_buffered = args.clip_norm > 0, args.double_buffering
         if self.scaler is not None and (clip or not double_buffered):
             if not double_buffered:
@@ -228,19 +265,35 @@ class Trainer:
         total = Stats()
         if mine:
             idx = torch.tensor(mine)
-            for b in batches_by_size(split.src_lengths, split.tgt_lengths, indices=idx,
-                                     max_tokens=max(self.args.max_tokens or 0, 4096)):
+            for b in batches_by_size(
+                split.src_lengths,
+                split.tgt_lengths,
+                indices=idx,
+                max_tokens=max(self.args.max_tokens or 0, 4096),
+            ):
                 sample = collate(split, b, device=self.device)
                 with self.precision.autocast():
                     logits = self.model(sample["src_tokens"], sample["prev_output_tokens"])
-                loss, nll = label_smoothed_nll_loss(logits, sample["target"], self.args.label_smoothing)
-                total.add(Stats(loss=loss, nll=nll, ntokens=sample["ntokens"], nsentences=sample["nsentences"]))
+                loss, nll = label_smoothed_nll_loss(
+                    logits, sample["target"], self.args.label_smoothing
+                )
+                total.add(
+                    Stats(
+                        loss=loss,
+                        nll=nll,
+                        ntokens=sample["ntokens"],
+                        nsentences=sample["nsentences"],
+                    )
+                )
         self.model.train()
         everyone = Stats()
         for s in self.comm.allgather_obj(total.as_floats()):
             everyone.add(s)
-        return {"loss": everyone.loss / everyone.ntokens / LN2, "nll_loss": everyone.nll / everyone.ntokens / LN2,
-                "ppl": 2 ** (everyone.nll / everyone.ntokens / LN2)}
+        return {
+            "loss": everyone.loss / everyone.ntokens / LN2,
+            "nll_loss": everyone.nll / everyone.ntokens / LN2,
+            "ppl": 2 ** (everyone.nll / everyone.ntokens / LN2),
+        }
 
     def bleu(self, split_name: str) -> float:
         """Decode ``split_name`` (each rank a share) and score it on rank 0; every rank gets it."""
@@ -250,8 +303,17 @@ class Trainer:
         split = self.data[split_name]
         mine = list(shard_for_rank(len(split), self.comm.rank, self.comm.size))
         a = self.args
-        hyps = translate(self.model, split, mine, tokenizer=self.tokenizer, device=self.device, beam=a.beam,
-                         lenpen=a.lenpen, max_len_a=a.max_len_a, max_len_b=a.max_len_b)
+        hyps = translate(
+            self.model,
+            split,
+            mine,
+            tokenizer=self.tokenizer,
+            device=self.device,
+            beam=a.beam,
+            lenpen=a.lenpen,
+            max_len_a=a.max_len_a,
+            max_len_b=a.max_len_b,
+        )
         merged: dict[int, str] = {}
         for part in self.comm.allgather_obj(hyps):
             merged.update(part)
@@ -265,7 +327,9 @@ class Trainer:
         if self.args.eval_bleu:
             result["bleu"] = self.bleu("valid")
         self.best_valid_loss = min(self.best_valid_loss, result["loss"])
-        self.log.event("valid", epoch=epoch, update=self.num_updates, best_loss=self.best_valid_loss, **result)
+        self.log.event(
+            "valid", epoch=epoch, update=self.num_updates, best_loss=self.best_valid_loss, **result
+        )
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -299,18 +363,27 @@ class Trainer:
         state["rank_files"] = self.comm.size if has_codec_state(own["codec_state"]) else 0
         if state["rank_files"]:
             for name in (f"checkpoint_{self.iterator.epoch}_{self.num_updates}.pt", ckpt.LAST):
-                ckpt.atomic_save(own, os.path.join(self.args.save_dir, name) + f".rank{self.comm.rank}")
+                ckpt.atomic_save(
+                    own, os.path.join(self.args.save_dir, name) + f".rank{self.comm.rank}"
+                )
             self.comm.barrier()  # before rank 0 prunes old checkpoints and their rank files
         if self.comm.rank == 0:
-            path = ckpt.save_checkpoint(state, self.args.save_dir, epoch=self.iterator.epoch,
-                                        num_updates=self.num_updates, keep_last=self.args.keep_last)
+            path = ckpt.save_checkpoint(
+                state,
+                self.args.save_dir,
+                epoch=self.iterator.epoch,
+                num_updates=self.num_updates,
+                keep_last=self.args.keep_last,
+            )
             self.log.event("checkpoint", update=self.num_updates, path=path)
         self.comm.barrier()  # nobody runs ahead of a checkpoint that is being written
 
     def load_state_dict(self, state: dict) -> None:
         if dataclasses.asdict(self.cfg) != state["model_config"]:
-            raise ValueError("the checkpoint's model differs from --arch and its options; "
-                             "resume with the same ones or pass --reset")
+            raise ValueError(
+                "the checkpoint's model differs from --arch and its options; "
+                "resume with the same ones or pass --reset"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(self._own_optimizer_state(state["optimizer"]))
         if self.scaler is not None and state.get("scaler"):
@@ -321,9 +394,13 @@ class Trainer:
         self.iterator.load_state_dict(state["train_iterator"])
         ranks = state.get("rank_states") or []
         if state.get("world_size") != self.comm.size:
-            self.log.write(f"resuming {state.get('world_size')}-rank training on {self.comm.size} ranks: "
-                           f"the data order (and any per-rank optimizer state) differs from an uninterrupted run")
-            self.iterator.updates_in_epoch = min(self.iterator.updates_in_epoch, self.iterator.updates_per_epoch)
+            self.log.write(
+                f"resuming {state.get('world_size')}-rank training on {self.comm.size} ranks: "
+                f"the data order (and any per-rank optimizer state) differs from an uninterrupted run"
+            )
+            self.iterator.updates_in_epoch = min(
+                self.iterator.updates_in_epoch, self.iterator.updates_per_epoch
+            )
         if self.comm.rank < len(ranks):
             set_rng_state(ranks[self.comm.rank]["rng"])
 
@@ -335,11 +412,16 @@ class Trainer:
         residuals at zero (commopt.optim.drop_codec_state), which the log says.
         """
         extra = opt_state.get("commopt") or {}
-        if (extra.get("version") == 2 and has_codec_state(extra.get("codec_state", {}))
-                and (extra["rank"] != self.comm.rank or extra["world_size"] != self.comm.size)):
-            self.log.write(f"rank {self.comm.rank}: error-feedback residuals restart at zero "
-                           f"(the checkpoint holds rank {extra['rank']}'s of "
-                           f"{extra['world_size']} ranks)")
+        if (
+            extra.get("version") == 2
+            and has_codec_state(extra.get("codec_state", {}))
+            and (extra["rank"] != self.comm.rank or extra["world_size"] != self.comm.size)
+        ):
+            self.log.write(
+                f"rank {self.comm.rank}: error-feedback residuals restart at zero "
+                f"(the checkpoint holds rank {extra['rank']}'s of "
+                f"{extra['world_size']} ranks)"
+            )
             return drop_codec_state(opt_state)
         return opt_state
 
@@ -347,7 +429,8 @@ class Trainer:
     def done(self) -> bool:
         a = self.args
         return (a.max_update > 0 and self.num_updates >= a.max_update) or (
-            a.max_epoch > 0 and self.iterator.epoch > a.max_epoch)
+            a.max_epoch > 0 and self.iterator.epoch > a.max_epoch
+        )
 
     def train(self) -> None:
         a, log = self.args, self.log
@@ -369,7 +452,10 @@ class Trainer:
                     log.progress(1)
                 if at_end:
                     break
-                if a.validate_interval_updates and self.num_updates % a.validate_interval_updates == 0:
+                if (
+                    a.validate_interval_updates
+                    and self.num_updates % a.validate_interval_updates == 0
+                ):
                     self.validate(epoch)
                     last_validated = self.num_updates
                 if a.save_interval_updates and self.num_updates % a.save_interval_updates == 0:
@@ -400,12 +486,19 @@ class Trainer:
         n = max(everyone.ntokens, 1)
         updates = max(window.updates, 1)
         self.log.event(
-            "train", epoch=epoch, update=self.num_updates, loss=everyone.loss / n / LN2,
-            nll_loss=everyone.nll / n / LN2, ppl=2 ** (everyone.nll / n / LN2),
-            lr=self.optimizer.param_groups[0]["lr"], wps=everyone.ntokens / max(seconds, 1e-9),
-            ups=updates / max(seconds, 1e-9), wpb=everyone.ntokens / updates,
+            "train",
+            epoch=epoch,
+            update=self.num_updates,
+            loss=everyone.loss / n / LN2,
+            nll_loss=everyone.nll / n / LN2,
+            ppl=2 ** (everyone.nll / n / LN2),
+            lr=self.optimizer.param_groups[0]["lr"],
+            wps=everyone.ntokens / max(seconds, 1e-9),
+            ups=updates / max(seconds, 1e-9),
+            wpb=everyone.ntokens / updates,
             bsz=everyone.nsentences / updates,
-            loss_scale=self.scaler.get_scale() if self.scaler else None, train_time=self.train_time,
+            loss_scale=self.scaler.get_scale() if self.scaler else None,
+            train_time=self.train_time,
         )
         return everyone.loss / n / LN2
 
@@ -417,7 +510,11 @@ class Trainer:
         self.optimizer.wait()
         averaged = 1
         if a.average_last > 1 and not a.no_save:
-            paths = ckpt.numbered_checkpoints(a.save_dir)[-a.average_last:] if self.comm.rank == 0 else None
+            paths = (
+                ckpt.numbered_checkpoints(a.save_dir)[-a.average_last :]
+                if self.comm.rank == 0
+                else None
+            )
             paths = self.comm.bcast_obj(paths, 0)
             averaged = len(paths)
             if averaged > 1:
@@ -426,8 +523,16 @@ class Trainer:
                 for tensor in self.model.state_dict().values():  # rank 0's average to everyone
                     self.comm.broadcast(tensor, 0)
         score = self.bleu(a.final_eval)
-        self.log.event("final", split=a.final_eval, bleu=score, averaged_checkpoints=averaged,
-                       beam=a.beam, lenpen=a.lenpen, update=self.num_updates, train_time=self.train_time)
+        self.log.event(
+            "final",
+            split=a.final_eval,
+            bleu=score,
+            averaged_checkpoints=averaged,
+            beam=a.beam,
+            lenpen=a.lenpen,
+            update=self.num_updates,
+            train_time=self.train_time,
+        )
         return score
 
 
@@ -457,7 +562,8 @@ def _restore_state(args, comm) -> dict | None:
                 f"rank {comm.rank}: {own_path} is missing: the checkpoint keeps each of its "
                 f"{comm.size} ranks' error-feedback residuals in a file of its own. Copy rank "
                 f"{comm.rank}'s file there (resuming with another number of ranks restarts the "
-                f"residuals at zero instead)")
+                f"residuals at zero instead)"
+            )
         else:
             own = {"rank": comm.rank, "world_size": comm.size, "codec_state": {}}  # none saved
         state["optimizer"] = join_rank_state(state["optimizer"], own)
@@ -476,11 +582,15 @@ def run(argv: list[str] | None = None) -> Trainer:
     if args.batch_size and args.batch_size % (comm.size * args.update_freq):
         build_parser().error(
             f"--batch-size {args.batch_size} is not divisible by {comm.size} ranks x --update-freq "
-            f"{args.update_freq}; use a multiple of {comm.size * args.update_freq}")
+            f"{args.update_freq}; use a multiple of {comm.size * args.update_freq}"
+        )
     threads = set_cpu_threads(args.threads, comm.intra_size) if device.type == "cpu" else None
 
-    if args.generate_smoke_corpus and comm.intra_rank == 0 and not os.path.isfile(
-            os.path.join(args.data, f"test.{args.tgt_lang}")):
+    if (
+        args.generate_smoke_corpus
+        and comm.intra_rank == 0
+        and not os.path.isfile(os.path.join(args.data, f"test.{args.tgt_lang}"))
+    ):
         from recipes.transformer.smoke_corpus import write_smoke_corpus
 
         write_smoke_corpus(args.data, src_lang=args.src_lang, tgt_lang=args.tgt_lang)
@@ -489,9 +599,13 @@ def run(argv: list[str] | None = None) -> Trainer:
     restored = _restore_state(args, comm)
     tokenizer, key = prepare_tokenizer(args, comm, restored)
     data = load_data(args, comm, tokenizer, key)
-    log = RunLog(rank=comm.rank, json_path=args.json_log,
-                 progress=False if args.no_progress_bar else None,
-                 total=args.max_update or 0, initial=int(restored["num_updates"]) if restored else 0)
+    log = RunLog(
+        rank=comm.rank,
+        json_path=args.json_log,
+        progress=False if args.no_progress_bar else None,
+        total=args.max_update or 0,
+        initial=int(restored["num_updates"]) if restored else 0,
+    )
     try:
         try:
             trainer = Trainer(args, comm, device, data, tokenizer, key, log)
@@ -502,14 +616,30 @@ def run(argv: list[str] | None = None) -> Trainer:
             log.event("resume", update=trainer.num_updates, epoch=trainer.iterator.epoch)
         del restored
         it = trainer.iterator
-        log.event("config", preset=args.preset, arch=args.arch, parameters=count_parameters(trainer.model),
-                  ranks=comm.size, communicator=comm.name, device=str(device), threads=threads,
-                  vocab=tokenizer.vocab_size, train_pairs=len(data["train"]), skipped_pairs=it.skipped,
-                  updates_per_epoch=it.updates_per_epoch, dropped_batches_per_epoch=it.dropped_batches,
-                  precision=args.precision, compression=args.compression,
-                  allreduce_grad_dtype=args.allreduce_grad_dtype, double_buffering=args.double_buffering,
-                  overlap=not args.no_overlap, max_tokens=args.max_tokens, batch_size=args.batch_size,
-                  update_freq=args.update_freq, seed=args.seed)
+        log.event(
+            "config",
+            preset=args.preset,
+            arch=args.arch,
+            parameters=count_parameters(trainer.model),
+            ranks=comm.size,
+            communicator=comm.name,
+            device=str(device),
+            threads=threads,
+            vocab=tokenizer.vocab_size,
+            train_pairs=len(data["train"]),
+            skipped_pairs=it.skipped,
+            updates_per_epoch=it.updates_per_epoch,
+            dropped_batches_per_epoch=it.dropped_batches,
+            precision=args.precision,
+            compression=args.compression,
+            allreduce_grad_dtype=args.allreduce_grad_dtype,
+            double_buffering=args.double_buffering,
+            overlap=not args.no_overlap,
+            max_tokens=args.max_tokens,
+            batch_size=args.batch_size,
+            update_freq=args.update_freq,
+            seed=args.seed,
+        )
         trainer.train()
         trainer.final_bleu = trainer.final_evaluation()
     finally:

@@ -3,6 +3,7 @@
 Run as: python comm_contract_rank.py BACKEND   (under mpirun, torch.distributed env, or alone)
 Each check asserts exact results for rank-dependent inputs and names itself on failure.
 """
+
 import os
 import sys
 
@@ -33,7 +34,14 @@ def pattern(numel, dtype, rank):
 
 
 # -- allreduce: every dtype, odd sizes, 0 and 1, sync and async -----------------------------------
-for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+for dtype in (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+):
     for numel in (0, 1, 7, 1031):
         expected = sum(pattern(numel, torch.float64, q) for q in range(n)).to(dtype)
         for async_op in (False, True):
@@ -42,37 +50,45 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch
             if async_op:
                 work.wait()
                 assert work.is_completed()
-            assert torch.equal(buf, expected), f"allreduce {dtype} numel={numel} async={async_op}: {buf[:5]} != {expected[:5]}"
+            assert torch.equal(buf, expected), (
+                f"allreduce {dtype} numel={numel} async={async_op}: {buf[:5]} != {expected[:5]}"
+            )
 
 # several async ops in flight at once complete in order with the right results
 bufs = [pattern(513, torch.float32, r) * (i + 1) for i in range(4)]
 works = [comm.allreduce(b, async_op=True) for b in bufs]
 for i, (b, w) in enumerate(zip(bufs, works)):
     w.wait()
-    assert torch.equal(b, sum(pattern(513, torch.float32, q) for q in range(n)) * (i + 1)), f"in-flight allreduce {i}"
+    assert torch.equal(b, sum(pattern(513, torch.float32, q) for q in range(n)) * (i + 1)), (
+        f"in-flight allreduce {i}"
+    )
 
 # -- alltoall / allgather: bytes and typed -----------------------------------------------------------
 for dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int64):
     for per_peer in (0, 1, 5):
         send = torch.empty(n * per_peer, dtype=dtype)
         for peer in range(n):
-            send[peer * per_peer:(peer + 1) * per_peer] = 10 * r + peer
+            send[peer * per_peer : (peer + 1) * per_peer] = 10 * r + peer
         recv = torch.full((n * per_peer,), 255, dtype=dtype)
         for async_op in (False, True):
             w = comm.alltoall(send, recv, async_op=async_op)
             if w is not None:
                 w.wait()
             for src in range(n):
-                got = recv[src * per_peer:(src + 1) * per_peer]
-                assert torch.all(got == 10 * src + r), f"alltoall {dtype} per_peer={per_peer} from {src}: {got}"
+                got = recv[src * per_peer : (src + 1) * per_peer]
+                assert torch.all(got == 10 * src + r), (
+                    f"alltoall {dtype} per_peer={per_peer} from {src}: {got}"
+                )
 
         mine = torch.full((per_peer,), r + 1, dtype=dtype)
         gathered = torch.zeros(n * per_peer, dtype=dtype)
         w = comm.allgather(mine, gathered, async_op=True)
         w.wait()
         for src in range(n):
-            got = gathered[src * per_peer:(src + 1) * per_peer]
-            assert torch.all(got == src + 1), f"allgather {dtype} per_peer={per_peer} from {src}: {got}"
+            got = gathered[src * per_peer : (src + 1) * per_peer]
+            assert torch.all(got == src + 1), (
+                f"allgather {dtype} per_peer={per_peer} from {src}: {got}"
+            )
 
 # -- broadcast from every root ------------------------------------------------------------------------
 for root in range(n):
@@ -82,7 +98,9 @@ for root in range(n):
         assert torch.all(buf == root), f"broadcast {dtype} from root {root}: {buf}"
 
 # -- objects and barrier -------------------------------------------------------------------------------
-assert comm.bcast_obj({"from": r, "x": [1, 2]} if r == 0 else None) == {"from": 0, "x": [1, 2]}, "bcast_obj"
+assert comm.bcast_obj({"from": r, "x": [1, 2]} if r == 0 else None) == {"from": 0, "x": [1, 2]}, (
+    "bcast_obj"
+)
 assert comm.allgather_obj(("rank", r)) == [("rank", q) for q in range(n)], "allgather_obj"
 comm.barrier()
 
@@ -96,10 +114,12 @@ sub.allreduce(t)
 assert t.item() == float(sum(members)), f"allreduce in split: {t.item()} != {sum(members)}"
 
 # -- errors ---------------------------------------------------------------------------------------------
-for bad, what in ((lambda: comm.allreduce(torch.ones(4, 4).t()), "non-contiguous"),
-                  (lambda: comm.alltoall(torch.ones(n * 2), torch.ones(n * 2 + 1)), "alltoall size"),
-                  (lambda: comm.allgather(torch.ones(2), torch.ones(2 * n + 1)), "allgather size"),
-                  (lambda: comm.broadcast(torch.ones(2), root=n), "broadcast root")):
+for bad, what in (
+    (lambda: comm.allreduce(torch.ones(4, 4).t()), "non-contiguous"),
+    (lambda: comm.alltoall(torch.ones(n * 2), torch.ones(n * 2 + 1)), "alltoall size"),
+    (lambda: comm.allgather(torch.ones(2), torch.ones(2 * n + 1)), "allgather size"),
+    (lambda: comm.broadcast(torch.ones(2), root=n), "broadcast root"),
+):
     try:
         bad()
     except (ValueError, TypeError):

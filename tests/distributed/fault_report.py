@@ -7,6 +7,7 @@ The run's records (one per case: expected behaviour, outcome, seconds to a clean
 ``--json`` (default benchmarks/results/fault-matrix.json) with the command, date and machine;
 the page is made from that file alone, so no count or time in it is written by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,10 @@ def run_matrix(json_path: Path, pytest_args: list[str]) -> dict:
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), check=False)  # failures are recorded
     doc = json.loads(json_path.read_text())
     doc["run"] = {
-        "command": "python -m tests.distributed.fault_report" +
-                   (" -- " + " ".join(pytest_args) if pytest_args else ""),
+        "command": "python -m tests.distributed.fault_report"
+        + (" -- " + " ".join(pytest_args) if pytest_args else ""),
         "pytest_exit_code": proc.returncode,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "load_average": [round(load_start, 1), round(os.getloadavg()[0], 1)],
         "wall_s": round(time.monotonic() - t, 1),
@@ -78,42 +79,62 @@ def render(doc: dict) -> str:
         f" from `benchmarks/results/fault-matrix.json`.",
         "",
         f"**{len(cases)} cases: {summary}.**"
-        + (f" Run {run['date']} on {run['machine']}, load average {run['load_average'][0]}-"
-           f"{run['load_average'][1]}, {run['wall_s']} s in all." if "date" in run else ""),
+        + (
+            f" Run {run['date']} on {run['machine']}, load average {run['load_average'][0]}-"
+            f"{run['load_average'][1]}, {run['wall_s']} s in all."
+            if "date" in run
+            else ""
+        ),
         "",
         "| Case | Transport | Ranks | Expected behaviour | Result | Time (s) |",
         "|---|---|---|---|---|---|",
     ]
     for c in cases:
         secs = "-" if c["seconds"] is None else f"{c['seconds']:.1f}"
-        lines.append(f"| {_cell(c['case'])} | {_cell(c['transport'])} | {c['ranks']} | "
-                     f"{_cell(c['expected'])} | {_cell(c['outcome'])} | {secs} |")
+        lines.append(
+            f"| {_cell(c['case'])} | {_cell(c['transport'])} | {c['ranks']} | "
+            f"{_cell(c['expected'])} | {_cell(c['outcome'])} | {secs} |"
+        )
     if PENDING:
-        lines += ["", "## Not yet in the matrix", "",
-                  "These join the matrix with their fixes (issue 15):", "",
-                  "| Case | Expected behaviour | Item |", "|---|---|---|"]
+        lines += [
+            "",
+            "## Not yet in the matrix",
+            "",
+            "These join the matrix with their fixes (issue 15):",
+            "",
+            "| Case | Expected behaviour | Item |",
+            "|---|---|---|",
+        ]
         lines += [f"| {_cell(a)} | {_cell(b)} | {item} |" for a, b, item in PENDING]
-    lines += ["", "## Ranks that leave early, and uneven data", "",
-              "A rank that leaves without an exception (its script returns, or calls",
-              "`sys.exit`) while the others still train: under `mpi` every rank meets the others",
-              "in a non-blocking barrier when it exits; at a normal end they all arrive and leave",
-              "at once, and a rank left alone waits `COMMOPT_EXIT_TIMEOUT` seconds (default 30)",
-              "for the others, then aborts the job naming itself. Under `torch` (gloo) the",
-              "leaving rank notes why in the rendezvous store and its peers raise `CommError`",
-              "naming it. When shards are uneven by design, train inside",
-              "`with commopt.Join(optimizer):` so that ranks that run out of data keep joining",
-              "the others' steps with zero gradients (the average is over all ranks) until every",
-              "rank is done.", "",
-              "Known gaps are cases the transport does not meet yet; their tests are marked",
-              "as expected failures, and fail the suite once the gap is closed, so the mark is",
-              "removed with the fix.", ""]
+    lines += [
+        "",
+        "## Ranks that leave early, and uneven data",
+        "",
+        "A rank that leaves without an exception (its script returns, or calls",
+        "`sys.exit`) while the others still train: under `mpi` every rank meets the others",
+        "in a non-blocking barrier when it exits; at a normal end they all arrive and leave",
+        "at once, and a rank left alone waits `COMMOPT_EXIT_TIMEOUT` seconds (default 30)",
+        "for the others, then aborts the job naming itself. Under `torch` (gloo) the",
+        "leaving rank notes why in the rendezvous store and its peers raise `CommError`",
+        "naming it. When shards are uneven by design, train inside",
+        "`with commopt.Join(optimizer):` so that ranks that run out of data keep joining",
+        "the others' steps with zero gradients (the average is over all ranks) until every",
+        "rank is done.",
+        "",
+        "Known gaps are cases the transport does not meet yet; their tests are marked",
+        "as expected failures, and fail the suite once the gap is closed, so the mark is",
+        "removed with the fix.",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from-json", type=Path, help="render this record file; run nothing")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where the run's records go")
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help="where the run's records go"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)

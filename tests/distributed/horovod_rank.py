@@ -3,6 +3,7 @@ compression adapters inside hvd.DistributedOptimizer. Prints "horovod ok rank R/
 
 Run under mpirun or horovodrun (any number of ranks >= 2).
 """
+
 import horovod.torch as hvd
 import torch
 
@@ -22,9 +23,12 @@ def reduced_gradient(compression, op):
     """SGD with lr=1 from w=0 leaves -w equal to the reduced gradient of sum(w * x) = x."""
     model = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                   named_parameters=model.named_parameters(),
-                                   compression=compression, op=op)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=op,
+    )
     x = torch.tensor([[60000.0, -3.0, 0.5, 1.0 + r]])
     opt.zero_grad()
     model(x).sum().backward()
@@ -57,8 +61,11 @@ comm.allreduce(exact)
 exact = (exact / n).float()
 scale = float(max(comm.allgather_obj(float(x.abs().max()))))
 
-for name, algorithm, tol in (("fp16", "auto", 2e-3 * scale), ("bf16", "auto", 1.6e-2 * scale),
-                             ("fp16", "scatter_reduce", 2e-3 * scale)):
+for name, algorithm, tol in (
+    ("fp16", "auto", 2e-3 * scale),
+    ("bf16", "auto", 1.6e-2 * scale),
+    ("fp16", "scatter_reduce", 2e-3 * scale),
+):
     out = x.clone()
     collectives.allreduce(comm, out, get_codec(name), algorithm=algorithm)
     err = float((out - exact).abs().max())
@@ -66,8 +73,9 @@ for name, algorithm, tol in (("fp16", "auto", 2e-3 * scale), ("bf16", "auto", 1.
 
 # QSGD (not linear): scatter-reduce over Horovod's alltoall and allgather.
 out = x.clone()
-work = collectives.allreduce(comm, out, QSGD(bits=4, bucket_size=128), async_op=True,
-                             rng=RngKey(seed=7, rank=r, step=0))
+work = collectives.allreduce(
+    comm, out, QSGD(bits=4, bucket_size=128), async_op=True, rng=RngKey(seed=7, rank=r, step=0)
+)
 work.wait()
 rows = torch.empty(n * out.numel())
 comm.allgather(out, rows)

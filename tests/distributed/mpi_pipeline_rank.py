@@ -4,6 +4,7 @@ Run under mpirun: python mpi_pipeline_rank.py. Forces the pipelined path with ti
 (many segments, ragged last ones) and checks it against exact sums, MPI's own collectives
 and the other ranks, for every reducible dtype and sizes around the world size.
 """
+
 import torch
 
 from commopt.comm.mpi import MPICommunicator
@@ -23,15 +24,18 @@ SIZES = (1, 2, n - 1, n + 1, 7, 31, 97, 1031, 4099)
 
 
 def same_everywhere(t: torch.Tensor) -> bool:
-    mine = t.view(torch.uint8 if t.element_size() == 1 else {2: torch.int16, 4: torch.int32,
-                                                             8: torch.int64}[t.element_size()])
+    mine = t.view(
+        torch.uint8
+        if t.element_size() == 1
+        else {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
     return all(torch.equal(x, mine) for x in comm.allgather_obj(mine))
 
 
 for dtype in DTYPES:
     for numel in (s for s in SIZES if s > 0):
         # Small integers: every dtype (bf16 too) sums them exactly, so the result is known.
-        vals = (torch.arange(numel) % 7 + 1)
+        vals = torch.arange(numel) % 7 + 1
         buf = (vals * (r + 1)).to(dtype)
         expected = sum(vals.double() * (q + 1) for q in range(n)).to(dtype)
         comm.allreduce(buf)
@@ -41,8 +45,14 @@ for dtype in DTYPES:
             # hold the same bits, within rounding of the exact sum.
             g = torch.Generator().manual_seed(1000 * r + numel)
             x = torch.randn(numel, generator=g, dtype=torch.float64)
-            exact = sum(torch.randn(numel, generator=torch.Generator().manual_seed(1000 * q + numel),
-                                    dtype=torch.float64) for q in range(n))
+            exact = sum(
+                torch.randn(
+                    numel,
+                    generator=torch.Generator().manual_seed(1000 * q + numel),
+                    dtype=torch.float64,
+                )
+                for q in range(n)
+            )
             y = x.to(dtype)
             comm.allreduce(y)
             assert same_everywhere(y), f"ring allreduce {dtype} numel={numel}: ranks differ"
@@ -70,19 +80,23 @@ for dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.int64):
     for per_peer in (1, 5, 333):
         send = torch.empty(n * per_peer, dtype=dtype)
         for peer in range(n):
-            send[peer * per_peer:(peer + 1) * per_peer] = (10 * r + peer) % 100
+            send[peer * per_peer : (peer + 1) * per_peer] = (10 * r + peer) % 100
         for c in (comm, polled):
             recv = torch.zeros_like(send)
             c.alltoall(send, recv)
             for src in range(n):
-                got = recv[src * per_peer:(src + 1) * per_peer]
-                assert torch.all(got == (10 * src + r) % 100), f"alltoall {dtype} {per_peer} from {src}"
+                got = recv[src * per_peer : (src + 1) * per_peer]
+                assert torch.all(got == (10 * src + r) % 100), (
+                    f"alltoall {dtype} {per_peer} from {src}"
+                )
             mine = torch.arange(per_peer).to(dtype) + r
             gathered = torch.zeros(n * per_peer, dtype=dtype)
             c.allgather(mine, gathered)
             for src in range(n):
-                assert torch.equal(gathered[src * per_peer:(src + 1) * per_peer],
-                                   torch.arange(per_peer).to(dtype) + src), f"allgather {dtype} {src}"
+                assert torch.equal(
+                    gathered[src * per_peer : (src + 1) * per_peer],
+                    torch.arange(per_peer).to(dtype) + src,
+                ), f"allgather {dtype} {src}"
 
 # sub-communicators keep the settings
 sub = comm.split(color=r % 2)

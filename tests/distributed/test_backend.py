@@ -6,6 +6,7 @@ and knows nothing of commopt: the runs differ only in the backend name, and the 
 runs are launched as ``python -m commopt.integrations.backend train.py`` (what torchrun's
 ``-m`` does), so the script has no commopt import either.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from tests.multirank import run_torch
 
 pytestmark = pytest.mark.distributed
 
-TRAIN = '''
+TRAIN = """
 import argparse, hashlib, json
 import torch
 import torch.distributed as dist
@@ -75,15 +76,15 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 # ``python -m commopt.integrations.backend train.py ARGS``, then this rank's counters.
-LAUNCH = '''
+LAUNCH = """
 import json, runpy, sys
 runpy.run_module("commopt.integrations.backend", run_name="__main__", alter_sys=True)
 import commopt.integrations.backend as backend
 print("STATS " + json.dumps(backend.stats()))
-'''
+"""
 
 
 def _run(backend: str, tmp_path, env=None, launch_commopt=True):
@@ -101,8 +102,9 @@ def _run(backend: str, tmp_path, env=None, launch_commopt=True):
         assert lines, f"rank {rank} printed no result: {out!r}"
         results.append(json.loads(lines[-1]))
         stats.append(json.loads(out.split("STATS ", 1)[1]) if "STATS " in out else None)
-    assert results[0]["params_sha"] == results[1]["params_sha"], \
+    assert results[0]["params_sha"] == results[1]["params_sha"], (
         f"{backend}: ranks ended with different parameters: {results}"
+    )
     import torch
 
     return results[0], stats, torch.load(ckpt)
@@ -130,16 +132,19 @@ def test_unmodified_ddp_script_trains_compressed_under_the_commopt_backend(tmp_p
         # 3 epochs x 16 steps, one DDP bucket of 4,740 fp32 elements each
         assert s["compressed_calls"] >= 48, f"rank {rank}: too few compressed allreduces: {s}"
         fp32_bytes = 4 * s["compressed_elements"]
-        assert s["sent_bytes"] < 0.3 * fp32_bytes, \
+        assert s["sent_bytes"] < 0.3 * fp32_bytes, (
             f"rank {rank}: sent {s['sent_bytes']} bytes for {fp32_bytes} fp32 bytes: not compressed"
-    assert comp["params_sha"] != exact["params_sha"], "4-bit run is bit-identical to fp32: no codec ran"
+        )
+    assert comp["params_sha"] != exact["params_sha"], (
+        "4-bit run is bit-identical to fp32: no codec ran"
+    )
     dist = _distance(comp_ckpt, exact_ckpt)
     assert 0 < dist < 0.25, f"4-bit parameters {dist:.3f} (relative L2) away from fp32 DDP"
     assert comp["loss"] < exact["loss"] * 1.3 + 0.05, f"4-bit loss {comp} against fp32 {exact}"
     assert comp["accuracy"] > exact["accuracy"] - 0.05, f"4-bit {comp} against fp32 {exact}"
 
 
-REGISTERED = '''
+REGISTERED = """
 import json, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 import commopt.integrations.backend as backend
@@ -162,12 +167,16 @@ flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 print(json.dumps({{"first": first, "last": loss.item(), "sum": flat.double().sum().item(),
                   "stats": backend.stats(), "residuals": len(state.state_dict()["codecs"])}}))
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_register_model_reduces_layer_by_layer_with_error_feedback():
-    outs = run_torch(REGISTERED.format(register=True), 2, timeout=180,
-                     env={"COMMOPT_BITS": "4", "COMMOPT_ERROR_FEEDBACK": "1"})
+    outs = run_torch(
+        REGISTERED.format(register=True),
+        2,
+        timeout=180,
+        env={"COMMOPT_BITS": "4", "COMMOPT_ERROR_FEEDBACK": "1"},
+    )
     rows = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert rows[0]["sum"] == rows[1]["sum"], f"ranks differ: {rows}"
     for rank, row in enumerate(rows):
@@ -179,11 +188,15 @@ def test_register_model_reduces_layer_by_layer_with_error_feedback():
 
 def test_error_feedback_without_register_model_fails_with_the_fix():
     with pytest.raises(AssertionError, match="register_model"):
-        run_torch(REGISTERED.format(register=False), 2, timeout=120,
-                  env={"COMMOPT_BITS": "4", "COMMOPT_ERROR_FEEDBACK": "1"})
+        run_torch(
+            REGISTERED.format(register=False),
+            2,
+            timeout=120,
+            env={"COMMOPT_BITS": "4", "COMMOPT_ERROR_FEEDBACK": "1"},
+        )
 
 
-HIERARCHICAL = '''
+HIERARCHICAL = """
 import json, os, torch, torch.distributed as dist
 os.environ["COMMOPT_NODE_NAME"] = "node%d" % (int(os.environ["RANK"]) // 2)  # 2 nodes x 2 ranks
 import commopt.integrations.backend as backend
@@ -199,7 +212,7 @@ print(json.dumps({"algorithm": collectives.choose_algorithm(pg.comm, pg._codec),
                   "err": float((x - exact).abs().max()), "scale": float(exact.abs().max()),
                   "sum": float(x.double().sum()), "stats": backend.stats()}))
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """`commopt bench allreduce` on 2 real ranks under mpirun (started by `commopt launch`)."""
+
 from __future__ import annotations
 
 import json
@@ -11,19 +12,45 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(shutil.which("mpirun") is None,
-                                 reason="mpirun not found: install Open MPI")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found: install Open MPI"),
+]
 
 
 def test_two_rank_sweep_over_codecs():
     pytest.importorskip("mpi4py", reason="mpi4py not installed: pip install mpi4py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
     env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "commopt", "launch", "-n", "2", "--",
-           sys.executable, "-m", "commopt", "bench", "allreduce", "--comm", "mpi",
-           "-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1",
-           "--codec", "fp32,fp16,qsgd4", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commopt",
+        "launch",
+        "-n",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "commopt",
+        "bench",
+        "allreduce",
+        "--comm",
+        "mpi",
+        "-b",
+        "64K",
+        "-e",
+        "256K",
+        "-f",
+        "4",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--codec",
+        "fp32,fp16,qsgd4",
+        "--json",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(REPO))
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)  # rank 0 alone writes, and only the document

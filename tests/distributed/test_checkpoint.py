@@ -5,13 +5,14 @@ in the checkpoint) and for QSGD with error feedback (each rank's residuals and t
 seed/step restore exactly). Two ways to save: each rank ``torch.save``s its own
 ``opt.state_dict()`` (the model on rank 0), and ``commopt.optim.save_checkpoint`` (DCP).
 """
+
 import pytest
 
 from tests.multirank import run_mpi
 
 pytestmark = pytest.mark.distributed
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import sys
 import torch
 import commopt
@@ -80,16 +81,21 @@ for name, cfg in CONFIGS.items():
             for i, (p, q) in enumerate(zip(model.parameters(), final)):
                 assert torch.equal(p.detach(), q), f"{name} ({how}): parameter {i} differs after resuming: {(p - q).abs().max()}"
 print(f"checkpoint {phase} ok rank {r}")
-'''
+"""
 
 
 YIELD = ["--mca", "mpi_yield_when_idle", "1"]  # ranks share the cores with other jobs
 
 
 def test_checkpoint_resume_in_new_processes_is_bit_identical(tmp_path):
-    out = run_mpi(RANK_SCRIPT, 2, args=["mpi", "first", str(tmp_path)], timeout=240,
-                  mpirun_args=YIELD)
+    out = run_mpi(
+        RANK_SCRIPT, 2, args=["mpi", "first", str(tmp_path)], timeout=240, mpirun_args=YIELD
+    )
     assert [o.strip() for o in out] == ["checkpoint first ok rank 0", "checkpoint first ok rank 1"]
-    out = run_mpi(RANK_SCRIPT, 2, args=["mpi", "resume", str(tmp_path)], timeout=240,
-                  mpirun_args=YIELD)
-    assert [o.strip() for o in out] == ["checkpoint resume ok rank 0", "checkpoint resume ok rank 1"]
+    out = run_mpi(
+        RANK_SCRIPT, 2, args=["mpi", "resume", str(tmp_path)], timeout=240, mpirun_args=YIELD
+    )
+    assert [o.strip() for o in out] == [
+        "checkpoint resume ok rank 0",
+        "checkpoint resume ok rank 1",
+    ]

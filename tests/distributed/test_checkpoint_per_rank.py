@@ -6,6 +6,7 @@ another rank's state, and ``save_checkpoint`` writes per-rank parts whose size d
 depend on the number of ranks. Resuming with another number of ranks raises an error
 naming both counts, or restarts the residuals at zero when asked.
 """
+
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import sys
 import torch
 import commopt
@@ -58,22 +59,31 @@ save_checkpoint(sys.argv[1] + "/ckpt", model, opt)
 sizes = checkpoint_bytes(sys.argv[1] + "/ckpt")
 assert sorted(sizes) == ["rank0", "rank1", "replicated"], sizes
 print("per-rank ok", r)
-'''
+"""
 
 
 def mlp_opt(comm):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm,
-                                      model=model, compression="qsgd4+ef",
-                                      policy=CompressionPolicy(min_compress_numel=64))
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        comm,
+        model=model,
+        compression="qsgd4+ef",
+        policy=CompressionPolicy(min_compress_numel=64),
+    )
     return model, opt
 
 
 def test_each_rank_saves_and_loads_only_its_own_residuals(tmp_path):
-    out = run_mpi(RANK_SCRIPT, 2, args=[str(tmp_path)], timeout=180,
-                  # read only by versions that gathered residuals: fail fast there, not hang
-                  env={"COMMOPT_STATE_DICT_TIMEOUT": "5"})
+    out = run_mpi(
+        RANK_SCRIPT,
+        2,
+        args=[str(tmp_path)],
+        timeout=180,
+        # read only by versions that gathered residuals: fail fast there, not hang
+        env={"COMMOPT_STATE_DICT_TIMEOUT": "5"},
+    )
     assert [o.strip() for o in out] == ["per-rank ok 0", "per-rank ok 1"]
     # Resume the 2-rank checkpoint on 1 rank (this process): an error naming both counts...
     model, opt = mlp_opt(commopt.create_communicator("local"))
@@ -85,7 +95,7 @@ def test_each_rank_saves_and_loads_only_its_own_residuals(tmp_path):
     assert not opt.state_dict()["commopt"]["codec_state"]["compressed"]["residuals"]
 
 
-TORCH_SCRIPT = r'''
+TORCH_SCRIPT = r"""
 import sys
 import torch
 import torch.distributed as dist
@@ -124,7 +134,7 @@ train(model2, opt2, range(2, 4))
 for i, (p, q) in enumerate(zip(model.parameters(), model2.parameters())):
     assert torch.equal(p, q), f"parameter {i} differs after resuming"
 print("torch ok", r)
-'''
+"""
 
 
 def test_save_load_checkpoint_with_a_torch_process_group(tmp_path):

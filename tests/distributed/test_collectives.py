@@ -4,6 +4,7 @@ One run per configuration checks every codec and algorithm (runs cost seconds to
 fp32 bit-exact where the summation order is ours, fp16/bf16 wire with fp32 accumulation
 bit-exact against an emulation, QSGD within its analytic bound, async overlap in order.
 """
+
 import pytest
 
 from tests.multirank import run_mpi, run_torch
@@ -235,8 +236,13 @@ def _expect(out, backend, n):
 def test_mpi_collectives(nprocs):
     # 4 ranks as 2 fake nodes x 2 ranks: the hierarchical path runs too.
     per_node = 2 if nprocs == 4 else 1
-    out = run_mpi(RANK_SCRIPT, nprocs, args=["mpi", str(per_node)], timeout=240,
-                  mpirun_args=["--mca", "mpi_yield_when_idle", "1"])  # more ranks than cores
+    out = run_mpi(
+        RANK_SCRIPT,
+        nprocs,
+        args=["mpi", str(per_node)],
+        timeout=240,
+        mpirun_args=["--mca", "mpi_yield_when_idle", "1"],
+    )  # more ranks than cores
     _expect(out, "mpi", nprocs)
 
 

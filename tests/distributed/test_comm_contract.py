@@ -1,4 +1,5 @@
 """The communicator contract, run by every transport on real processes (2 and 4 ranks)."""
+
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ def test_mpi_contract(nprocs):
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_torch_gloo_contract(nprocs):
     out = run_torch(RANK_SCRIPT, nprocs, args=["torch"], timeout=180)
-    assert [o.strip() for o in out] == [f"contract ok torch rank {r}/{nprocs}" for r in range(nprocs)]
+    assert [o.strip() for o in out] == [
+        f"contract ok torch rank {r}/{nprocs}" for r in range(nprocs)
+    ]
 
 
 def test_local_contract():

@@ -6,13 +6,14 @@ with qsgd4+ef; training on a learnable task converges; a run resumed from a mid-
 ``save_checkpoint`` ends bit for bit where the uninterrupted run ends; ranks that disagree
 on the mode raise ``SettingsMismatchError``. Every failure names its rank.
 """
+
 import pytest
 
 from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = r'''
+SCRIPT = r"""
 import hashlib, sys
 import torch
 import commopt
@@ -98,11 +99,14 @@ except SettingsMismatchError as e:
 else:
     check(False, "ranks with different double_buffering modes did not raise")
 print(f"compensated ok {r} {start:.3f}->{end:.4f}")
-'''
+"""
 
 
 def _check(out):
-    assert [o.split()[:3] for o in out] == [["compensated", "ok", "0"], ["compensated", "ok", "1"]], out
+    assert [o.split()[:3] for o in out] == [
+        ["compensated", "ok", "0"],
+        ["compensated", "ok", "1"],
+    ], out
 
 
 def test_mpi_compensated_2_ranks(tmp_path):

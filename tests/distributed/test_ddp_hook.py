@@ -1,4 +1,5 @@
 """commopt's DDP comm hook on 2 gloo ranks: equal to plain DDP in fp32, close in fp16/qsgd4."""
+
 import pytest
 
 from tests.multirank import run_torch

@@ -17,6 +17,7 @@ codec's state. Cases still waiting for their fix are listed in PENDING at the en
 Longer than most modules on purpose: the matrix is one table (docs/reliability.md), so its
 cases and their recorder live together; each section is short and independent.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,11 +68,20 @@ class Case:
         finally:
             self.seconds = None if self.skipped else time.monotonic() - t
 
-    def ranks_failed(self, transport: str, code: str, nprocs: int, *, timeout: float,
-                     env: dict | None = None, args=()) -> str:
+    def ranks_failed(
+        self,
+        transport: str,
+        code: str,
+        nprocs: int,
+        *,
+        timeout: float,
+        env: dict | None = None,
+        args=(),
+    ) -> str:
         """Run ``code`` on ``nprocs`` ranks; it must fail (not time out); return the report."""
-        out = self.run(RUNNERS[transport], code, nprocs, timeout=timeout, env=env,
-                       args=[transport, *args])
+        out = self.run(
+            RUNNERS[transport], code, nprocs, timeout=timeout, env=env, args=[transport, *args]
+        )
         assert isinstance(out, AssertionError), f"the job should have failed; it printed {out}"
         msg = str(out)
         assert not hung(msg), f"a rank hung until the {timeout:.0f}s timeout:\n{msg}"
@@ -90,21 +100,34 @@ def case(request):
 
     yield make
     xfail = request.node.get_closest_marker("xfail")
-    outcome = "failed" if request.session.testsfailed != failed_before else \
-        f"known gap: {xfail.kwargs.get('reason', '')}" if xfail else "passed"
-    for c in made:
-        _RECORDS.append({"case": c.name, "transport": c.transport, "ranks": c.ranks,
-                         "expected": c.expected,
-                         "outcome": f"skipped: {c.skipped}" if c.skipped else outcome,
-                         "seconds": None if c.seconds is None else round(c.seconds, 2),
-                         "test": request.node.nodeid})
+    outcome = (
+        "failed"
+        if request.session.testsfailed != failed_before
+        else f"known gap: {xfail.kwargs.get('reason', '')}"
+        if xfail
+        else "passed"
+    )
+    _RECORDS.extend(
+        {
+            "case": c.name,
+            "transport": c.transport,
+            "ranks": c.ranks,
+            "expected": c.expected,
+            "outcome": f"skipped: {c.skipped}" if c.skipped else outcome,
+            "seconds": None if c.seconds is None else round(c.seconds, 2),
+            "test": request.node.nodeid,
+        }
+        for c in made
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _write_records():
     yield
-    path = Path(os.environ.get(RECORDS_ENV) or
-                Path(os.environ.get("TMPDIR", "/tmp")) / "commopt-fault-matrix.json")
+    path = Path(
+        os.environ.get(RECORDS_ENV)
+        or Path(os.environ.get("TMPDIR", "/tmp")) / "commopt-fault-matrix.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"cases": _RECORDS}, indent=1) + "\n")
 
@@ -116,9 +139,12 @@ def hung(report: str) -> bool:
 
 def clean_env() -> dict:
     """This environment without any launcher's variables (the test may run under one)."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
 
 
 def launch_argv(*args: str) -> list[str]:
@@ -159,8 +185,9 @@ def test_a_raising_rank_ends_the_job(case, transport, nprocs):
 
 @pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2)])
 def test_a_killed_rank_ends_the_job(case, transport, nprocs):
-    c = case("a rank is killed (SIGKILL)", "every rank ends with an error, none hangs",
-             transport, nprocs)
+    c = case(
+        "a rank is killed (SIGKILL)", "every rank ends with an error, none hangs", transport, nprocs
+    )
     msg = c.ranks_failed(transport, KILLED, nprocs, timeout=90)
     assert "rank 1" in msg or "signal 9" in msg or "Killed" in msg or "killed" in msg, msg
 
@@ -181,21 +208,29 @@ print("unreachable", flush=True)
 """
 
 
-@pytest.mark.parametrize("transport, nprocs, how, timeout_env", [
-    ("mpi", 2, "1", None), ("torch", 2, "1", None),
-    pytest.param("mpi", 2, "0", "10", marks=pytest.mark.slow),
-    pytest.param("mpi", 2, "return", "10", marks=pytest.mark.slow),
-    pytest.param("mpi", 4, "1", "10", marks=pytest.mark.slow),
-    pytest.param("torch", 2, "0", None, marks=pytest.mark.slow),
-    pytest.param("torch", 2, "return", None, marks=pytest.mark.slow),
-    pytest.param("torch", 4, "1", None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "transport, nprocs, how, timeout_env",
+    [
+        ("mpi", 2, "1", None),
+        ("torch", 2, "1", None),
+        pytest.param("mpi", 2, "0", "10", marks=pytest.mark.slow),
+        pytest.param("mpi", 2, "return", "10", marks=pytest.mark.slow),
+        pytest.param("mpi", 4, "1", "10", marks=pytest.mark.slow),
+        pytest.param("torch", 2, "0", None, marks=pytest.mark.slow),
+        pytest.param("torch", 2, "return", None, marks=pytest.mark.slow),
+        pytest.param("torch", 4, "1", None, marks=pytest.mark.slow),
+    ],
+)
 def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, timeout_env):
     what = "returns early (uneven data)" if how == "return" else f"calls sys.exit({how})"
     bound = f"COMMOPT_EXIT_TIMEOUT={timeout_env} s" if timeout_env else "the default 30 s"
-    c = case(f"rank 1 {what} at step 5 while the others train",
-             f"every rank ends, within 60 s, with a message naming rank 1 as the one that left "
-             f"({'mpi: it aborts the job after ' + bound if transport == 'mpi' else 'gloo: the peers raise CommError naming it'})",
-             transport, nprocs)
+    c = case(
+        f"rank 1 {what} at step 5 while the others train",
+        f"every rank ends, within 60 s, with a message naming rank 1 as the one that left "
+        f"({'mpi: it aborts the job after ' + bound if transport == 'mpi' else 'gloo: the peers raise CommError naming it'})",
+        transport,
+        nprocs,
+    )
     env = {"COMMOPT_EXIT_TIMEOUT": timeout_env} if timeout_env else None
     msg = c.ranks_failed(transport, LEAVES, nprocs, timeout=150, env=env, args=[how])
     if transport == "mpi":
@@ -217,10 +252,15 @@ print("ok", flush=True)
 
 
 def test_normal_end_with_a_slower_rank_is_not_an_abort(case):
-    c = case("normal end: rank 0 works 4 s longer than the others (COMMOPT_EXIT_TIMEOUT=10)",
-             "exit 0 on every rank: the exit handshake waits for it, no false abort", "mpi", 2)
-    out = c.run(run_mpi, LONGER_AT_THE_END, 2, timeout=120, env={"COMMOPT_EXIT_TIMEOUT": "10"},
-                args=["mpi"])
+    c = case(
+        "normal end: rank 0 works 4 s longer than the others (COMMOPT_EXIT_TIMEOUT=10)",
+        "exit 0 on every rank: the exit handshake waits for it, no false abort",
+        "mpi",
+        2,
+    )
+    out = c.run(
+        run_mpi, LONGER_AT_THE_END, 2, timeout=120, env={"COMMOPT_EXIT_TIMEOUT": "10"}, args=["mpi"]
+    )
     assert out == ["ok\n", "ok\n"], out
 
 
@@ -267,10 +307,13 @@ print("ok", flush=True)
 
 @pytest.mark.parametrize("transport", ["torch", pytest.param("mpi", marks=pytest.mark.slow)])
 def test_uneven_shards_finish_inside_join(case, transport):
-    c = case("uneven shards (rank r has 2 + r batches) inside `with commopt.Join(opt)`",
-             "every rank finishes; ranks that ran out shadow the steps with zeros; weights "
-             "equal on every rank and to the average over all ranks computed in one process",
-             transport, 2)
+    c = case(
+        "uneven shards (rank r has 2 + r batches) inside `with commopt.Join(opt)`",
+        "every rank finishes; ranks that ran out shadow the steps with zeros; weights "
+        "equal on every rank and to the average over all ranks computed in one process",
+        transport,
+        2,
+    )
     out = c.run(RUNNERS[transport], UNEVEN, 2, timeout=150, args=[transport])
     assert out == ["ok\n"] * 2, out
 
@@ -287,9 +330,12 @@ print("unreachable")
 
 @pytest.mark.parametrize("transport", ["mpi", "torch"])
 def test_different_models_are_named_by_rank(case, transport):
-    c = case("ranks build different models (shape mismatch)",
-             "every rank raises ModelMismatchError naming the rank, parameter and shapes",
-             transport, 2)
+    c = case(
+        "ranks build different models (shape mismatch)",
+        "every rank raises ModelMismatchError naming the rank, parameter and shapes",
+        transport,
+        2,
+    )
     msg = c.ranks_failed(transport, SHAPES, 2, timeout=90)
     assert "rank 1: parameter 'weight' has shape" in msg, msg
 
@@ -307,9 +353,12 @@ except TypeError as exc:
 
 @pytest.mark.parametrize("transport", ["torch", "mpi"])
 def test_an_object_that_cannot_travel_fails_on_every_rank(case, transport):
-    c = case("bcast_obj of a value that is not JSON/tensors (a set)",
-             "TypeError on the root saying what to send; the others raise too instead of waiting",
-             transport, 2)
+    c = case(
+        "bcast_obj of a value that is not JSON/tensors (a set)",
+        "TypeError on the root saying what to send; the others raise too instead of waiting",
+        transport,
+        2,
+    )
     out = c.run(RUNNERS[transport], BAD_OBJECT, 2, timeout=90, args=[transport])
     msg = str(out)
     assert not hung(msg) and "2 of 2 ranks failed" in msg, msg
@@ -331,14 +380,26 @@ print("unreachable")
 """
 
 
-@pytest.mark.parametrize("transport, setting", [
-    ("mpi", "compression"), ("torch", "compression"),
-    *[pytest.param(t, s, marks=pytest.mark.slow) for s in
-      ("allreduce_grad_dtype", "bucket_cap_mb", "double_buffering") for t in ("mpi", "torch")]])
+@pytest.mark.parametrize(
+    "transport, setting",
+    [
+        ("mpi", "compression"),
+        ("torch", "compression"),
+        *[
+            pytest.param(t, s, marks=pytest.mark.slow)
+            for s in ("allreduce_grad_dtype", "bucket_cap_mb", "double_buffering")
+            for t in ("mpi", "torch")
+        ],
+    ],
+)
 def test_ranks_with_different_settings_fail_at_construction(case, transport, setting):
-    c = case(f"ranks differ in {setting}",
-             "every rank raises SettingsMismatchError at construction naming the setting and "
-             "the ranks on each side", transport, 2)
+    c = case(
+        f"ranks differ in {setting}",
+        "every rank raises SettingsMismatchError at construction naming the setting and "
+        "the ranks on each side",
+        transport,
+        2,
+    )
     msg = c.ranks_failed(transport, SETTINGS, 2, timeout=90, args=[setting])
     assert "SettingsMismatchError" in msg and f"{setting}" in msg, msg
     assert "ranks [0]:" in msg and "ranks [1]:" in msg and "unreachable" not in msg, msg
@@ -406,20 +467,27 @@ print("ok", flush=True)
 
 @pytest.mark.parametrize("transport", ["torch", pytest.param("mpi", marks=pytest.mark.slow)])
 def test_a_skipped_step_leaves_no_trace(case, transport):
-    c = case("every codec (and +ef), with and without double buffering: a NaN on rank 1 makes "
-             "every rank skip a step",
-             "weights and the whole state dict (residuals, step/RNG counter, momentum) "
-             "bit-identical to the step never having run (double buffering: to NaN on every "
-             "rank)", transport, 2)
+    c = case(
+        "every codec (and +ef), with and without double buffering: a NaN on rank 1 makes "
+        "every rank skip a step",
+        "weights and the whole state dict (residuals, step/RNG counter, momentum) "
+        "bit-identical to the step never having run (double buffering: to NaN on every "
+        "rank)",
+        transport,
+        2,
+    )
     out = c.run(RUNNERS[transport], SKIPPED_STEP, 2, timeout=300, args=[transport])
     assert out == ["ok\n"] * 2, out
 
 
 # -- API and launcher input ----------------------------------------------------------------------
 
+
 def test_bad_api_input_is_refused_with_the_fix(case):
-    c = case("bad API input (unknown communicator, dtype, root, sizes)",
-             "ValueError/TypeError saying what is allowed")
+    c = case(
+        "bad API input (unknown communicator, dtype, root, sizes)",
+        "ValueError/TypeError saying what is allowed",
+    )
     code = """
 import torch, commopt
 comm = commopt.create_communicator("local")
@@ -442,19 +510,29 @@ print("ok")
 
 
 def test_a_typo_in_launch_options_is_an_error_not_part_of_the_command(case):
-    c = case("`commopt launch --timout 60 -- cmd` (typo)",
-             "exit 2, 'did you mean --timeout?', nothing started")
-    r = c.run(subprocess.run, launch_argv("-n", "2", "--timout", "60", "--", "echo", "started"),
-              env=dict(clean_env(), PYTHONPATH=str(REPO)), capture_output=True, text=True,
-              timeout=60)
+    c = case(
+        "`commopt launch --timout 60 -- cmd` (typo)",
+        "exit 2, 'did you mean --timeout?', nothing started",
+    )
+    r = c.run(
+        subprocess.run,
+        launch_argv("-n", "2", "--timout", "60", "--", "echo", "started"),
+        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "did you mean --timeout?" in r.stderr, r.stderr
     assert "started" not in r.stdout
 
 
 def test_mpi_communicator_under_torchrun_is_refused(case):
-    c = case("`mpi` communicator under torchrun (2 processes)",
-             "every rank raises CommError naming the 'torch' communicator, none trains alone",
-             "torchrun env", 2)
+    c = case(
+        "`mpi` communicator under torchrun (2 processes)",
+        "every rank raises CommError naming the 'torch' communicator, none trains alone",
+        "torchrun env",
+        2,
+    )
     code = """
 import commopt
 commopt.create_communicator("mpi")
@@ -479,11 +557,21 @@ print("unreachable")
 
 @pytest.mark.parametrize("nprocs, dead", [(2, "1"), (4, "2"), (2, "0")])
 def test_a_rank_missing_at_the_rendezvous_is_named(case, nprocs, dead):
-    c = case(f"torch: rank {dead} ends before creating its communicator",
-             "the others end within COMMOPT_RENDEZVOUS_TIMEOUT (5 s here), naming the missing "
-             "rank or the unreachable address", "torch", nprocs)
-    msg = c.ranks_failed("torch", DIES_BEFORE, nprocs, timeout=90,
-                         env={"COMMOPT_RENDEZVOUS_TIMEOUT": "5"}, args=[dead])
+    c = case(
+        f"torch: rank {dead} ends before creating its communicator",
+        "the others end within COMMOPT_RENDEZVOUS_TIMEOUT (5 s here), naming the missing "
+        "rank or the unreachable address",
+        "torch",
+        nprocs,
+    )
+    msg = c.ranks_failed(
+        "torch",
+        DIES_BEFORE,
+        nprocs,
+        timeout=90,
+        env={"COMMOPT_RENDEZVOUS_TIMEOUT": "5"},
+        args=[dead],
+    )
     assert f"{nprocs} of {nprocs} ranks failed" in msg, msg
     if dead == "0":
         assert "could not reach the torch.distributed rendezvous at 127.0.0.1:" in msg, msg
@@ -492,8 +580,12 @@ def test_a_rank_missing_at_the_rendezvous_is_named(case, nprocs, dead):
 
 
 def test_the_rendezvous_listens_on_the_given_address_only(case):
-    c = case("torch: where rank 0's rendezvous store listens",
-             "on MASTER_ADDR (loopback under commopt launch), not every interface", "torch", 2)
+    c = case(
+        "torch: where rank 0's rendezvous store listens",
+        "on MASTER_ADDR (loopback under commopt launch), not every interface",
+        "torch",
+        2,
+    )
     code = """
 import os, subprocess, sys, commopt
 comm = commopt.create_communicator("torch")
@@ -512,13 +604,17 @@ comm.barrier()
 
 # -- launcher signals ------------------------------------------------------------------------------
 
+
 def _launch_and_signal(tmp_path, sig, delay: float, launcher: str = "torch"):
     """Start a 2-rank job of sleepers, send ``sig`` after ``delay``; return (rc, stderr, pids)."""
     pids = tmp_path / f"pids-{sig}-{delay}"
     cmd = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
-    p = subprocess.Popen(launch_argv("-n", "2", "--launcher", launcher, "--", *cmd),
-                         env=dict(clean_env(), PYTHONPATH=str(REPO)), stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        launch_argv("-n", "2", "--launcher", launcher, "--", *cmd),
+        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(delay)
     p.send_signal(sig)
     try:
@@ -545,10 +641,14 @@ CTRL_C_DELAYS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.2, 2.0, 3.0)
 
 
 def test_ctrl_c_during_launcher_start_up_is_never_lost(case, tmp_path):
-    c = case(f"Ctrl-C at {len(CTRL_C_DELAYS)} moments {CTRL_C_DELAYS[0]:g}-{CTRL_C_DELAYS[-1]:g} s "
-             "after `commopt launch` starts (time: the slowest)",
-             "the launcher exits 130 (or the interpreter itself stops, by SIGINT or exit 1 from "
-             "an interrupted start-up, before any rank starts) and no rank survives", "torch", 2)
+    c = case(
+        f"Ctrl-C at {len(CTRL_C_DELAYS)} moments {CTRL_C_DELAYS[0]:g}-{CTRL_C_DELAYS[-1]:g} s "
+        "after `commopt launch` starts (time: the slowest)",
+        "the launcher exits 130 (or the interpreter itself stops, by SIGINT or exit 1 from "
+        "an interrupted start-up, before any rank starts) and no rank survives",
+        "torch",
+        2,
+    )
     worst = 0.0
     for delay in CTRL_C_DELAYS:
         t = time.monotonic()
@@ -557,8 +657,9 @@ def test_ctrl_c_during_launcher_start_up_is_never_lost(case, tmp_path):
         # Python's own start-up (site, runpy) is interrupted: "Fatal Python error: ... site"
         # and exit code 1, before any commopt code ran. Nothing was started; that is clean too.
         interpreter_stopped = rc == 1 and "KeyboardInterrupt" in err and not started
-        assert rc in (130, -signal.SIGINT) or interpreter_stopped, \
+        assert rc in (130, -signal.SIGINT) or interpreter_stopped, (
             f"Ctrl-C after {delay}s: exit code {rc}\n{err[-2000:]}"
+        )
         time.sleep(0.1)
         assert not [p for p in started if _alive(p)], f"Ctrl-C after {delay}s: ranks survived"
     c.seconds = worst
@@ -568,8 +669,12 @@ def test_ctrl_c_during_launcher_start_up_is_never_lost(case, tmp_path):
 def test_sigterm_mid_job_stops_every_rank(case, tmp_path, launcher):
     if launcher == "mpi" and not __import__("shutil").which("mpirun"):
         pytest.skip("mpirun not found")
-    c = case(f"SIGTERM to `commopt launch --launcher {launcher}` mid-job",
-             "exit 143; every rank stopped", launcher, 2)
+    c = case(
+        f"SIGTERM to `commopt launch --launcher {launcher}` mid-job",
+        "exit 143; every rank stopped",
+        launcher,
+        2,
+    )
     t = time.monotonic()
     rc, err, started = _launch_and_signal(tmp_path, signal.SIGTERM, 3.0, launcher)
     time.sleep(0.2)
@@ -579,16 +684,34 @@ def test_sigterm_mid_job_stops_every_rank(case, tmp_path, launcher):
 
 
 def test_a_failing_rank_ends_a_launched_job_with_its_code(case):
-    c = case("`commopt launch --launcher torch`: rank 1 exits 5",
-             "the others are stopped; the launcher exits 5 naming rank 1", "torch", 2)
-    r = c.run(subprocess.run, launch_argv("-n", "2", "--launcher", "torch", "--", "sh", "-c",
-                                          'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 60'),
-              env=dict(clean_env(), PYTHONPATH=str(REPO)), capture_output=True, text=True,
-              timeout=60)
+    c = case(
+        "`commopt launch --launcher torch`: rank 1 exits 5",
+        "the others are stopped; the launcher exits 5 naming rank 1",
+        "torch",
+        2,
+    )
+    r = c.run(
+        subprocess.run,
+        launch_argv(
+            "-n",
+            "2",
+            "--launcher",
+            "torch",
+            "--",
+            "sh",
+            "-c",
+            'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 60',
+        ),
+        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 5 and "rank 1 ended with exit code 5" in r.stderr, r.stderr
 
 
 # -- emulated testbed ----------------------------------------------------------------------------
+
 
 def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
     from commopt.testbed import unavailable_reason
@@ -597,12 +720,18 @@ def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"emulated cluster: {reason}")
-    c = case("Ctrl-C to `commopt launch --link 1gbit` mid-job",
-             "exit 130; namespaces, /etc/netns entries and work directory removed", "torch", 2)
-    p = subprocess.Popen(launch_argv("-n", "2", "--link", "1gbit", "--launcher", "torch", "--",
-                                     "sleep", "60"),
-                         env=dict(clean_env(), PYTHONPATH=str(REPO)), stderr=subprocess.PIPE,
-                         text=True)
+    c = case(
+        "Ctrl-C to `commopt launch --link 1gbit` mid-job",
+        "exit 130; namespaces, /etc/netns entries and work directory removed",
+        "torch",
+        2,
+    )
+    p = subprocess.Popen(
+        launch_argv("-n", "2", "--link", "1gbit", "--launcher", "torch", "--", "sleep", "60"),
+        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = p.stderr.readline()  # printed once the cluster is up
     slot = int(first.split(" run ")[-1])
     t = time.monotonic()
@@ -639,16 +768,21 @@ print("ok", flush=True)
 
 @pytest.mark.parametrize("transport, nprocs", [("torch", 2), ("torch", 4), ("mpi", 2)])
 def test_objects_between_ranks_are_never_unpickled(case, transport, nprocs):
-    c = case("bcast_obj/allgather_obj with pickle disabled in every rank",
-             "objects (tensors, bytes, tuples, dtypes) arrive intact; nothing is unpickled",
-             transport, nprocs)
+    c = case(
+        "bcast_obj/allgather_obj with pickle disabled in every rank",
+        "objects (tensors, bytes, tuples, dtypes) arrive intact; nothing is unpickled",
+        transport,
+        nprocs,
+    )
     out = c.run(RUNNERS[transport], NO_UNPICKLING, nprocs, timeout=120, args=[transport])
     assert out == ["ok\n"] * nprocs, out
 
 
 def test_a_checkpoint_with_code_in_it_is_refused(case, tmp_path):
-    c = case("a checkpoint file carrying a pickled command",
-             "the recipes' loaders refuse it (torch.load weights_only=True); the command never runs")
+    c = case(
+        "a checkpoint file carrying a pickled command",
+        "the recipes' loaders refuse it (torch.load weights_only=True); the command never runs",
+    )
     import torch
 
     marker = tmp_path / "ran"
@@ -659,26 +793,42 @@ def test_a_checkpoint_with_code_in_it_is_refused(case, tmp_path):
 
     path = tmp_path / "evil.pt"
     torch.save({"model": Payload()}, path)
-    from recipes.transformer.checkpoint import load_checkpoint
-
     import pickle
 
-    err = c.run(lambda: pytest.raises(pickle.UnpicklingError, load_checkpoint, str(path)))
+    from recipes.transformer.checkpoint import load_checkpoint
+
+    def load():
+        with pytest.raises(pickle.UnpicklingError) as info:
+            load_checkpoint(str(path))
+        return info
+
+    err = c.run(load)
     assert "Weights only load failed" in str(err.value) and not marker.exists()
 
 
 def test_the_tune_env_file_runs_nothing_from_argv(case, tmp_path):
-    c = case("`commopt tune` env file with a newline and $(...) in the recorded command",
-             "sourcing it exports the settings and runs nothing else; written atomically")
+    c = case(
+        "`commopt tune` env file with a newline and $(...) in the recorded command",
+        "sourcing it exports the settings and runs nothing else; written atomically",
+    )
     from commopt.network import tune
 
     best = tune.PointResult({"OMPI_MCA_btl_tcp_links": "4"}, [tune.BenchRow(2**20, 1.0)])
     out = tmp_path / "tune.env"
     t = time.monotonic()
-    tune.write_env_file(str(out), tune.env_file_text(
-        best, command="commopt tune --bench-args 'x\ntouch injected\n$(touch injected2)'"))
-    r = subprocess.run(["bash", "-c", f"source {out}; echo $OMPI_MCA_btl_tcp_links"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    tune.write_env_file(
+        str(out),
+        tune.env_file_text(
+            best, command="commopt tune --bench-args 'x\ntouch injected\n$(touch injected2)'"
+        ),
+    )
+    r = subprocess.run(
+        ["bash", "-c", f"source {out}; echo $OMPI_MCA_btl_tcp_links"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     c.seconds = time.monotonic() - t
     assert r.stdout.split() == ["4"] and sorted(p.name for p in tmp_path.iterdir()) == ["tune.env"]
 
@@ -705,8 +855,12 @@ print("ok", flush=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["mpi", "torch"])
 def test_four_ranks_train_in_step(case, transport):
-    c = case("4 ranks train 10 steps on 2 cores", "finishes; weights bit-identical on every rank",
-             transport, 4)
+    c = case(
+        "4 ranks train 10 steps on 2 cores",
+        "finishes; weights bit-identical on every rank",
+        transport,
+        4,
+    )
     out = c.run(RUNNERS[transport], TRAIN, 4, timeout=240, args=[transport])
     assert out == ["ok\n"] * 4, out
 

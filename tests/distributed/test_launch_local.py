@@ -1,4 +1,5 @@
 """`commopt launch` without --link, for real: mpirun and torch.distributed ranks on this machine."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,16 @@ dist.destroy_process_group()  # torch may abort at exit with a live gloo group
 
 @needs_mpirun
 def test_mpi_ranks_on_fake_nodes():
-    r = launch("-n", "4", "--ranks-per-host", "2", "--", "sh", "-c",
-               "echo $OMPI_COMM_WORLD_RANK $OMPI_COMM_WORLD_SIZE $COMMOPT_NODE_NAME")
+    r = launch(
+        "-n",
+        "4",
+        "--ranks-per-host",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo $OMPI_COMM_WORLD_RANK $OMPI_COMM_WORLD_SIZE $COMMOPT_NODE_NAME",
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == ["0 4 node0", "1 4 node0", "2 4 node1", "3 4 node1"]
 
@@ -46,17 +55,39 @@ def test_torch_launcher_two_ranks_gloo():
 @needs_mpirun
 def test_mpi_exit_code_is_the_jobs():
     # (--timeout is covered by tests/unit/test_launch.py, on the same job runner.)
-    r = launch("-n", "2", "--", "sh", "-c", 'exit $((OMPI_COMM_WORLD_RANK + 3))')
+    r = launch("-n", "2", "--", "sh", "-c", "exit $((OMPI_COMM_WORLD_RANK + 3))")
     assert r.returncode in (3, 4), r.stderr
 
 
 @needs_mpirun
 def test_inside_mpirun_it_does_not_start_ranks_again():
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    cmd = ["mpirun", *root, "-n", "2", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo",
-           "--mca", "oob_tcp_if_include", "lo", "-x", f"PYTHONPATH={REPO}",
-           PY, "-m", "commopt", "launch", "-n", "2", "--", "sh", "-c",
-           "echo rank $OMPI_COMM_WORLD_RANK"]
+    cmd = [
+        "mpirun",
+        *root,
+        "-n",
+        "2",
+        "--bind-to",
+        "none",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
+        "-x",
+        f"PYTHONPATH={REPO}",
+        PY,
+        "-m",
+        "commopt",
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo rank $OMPI_COMM_WORLD_RANK",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == ["rank 0", "rank 1"]

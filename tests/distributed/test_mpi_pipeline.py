@@ -1,6 +1,7 @@
 """The mpi communicator's pipelined transfers (segmented ring allreduce, pairwise alltoall,
 direct allgather) on real ranks: exact and bit-identical results, the full contract suite run
 through them, and a clear error when ranks disagree on the settings."""
+
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,11 @@ HERE = Path(__file__).parent
 PIPELINE_RANK = (HERE / "mpi_pipeline_rank.py").read_text()
 CONTRACT_RANK = (HERE / "comm_contract_rank.py").read_text()
 # Every buffer pipelined, in segments of 24 bytes: the contract's sizes become many segments.
-FORCED = {"COMMOPT_MPI_PIPELINE": "on", "COMMOPT_MPI_SEGMENT_BYTES": "24",
-          "COMMOPT_MPI_PIPELINE_MIN_BYTES": "1"}
+FORCED = {
+    "COMMOPT_MPI_PIPELINE": "on",
+    "COMMOPT_MPI_SEGMENT_BYTES": "24",
+    "COMMOPT_MPI_PIPELINE_MIN_BYTES": "1",
+}
 
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4])

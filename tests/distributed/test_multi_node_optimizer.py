@@ -7,13 +7,14 @@ accumulation, NaN/Inf skips (with and without GradScaler), compression keeping r
 identical, re-broadcast on add_param_group, and the errors for mismatched models and
 sparse gradients.
 """
+
 import pytest
 
 from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-COMMON = r'''
+COMMON = r"""
 import os, sys, copy
 import torch
 from commopt.comm.launcher import detect_launcher
@@ -57,9 +58,11 @@ def all_same(model, what):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     for q, other in enumerate(comm.allgather_obj(flat)):
         assert torch.equal(other, flat), f"{what}: parameters of rank {q} differ from rank {r}"
-'''
+"""
 
-EQUIVALENCE = COMMON + r'''
+EQUIVALENCE = (
+    COMMON
+    + r"""
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
@@ -213,10 +216,11 @@ for wrong in ("shape", "count"):
         raise AssertionError(f"a {wrong} mismatch must raise")
 checks.append("mismatch")
 
-'''
+"""
+)
 
 # Everything else: 2 ranks (mpi and gloo) only, to keep the suite short.
-EXTRAS = r'''
+EXTRAS = r"""
 # -- gradient accumulation with no_sync equals the big batch ------------------------------------------
 model = make_model(seed=4)
 opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model)
@@ -354,13 +358,13 @@ else:
 opt.remove_hooks()
 checks.append("sparse")
 
-'''
+"""
 
-DONE = r'''
+DONE = r"""
 print(f"optimizer ok {backend} rank {r}/{n} " + " ".join(checks))
-'''
+"""
 
-HIERARCHICAL = r'''
+HIERARCHICAL = r"""
 # 2 fake nodes x 2 ranks: "auto" is hierarchical, so everything above ran through it; here the
 # flat algorithm on 4 ranks and compressed hierarchical training.
 from commopt import collectives
@@ -384,7 +388,7 @@ for compression in ("qsgd4+ef", "bf16"):
         opt.zero_grad(); loss_fn(model, *batch(step, r)).backward(); opt.step()
     all_same(model, f"hierarchical {compression}")
 checks.append("flat+compressed-hierarchical")
-'''
+"""
 
 
 def _expect(out, prefix, backend, n):
@@ -404,8 +408,9 @@ def test_mpi_optimizer_2_ranks():
 
 def test_mpi_optimizer_4_ranks_as_2x2_nodes():
     """4 ranks on 2 fake nodes: equivalence through the hierarchical algorithm, then flat."""
-    out = run_mpi(EQUIVALENCE + HIERARCHICAL + DONE, 4, args=["mpi", "2"], timeout=300,
-                  mpirun_args=YIELD)
+    out = run_mpi(
+        EQUIVALENCE + HIERARCHICAL + DONE, 4, args=["mpi", "2"], timeout=300, mpirun_args=YIELD
+    )
     _expect(out, "optimizer", "mpi", 4)
 
 

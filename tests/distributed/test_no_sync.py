@@ -7,13 +7,14 @@ backward inside ``no_sync()`` after the step's reduction has started is an error
 to be silently left out of the average). A compiled model's gradients reach the backward
 hooks: buckets leave during backward and training matches the eager model.
 """
+
 import pytest
 
 from tests.multirank import run_mpi
 
 pytestmark = pytest.mark.distributed
 
-COMMON = r'''
+COMMON = r"""
 import contextlib, sys
 import torch
 import commopt
@@ -36,9 +37,11 @@ def build(**kwargs):
 def batch(step, micro):
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + r)
     return torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
-'''
+"""
 
-ACCUMULATE = COMMON + r'''
+ACCUMULATE = (
+    COMMON
+    + r"""
 def train(model, opt, use_no_sync, set_to_none, forward=None, steps=3, k=3):
     forward = forward or model
     for s in range(steps):
@@ -79,9 +82,12 @@ for overlap, sync in [(True, False), (False, True)]:
         raise AssertionError(f"overlap={overlap} synchronize={sync}: a backward inside "
                              "no_sync() after the reduction started was accepted")
 print("accumulate ok", r)
-'''
+"""
+)
 
-COMPILED = COMMON + r'''
+COMPILED = (
+    COMMON
+    + r"""
 import torch._dynamo
 
 def train(compiled, use_no_sync, steps=3):
@@ -112,7 +118,8 @@ for use_no_sync in (False, True):
     for i, (a, b) in enumerate(zip(eager, compiled)):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), f"no_sync={use_no_sync}: parameter {i} differs by {(a - b).abs().max()}"
 print("compiled ok", r)
-'''
+"""
+)
 
 
 def test_no_sync_accumulation_matches_one_reduction_in_every_mode():

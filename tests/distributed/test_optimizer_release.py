@@ -1,6 +1,7 @@
 """Optimizers release what they create: constructing N of them over the mpi communicator
 grows neither the threads nor the MPI communicators (close() or dropping them frees their
 private communicator), and finalize() leaves no worker thread (2 real MPI ranks)."""
+
 import json
 
 from tests.multirank import run_mpi

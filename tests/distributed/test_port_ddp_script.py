@@ -13,6 +13,7 @@ Checked against the DDP run on the same data (2 ranks, gloo):
 - the port resumed from its mid-run checkpoint in new processes: bit-identical to the
   uninterrupted run, on every rank.
 """
+
 import difflib
 import re
 
@@ -23,7 +24,7 @@ from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-DDP_SCRIPT = r'''
+DDP_SCRIPT = r"""
 import argparse
 import torch
 import torch.distributed as dist
@@ -106,37 +107,51 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 # The port, piece by piece: (DDP text, commopt text). Each DDP piece occurs exactly once.
 PORT = [
-    ("from torch.nn.parallel import DistributedDataParallel as DDP\n",
-     "import commopt\nfrom commopt.optim import load_checkpoint, save_checkpoint\n"),
-    ('    parser.add_argument("--out", required=True)\n',
-     '    parser.add_argument("--out", required=True)\n'
-     '    parser.add_argument("--comm", default="torch")         # "torch" (torchrun) or "mpi" (mpirun)\n'
-     '    parser.add_argument("--compression", default=None)     # e.g. "fp16", "qsgd8"\n'),
-    ('    dist.init_process_group("gloo")\n'
-     "    rank, world_size = dist.get_rank(), dist.get_world_size()\n",
-     "    comm = commopt.create_communicator(args.comm)\n"
-     "    rank, world_size = comm.rank, comm.size\n"),
-    ("    model = DDP(model)\n"
-     "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n",
-     "    optimizer = commopt.create_multi_node_optimizer(\n"
-     "        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm, model=model,\n"
-     "        compression=args.compression)\n"),
-    ('        ckpt = torch.load(args.ckpt, map_location="cpu")\n'
-     '        model.load_state_dict(ckpt["model"])\n'
-     '        optimizer.load_state_dict(ckpt["optimizer"])\n',
-     "        ckpt = load_checkpoint(args.ckpt, model, optimizer)   # every rank\n"),
-    ("            if rank == 0:\n"
-     '                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),\n'
-     '                            "scheduler": scheduler.state_dict(), "epoch": epoch + 1}, args.ckpt)\n'
-     "            dist.barrier()\n",
-     "            save_checkpoint(args.ckpt, model, optimizer,           # every rank\n"
-     '                            extra={"scheduler": scheduler.state_dict(), "epoch": epoch + 1})\n'),
-    ('    torch.save(model.module.state_dict(), f"{args.out}.rank{rank}")\n',
-     '    torch.save(model.state_dict(), f"{args.out}.rank{rank}")\n'),
+    (
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n",
+        "import commopt\nfrom commopt.optim import load_checkpoint, save_checkpoint\n",
+    ),
+    (
+        '    parser.add_argument("--out", required=True)\n',
+        '    parser.add_argument("--out", required=True)\n'
+        '    parser.add_argument("--comm", default="torch")         # "torch" (torchrun) or "mpi" (mpirun)\n'
+        '    parser.add_argument("--compression", default=None)     # e.g. "fp16", "qsgd8"\n',
+    ),
+    (
+        '    dist.init_process_group("gloo")\n'
+        "    rank, world_size = dist.get_rank(), dist.get_world_size()\n",
+        "    comm = commopt.create_communicator(args.comm)\n"
+        "    rank, world_size = comm.rank, comm.size\n",
+    ),
+    (
+        "    model = DDP(model)\n"
+        "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n",
+        "    optimizer = commopt.create_multi_node_optimizer(\n"
+        "        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm, model=model,\n"
+        "        compression=args.compression)\n",
+    ),
+    (
+        '        ckpt = torch.load(args.ckpt, map_location="cpu")\n'
+        '        model.load_state_dict(ckpt["model"])\n'
+        '        optimizer.load_state_dict(ckpt["optimizer"])\n',
+        "        ckpt = load_checkpoint(args.ckpt, model, optimizer)   # every rank\n",
+    ),
+    (
+        "            if rank == 0:\n"
+        '                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),\n'
+        '                            "scheduler": scheduler.state_dict(), "epoch": epoch + 1}, args.ckpt)\n'
+        "            dist.barrier()\n",
+        "            save_checkpoint(args.ckpt, model, optimizer,           # every rank\n"
+        '                            extra={"scheduler": scheduler.state_dict(), "epoch": epoch + 1})\n',
+    ),
+    (
+        '    torch.save(model.module.state_dict(), f"{args.out}.rank{rank}")\n',
+        '    torch.save(model.state_dict(), f"{args.out}.rank{rank}")\n',
+    ),
 ]
 
 
@@ -148,13 +163,16 @@ def port(script: str) -> str:
 
 
 COMMOPT_SCRIPT = port(DDP_SCRIPT)
-FP32_TOL = 1e-5   # fp32 wire: only summation order may differ from DDP's
-FP16_TOL = 1e-2   # fp16 wire: one rounding (2^-11 relative) of each averaged gradient, 32 steps
+FP32_TOL = 1e-5  # fp32 wire: only summation order may differ from DDP's
+FP16_TOL = 1e-2  # fp16 wire: one rounding (2^-11 relative) of each averaged gradient, 32 steps
 
 
 def changed_lines(a: str, b: str) -> list[str]:
-    return [line for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return [
+        line
+        for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
 
 
 def test_the_port_is_a_small_diff():
@@ -165,9 +183,17 @@ def test_the_port_is_a_small_diff():
     # Nothing of DDP or of the torch process group is left in the ported script.
     assert not re.search(r"\bDDP\b|\bdist\.|\.module\b", COMMOPT_SCRIPT), COMMOPT_SCRIPT
     # The training loop, sampler, scheduler, AMP and clipping lines are untouched.
-    for unchanged in ("sampler.set_epoch(epoch)", "torch.autocast(", "clip_grad_norm_(",
-                      "StepLR(optimizer", "scheduler.load_state_dict(", "optimizer.step()"):
-        assert unchanged in COMMOPT_SCRIPT and not any(unchanged in line for line in diff), unchanged
+    for unchanged in (
+        "sampler.set_epoch(epoch)",
+        "torch.autocast(",
+        "clip_grad_norm_(",
+        "StepLR(optimizer",
+        "scheduler.load_state_dict(",
+        "optimizer.step()",
+    ):
+        assert unchanged in COMMOPT_SCRIPT and not any(unchanged in line for line in diff), (
+            unchanged
+        )
 
 
 def _final_params(out: str, nprocs: int = 2) -> list[torch.Tensor]:
@@ -175,7 +201,9 @@ def _final_params(out: str, nprocs: int = 2) -> list[torch.Tensor]:
     return [torch.cat([t.reshape(-1).float() for t in sd.values()]) for sd in sds]
 
 
-def _run(launcher, script: str, tmp, name: str, *args: str, timeout: float = 60) -> list[torch.Tensor]:
+def _run(
+    launcher, script: str, tmp, name: str, *args: str, timeout: float = 60
+) -> list[torch.Tensor]:
     out = str(tmp / name)
     run = run_mpi if launcher == "mpi" else run_torch
     stdout = run(script, nprocs=2, timeout=timeout, args=[*args, "--out", out])
@@ -198,22 +226,48 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("launcher", ["torch", "mpi"])
 def test_port_matches_ddp_and_resumes_bit_exactly(launcher, ddp_params, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    full = _run(launcher, COMMOPT_SCRIPT, tmp_path, "full", "--comm", launcher,
-                "--save-at", "2", "--ckpt", ckpt)
+    full = _run(
+        launcher,
+        COMMOPT_SCRIPT,
+        tmp_path,
+        "full",
+        "--comm",
+        launcher,
+        "--save-at",
+        "2",
+        "--ckpt",
+        ckpt,
+    )
     for r in range(2):
-        assert torch.equal(full[r], full[0]), f"{launcher}: rank {r}'s parameters differ from rank 0's"
+        assert torch.equal(full[r], full[0]), (
+            f"{launcher}: rank {r}'s parameters differ from rank 0's"
+        )
         err = _rel(full[r], ddp_params)
         assert err <= FP32_TOL, f"{launcher}: rank {r}: {err:.2e} relative from DDP's parameters"
-    resumed = _run(launcher, COMMOPT_SCRIPT, tmp_path, "resumed", "--comm", launcher,
-                   "--resume", "--ckpt", ckpt)
+    resumed = _run(
+        launcher,
+        COMMOPT_SCRIPT,
+        tmp_path,
+        "resumed",
+        "--comm",
+        launcher,
+        "--resume",
+        "--ckpt",
+        ckpt,
+    )
     for r in range(2):
         assert torch.equal(resumed[r], full[r]), (
             f"{launcher}: rank {r}: resumed from the epoch-2 checkpoint, the parameters differ "
-            f"from the uninterrupted run by {_rel(resumed[r], full[r]):.2e} relative")
+            f"from the uninterrupted run by {_rel(resumed[r], full[r]):.2e} relative"
+        )
 
 
 def test_port_with_fp16_compression_within_codec_tolerance(ddp_params, tmp_path):
-    got = _run("torch", COMMOPT_SCRIPT, tmp_path, "fp16", "--comm", "torch", "--compression", "fp16")
+    got = _run(
+        "torch", COMMOPT_SCRIPT, tmp_path, "fp16", "--comm", "torch", "--compression", "fp16"
+    )
     assert torch.equal(got[0], got[1]), "fp16: the ranks' parameters differ"
     err = _rel(got[0], ddp_params)
-    assert 0 < err <= FP16_TOL, f"fp16: {err:.2e} relative from DDP's parameters (0 means nothing was compressed)"
+    assert 0 < err <= FP16_TOL, (
+        f"fp16: {err:.2e} relative from DDP's parameters (0 means nothing was compressed)"
+    )

@@ -7,13 +7,14 @@ without overlap, the built-in ``clip_grad_norm=`` with double buffering, GradSca
 unscale_ + clip, LBFGS with ``step(closure)``, and the refusal of DDP-wrapped models
 (torch.distributed ranks only: DDP needs its process group).
 """
+
 import pytest
 
 from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-COMMON = r'''
+COMMON = r"""
 import copy, sys
 import torch
 import commopt
@@ -77,9 +78,9 @@ def clipped_sgd_reference(start, steps, stale=False):
     return ref
 
 
-'''
+"""
 
-CLIPPING = r'''
+CLIPPING = r"""
 # 1. clip_grad_norm_ between backward() and step(), default mode: clips the average
 model = make_model()
 opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, model=model)
@@ -141,9 +142,9 @@ for step in range(3):
     scaler.update()
 check(model, clipped_sgd_reference(start, 3), "GradScaler unscale_ + clip")
 
-'''
+"""
 
-CLOSURE = r'''
+CLOSURE = r"""
 # 2. LBFGS: every closure call's loss and gradients are averaged over the ranks
 model = make_model()
 opt = create_multi_node_optimizer(
@@ -172,9 +173,9 @@ for step in range(3):
 assert len(set(comm.allgather_obj(calls))) == 1, "the ranks evaluated the closure different times"
 check(model, ref, "LBFGS step(closure)", tol=1e-4)
 
-'''
+"""
 
-DDP_MODEL = r'''
+DDP_MODEL = r"""
 # 4. a DDP model: refused, whether wrapped before or after the optimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 net = make_model()
@@ -194,7 +195,7 @@ try:
     raise AssertionError(f"rank {r}: DDP wrapped after the optimizer went unnoticed")
 except ValueError as e:
     assert "commopt_hook" in str(e), e
-'''
+"""
 
 END = 'print("ok", r)\n'
 

@@ -3,6 +3,7 @@
 A user pastes that block into train.py and launches it with mpirun; this test does the
 same, so the README cannot drift from the API (it once used an undefined ``loader``).
 """
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
 """The ResNet-50 recipe's smoke preset on 2 real ranks: runs, checkpoints, resumes exactly,
 and refuses a batch that does not split over the ranks."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,24 @@ from recipes.resnet50.train import main
 sys.exit(main(sys.argv[1:]))
 """
 # ResNet-50 itself at a reduced image size and batch: a few steps stay well under a minute.
-TINY = ["--preset", "smoke", "--image-size", "32", "--batch-size", "4", "--train-size", "16",
-        "--val-size", "8", "--progress", "none", "--log-every", "1", "--threads", "1"]
+TINY = [
+    "--preset",
+    "smoke",
+    "--image-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--train-size",
+    "16",
+    "--val-size",
+    "8",
+    "--progress",
+    "none",
+    "--log-every",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 def _summary(out: list[str]) -> dict:
@@ -43,9 +60,23 @@ def fast_dir(tmp_path):
 def test_smoke_two_ranks_qsgd4_ef_double_buffering_resumes_exactly(fast_dir):
     ck, log = fast_dir / "ck", fast_dir / "log.jsonl"
     comm = ["--compression", "qsgd4+ef", "--double-buffering"]
-    straight = run_mpi(MAIN, 2, timeout=240, args=TINY + comm + [
-        "--max-steps", "3", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-        "--log-jsonl", str(log)])
+    straight = run_mpi(
+        MAIN,
+        2,
+        timeout=240,
+        args=TINY
+        + comm
+        + [
+            "--max-steps",
+            "3",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "2",
+            "--log-jsonl",
+            str(log),
+        ],
+    )
     first = _summary(straight)
     assert first["world_size"] == 2 and first["steps"] == 3 and first["label"] == "qsgd4+ef+db"
     assert straight[1].strip() == ""  # only rank 0 reports
@@ -55,16 +86,26 @@ def test_smoke_two_ranks_qsgd4_ef_double_buffering_resumes_exactly(fast_dir):
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000003"]
     # From step 2, with the pending double-buffered gradients and error-feedback residuals of
     # each rank restored, step 3 must produce bit-identical weights.
-    resumed = run_mpi(MAIN, 2, timeout=240, args=TINY + comm + [
-        "--max-steps", "3", "--checkpoint-dir", str(ck), "--resume", "step-00000002"])
+    resumed = run_mpi(
+        MAIN,
+        2,
+        timeout=240,
+        args=TINY
+        + comm
+        + ["--max-steps", "3", "--checkpoint-dir", str(ck), "--resume", "step-00000002"],
+    )
     again = _summary(resumed)
     assert again["steps"] == 1 and again["global_step"] == 3
     assert again["digest"] == first["digest"]
 
 
 def test_smoke_under_torch_distributed_launch():
-    out = run_torch(MAIN, 2, timeout=240, args=TINY + ["--max-steps", "2", "--no-eval",
-                                                       "--allreduce-grad-dtype", "float16"])
+    out = run_torch(
+        MAIN,
+        2,
+        timeout=240,
+        args=TINY + ["--max-steps", "2", "--no-eval", "--allreduce-grad-dtype", "float16"],
+    )
     summary = _summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 2 and summary["label"] == "float16"
 
@@ -73,5 +114,8 @@ def test_batch_not_divisible_by_ranks_is_refused_by_every_rank():
     with pytest.raises(AssertionError) as err:
         run_mpi(MAIN, 2, timeout=120, args=TINY + ["--batch-size", "5", "--max-steps", "1"])
     message = str(err.value)
-    assert "--batch-size 5 is the global batch and must be divisible by the number of ranks (2)" in message
+    assert (
+        "--batch-size 5 is the global batch and must be divisible by the number of ranks (2)"
+        in message
+    )
     assert "use 4 or 6" in message

@@ -8,6 +8,7 @@ failure injected on its last rank: the driver must report it and finish the othe
 restarted job. Checks that the table's figures come from real timings and agree with one
 another, and that the ranks ended with the same parameters.
 """
+
 import json
 import os
 import shutil
@@ -22,8 +23,25 @@ pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["ddp-fp32", "commopt-fp16", "commopt-qsgd4+ef-db"]
-ARGS = ["--models", "tiny", "--configs", ",".join(CONFIGS), "--no-link", "--rounds", "2",
-        "--steps", "3", "--block", "2", "--warmup", "2", "--timeout", "300", "--collective-timeout", "60"]
+ARGS = [
+    "--models",
+    "tiny",
+    "--configs",
+    ",".join(CONFIGS),
+    "--no-link",
+    "--rounds",
+    "2",
+    "--steps",
+    "3",
+    "--block",
+    "2",
+    "--warmup",
+    "2",
+    "--timeout",
+    "300",
+    "--collective-timeout",
+    "60",
+]
 
 
 def test_bench_step_runs_ddp_and_commopt_side_by_side(tmp_path):
@@ -46,7 +64,9 @@ def test_bench_step_runs_ddp_and_commopt_side_by_side(tmp_path):
         assert row["error"] is None, (name, row["error"])
         assert row["step_s"] > 0 and row["compute_s"] > 0 and row["samples_per_s"] > 0, name
         blocks = [e for rnd in info["raw"][name]["rounds"] for e in rnd["block_efficiency"]]
-        assert len(blocks) == 4 and row["efficiency"] == pytest.approx(statistics.median(blocks)), name
+        assert len(blocks) == 4 and row["efficiency"] == pytest.approx(statistics.median(blocks)), (
+            name
+        )
         assert row["final_loss"] == row["final_loss"] and row["final_loss"] < 5, name  # finite
         assert len(info["raw"][name]["rounds"]) == 2, name  # both rounds, across the restart
     assert rows["ddp-fp32"]["speedup"] == pytest.approx(1.0)
@@ -85,15 +105,45 @@ def _package_only(tmp_path):
 def test_bench_step_runs_from_the_package_alone(tmp_path):
     """`commopt bench step` needs nothing of the checkout: --help, then a real 2-rank run."""
     site, cwd, env = _package_only(tmp_path)
-    help_ = subprocess.run([sys.executable, "-m", "commopt", "bench", "step", "--help"], cwd=cwd,
-                           env=env, capture_output=True, text=True, timeout=120)
+    help_ = subprocess.run(
+        [sys.executable, "-m", "commopt", "bench", "step", "--help"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert help_.returncode == 0, help_.stderr
     assert "--sim-measurements" in help_.stdout and "ddp-powersgd1" in help_.stdout
     out = cwd / "step.json"
-    cmd = [sys.executable, "-m", "commopt", "bench", "step", "--models", "tiny",
-           "--configs", "ddp-fp32,commopt-qsgd4", "--no-link", "--rounds", "1", "--steps", "2",
-           "--block", "2", "--warmup", "1", "--timeout", "240", "--collective-timeout", "60",
-           "--json", str(out), "--markdown", str(cwd / "step.md")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commopt",
+        "bench",
+        "step",
+        "--models",
+        "tiny",
+        "--configs",
+        "ddp-fp32,commopt-qsgd4",
+        "--no-link",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--block",
+        "2",
+        "--warmup",
+        "1",
+        "--timeout",
+        "240",
+        "--collective-timeout",
+        "60",
+        "--json",
+        str(out),
+        "--markdown",
+        str(cwd / "step.md"),
+    ]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     log = f"{' '.join(cmd)}:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, log
@@ -102,9 +152,18 @@ def test_bench_step_runs_from_the_package_alone(tmp_path):
     rows = {r["config"]: r for r in report["models"]["tiny"]["rows"]}
     assert list(rows) == ["ddp-fp32", "commopt-qsgd4"], log
     for name, row in rows.items():
-        assert row["error"] is None and row["step_s"] > 0 and row["ranks_agree"] is True, (name, log)
+        assert row["error"] is None and row["step_s"] > 0 and row["ranks_agree"] is True, (
+            name,
+            log,
+        )
     # What the driver and its ranks import in this environment is the copy, not the checkout.
-    where = subprocess.run([sys.executable, "-c", "import commopt.bench.step as s; print(s.__file__)"],
-                           cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    where = subprocess.run(
+        [sys.executable, "-c", "import commopt.bench.step as s; print(s.__file__)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.stdout.strip().startswith(str(site)), where
     assert "| commopt-qsgd4" in (cwd / "step.md").read_text()

@@ -2,6 +2,7 @@
 
 Needs root and network namespaces; every test here skips with the reason where they are missing.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ from tests.multirank import launch, needs_mpirun
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 _REASON = unavailable_reason()
-pytestmark = [pytest.mark.distributed, pytest.mark.netns,
-              pytest.mark.skipif(_REASON is not None, reason=f"emulated cluster: {_REASON}")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.netns,
+    pytest.mark.skipif(_REASON is not None, reason=f"emulated cluster: {_REASON}"),
+]
 
 
 def root_links() -> set[str]:
@@ -59,26 +63,32 @@ def workdirs(slot: int) -> list[Path]:
 
 # -- set-up and teardown -----------------------------------------------------------------------
 
+
 def test_hosts_have_two_networks_and_no_way_out():
     before = root_links()
     with emulated_cluster(2, "1gbit") as c:
         assert set(c.namespaces) <= set(list_namespaces())
-        addrs = subprocess.run(c.host_argv(1, ["ip", "-j", "addr"]), capture_output=True,
-                               text=True, check=True).stdout
+        addrs = subprocess.run(
+            c.host_argv(1, ["ip", "-j", "addr"]), capture_output=True, text=True, check=True
+        ).stdout
         ips = {a["local"] for link in json.loads(addrs) for a in link.get("addr_info", [])}
         # IPv4 only, beside loopback: no IPv6 link-local address to reach the other hosts by.
         assert ips - {"::1"} == {"127.0.0.1", c.hosts[1].data_ip, c.hosts[1].ctl_ip}
-        routes = subprocess.run(c.host_argv(1, ["ip", "route"]), capture_output=True,
-                                text=True).stdout
+        routes = subprocess.run(
+            c.host_argv(1, ["ip", "route"]), capture_output=True, text=True
+        ).stdout
         assert "default" not in routes
         # Nothing outside the run is reachable: the kernel refuses before a packet is sent.
-        probe = ("import socket; s = socket.socket(); s.settimeout(2)\n"
-                 "try:\n    s.connect(('192.0.2.1', 9)); print('connected')\n"
-                 "except OSError as e:\n    print(e.errno)")
+        probe = (
+            "import socket; s = socket.socket(); s.settimeout(2)\n"
+            "try:\n    s.connect(('192.0.2.1', 9)); print('connected')\n"
+            "except OSError as e:\n    print(e.errno)"
+        )
         out = subprocess.run(c.host_argv(0, [PY, "-c", probe]), capture_output=True, text=True)
         assert out.stdout.strip() == "101", out  # ENETUNREACH
-        qdisc = subprocess.run(c.host_argv(0, ["tc", "qdisc", "show", "dev", "data0"]),
-                               capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            c.host_argv(0, ["tc", "qdisc", "show", "dev", "data0"]), capture_output=True, text=True
+        ).stdout
         assert "tbf" in qdisc and "rate 1Gbit" in qdisc
         assert root_links() == before
         names, slot = list(c.namespaces), c.slot
@@ -89,8 +99,11 @@ def test_hosts_have_two_networks_and_no_way_out():
 
 
 def test_teardown_after_an_exception_and_two_runs_side_by_side():
-    with (pytest.raises(RuntimeError, match="boom"),
-          emulated_cluster(2, "1gbit") as a, emulated_cluster(2, None) as b):
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        emulated_cluster(2, "1gbit") as a,
+        emulated_cluster(2, None) as b,
+    ):
         assert a.slot != b.slot and not set(a.namespaces) & set(b.namespaces)
         # A process left running inside a host does not keep its namespace alive.
         subprocess.Popen(a.host_argv(0, ["sleep", "60"]))
@@ -110,9 +123,26 @@ def test_failing_job_leaves_nothing_behind():
 def test_sigterm_mid_job_leaves_nothing_behind():
     before = root_links()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([PY, "-m", "commopt", "launch", "-n", "2", "--link", "1gbit",
-                          "--launcher", "torch", "--", "sleep", "60"], env=env,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "commopt",
+            "launch",
+            "-n",
+            "2",
+            "--link",
+            "1gbit",
+            "--launcher",
+            "torch",
+            "--",
+            "sleep",
+            "60",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = p.stderr.readline()  # printed once the cluster is up
     time.sleep(0.5)
     p.send_signal(signal.SIGTERM)
@@ -125,9 +155,26 @@ def test_cleanup_after_sigkill():
     """SIGKILL leaves no chance to clean up; `commopt launch --cleanup` finds what is left."""
     before = root_links()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([PY, "-m", "commopt", "launch", "-n", "2", "--link", "1gbit",
-                          "--launcher", "torch", "--", "sleep", "60"], env=env,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "commopt",
+            "launch",
+            "-n",
+            "2",
+            "--link",
+            "1gbit",
+            "--launcher",
+            "torch",
+            "--",
+            "sleep",
+            "60",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     slot = run_slot(p.stderr.readline())
     p.kill()
     p.wait(timeout=30)
@@ -148,6 +195,7 @@ def test_clear_refusal_when_it_cannot_run():
 
 # -- the link ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("rate, nbytes", [("1gbit", 32 * 2**20), ("200mbit", 6 * 2**20)])
 def test_shaped_link_runs_at_its_rate(rate, nbytes):
     bits = parse_rate(rate)
@@ -156,8 +204,7 @@ def test_shaped_link_runs_at_its_rate(rate, nbytes):
         fwd = max(measure_link(c, 0, 1, nbytes) for _ in range(3))
         back = measure_link(c, 1, 0, nbytes)
     for measured in (fwd, back):
-        assert 0.9 * bits <= measured <= 1.1 * bits, \
-            f"{rate} link measured {format_rate(measured)}"
+        assert 0.9 * bits <= measured <= 1.1 * bits, f"{rate} link measured {format_rate(measured)}"
 
 
 # -- jobs over the link ------------------------------------------------------------------------
@@ -232,10 +279,23 @@ def test_two_host_gloo_job_over_the_shaped_link():
 
 @needs_mpirun
 def test_two_ranks_per_host_share_a_node_name():
-    r = launch("-n", "4", "--link", "1gbit", "--ranks-per-host", "2", "--", "sh", "-c",
-               "echo $OMPI_COMM_WORLD_RANK $(cat /proc/sys/kernel/hostname) $COMMOPT_NODE_NAME "
-               "$COMMOPT_LINK_BITS")
+    r = launch(
+        "-n",
+        "4",
+        "--link",
+        "1gbit",
+        "--ranks-per-host",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo $OMPI_COMM_WORLD_RANK $(cat /proc/sys/kernel/hostname) $COMMOPT_NODE_NAME "
+        "$COMMOPT_LINK_BITS",
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == [
-        "0 host0 host0 1000000000", "1 host0 host0 1000000000",
-        "2 host1 host1 1000000000", "3 host1 host1 1000000000"]
+        "0 host0 host0 1000000000",
+        "1 host0 host0 1000000000",
+        "2 host1 host1 1000000000",
+        "3 host1 host1 1000000000",
+    ]

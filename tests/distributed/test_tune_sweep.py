@@ -1,4 +1,5 @@
 """`commopt tune` for real: a short sweep on loopback through `commopt bench allreduce`."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,13 +18,29 @@ def test_real_sweep_on_loopback(tmp_path, capsys):
     from commopt.cli import main
 
     out = tmp_path / "best.env"
-    rc = main(["tune", "-n", "2", "--transport", "mpi", "--grid", "btl_tcp_links=2",
-               "--bench-args", "-b 256K -e 1M -f 4 -n 3 -w 1", "--large-from", "256K",
-               "--timeout", "120", "--out", str(out)])
+    rc = main(
+        [
+            "tune",
+            "-n",
+            "2",
+            "--transport",
+            "mpi",
+            "--grid",
+            "btl_tcp_links=2",
+            "--bench-args",
+            "-b 256K -e 1M -f 4 -n 3 -w 1",
+            "--large-from",
+            "256K",
+            "--timeout",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "[1/2] (defaults): " in printed and "[2/2] btl_tcp_links=2: " in printed
-    table = printed[printed.index("#  setting"):].splitlines()
+    table = printed[printed.index("#  setting") :].splitlines()
     assert "256K GB/s" in table[0] and "1M GB/s" in table[0]
     winner = table[2].split()[1]  # the first ranked row's setting
     text = out.read_text()

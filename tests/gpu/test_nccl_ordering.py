@@ -4,6 +4,7 @@ The data is produced on a side stream behind a long sleep kernel: a transport th
 the collective after any other stream (or after a host thread's) would read the buffer
 before the fill and these tests would see the old values.
 """
+
 import pytest
 import torch
 
@@ -62,7 +63,8 @@ def test_torch_nccl_orders_after_the_callers_side_stream():
 @cuda
 def test_optimizer_on_pure_nccl_uses_the_users_communicator_and_no_thread():
     _needs_cupy()
-    out = run_mpi("""
+    out = run_mpi(
+        """
 import threading, torch, commopt
 torch.cuda.set_device(0)
 comm = commopt.create_communicator("pure_nccl")
@@ -82,5 +84,8 @@ for db in (False, True):
 assert threading.active_count() <= before + 1, threading.enumerate()  # no collectives worker
 comm.finalize()
 print("ok")
-""", 1, timeout=240)
+""",
+        1,
+        timeout=240,
+    )
     assert out[0].strip().splitlines()[-1] == "ok"

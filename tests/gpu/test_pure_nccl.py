@@ -4,6 +4,7 @@ Skipped without CUDA (and CuPy for pure_nccl), with the reason. A world of one o
 checks the paths end to end; two ranks need two GPUs for NCCL (it refuses two ranks on one
 device), so the one-GPU two-rank test uses mpi and gloo.
 """
+
 import pytest
 import torch
 
@@ -19,7 +20,8 @@ def _needs_cupy():
 @cuda
 def test_pure_nccl_one_rank_contract():
     _needs_cupy()
-    out = run_mpi("""
+    out = run_mpi(
+        """
 import torch, commopt
 torch.cuda.set_device(0)
 comm = commopt.create_communicator("pure_nccl")
@@ -33,7 +35,10 @@ comm.alltoall(s, r); assert torch.equal(r, s)
 comm.allgather(s, r); assert torch.equal(r, s)
 comm.broadcast(s); comm.barrier()
 print("ok")
-""", 1, timeout=180)
+""",
+        1,
+        timeout=180,
+    )
     assert out[0].strip() == "ok"
 
 
@@ -57,7 +62,8 @@ print("ok")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_pure_nccl_two_gpus():
     _needs_cupy()
-    out = run_mpi("""
+    out = run_mpi(
+        """
 import torch, commopt
 from commopt.comm.launcher import detect_launcher
 torch.cuda.set_device(detect_launcher().local_rank)
@@ -65,7 +71,10 @@ comm = commopt.create_communicator("pure_nccl")
 t = torch.full((4097,), float(comm.rank + 1), device="cuda", dtype=torch.bfloat16)
 comm.allreduce(t); assert torch.all(t == 3.0)
 print("ok")
-""", 2, timeout=180)
+""",
+        2,
+        timeout=180,
+    )
     assert [o.strip() for o in out] == ["ok", "ok"]
 
 
@@ -77,7 +86,8 @@ def test_codecs_reduce_cuda_tensors_in_a_world_of_one(comm_name):
         _needs_cupy()
     runner = run_mpi if comm_name == "pure_nccl" else run_torch
     extra = ", backend='nccl'" if comm_name == "torch" else ""
-    out = runner(f"""
+    out = runner(
+        f"""
 import torch, commopt
 from commopt import collectives
 from commopt.codecs import RngKey, get_codec
@@ -91,19 +101,24 @@ for name in ("none", "fp16", "bf16", "qsgd8", "qsgd4", "qsgd2", "qsgd4+ef"):
     t = x.clone()
     collectives.allreduce(comm, t, codec, algorithm="scatter_reduce", rng=RngKey(0, 0, 1), key="b")
     # a world of one: the result is decode(encode(x)), within the codec's error bound
-    bound = {"none": 0, "fp16": 2**-11, "bf16": 2**-8, "qsgd8": 1 / 127, "qsgd4": 1 / 7,
+    bound = {
+            "none": 0, "fp16": 2**-11, "bf16": 2**-8, "qsgd8": 1 / 127, "qsgd4": 1 / 7,
              "qsgd2": 1.0, "qsgd4+ef": 1 / 7}[name] * 1.01
     assert t.is_cuda and float((t - x).abs().max()) <= bound * float(x.abs().max()), name
 comm.finalize()
 print("ok")
-""", 1, timeout=300)
+""",
+        1,
+        timeout=300,
+    )
     assert out[0].strip() == "ok"
 
 
 @cuda
 def test_pure_nccl_world_of_one_work_contract_and_finalize():
     _needs_cupy()
-    out = run_mpi("""
+    out = run_mpi(
+        """
 import torch, commopt
 torch.cuda.set_device(0)
 comm = commopt.create_communicator("pure_nccl")
@@ -120,15 +135,22 @@ except RuntimeError as exc:
 else:
     raise AssertionError("a finalized communicator still ran a collective")
 print("ok")
-""", 1, timeout=180)
+""",
+        1,
+        timeout=180,
+    )
     assert out[0].strip().splitlines()[-1] == "ok"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="hierarchical needs 4 CUDA devices "
-                    "(2 fake nodes x 2 GPUs; NCCL allows one rank per GPU)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 4,
+    reason="hierarchical needs 4 CUDA devices "
+    "(2 fake nodes x 2 GPUs; NCCL allows one rank per GPU)",
+)
 def test_pure_nccl_hierarchical_four_gpus():
     _needs_cupy()
-    out = run_mpi("""
+    out = run_mpi(
+        """
 import os, torch, commopt
 from commopt import collectives
 from commopt.collectives.choice import choose_algorithm
@@ -147,5 +169,8 @@ with torch.cuda.stream(side):
 assert torch.all(flat == 2.0 * (1 + 2 + 3 + 4)), flat[:4]
 comm.finalize()
 print("ok")
-""", 4, timeout=240)
+""",
+        4,
+        timeout=240,
+    )
     assert [o.strip().splitlines()[-1] for o in out] == ["ok"] * 4

@@ -4,6 +4,7 @@ The CPU suite runs the same source under Triton's interpreter (tests/unit/test_k
 which on a GPU machine also runs on CUDA tensors); this file adds large ragged buffers, every
 bucket class and the launch path with several programs per kernel.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -12,9 +13,14 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device: the Triton kernels run here under the interpreter only "
-                "(tests/unit/test_kernels_triton.py)", allow_module_level=True)
-pytest.importorskip("triton", reason="CUDA builds of torch bring triton; else pip install triton==3.7.1")
+    pytest.skip(
+        "no CUDA device: the Triton kernels run here under the interpreter only "
+        "(tests/unit/test_kernels_triton.py)",
+        allow_module_level=True,
+    )
+pytest.importorskip(
+    "triton", reason="CUDA builds of torch bring triton; else pip install triton==3.7.1"
+)
 
 from commopt import kernels
 from tests.unit.test_kernels_triton import BUCKETS, same_bits, same_wire
@@ -33,16 +39,29 @@ def test_triton_is_the_default_for_cuda_tensors():
     assert kernels._pick(None, x) == "triton" and not kernels.triton_interpreted()
 
 
-@pytest.mark.parametrize("bits,norm,stochastic,scale_bytes",
-                         list(itertools.product([2, 4, 8], ["max", "l2"], [True, False], [4, 2])))
+@pytest.mark.parametrize(
+    "bits,norm,stochastic,scale_bytes",
+    list(itertools.product([2, 4, 8], ["max", "l2"], [True, False], [4, 2])),
+)
 def test_qsgd_on_the_device_matches_the_reference(bits, norm, stochastic, scale_bytes):
     levels = 2 ** (bits - 1) - 1
     # many programs per launch: 100003 everywhere, 3 Mi + 5 for the common and the widest bucket
-    cases = [(b, n) for b in BUCKETS for n in (1, 1000, 100_003)] + [(128, 3 * 2**20 + 5), (BUCKETS[-1], 3 * 2**20 + 5)]
+    cases = [(b, n) for b in BUCKETS for n in (1, 1000, 100_003)] + [
+        (128, 3 * 2**20 + 5),
+        (BUCKETS[-1], 3 * 2**20 + 5),
+    ]
     for bucket, n in cases:
         x = _input(n, bucket + n)
-        cfg = dict(bits=bits, levels=levels, bucket_size=bucket, norm=norm, stochastic=stochastic,
-                   scale_bytes=scale_bytes, scale=0.5, key=(12345, 2**32 - 3))
+        cfg = dict(
+            bits=bits,
+            levels=levels,
+            bucket_size=bucket,
+            norm=norm,
+            stochastic=stochastic,
+            scale_bytes=scale_bytes,
+            scale=0.5,
+            key=(12345, 2**32 - 3),
+        )
         nbytes = kernels.qsgd_nbytes(n, bits=bits, bucket_size=bucket, scale_bytes=scale_bytes)
         want = torch.full((nbytes,), 0xA5, dtype=torch.uint8)
         got = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device="cuda")
@@ -76,13 +95,16 @@ def test_kernels_run_on_the_current_stream():
     # launched on torch's current stream: work on a side stream orders without a sync
     x = torch.randn(2**20, device="cuda")
     side = torch.cuda.Stream()
-    wire = torch.empty(kernels.qsgd_nbytes(x.numel(), bits=4, bucket_size=128), dtype=torch.uint8,
-                       device="cuda")
+    wire = torch.empty(
+        kernels.qsgd_nbytes(x.numel(), bits=4, bucket_size=128), dtype=torch.uint8, device="cuda"
+    )
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         y = x * 2
         kernels.qsgd_encode(y, wire, bits=4, levels=7, bucket_size=128, key=(1, 2))
     torch.cuda.current_stream().wait_stream(side)
     want = torch.empty(wire.numel(), dtype=torch.uint8)
-    kernels.qsgd_encode((x * 2).cpu(), want, bits=4, levels=7, bucket_size=128, key=(1, 2), impl="reference")
+    kernels.qsgd_encode(
+        (x * 2).cpu(), want, bits=4, levels=7, bucket_size=128, key=(1, 2), impl="reference"
+    )
     assert torch.equal(wire.cpu(), want)

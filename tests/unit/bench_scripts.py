@@ -3,6 +3,7 @@
 The step benchmark is in the package (commopt.bench.step); the scripts that stay under
 benchmarks/ are imported here by path, for their tests only.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Shared pieces of the codec and kernel tests: input strategies and wire helpers."""
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,9 @@ def qsgd_params(bits: int) -> dict:
     return {"bits": bits, "levels": 2 ** (bits - 1) - 1}
 
 
-def steps_of(wire: torch.Tensor, numel: int, bucket_size: int, scale_bytes: int = 4) -> torch.Tensor:
+def steps_of(
+    wire: torch.Tensor, numel: int, bucket_size: int, scale_bytes: int = 4
+) -> torch.Tensor:
     """The per-bucket level spacings stored at the head of a QSGD wire, as float32."""
     nb = -(-numel // bucket_size)
     dtype = torch.float32 if scale_bytes == 4 else torch.float16

@@ -11,12 +11,31 @@ SIZE = 64 << 20
 def fake_data(mpi_ms, gloo_ms, qsgd_ms):
     runs = []
     for rnd, (m, g, q) in enumerate(zip(mpi_ms, gloo_ms, qsgd_ms)):
-        common = {"link_bits_per_s": 10**9, "round": rnd, "shell_command": "cmd", "load_average": 1.0}
-        runs.append({**common, "config": "mpi", "results": [
-            {"codec": "fp32", "size": SIZE, "wire_bytes": SIZE, "time_us": m * 1e3},
-            {"codec": "qsgd4", "size": SIZE, "wire_bytes": SIZE // 7, "time_us": q * 1e3}]})
-        runs.append({**common, "config": "torch", "results": [
-            {"codec": "fp32", "size": SIZE, "wire_bytes": SIZE, "time_us": g * 1e3}]})
+        common = {
+            "link_bits_per_s": 10**9,
+            "round": rnd,
+            "shell_command": "cmd",
+            "load_average": 1.0,
+        }
+        runs.append(
+            {
+                **common,
+                "config": "mpi",
+                "results": [
+                    {"codec": "fp32", "size": SIZE, "wire_bytes": SIZE, "time_us": m * 1e3},
+                    {"codec": "qsgd4", "size": SIZE, "wire_bytes": SIZE // 7, "time_us": q * 1e3},
+                ],
+            }
+        )
+        runs.append(
+            {
+                **common,
+                "config": "torch",
+                "results": [
+                    {"codec": "fp32", "size": SIZE, "wire_bytes": SIZE, "time_us": g * 1e3}
+                ],
+            }
+        )
     return {"nprocs": 2, "rounds": len(mpi_ms), "runs": runs, "started": "t0"}
 
 
@@ -28,11 +47,12 @@ def test_medians_limits_and_targets():
     assert mpi["limit_s"] == pytest.approx(SIZE * 8 / 1e9)  # 2(n-1)/n = 1 for two ranks
     assert mpi["x_limit"] == pytest.approx(0.580 / (SIZE * 8 / 1e9))
     assert link.paired(data, ("mpi", "fp32"), ("torch", "fp32"), SIZE) == pytest.approx(
-        [570 / 575, 580 / 590, 600 / 600])
+        [570 / 575, 580 / 590, 600 / 600]
+    )
     met = {t["target"].split(":")[1].strip(): t["met"] for t in link.targets(data, summary)}
-    assert met["mpi no slower than gloo"] is True          # medians 580 vs 590 ms
+    assert met["mpi no slower than gloo"] is True  # medians 580 vs 590 ms
     assert met["mpi within 1.10x of 2(n-1)/n x bytes / rate"] is True
-    assert met["effective busbw >= 6x fp32's"] is True      # 580 / 95 = 6.1x
+    assert met["effective busbw >= 6x fp32's"] is True  # 580 / 95 = 6.1x
 
 
 def test_slower_mpi_misses_and_simulator_entries_name_the_plan():

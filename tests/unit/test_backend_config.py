@@ -1,4 +1,5 @@
 """The ``commopt`` backend's COMMOPT_* environment: codecs chosen and bad values named."""
+
 import pytest
 
 from commopt.codecs import QSGD, ErrorFeedback
@@ -16,24 +17,28 @@ def test_bits_choose_the_codec():
 
 
 def test_policy_follows_min_size_dims_and_exclude():
-    policy = BackendConfig.from_env({"COMMOPT_MIN_SIZE": "10", "COMMOPT_COMPRESS_1D": "1",
-                                     "COMMOPT_EXCLUDE": r"^head\.,embed"}).policy()
-    assert policy.should_compress("body.weight", (16,))          # 1-D allowed, 16 >= 10
-    assert not policy.should_compress("body.weight", (3, 3))     # 9 < 10 elements
-    assert not policy.should_compress("head.weight", (64, 64))   # excluded by name
+    policy = BackendConfig.from_env(
+        {"COMMOPT_MIN_SIZE": "10", "COMMOPT_COMPRESS_1D": "1", "COMMOPT_EXCLUDE": r"^head\.,embed"}
+    ).policy()
+    assert policy.should_compress("body.weight", (16,))  # 1-D allowed, 16 >= 10
+    assert not policy.should_compress("body.weight", (3, 3))  # 9 < 10 elements
+    assert not policy.should_compress("head.weight", (64, 64))  # excluded by name
     assert not policy.should_compress("embed.weight", (64, 64))
     assert not BackendConfig.from_env({}).policy().should_compress("x", (4096,))  # 1-D: exact
 
 
-@pytest.mark.parametrize("env, named", [
-    ({"COMMOPT_BITS": "3"}, "COMMOPT_BITS=3"),
-    ({"COMMOPT_BITS": "four"}, "COMMOPT_BITS='four'"),
-    ({"COMMOPT_BUCKET_SIZE": "0"}, "COMMOPT_BUCKET_SIZE=0"),
-    ({"COMMOPT_MIN_SIZE": "-1"}, "COMMOPT_MIN_SIZE=-1"),
-    ({"COMMOPT_ERROR_FEEDBACK": "maybe"}, "COMMOPT_ERROR_FEEDBACK='maybe'"),
-    ({"COMMOPT_BITS": "32", "COMMOPT_ERROR_FEEDBACK": "1"}, "COMMOPT_ERROR_FEEDBACK=1"),
-    ({"COMMOPT_EXCLUDE": "("}, "'('"),
-])
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"COMMOPT_BITS": "3"}, "COMMOPT_BITS=3"),
+        ({"COMMOPT_BITS": "four"}, "COMMOPT_BITS='four'"),
+        ({"COMMOPT_BUCKET_SIZE": "0"}, "COMMOPT_BUCKET_SIZE=0"),
+        ({"COMMOPT_MIN_SIZE": "-1"}, "COMMOPT_MIN_SIZE=-1"),
+        ({"COMMOPT_ERROR_FEEDBACK": "maybe"}, "COMMOPT_ERROR_FEEDBACK='maybe'"),
+        ({"COMMOPT_BITS": "32", "COMMOPT_ERROR_FEEDBACK": "1"}, "COMMOPT_ERROR_FEEDBACK=1"),
+        ({"COMMOPT_EXCLUDE": "("}, "'('"),
+    ],
+)
 def test_bad_values_name_the_variable(env, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("'", ".")):
         BackendConfig.from_env(env)

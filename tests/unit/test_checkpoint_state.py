@@ -1,10 +1,16 @@
 """The per-rank checkpoint format: checks, version 1 compatibility, DCP save/load helpers."""
+
 import pytest
 import torch
 
 import commopt
 from commopt.codecs import CompressionPolicy
-from commopt.optim import create_multi_node_optimizer, drop_codec_state, load_checkpoint, save_checkpoint
+from commopt.optim import (
+    create_multi_node_optimizer,
+    drop_codec_state,
+    load_checkpoint,
+    save_checkpoint,
+)
 from commopt.optim.checkpoint import check_compatible, own_codec_state, split_rank_state
 
 RES = {"compressed": {"residuals": {"b0": torch.ones(3)}}}
@@ -16,7 +22,7 @@ def extra(**kw):
 
 def test_check_compatible_names_what_differs():
     check_compatible(extra(), ["b0"], rank=0, size=1)
-    with pytest.raises(ValueError, match="rank 1 of 4 ranks but this job has 1.*drop_codec_state"):
+    with pytest.raises(ValueError, match=r"rank 1 of 4 ranks but this job has 1.*drop_codec_state"):
         check_compatible(extra(rank=1, world_size=4), ["b0"], rank=0, size=1)
     with pytest.raises(ValueError, match="rank 1: this state dict holds rank 0's codec state"):
         check_compatible(extra(world_size=2), ["b0"], rank=1, size=2)
@@ -46,10 +52,13 @@ def test_drop_codec_state_restarts_residuals_only():
 def build(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    opt = create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                      commopt.create_communicator("local"), model=model,
-                                      compression="qsgd4+ef",
-                                      policy=CompressionPolicy(min_compress_numel=16))
+    opt = create_multi_node_optimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        commopt.create_communicator("local"),
+        model=model,
+        compression="qsgd4+ef",
+        policy=CompressionPolicy(min_compress_numel=16),
+    )
     return model, opt
 
 
@@ -79,6 +88,6 @@ def test_load_checkpoint_errors_say_what_to_do(tmp_path):
     train(model, opt, range(1))
     save_checkpoint(tmp_path / "c", model, opt)
     (tmp_path / "c" / "rank0").rename(tmp_path / "c" / "rank5")
-    with pytest.raises(ValueError, match="no state for this rank.*reset_codec_state=True"):
+    with pytest.raises(ValueError, match=r"no state for this rank.*reset_codec_state=True"):
         load_checkpoint(tmp_path / "c", model, opt)
     load_checkpoint(tmp_path / "c", model, opt, reset_codec_state=True)

@@ -4,6 +4,7 @@ Gradient clipping in every mode (overlap on/off, double buffering), the built-in
 ``clip_grad_norm=``, Horovod's synchronize()/skip_synchronize(), GradScaler's unscale_ +
 clip, and closure optimizers (LBFGS). Several ranks: tests/distributed/test_porting_from_ddp.py.
 """
+
 import pytest
 import torch
 
@@ -12,7 +13,11 @@ from commopt.optim import create_multi_node_optimizer
 from commopt.optim.clipping import GradWriteGuard, check_max_norm
 
 LR, MAX_NORM = 0.1, 1e-3
-MODES = {"overlap": {}, "no-overlap": {"overlap": False}, "double-buffering": {"double_buffering": True}}
+MODES = {
+    "overlap": {},
+    "no-overlap": {"overlap": False},
+    "double-buffering": {"double_buffering": True},
+}
 
 
 @pytest.fixture
@@ -75,14 +80,18 @@ def test_clip_between_backward_and_step_applies_with_overlap(comm):
         before = flat(model)
         opt.step()
         moved = (flat(model) - before).norm().item()
-        assert moved <= LR * MAX_NORM * 1.001, f"step {step}: the clip was lost (update norm {moved})"
+        assert moved <= LR * MAX_NORM * 1.001, (
+            f"step {step}: the clip was lost (update norm {moved})"
+        )
     assert torch.allclose(flat(model), flat(clipped_reference(3)), atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["no-overlap", "double-buffering"])
 def test_clip_before_the_reduction_raises_naming_both_fixes(comm, mode):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode])
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode]
+    )
     loss(model, 0).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     with pytest.raises(RuntimeError, match=r"synchronize\(\).*skip_synchronize.*clip_grad_norm="):
@@ -99,7 +108,9 @@ def test_clip_before_the_reduction_raises_naming_both_fixes(comm, mode):
 def test_synchronize_clip_skip_synchronize(comm, mode):
     """Horovod's pattern: the clip applies to the gradients step() applies, in every mode."""
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode])
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode]
+    )
     for step in range(3):
         opt.zero_grad()
         loss(model, step).backward()
@@ -115,7 +126,9 @@ def test_synchronize_clip_skip_synchronize(comm, mode):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_skip_synchronize_without_synchronize_raises(comm, mode):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode])
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode]
+    )
     if mode == "overlap":  # backward() itself averaged: nothing is left to synchronize
         loss(model, 0).backward()
         with opt.skip_synchronize():
@@ -123,16 +136,19 @@ def test_skip_synchronize_without_synchronize_raises(comm, mode):
         assert opt.applied_steps == 1
         return
     loss(model, 0).backward()
-    with (pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\)"),
-          opt.skip_synchronize()):
+    with (
+        pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\)"),
+        opt.skip_synchronize(),
+    ):
         opt.step()
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_built_in_clip_grad_norm(comm, mode):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm,
-                                      clip_grad_norm=MAX_NORM, **MODES[mode])
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, clip_grad_norm=MAX_NORM, **MODES[mode]
+    )
     for step in range(4):
         opt.zero_grad()
         loss(model, step).backward()
@@ -156,8 +172,10 @@ def test_clip_grad_norm_argument_is_checked(comm):
 @pytest.mark.parametrize("mode", ["overlap", "no-overlap"])
 def test_grad_scaler_unscale_clip_step_as_in_the_amp_docs(comm, mode):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode])
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, **MODES[mode]
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(3):
         opt.zero_grad()
         scaler.scale(loss(model, step)).backward()
@@ -171,9 +189,13 @@ def test_grad_scaler_unscale_clip_step_as_in_the_amp_docs(comm, mode):
 
 def test_grad_scaler_with_double_buffering_and_built_in_clip(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm,
-                                      double_buffering=True, clip_grad_norm=MAX_NORM)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        comm,
+        double_buffering=True,
+        clip_grad_norm=MAX_NORM,
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(4):
         opt.zero_grad()
         scaler.scale(loss(model, step)).backward()
@@ -199,7 +221,9 @@ def test_grad_views_share_a_version_counter():
 
 def test_zero_grad_views_then_clip_raises_without_overlap(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, overlap=False)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, overlap=False
+    )
     loss(model, 0).backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
@@ -216,11 +240,13 @@ def lbfgs_run(wrap, comm=None, steps=3, **options):
     opt = create_multi_node_optimizer(inner, comm, **options) if wrap else inner
     losses = []
     for step in range(steps):
+
         def closure():
             opt.zero_grad()
             out = loss(model, step)
             out.backward()
             return out
+
         losses.append(float(opt.step(closure).detach()))
     return model, losses
 
@@ -235,7 +261,9 @@ def test_lbfgs_closure_world_of_one_equals_plain_lbfgs(comm, mode):
 
 def test_closure_with_double_buffering_is_refused(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.LBFGS(model.parameters()), comm, double_buffering=True)
+    opt = create_multi_node_optimizer(
+        torch.optim.LBFGS(model.parameters()), comm, double_buffering=True
+    )
     with pytest.raises(ValueError, match="double_buffering=False"):
         opt.step(lambda: loss(model, 0))
 
@@ -257,7 +285,7 @@ def test_grad_scaler_skipped_step_then_model_zero_grad(comm):
     model, ref = mlp(), mlp()
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(3):
         model.zero_grad()
         out = loss(model, step) * (float("inf") if step == 1 else 1.0)
@@ -268,7 +296,7 @@ def test_grad_scaler_skipped_step_then_model_zero_grad(comm):
             ref_opt.zero_grad()
             loss(ref, step).backward()
             ref_opt.step()
-    assert opt.applied_steps == 2 and scaler.get_scale() == 2.0 ** 7
+    assert opt.applied_steps == 2 and scaler.get_scale() == 2.0**7
     assert torch.allclose(flat(model), flat(ref), atol=1e-6)
 
 
@@ -278,8 +306,9 @@ def test_activation_checkpointing_finishes_at_the_end_of_the_outer_backward(comm
     from torch.utils.checkpoint import checkpoint
 
     model, ref = mlp(), mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm,
-                                      bucket_cap_mb=1e-5)  # a bucket per tensor
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), comm, bucket_cap_mb=1e-5
+    )  # a bucket per tensor
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(2):
         opt.zero_grad()

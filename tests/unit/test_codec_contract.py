@@ -4,6 +4,7 @@ Every test runs twice: with the default kernels for CPU tensors (native, or the 
 where the library is not built) and with ``COMMOPT_KERNELS=triton``, i.e. through the Triton
 GPU kernels under Triton's interpreter.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,16 +21,20 @@ from tests.unit.codec_helpers import float_tensors
 
 def _all_codecs():
     plain = {
-        "none": lambda: get_codec("none"), "fp16": lambda: get_codec("fp16"),
-        "bf16": lambda: get_codec("bf16"), "qsgd2": lambda: get_codec("qsgd2"),
-        "qsgd4": lambda: get_codec("qsgd4"), "qsgd8": lambda: get_codec("qsgd8"),
-        "qsgd4-l2": lambda: QSGD(4, 128, "l2"), "qsgd4-nearest": lambda: QSGD(4, 128, stochastic=False),
+        "none": lambda: get_codec("none"),
+        "fp16": lambda: get_codec("fp16"),
+        "bf16": lambda: get_codec("bf16"),
+        "qsgd2": lambda: get_codec("qsgd2"),
+        "qsgd4": lambda: get_codec("qsgd4"),
+        "qsgd8": lambda: get_codec("qsgd8"),
+        "qsgd4-l2": lambda: QSGD(4, 128, "l2"),
+        "qsgd4-nearest": lambda: QSGD(4, 128, stochastic=False),
         "qsgd8-b100-halfscale": lambda: QSGD(8, 100, scale_dtype=torch.float16),
         "qsgd4-levels3": lambda: QSGD(4, 64, levels=3),
     }
     out = dict(plain)
     for name, make in plain.items():
-        out[name + "+ef"] = (lambda make=make: ErrorFeedback(make()))
+        out[name + "+ef"] = lambda make=make: ErrorFeedback(make())
     return out
 
 
@@ -85,11 +90,15 @@ def test_attributes(codec):
     assert isinstance(codec.linear, bool) and codec.alignment >= 1
     if codec.linear:
         assert codec.wire_dtype is not None
-        assert codec.encoded_nbytes(10) % codec.wire_dtype.itemsize == 0   # a whole number of elements
+        assert (
+            codec.encoded_nbytes(10) % codec.wire_dtype.itemsize == 0
+        )  # a whole number of elements
 
 
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(x=float_tensors(max_size=700).filter(lambda t: t.numel() == 0 or t.abs().max() < 3e4))
 def test_round_trip_within_the_codec_bound(name, x):
     codec = CODECS[name]()  # fresh per example: error feedback would carry residuals over

@@ -1,4 +1,5 @@
 """Cast codecs: rounding, overflow protection by the scale, float32 accumulation."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,12 @@ def test_wire_is_the_round_to_nearest_even_cast(dtype, x, scale):
 
 
 def test_names_and_linearity():
-    assert [get_codec(n).name for n in ("none", "fp32", "fp16", "bf16")] == ["none", "none", "fp16", "bf16"]
+    assert [get_codec(n).name for n in ("none", "fp32", "fp16", "bf16")] == [
+        "none",
+        "none",
+        "fp16",
+        "bf16",
+    ]
     assert isinstance(get_codec("none"), NoneCodec)
     for n in ("none", "fp16", "bf16"):
         assert get_codec(n).linear and get_codec(n).alignment == 1
@@ -68,6 +74,8 @@ def test_nan_and_inf_propagate(name):
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0, 1e30])
     out = torch.empty(5)
     codec.decode(_encode(codec, x), out)
-    assert torch.isnan(out[0]) and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 1.0
+    assert (
+        torch.isnan(out[0]) and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 1.0
+    )
     if name == "fp16":
         assert out[4] == float("inf")  # beyond the float16 range: the optimizer's check sees it

@@ -1,4 +1,5 @@
 """Error feedback: the residual, its effect over steps, its state and its failure modes."""
+
 from __future__ import annotations
 
 import io

@@ -1,4 +1,5 @@
 """The per-layer policy, bucket alignment, and get_codec."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,10 @@ from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, codec_names, 
 def test_default_policy_follows_the_published_rule():
     p = CompressionPolicy()
     assert p.min_compress_numel == 1024 and not p.compress_1d
-    assert p.should_compress("conv1.weight", (64, 3, 7, 7))      # 9408 elements, 4-D
-    assert not p.should_compress("fc.bias", (1000,))             # dim <= 1
-    assert not p.should_compress("small.weight", (16, 63))       # 1008 < 1024
-    assert p.should_compress("small.weight", (16, 64))           # exactly 1024
+    assert p.should_compress("conv1.weight", (64, 3, 7, 7))  # 9408 elements, 4-D
+    assert not p.should_compress("fc.bias", (1000,))  # dim <= 1
+    assert not p.should_compress("small.weight", (16, 63))  # 1008 < 1024
+    assert p.should_compress("small.weight", (16, 64))  # exactly 1024
     assert not p.should_compress("layer1.0.bn1.weight", (64, 64))  # excluded by name
     assert not p.should_compress("encoder.layer_norm.weight", (1024, 2))
     assert p.should_compress("attn.in_proj_weight", (3072, 1024))
@@ -41,13 +42,18 @@ def test_the_bucket_layout_keeps_quantisation_groups_inside_one_tensor():
     numels = [300 * 16, 5 * 1024, 128 * 8, 1024, 129 * 8]
     params = [torch.zeros(n // 8, 8) if n % 8 == 0 else torch.zeros(n) for n in numels]
     codec = QSGD()
-    (bucket,) = build_buckets(params, [f"l{i}.weight" for i in range(len(params))], codec=codec,
-                              plain_codec=None, policy=CompressionPolicy(min_compress_numel=0))
+    (bucket,) = build_buckets(
+        params,
+        [f"l{i}.weight" for i in range(len(params))],
+        codec=codec,
+        plain_codec=None,
+        policy=CompressionPolicy(min_compress_numel=0),
+    )
     assert bucket.codec is codec and bucket.numel % 128 == 0
     owner = torch.full((bucket.numel,), -1)
     for s in bucket.slots:
         assert s.offset % codec.alignment == 0
-        owner[s.offset:s.offset + s.numel] = s.param
+        owner[s.offset : s.offset + s.numel] = s.param
     for group in owner.view(-1, 128):
         assert len(set(group[group >= 0].tolist())) <= 1
 
@@ -59,16 +65,24 @@ def test_get_codec_names():
     ef = get_codec("QSGD4+EF")
     assert isinstance(ef, ErrorFeedback) and ef.inner.bits == 4
     assert get_codec(q) is q and get_codec(None).name == "none"
-    with pytest.raises(ValueError, match="valid names: none, fp32, fp16, bf16, qsgd2, qsgd4, qsgd8"):
+    with pytest.raises(
+        ValueError, match="valid names: none, fp32, fp16, bf16, qsgd2, qsgd4, qsgd8"
+    ):
         get_codec("qsgd3")
     with pytest.raises(TypeError):
         get_codec(4)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"bits": 3}, "bits"), ({"levels": 8}, "levels"), ({"bucket_size": 0}, "bucket_size"),
-    ({"scale": "l1"}, "scale"), ({"scale_dtype": torch.bfloat16}, "scale_dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"bits": 3}, "bits"),
+        ({"levels": 8}, "levels"),
+        ({"bucket_size": 0}, "bucket_size"),
+        ({"scale": "l1"}, "scale"),
+        ({"scale_dtype": torch.bfloat16}, "scale_dtype"),
+    ],
+)
 def test_qsgd_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QSGD(**kwargs)

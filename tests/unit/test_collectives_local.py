@@ -1,6 +1,7 @@
 """commopt.collectives in one process (the "local" world of one): geometry, every algorithm's
 code path, argument checks. The multi-rank behaviour is in tests/distributed/test_collectives.py.
 """
+
 import itertools
 
 import pytest
@@ -20,7 +21,9 @@ def comm():
 
 
 @settings(max_examples=200, deadline=None)
-@given(numel=st.integers(0, 5000), parts=st.integers(1, 9), alignment=st.sampled_from([1, 2, 7, 128]))
+@given(
+    numel=st.integers(0, 5000), parts=st.integers(1, 9), alignment=st.sampled_from([1, 2, 7, 128])
+)
 def test_chunk_bounds_cover_the_buffer_at_aligned_starts(numel, parts, alignment):
     bounds = collectives.chunk_bounds(numel, parts, alignment)
     assert len(bounds) == parts
@@ -60,7 +63,7 @@ def test_every_algorithm_round_trips_through_its_codec(comm, algorithm, spec):
     else:
         inner = getattr(codec, "inner", codec)
         # scatter_reduce quantises twice: the chunk, then the "reduced" chunk
-        block = x.abs().view(-1)[: 1024].view(-1, inner.bucket_size).amax(1).max()
+        block = x.abs().view(-1)[:1024].view(-1, inner.bucket_size).amax(1).max()
         assert (y - x).abs().max() <= 2.01 * max(block, x[1024:].abs().max()) / inner.levels
 
 
@@ -86,7 +89,9 @@ def test_async_returns_a_work_and_then_runs_in_order(comm):
 
 def test_empty_buffer_is_a_no_op(comm):
     y = torch.empty(0)
-    assert collectives.allreduce(comm, y, get_codec("qsgd4"), algorithm="scatter_reduce").is_completed()
+    assert collectives.allreduce(
+        comm, y, get_codec("qsgd4"), algorithm="scatter_reduce"
+    ).is_completed()
 
 
 def test_hierarchy_is_built_once(comm):
@@ -96,14 +101,17 @@ def test_hierarchy_is_built_once(comm):
     assert a[0].size == 1 and a[1].size == 1
 
 
-@pytest.mark.parametrize("bad, error, words", [
-    (dict(flat=torch.ones(2, 2)), ValueError, "1-D"),
-    (dict(flat=torch.ones(4)[::2]), ValueError, "contiguous"),
-    (dict(algorithm="ring"), ValueError, "unknown algorithm"),
-    (dict(codec="qsgd4", algorithm="native"), ValueError, "scatter_reduce"),
-    (dict(flat=torch.ones(4, dtype=torch.float64), codec="fp16"), TypeError, "codec=None"),
-    (dict(codec=object()), TypeError, "Codec"),
-])
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (dict(flat=torch.ones(2, 2)), ValueError, "1-D"),
+        (dict(flat=torch.ones(4)[::2]), ValueError, "contiguous"),
+        (dict(algorithm="ring"), ValueError, "unknown algorithm"),
+        (dict(codec="qsgd4", algorithm="native"), ValueError, "scatter_reduce"),
+        (dict(flat=torch.ones(4, dtype=torch.float64), codec="fp16"), TypeError, "codec=None"),
+        (dict(codec=object()), TypeError, "Codec"),
+    ],
+)
 def test_bad_arguments_get_clear_errors(comm, bad, error, words):
     args = dict(flat=torch.ones(4), codec=None, algorithm="auto")
     args.update(bad)

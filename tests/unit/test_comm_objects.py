@@ -1,5 +1,6 @@
 """Objects between ranks as JSON + raw bytes (commopt.comm.objects): round trips, refusals,
 and that a hostile message can only fail to decode, never run code."""
+
 import json
 import struct
 
@@ -11,11 +12,26 @@ import commopt
 from commopt.comm.objects import decode, encode
 
 
-@pytest.mark.parametrize("value", [
-    None, True, 3, -2**62, 1.5, float("inf"), "text", [1, "a", None], (1, (2, 3)),
-    {"a": 1, "b": [2.0]}, {0: "int key", (1, 2): "tuple key"}, {"$tuple": "dollar key"},
-    b"\x00\xffraw", torch.float16, (("model.w", (3, 4), "torch.float32", True),),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        3,
+        -(2**62),
+        1.5,
+        float("inf"),
+        "text",
+        [1, "a", None],
+        (1, (2, 3)),
+        {"a": 1, "b": [2.0]},
+        {0: "int key", (1, 2): "tuple key"},
+        {"$tuple": "dollar key"},
+        b"\x00\xffraw",
+        torch.float16,
+        (("model.w", (3, 4), "torch.float32", True),),
+    ],
+)
 def test_plain_values_round_trip(value):
     assert decode(encode(value)) == value
     assert type(decode(encode(value))) is type(value)
@@ -23,9 +39,13 @@ def test_plain_values_round_trip(value):
 
 def test_tensors_and_arrays_keep_dtype_shape_and_bits():
     t = torch.randn(3, 5).to(torch.bfloat16)
-    state = {"state": {0: {"momentum_buffer": t, "step": torch.tensor(7)}},
-             "rng": torch.get_rng_state(), "np": np.arange(6, dtype=np.uint32).reshape(2, 3),
-             "empty": torch.empty(0, 4), "flags": torch.tensor([True, False])}
+    state = {
+        "state": {0: {"momentum_buffer": t, "step": torch.tensor(7)}},
+        "rng": torch.get_rng_state(),
+        "np": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "empty": torch.empty(0, 4),
+        "flags": torch.tensor([True, False]),
+    }
     back = decode(encode(state))
     assert torch.equal(back["state"][0]["momentum_buffer"], t)
     assert back["state"][0]["momentum_buffer"].dtype == torch.bfloat16
@@ -39,11 +59,15 @@ def test_nan_survives():
     assert np.isnan(decode(encode(float("nan"))))
 
 
-@pytest.mark.parametrize("value, hint", [
-    ({1, 2}, "a list instead"), (object(), "its fields as a dict"),
-    ({"ns": __import__("argparse").Namespace(a=1)}, "vars(namespace)"),
-    ([torch.device("cpu")], "str(device)"),
-])
+@pytest.mark.parametrize(
+    "value, hint",
+    [
+        ({1, 2}, "a list instead"),
+        (object(), "its fields as a dict"),
+        ({"ns": __import__("argparse").Namespace(a=1)}, "vars(namespace)"),
+        ([torch.device("cpu")], "str(device)"),
+    ],
+)
 def test_other_types_are_refused_with_what_to_send(value, hint):
     with pytest.raises(TypeError) as info:
         encode(value)
@@ -60,13 +84,16 @@ def _message(tree, blob=b""):
     return struct.pack("<Q", len(header)) + header + blob
 
 
-@pytest.mark.parametrize("message, error", [
-    (b"\x01", "shorter than its header"),
-    (struct.pack("<Q", 1000) + b"{}", "only"),
-    (_message({"$bytes": [0, 100]}, b"abc"), "beyond its end"),
-    (_message({"$tensor": ["float32", [4], "cpu", 0, 8]}, b"\x00" * 8), "shape"),
-    (_message({"$dtype": "object"}), "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        (b"\x01", "shorter than its header"),
+        (struct.pack("<Q", 1000) + b"{}", "only"),
+        (_message({"$bytes": [0, 100]}, b"abc"), "beyond its end"),
+        (_message({"$tensor": ["float32", [4], "cpu", 0, 8]}, b"\x00" * 8), "shape"),
+        (_message({"$dtype": "object"}), "unknown dtype"),
+    ],
+)
 def test_hostile_messages_fail_to_decode(message, error):
     with pytest.raises((ValueError, RuntimeError), match=error):
         decode(message)

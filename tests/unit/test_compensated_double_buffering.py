@@ -4,6 +4,7 @@ With one rank the local gradient is the average, so the wrapper must do exactly 
 :class:`~commopt.optim.staleness.LocalStepPrediction`'s contract does by hand, and land
 where synchronous training does. Multi-rank behaviour: tests/distributed/test_compensated.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,9 +38,13 @@ def _loss(model, step):
 
 def _wrapped(name, seed=0, **kw):
     model = _model(seed)
-    opt = commopt.create_multi_node_optimizer(OPTIMIZERS[name](model.parameters()),
-                                              commopt.create_communicator("local"), model=model,
-                                              double_buffering="compensated", **kw)
+    opt = commopt.create_multi_node_optimizer(
+        OPTIMIZERS[name](model.parameters()),
+        commopt.create_communicator("local"),
+        model=model,
+        double_buffering="compensated",
+        **kw,
+    )
     return model, opt
 
 
@@ -75,7 +80,7 @@ def _by_hand(name, steps):
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("set_to_none", [True, False])   # False: gradients are bucket views
+@pytest.mark.parametrize("set_to_none", [True, False])  # False: gradients are bucket views
 def test_wrapper_does_exactly_what_the_contract_does(name, set_to_none):
     model, opt = _wrapped(name)
     _train(model, opt, range(8), set_to_none)
@@ -98,8 +103,11 @@ def test_one_rank_follows_synchronous_training_where_plain_lags(name):
     for a, b in zip(sync.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     plain = _model()
-    popt = commopt.create_multi_node_optimizer(OPTIMIZERS[name](plain.parameters()),
-                                               commopt.create_communicator("local"), double_buffering=True)
+    popt = commopt.create_multi_node_optimizer(
+        OPTIMIZERS[name](plain.parameters()),
+        commopt.create_communicator("local"),
+        double_buffering=True,
+    )
     _train(plain, popt, range(12))
     popt.flush()
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(sync.parameters(), plain.parameters()))
@@ -111,13 +119,13 @@ def test_true_weights_flush_and_repr():
     predicted = [p.detach().clone() for p in model.parameters()]
     with opt.true_weights():
         true = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(RuntimeError, match="inside `with optimizer.true_weights"):
+        with pytest.raises(RuntimeError, match=r"inside `with optimizer\.true_weights"):
             opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(predicted, true))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), predicted))
     assert "double_buffering=compensated" in repr(opt)
     assert wire_settings(opt)["double_buffering"] == "'compensated'"
-    opt.flush()   # applies the last average at the true weights; the model keeps them
+    opt.flush()  # applies the last average at the true weights; the model keeps them
     with opt.true_weights():
         after = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after))
@@ -127,9 +135,9 @@ def test_true_weights_flush_and_repr():
 def test_state_dict_resume_is_bit_exact(kwargs):
     model, opt = _wrapped("adamw", **kwargs)
     _train(model, opt, range(4))
-    sd = copy.deepcopy(opt.state_dict())   # torch's state dict holds live state tensors
+    sd = copy.deepcopy(opt.state_dict())  # torch's state dict holds live state tensors
     assert sd["commopt"]["compensated"]["weights"] is not None
-    saved_model = {k: v.clone() for k, v in model.state_dict().items()}   # predicted weights
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}  # predicted weights
     _train(model, opt, range(4, 8))
     opt.flush()
 
@@ -148,7 +156,7 @@ def test_checkpoint_after_flush_loads_into_any_double_buffering_mode(tmp_path):
     model, opt = _wrapped("sgd", compression="qsgd4+ef")
     _train(model, opt, range(3))
     opt.flush()
-    opt.zero_grad()   # flush() leaves the last average in .grad
+    opt.zero_grad()  # flush() leaves the last average in .grad
     assert opt.state_dict()["commopt"]["compensated"] == {"weights": None}
     save_checkpoint(tmp_path / "ck", model, opt)
     _train(model, opt, range(3, 6))
@@ -156,8 +164,12 @@ def test_checkpoint_after_flush_loads_into_any_double_buffering_mode(tmp_path):
     for mode in ("compensated", True):
         model2 = _model(3)
         opt2 = commopt.create_multi_node_optimizer(
-            OPTIMIZERS["sgd"](model2.parameters()), commopt.create_communicator("local"),
-            model=model2, double_buffering=mode, compression="qsgd4+ef")
+            OPTIMIZERS["sgd"](model2.parameters()),
+            commopt.create_communicator("local"),
+            model=model2,
+            double_buffering=mode,
+            compression="qsgd4+ef",
+        )
         load_checkpoint(tmp_path / "ck", model2, opt2)
         _train(model2, opt2, range(3, 6))
         opt2.flush()
@@ -178,8 +190,9 @@ def test_checkpoint_files_save_true_weights_and_resume_exactly(tmp_path):
     model2, opt2 = _wrapped("sgd", seed=3, compression="qsgd4+ef")
     load_checkpoint(tmp_path / "ck", model2, opt2)
     from commopt.optim.checkpoint_files import _read
+
     saved = _read(tmp_path / "ck" / "replicated")["model"]
-    assert all(torch.equal(saved[k], true[k]) for k in true)   # the model file: true weights
+    assert all(torch.equal(saved[k], true[k]) for k in true)  # the model file: true weights
     _train(model2, opt2, range(3, 6))
     opt2.flush()
     for a, b in zip(model.parameters(), model2.parameters()):
@@ -191,13 +204,16 @@ def test_no_sync_accumulation_and_nonfinite_skip():
     with opt.no_sync():
         _loss(model, 0).backward()
     _loss(model, 1).backward()
-    opt.step(); opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
-    opt.step(); opt.zero_grad()       # NaN here: no local step is predicted from it
+    opt.step()  # NaN here: no local step is predicted from it
+    opt.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     _loss(model, 2).backward()
-    opt.step(); opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
     opt.flush()
     assert opt.skipped_steps == 1 and opt.applied_steps == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -206,18 +222,25 @@ def test_no_sync_accumulation_and_nonfinite_skip():
 def test_errors_name_the_fix():
     model = _model()
     with pytest.raises(TypeError, match="double_buffering=True"):
-        commopt.create_multi_node_optimizer(torch.optim.RMSprop(model.parameters()),
-                                            commopt.create_communicator("local"),
-                                            double_buffering="compensated")
+        commopt.create_multi_node_optimizer(
+            torch.optim.RMSprop(model.parameters()),
+            commopt.create_communicator("local"),
+            double_buffering="compensated",
+        )
     with pytest.raises(ValueError, match="'compensated'"):
-        commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                            commopt.create_communicator("local"),
-                                            double_buffering="compensate")
+        commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            commopt.create_communicator("local"),
+            double_buffering="compensate",
+        )
     m, opt = _wrapped("sgd")
     _train(m, opt, range(2))
     sd = opt.state_dict()
-    plain = commopt.create_multi_node_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1),
-                                                commopt.create_communicator("local"), double_buffering=True)
+    plain = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(_model().parameters(), lr=0.1),
+        commopt.create_communicator("local"),
+        double_buffering=True,
+    )
     with pytest.raises(ValueError, match="double_buffering='compensated'"):
         plain.load_state_dict(sd)
 
@@ -242,7 +265,7 @@ def test_grad_scaler_and_horovod_clipping_pattern_match_the_plain_loop():
     for step in range(5):
         _loss(hv, step).backward()
         hopt.synchronize()
-        torch.nn.utils.clip_grad_norm_(hv.parameters(), 0.3)   # the average step() applies
+        torch.nn.utils.clip_grad_norm_(hv.parameters(), 0.3)  # the average step() applies
         with hopt.skip_synchronize():
             hopt.step()
         hopt.zero_grad()

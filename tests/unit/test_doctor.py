@@ -1,4 +1,5 @@
 """`commopt doctor`: every finding on crafted machines, triggered and not triggered."""
+
 from __future__ import annotations
 
 import json
@@ -37,12 +38,15 @@ def test_several_interfaces_without_ifname_suggests_the_fastest():
     assert "eth0" in f.message and "ens5" in f.message
 
 
-@pytest.mark.parametrize("snap", [
-    {"env": {}, "interfaces": [LO, itf("eth0")]},                                   # one interface
-    {"env": {}, "interfaces": [LO, itf("eth0"), itf("docker0")]},                   # NCCL skips docker
-    {"env": {}, "interfaces": [LO, itf("eth0"), itf("eth1", state="down")]},        # second one down
-    {"env": {"NCCL_SOCKET_IFNAME": "eth1"}, "interfaces": [LO, itf("eth0"), itf("eth1")]},
-])
+@pytest.mark.parametrize(
+    "snap",
+    [
+        {"env": {}, "interfaces": [LO, itf("eth0")]},  # one interface
+        {"env": {}, "interfaces": [LO, itf("eth0"), itf("docker0")]},  # NCCL skips docker
+        {"env": {}, "interfaces": [LO, itf("eth0"), itf("eth1", state="down")]},  # second one down
+        {"env": {"NCCL_SOCKET_IFNAME": "eth1"}, "interfaces": [LO, itf("eth0"), itf("eth1")]},
+    ],
+)
 def test_ifname_not_flagged(snap):
     assert "nccl-socket-ifname" not in codes(snap)
 
@@ -74,32 +78,59 @@ def test_docker_bridge_not_excluded_from_open_mpi():
 
 def test_user_exclude_dropping_loopback_is_flagged():
     # Setting btl_tcp_if_exclude replaces Open MPI's default, which was what excluded loopback.
-    snap = {"env": {"OMPI_MCA_btl_tcp_if_exclude": "docker0"}, "versions": OMPI,
-            "interfaces": [LO, itf("eth0"), itf("docker0")]}
+    snap = {
+        "env": {"OMPI_MCA_btl_tcp_if_exclude": "docker0"},
+        "versions": OMPI,
+        "interfaces": [LO, itf("eth0"), itf("docker0")],
+    }
     (f,) = only(snap, "mpi-tcp-exclude")
     assert "lo" in f.message.split("exclude ", 1)[1]
 
 
 def test_exclude_from_mca_param_file_counts():
-    snap = {"env": {}, "versions": OMPI, "mca_params": {"btl_tcp_if_exclude": "lo,docker0"},
-            "interfaces": [LO, itf("eth0"), itf("docker0")]}
+    snap = {
+        "env": {},
+        "versions": OMPI,
+        "mca_params": {"btl_tcp_if_exclude": "lo,docker0"},
+        "interfaces": [LO, itf("eth0"), itf("docker0")],
+    }
     assert "mpi-tcp-exclude" not in codes(snap)
 
 
 def test_include_of_a_bridge_is_flagged():
-    snap = {"env": {"OMPI_MCA_btl_tcp_if_include": "docker0"}, "versions": OMPI,
-            "interfaces": [LO, itf("eth0"), itf("docker0")]}
+    snap = {
+        "env": {"OMPI_MCA_btl_tcp_if_include": "docker0"},
+        "versions": OMPI,
+        "interfaces": [LO, itf("eth0"), itf("docker0")],
+    }
     assert only(snap, "mpi-tcp-exclude")
 
 
-@pytest.mark.parametrize("snap", [
-    {"env": {}, "versions": OMPI, "interfaces": [LO, itf("eth0")]},  # default excludes 127.0.0.1/8
-    {"env": {"OMPI_MCA_btl_tcp_if_exclude": "lo,docker0"}, "versions": OMPI,
-     "interfaces": [LO, itf("eth0"), itf("docker0")]},
-    {"env": {"OMPI_MCA_btl_tcp_if_include": "eth0"}, "versions": OMPI,
-     "interfaces": [LO, itf("eth0"), itf("docker0")]},
-    {"env": {}, "versions": {"mpi": "MPICH 4.1"}, "interfaces": [LO, itf("eth0"), itf("docker0")]},
-])
+@pytest.mark.parametrize(
+    "snap",
+    [
+        {
+            "env": {},
+            "versions": OMPI,
+            "interfaces": [LO, itf("eth0")],
+        },  # default excludes 127.0.0.1/8
+        {
+            "env": {"OMPI_MCA_btl_tcp_if_exclude": "lo,docker0"},
+            "versions": OMPI,
+            "interfaces": [LO, itf("eth0"), itf("docker0")],
+        },
+        {
+            "env": {"OMPI_MCA_btl_tcp_if_include": "eth0"},
+            "versions": OMPI,
+            "interfaces": [LO, itf("eth0"), itf("docker0")],
+        },
+        {
+            "env": {},
+            "versions": {"mpi": "MPICH 4.1"},
+            "interfaces": [LO, itf("eth0"), itf("docker0")],
+        },
+    ],
+)
 def test_mpi_tcp_not_flagged(snap):
     assert "mpi-tcp-exclude" not in codes(snap)
 
@@ -122,12 +153,15 @@ def test_socket_value_not_an_integer_is_an_error():
     assert f.severity == "error"
 
 
-@pytest.mark.parametrize("env", [
-    {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"},
-    {"NCCL_SOCKET_NTHREADS": "16", "NCCL_NSOCKS_PERTHREAD": "4"},  # exactly 64
-    {"NCCL_NSOCKS_PERTHREAD": "32"},
-    {},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"},
+        {"NCCL_SOCKET_NTHREADS": "16", "NCCL_NSOCKS_PERTHREAD": "4"},  # exactly 64
+        {"NCCL_NSOCKS_PERTHREAD": "32"},
+        {},
+    ],
+)
 def test_socket_limit_not_flagged(env):
     assert "nccl-socket-limit" not in codes({"env": env})
 
@@ -149,11 +183,14 @@ def test_efa_with_tcp_provider_is_an_error():
     assert "efa-ofi-plugin" not in codes(snap)
 
 
-@pytest.mark.parametrize("snap", [
-    {"env": {"FI_PROVIDER": "efa"}, "rdma_devices": EFA, "nccl_net_plugins": OFI},
-    {"env": {"FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": "ofi"}, "rdma_devices": EFA},
-    {"env": {}, "rdma_devices": [{"name": "mlx5_0", "kind": "infiniband"}]},  # not EFA
-])
+@pytest.mark.parametrize(
+    "snap",
+    [
+        {"env": {"FI_PROVIDER": "efa"}, "rdma_devices": EFA, "nccl_net_plugins": OFI},
+        {"env": {"FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": "ofi"}, "rdma_devices": EFA},
+        {"env": {}, "rdma_devices": [{"name": "mlx5_0", "kind": "infiniband"}]},  # not EFA
+    ],
+)
 def test_efa_not_flagged(snap):
     assert not {"efa-provider", "efa-ofi-plugin"} & set(codes(snap))
 
@@ -163,15 +200,23 @@ IB = [{"name": "mlx5_ib0", "driver": "mlx5_core", "kind": "infiniband"}]
 
 
 def test_ib_vm_relaxed_ordering_off():
-    snap = {"env": {"NCCL_IB_PCI_RELAXED_ORDERING": "0", "NCCL_TOPO_FILE": "/t.xml"},
-            "rdma_devices": IB, "virtualized": True, "versions": {"nccl": "2.18.3"}}
+    snap = {
+        "env": {"NCCL_IB_PCI_RELAXED_ORDERING": "0", "NCCL_TOPO_FILE": "/t.xml"},
+        "rdma_devices": IB,
+        "virtualized": True,
+        "versions": {"nccl": "2.18.3"},
+    }
     (f,) = only(snap, "ib-relaxed-ordering")
     assert f.fix == "export NCCL_IB_PCI_RELAXED_ORDERING=1" and "ib-topo-file" not in codes(snap)
 
 
 def test_ib_vm_nccl_too_old_for_relaxed_ordering():
-    snap = {"env": {"NCCL_TOPO_FILE": "/t.xml"}, "rdma_devices": IB, "virtualized": True,
-            "versions": {"nccl": "2.10.3"}}
+    snap = {
+        "env": {"NCCL_TOPO_FILE": "/t.xml"},
+        "rdma_devices": IB,
+        "virtualized": True,
+        "versions": {"nccl": "2.10.3"},
+    }
     (f,) = only(snap, "ib-relaxed-ordering")
     assert "2.12" in f.message and "2.10.3" in f.message
 
@@ -181,14 +226,30 @@ def test_ib_vm_without_topology_file():
     assert codes(snap) == ["ib-topo-file"]
 
 
-@pytest.mark.parametrize("snap", [
-    {"env": {}, "rdma_devices": IB, "virtualized": False, "versions": {"nccl": "2.10.3"}},  # bare metal
-    {"env": {"NCCL_TOPO_FILE": "/t.xml"}, "rdma_devices": IB, "virtualized": True,
-     "versions": {"nccl": "2.21.5"}},                                         # default: auto
-    {"env": {"NCCL_IB_PCI_RELAXED_ORDERING": "1", "NCCL_TOPO_FILE": "/t.xml"}, "rdma_devices": IB,
-     "virtualized": True, "versions": {"nccl": "2.21.5"}},
-    {"env": {}, "rdma_devices": [], "virtualized": True},
-])
+@pytest.mark.parametrize(
+    "snap",
+    [
+        {
+            "env": {},
+            "rdma_devices": IB,
+            "virtualized": False,
+            "versions": {"nccl": "2.10.3"},
+        },  # bare metal
+        {
+            "env": {"NCCL_TOPO_FILE": "/t.xml"},
+            "rdma_devices": IB,
+            "virtualized": True,
+            "versions": {"nccl": "2.21.5"},
+        },  # default: auto
+        {
+            "env": {"NCCL_IB_PCI_RELAXED_ORDERING": "1", "NCCL_TOPO_FILE": "/t.xml"},
+            "rdma_devices": IB,
+            "virtualized": True,
+            "versions": {"nccl": "2.21.5"},
+        },
+        {"env": {}, "rdma_devices": [], "virtualized": True},
+    ],
+)
 def test_ib_vm_not_flagged(snap):
     assert not {"ib-relaxed-ordering", "ib-topo-file"} & set(codes(snap))
 
@@ -216,14 +277,17 @@ def test_unrecognised_variable_is_only_information():
     assert f.severity == "info"
 
 
-@pytest.mark.parametrize("env,version", [
-    ({"NCCL_TREE_THRESHOLD": "0"}, "2.4.8"),              # still read before 2.5
-    ({"NCCL_IB_PCI_RELAXED_ORDERING": "1"}, "2.12.12"),
-    ({"NCCL_IB_PCI_RELAXED_ORDERING": "1"}, None),        # version unknown: no claim
-    ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, "2.21.5"),      # read by PyTorch, not NCCL
-    ({"NCCL_FASTSOCKET_NUM_FLOWS": "8"}, "2.21.5"),      # read by a plugin
-    ({"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "lo"}, "2.21.5"),
-])
+@pytest.mark.parametrize(
+    "env,version",
+    [
+        ({"NCCL_TREE_THRESHOLD": "0"}, "2.4.8"),  # still read before 2.5
+        ({"NCCL_IB_PCI_RELAXED_ORDERING": "1"}, "2.12.12"),
+        ({"NCCL_IB_PCI_RELAXED_ORDERING": "1"}, None),  # version unknown: no claim
+        ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, "2.21.5"),  # read by PyTorch, not NCCL
+        ({"NCCL_FASTSOCKET_NUM_FLOWS": "8"}, "2.21.5"),  # read by a plugin
+        ({"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "lo"}, "2.21.5"),
+    ],
+)
 def test_nccl_variable_not_flagged(env, version):
     snap = {"env": env, "versions": {"nccl": version}, "interfaces": [LO]}
     assert "nccl-unknown-variable" not in codes(snap)
@@ -239,8 +303,11 @@ def test_nccl_version_code_decoding():
 
 def test_clean_machine_has_no_findings_and_findings_sort_by_severity():
     assert diagnose({"env": {}, "interfaces": [LO, itf("eth0")], "versions": OMPI}) == []
-    snap = {"env": {"FI_PROVIDER": "tcp", "NCCL_FOO": "1"}, "rdma_devices": EFA,
-            "nccl_net_plugins": OFI}
+    snap = {
+        "env": {"FI_PROVIDER": "tcp", "NCCL_FOO": "1"},
+        "rdma_devices": EFA,
+        "nccl_net_plugins": OFI,
+    }
     assert [f.severity for f in diagnose(snap)] == ["error", "info"]
 
 
@@ -258,8 +325,11 @@ def _fake_sys(root):
     drivers = root / "drivers"
     for drv in ("efa", "mlx5_core"):
         (drivers / drv).mkdir(parents=True)
-    for dev, drv, layer in [("rdmap16s27", "efa", "unspecified"), ("mlx5_0", "mlx5_core", "InfiniBand"),
-                            ("mlx5_1", "mlx5_core", "Ethernet")]:
+    for dev, drv, layer in [
+        ("rdmap16s27", "efa", "unspecified"),
+        ("mlx5_0", "mlx5_core", "InfiniBand"),
+        ("mlx5_1", "mlx5_core", "Ethernet"),
+    ]:
         d = root / "sys/class/infiniband" / dev
         (d / "ports/1").mkdir(parents=True)
         (d / "ports/1/link_layer").write_text(layer + "\n")
@@ -288,13 +358,16 @@ def test_plugin_search_follows_ld_library_path(tmp_path):
     assert str(tmp_path / "libnccl-net-ofi.so") in probe.nccl_net_plugins(str(tmp_path))
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpirun (Open MPI)"),
-    ({"HOROVOD_RANK": "0"}, "horovodrun"),
-    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, "torchrun"),
-    ({"SLURM_PROCID": "0"}, "srun (Slurm)"),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpirun (Open MPI)"),
+        ({"HOROVOD_RANK": "0"}, "horovodrun"),
+        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, "torchrun"),
+        ({"SLURM_PROCID": "0"}, "srun (Slurm)"),
+        ({}, None),
+    ],
+)
 def test_launcher_detection(env, expected):
     assert probe.launcher(env) == expected
 
@@ -330,8 +403,12 @@ def test_profile_output_is_valid_shell(tmp_path):
     import subprocess
 
     text = render("aws-tcp", profile_env("aws-tcp", {"interfaces": [itf("ens5")]}))
-    out = subprocess.run(["bash", "-c", text + "\necho $NCCL_SOCKET_IFNAME $NCCL_NSOCKS_PERTHREAD"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", text + "\necho $NCCL_SOCKET_IFNAME $NCCL_NSOCKS_PERTHREAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.split() == ["ens5", "4"]
 
 

@@ -1,4 +1,5 @@
 """How commopt.kernels picks an implementation, and its argument checks."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """benchmarks/gpu_bench.py on a machine without a GPU: its arguments, its codec list and the
 report it writes from a result file (the measurements themselves need CUDA: make gpu-check)."""
+
 from __future__ import annotations
 
 import json
@@ -12,16 +13,43 @@ from tests.unit.bench_scripts import load_benchmark
 gpu_bench = load_benchmark("gpu_bench")
 
 SAMPLE = {
-    "command": "python benchmarks/gpu_bench.py --json r.json", "device": "NVIDIA H100 80GB HBM3",
-    "torch": "2.13.0+cu128", "cuda": "12.8", "triton": "3.7.1", "host": "h", "mib": 64.0,
-    "numel": 16777216, "reps": 20,
-    "codecs": {"copy_ms": 0.05, "copy_gbs": 1342.2, "rows": [
-        {"codec": "qsgd4", "encode_ms": 0.08, "decode_ms": 0.06, "encode_gbs": 1000.0,
-         "decode_gbs": 1100.0, "wire_ratio": 0.1328},
-        {"codec": "fp16", "encode_ms": 0.2, "decode_ms": 0.06, "encode_gbs": 335.5,
-         "decode_gbs": 1100.0, "wire_ratio": 0.5}]},
-    "allreduce": {"world_size": 1, "torch_nccl_ms": 0.30, "pure_nccl_ms": 0.25,
-                  "rows": [{"codec": "qsgd4", "ms": 0.9}]},
+    "command": "python benchmarks/gpu_bench.py --json r.json",
+    "device": "NVIDIA H100 80GB HBM3",
+    "torch": "2.13.0+cu128",
+    "cuda": "12.8",
+    "triton": "3.7.1",
+    "host": "h",
+    "mib": 64.0,
+    "numel": 16777216,
+    "reps": 20,
+    "codecs": {
+        "copy_ms": 0.05,
+        "copy_gbs": 1342.2,
+        "rows": [
+            {
+                "codec": "qsgd4",
+                "encode_ms": 0.08,
+                "decode_ms": 0.06,
+                "encode_gbs": 1000.0,
+                "decode_gbs": 1100.0,
+                "wire_ratio": 0.1328,
+            },
+            {
+                "codec": "fp16",
+                "encode_ms": 0.2,
+                "decode_ms": 0.06,
+                "encode_gbs": 335.5,
+                "decode_gbs": 1100.0,
+                "wire_ratio": 0.5,
+            },
+        ],
+    },
+    "allreduce": {
+        "world_size": 1,
+        "torch_nccl_ms": 0.30,
+        "pure_nccl_ms": 0.25,
+        "rows": [{"codec": "qsgd4", "ms": 0.9}],
+    },
 }
 
 
@@ -49,7 +77,10 @@ def test_report_from_a_result_file(tmp_path):
     assert "NVIDIA H100 80GB HBM3" in text and "1342.2 GB/s" in text
     assert "| qsgd4 | 0.133 | 1000.0 | 75% | 1100.0 | met |" in text
     assert "| fp16 | 0.500 | 335.5 | 25% | 1100.0 | missed |" in text
-    assert "same buffer: met" in text and "| collectives.allreduce, qsgd4 (scatter_reduce) | 0.900 |" in text
+    assert (
+        "same buffer: met" in text
+        and "| collectives.allreduce, qsgd4 (scatter_reduce) | 0.900 |" in text
+    )
     no_allreduce = dict(SAMPLE)
     del no_allreduce["allreduce"]
     assert "## Allreduce" not in gpu_bench.render(no_allreduce)

@@ -7,6 +7,7 @@ With N = 200 and eps = 0.3 that is 4.6e-16 per element. The expectation itself i
 up to the 24-bit resolution of the random numbers (bias < 2^-24 step) and the rounding of
 ``|v| / step`` (relative 2^-24).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,25 +22,48 @@ from commopt.kernels import reference as ref
 from tests.unit.codec_helpers import CPU_IMPLS, float_tensors, per_element, steps_of
 
 N_DRAWS, EPS = 200, 0.3
-configs = st.fixed_dictionaries({
-    "bits": st.sampled_from([2, 4, 8]),
-    "bucket_size": st.sampled_from([1, 4, 7, 32, 128, 200]),
-    "norm": st.sampled_from(["max", "l2"]),
-    "scale_bytes": st.sampled_from([4, 2]),
-})
+configs = st.fixed_dictionaries(
+    {
+        "bits": st.sampled_from([2, 4, 8]),
+        "bucket_size": st.sampled_from([1, 4, 7, 32, 128, 200]),
+        "norm": st.sampled_from(["max", "l2"]),
+        "scale_bytes": st.sampled_from([4, 2]),
+    }
+)
 
 
 def _encode(x, cfg, impl, *, key=(1, 2), stochastic=True, levels=None, scale=1.0):
     bits = cfg["bits"]
     levels = levels or 2 ** (bits - 1) - 1
-    wire = torch.empty(kernels.qsgd_nbytes(x.numel(), bits=bits, bucket_size=cfg["bucket_size"],
-                                           scale_bytes=cfg["scale_bytes"]), dtype=torch.uint8)
-    kernels.qsgd_encode(x, wire, bits=bits, levels=levels, bucket_size=cfg["bucket_size"], key=key,
-                        norm=cfg["norm"], stochastic=stochastic, scale=scale,
-                        scale_bytes=cfg["scale_bytes"], impl=impl)
+    wire = torch.empty(
+        kernels.qsgd_nbytes(
+            x.numel(), bits=bits, bucket_size=cfg["bucket_size"], scale_bytes=cfg["scale_bytes"]
+        ),
+        dtype=torch.uint8,
+    )
+    kernels.qsgd_encode(
+        x,
+        wire,
+        bits=bits,
+        levels=levels,
+        bucket_size=cfg["bucket_size"],
+        key=key,
+        norm=cfg["norm"],
+        stochastic=stochastic,
+        scale=scale,
+        scale_bytes=cfg["scale_bytes"],
+        impl=impl,
+    )
     out = torch.empty(x.numel())
-    kernels.qsgd_decode(wire, out, bits=bits, levels=levels, bucket_size=cfg["bucket_size"],
-                        scale_bytes=cfg["scale_bytes"], impl=impl)
+    kernels.qsgd_decode(
+        wire,
+        out,
+        bits=bits,
+        levels=levels,
+        bucket_size=cfg["bucket_size"],
+        scale_bytes=cfg["scale_bytes"],
+        impl=impl,
+    )
     return wire, out
 
 
@@ -97,8 +121,15 @@ def test_stochastic_rounding_is_unbiased(impl, x, cfg):
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 600), bits=st.sampled_from([2, 4, 8]), bucket=st.sampled_from([1, 5, 128, 129]),
-       mant=st.integers(1, 2**11 - 1), exp=st.integers(-30, 10), half=st.booleans(), seed=st.integers(0, 999))
+@given(
+    n=st.integers(1, 600),
+    bits=st.sampled_from([2, 4, 8]),
+    bucket=st.sampled_from([1, 5, 128, 129]),
+    mant=st.integers(1, 2**11 - 1),
+    exp=st.integers(-30, 10),
+    half=st.booleans(),
+    seed=st.integers(0, 999),
+)
 def test_values_on_levels_round_trip_exactly(impl, n, bits, bucket, mant, exp, half, seed):
     levels = 2 ** (bits - 1) - 1
     step = math.ldexp(mant, exp)  # at most 11 significant bits: q * step is exact
@@ -136,8 +167,15 @@ def test_empty_one_element_zero_and_constant_buckets(impl, bits):
     assert bool(((out[130:] - 0.7).abs() <= steps_of(wire, 300, 128)[1] * (1 + 1e-6)).all())
     start = torch.full((300,), 5.0)
     z_wire, _ = _encode(torch.zeros(300), cfg, impl)
-    kernels.qsgd_decode(z_wire, start, bits=bits, levels=2 ** (bits - 1) - 1, bucket_size=128,
-                        accumulate=True, impl=impl)
+    kernels.qsgd_decode(
+        z_wire,
+        start,
+        bits=bits,
+        levels=2 ** (bits - 1) - 1,
+        bucket_size=128,
+        accumulate=True,
+        impl=impl,
+    )
     assert bool((start == 5.0).all()), "decoding zeros with accumulate must leave out unchanged"
 
 
@@ -174,7 +212,9 @@ def test_non_finite_input_makes_its_bucket_decode_to_nan(impl, bad, norm):
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 def test_overflow_from_the_scale_factor_and_from_half_scales_is_non_finite(impl):
     x = torch.tensor([3e38, 1.0, -2.0, 0.5])
-    _, out = _encode(x, {"bits": 4, "bucket_size": 4, "norm": "max", "scale_bytes": 4}, impl, scale=10.0)
+    _, out = _encode(
+        x, {"bits": 4, "bucket_size": 4, "norm": "max", "scale_bytes": 4}, impl, scale=10.0
+    )
     assert bool(torch.isnan(out).all())
     big = torch.tensor([1e6, 1.0, -2.0, 0.5])  # step 1e6/7 > 65504: float16 scale overflows
     _, out = _encode(big, {"bits": 4, "bucket_size": 4, "norm": "max", "scale_bytes": 2}, impl)
@@ -183,8 +223,10 @@ def test_overflow_from_the_scale_factor_and_from_half_scales_is_non_finite(impl)
 
 def test_wire_size_is_exact_and_4bit_128_is_under_014_of_fp32():
     for n in (0, 1, 127, 128, 129, 1000, 1 << 20):
-        assert kernels.qsgd_nbytes(n, bits=4, bucket_size=128) == \
-            (4 * -(-n // 128) + (4 * n + 7) // 8 + 3) // 4 * 4
+        assert (
+            kernels.qsgd_nbytes(n, bits=4, bucket_size=128)
+            == (4 * -(-n // 128) + (4 * n + 7) // 8 + 3) // 4 * 4
+        )
     assert kernels.qsgd_nbytes(1 << 20, bits=4, bucket_size=128) / (4 << 20) <= 0.14
     assert kernels.qsgd_nbytes(1 << 20, bits=2, bucket_size=128) / (4 << 20) < 0.075
     assert kernels.qsgd_nbytes(1 << 20, bits=4, bucket_size=128, scale_bytes=2) / (4 << 20) < 0.13

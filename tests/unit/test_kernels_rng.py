@@ -1,4 +1,5 @@
 """The counter-based generator: pinned values, uniformity, and independence of keys."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ CUDA tensors. One allowance: the bits of a NaN. torch itself does not fix them (
 float16 -> float32 conversion gives 0x7FFFFFFF on its scalar path and 0x7FC00000 on its
 vector path, by tensor size), so a NaN must meet a NaN; every other bit must be equal.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,15 +21,19 @@ from commopt.codecs import QSGD, CastCodec, ErrorFeedback, RngKey
 from tests.unit.codec_helpers import float_tensors
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("needs triton: pip install triton==3.7.1 (commopt[triton])", allow_module_level=True)
+    pytest.skip(
+        "needs triton: pip install triton==3.7.1 (commopt[triton])", allow_module_level=True
+    )
 triton_kernels = kernels._triton()  # before anything imports triton: sets TRITON_INTERPRET here
 DEVICE = "cpu" if triton_kernels.INTERPRETED else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():  # pragma: no cover - set-up error
     pytest.skip("triton loaded compiled but torch sees no GPU", allow_module_level=True)
 
 # numpy, which runs the interpreted kernels, warns where a NaN or Inf meets a cast
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
 
 #: bucket sizes: odd ones (buckets start inside a byte), powers of two, and one above
 #: MAX_WIDTH (its max norm is taken in chunks, its l2 norm by the reference's torch code).
@@ -54,25 +59,33 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.cpu(), b.cpu()
     na, nb = a.float().isnan(), b.float().isnan()
     view = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(na, nb) and torch.equal(a[~na].view(view), b[~nb].view(view))
+    return (
+        a.dtype == b.dtype
+        and torch.equal(na, nb)
+        and torch.equal(a[~na].view(view), b[~nb].view(view))
+    )
 
 
-def same_wire(a: torch.Tensor, b: torch.Tensor, numel: int, bucket_size: int, scale_bytes: int) -> bool:
+def same_wire(
+    a: torch.Tensor, b: torch.Tensor, numel: int, bucket_size: int, scale_bytes: int
+) -> bool:
     head = -(-numel // bucket_size) * scale_bytes
     dtype = torch.float32 if scale_bytes == 4 else torch.float16
     a, b = a.cpu(), b.cpu()
     return torch.equal(a[head:], b[head:]) and same_bits(a[:head].view(dtype), b[:head].view(dtype))
 
 
-qsgd_configs = st.fixed_dictionaries({
-    "bits": st.sampled_from([2, 4, 8]),
-    "bucket_size": st.sampled_from(BUCKETS),
-    "norm": st.sampled_from(["max", "l2"]),
-    "stochastic": st.booleans(),
-    "scale_bytes": st.sampled_from([4, 2]),
-    "scale": st.sampled_from([1.0, 0.25, 1 / 3, 3e5]),
-    "key": st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
-})
+qsgd_configs = st.fixed_dictionaries(
+    {
+        "bits": st.sampled_from([2, 4, 8]),
+        "bucket_size": st.sampled_from(BUCKETS),
+        "norm": st.sampled_from(["max", "l2"]),
+        "stochastic": st.booleans(),
+        "scale_bytes": st.sampled_from([4, 2]),
+        "scale": st.sampled_from([1.0, 0.25, 1 / 3, 3e5]),
+        "key": st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+    }
+)
 
 
 @pytest.fixture
@@ -85,14 +98,19 @@ def small_blocks():
 
 
 def _qsgd_round(x, cfg, levels):
-    nbytes = kernels.qsgd_nbytes(x.numel(), bits=cfg["bits"], bucket_size=cfg["bucket_size"],
-                                 scale_bytes=cfg["scale_bytes"])
+    nbytes = kernels.qsgd_nbytes(
+        x.numel(), bits=cfg["bits"], bucket_size=cfg["bucket_size"], scale_bytes=cfg["scale_bytes"]
+    )
     wires = {}
     for impl, device in (("triton", DEVICE), ("reference", "cpu")):
-        wire = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=device)  # padding is written too
+        wire = torch.full(
+            (nbytes,), 0xA5, dtype=torch.uint8, device=device
+        )  # padding is written too
         kernels.qsgd_encode(x.to(device), wire, levels=levels, impl=impl, **cfg)
         wires[impl] = wire
-    assert same_wire(wires["triton"], wires["reference"], x.numel(), cfg["bucket_size"], cfg["scale_bytes"])
+    assert same_wire(
+        wires["triton"], wires["reference"], x.numel(), cfg["bucket_size"], cfg["scale_bytes"]
+    )
     params = {k: cfg[k] for k in ("bits", "bucket_size", "scale_bytes")}
     start = torch.randn(x.numel())
     # (True, -1.0) is the error-feedback residual update: r -= decode(wire), fused
@@ -100,8 +118,15 @@ def _qsgd_round(x, cfg, levels):
         outs = {}
         for impl, device in (("triton", DEVICE), ("reference", "cpu")):
             out = start.clone().to(device)
-            kernels.qsgd_decode(wires["reference"].to(device), out, levels=levels, accumulate=accumulate,
-                                alpha=alpha, impl=impl, **params)
+            kernels.qsgd_decode(
+                wires["reference"].to(device),
+                out,
+                levels=levels,
+                accumulate=accumulate,
+                alpha=alpha,
+                impl=impl,
+                **params,
+            )
             outs[impl] = out
         assert same_bits(outs["triton"], outs["reference"])
 
@@ -109,8 +134,11 @@ def _qsgd_round(x, cfg, levels):
 @settings(max_examples=150, deadline=None)
 @given(x=inputs(), cfg=qsgd_configs, data=st.data())
 def test_qsgd_triton_matches_reference(x, cfg, data):
-    levels = data.draw(st.integers(1, 2 ** (cfg["bits"] - 1) - 1)) if data.draw(st.booleans()) else \
-        2 ** (cfg["bits"] - 1) - 1
+    levels = (
+        data.draw(st.integers(1, 2 ** (cfg["bits"] - 1) - 1))
+        if data.draw(st.booleans())
+        else 2 ** (cfg["bits"] - 1) - 1
+    )
     _qsgd_round(x, cfg, levels)
 
 
@@ -123,8 +151,15 @@ def test_qsgd_across_program_boundaries(small_blocks, monkeypatch, bits, norm, w
     # 1000 elements in blocks of 256: four programs, the last one ragged; bucket 37 crosses them
     x = torch.randn(1000, generator=torch.Generator().manual_seed(bits)) * 5
     x[500] = float("inf")
-    cfg = dict(bits=bits, bucket_size=37, norm=norm, stochastic=True, scale_bytes=4, scale=1.0,
-               key=(7, 2**32 - 7))
+    cfg = dict(
+        bits=bits,
+        bucket_size=37,
+        norm=norm,
+        stochastic=True,
+        scale_bytes=4,
+        scale=1.0,
+        key=(7, 2**32 - 7),
+    )
     _qsgd_round(x, cfg, 2 ** (bits - 1) - 1)
 
 
@@ -132,14 +167,24 @@ def test_qsgd_across_program_boundaries(small_blocks, monkeypatch, bits, norm, w
 def test_qsgd_all_zero_and_all_nan_buckets(bucket_size):
     for x in (torch.zeros(300), torch.full((300,), float("nan")), torch.full((300,), -0.0)):
         for norm in ("max", "l2"):
-            cfg = dict(bits=4, bucket_size=bucket_size, norm=norm, stochastic=True, scale_bytes=2,
-                       scale=1.0, key=(1, 2))
+            cfg = dict(
+                bits=4,
+                bucket_size=bucket_size,
+                norm=norm,
+                stochastic=True,
+                scale_bytes=2,
+                scale=1.0,
+                key=(1, 2),
+            )
             _qsgd_round(x, cfg, 7)
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=inputs(max_size=3000), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       scale=st.sampled_from([1.0, 0.5, 1 / 7, 1e-3, 3e4]))
+@given(
+    x=inputs(max_size=3000),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    scale=st.sampled_from([1.0, 0.5, 1 / 7, 1e-3, 3e4]),
+)
 def test_cast_triton_matches_reference(x, dtype, scale):
     wires = {}
     for impl, device in (("triton", DEVICE), ("reference", "cpu")):
@@ -152,8 +197,9 @@ def test_cast_triton_matches_reference(x, dtype, scale):
         outs = {}
         for impl, device in (("triton", DEVICE), ("reference", "cpu")):
             out = start.clone().to(device)
-            kernels.cast_decode(wires["reference"].to(device), out, accumulate=accumulate, alpha=alpha,
-                                impl=impl)
+            kernels.cast_decode(
+                wires["reference"].to(device), out, accumulate=accumulate, alpha=alpha, impl=impl
+            )
             outs[impl] = out
         assert same_bits(outs["triton"], outs["reference"])
 
@@ -168,8 +214,9 @@ def test_bfloat16_ties_round_to_even():
     assert got.cpu().float().tolist()[:3] == [1.0, 1 + 2**-6, -1.0]
 
 
-@pytest.mark.parametrize("codec", [QSGD(2, 5, stochastic=False), QSGD(4, 128, "l2"), CastCodec(torch.float16)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "codec", [QSGD(2, 5, stochastic=False), QSGD(4, 128, "l2"), CastCodec(torch.float16)], ids=repr
+)
 def test_error_feedback_steps_match_the_reference(monkeypatch, codec):
     # the residual update r <- y - decode(encode(y)) over three steps, through the codec API
     xs = [torch.randn(777, generator=torch.Generator().manual_seed(s)) for s in range(3)]

@@ -4,6 +4,7 @@ division, square roots rounded to nearest. This checks the compiler's output, no
 device's results (those are tests/gpu); it runs in a subprocess because this process loads
 the kernels under the interpreter.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton: pip install triton==3.7.1 (commopt[triton])")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="needs triton: pip install triton==3.7.1 (commopt[triton])",
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,8 +77,14 @@ print(json.dumps(report))
 def _compile(targets: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, targets], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, targets],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -89,17 +98,29 @@ def test_kernels_compile_for_nvidia_and_amd_with_exact_arithmetic():
         code = r["code"]
         where = f"{r['kernel']} {r['constexprs']} on {r['target']}"
         if r["target"].startswith("sm_"):
-            assert "fma.rn.f32" not in code and "fma.rn.f64" not in code, f"contracted multiply-add in {where}"
-            assert "div.full.f32" not in code and "div.approx" not in code, f"approximate division in {where}"
+            assert "fma.rn.f32" not in code and "fma.rn.f64" not in code, (
+                f"contracted multiply-add in {where}"
+            )
+            assert "div.full.f32" not in code and "div.approx" not in code, (
+                f"approximate division in {where}"
+            )
             assert "sqrt.approx" not in code, f"approximate square root in {where}"
             if r["constexprs"].get("WIDE") is False:
-                assert "div.s64" not in code and "rem.s64" not in code, f"64-bit division in {where}"
+                assert "div.s64" not in code and "rem.s64" not in code, (
+                    f"64-bit division in {where}"
+                )
             if r["kernel"] in ("_qsgd_steps_kernel", "_qsgd_encode_fused_kernel"):
                 assert "div.rn.f32" in code
                 if r["constexprs"].get("L2"):
                     assert "sqrt.rn.f64" in code
-        elif r["kernel"] in ("_qsgd_steps_kernel", "_qsgd_quantize_kernel", "_qsgd_encode_fused_kernel"):
+        elif r["kernel"] in (
+            "_qsgd_steps_kernel",
+            "_qsgd_quantize_kernel",
+            "_qsgd_encode_fused_kernel",
+        ):
             # AMD has no division instruction: the IEEE one is a scale/fma/fixup sequence
             assert "v_div_fixup_f32" in code, f"approximate division in {where}"
         else:  # the decode and cast kernels: multiply, then add, never fused
-            assert "v_fma_f32" not in code and "v_fmac_f32" not in code, f"contracted multiply-add in {where}"
+            assert "v_fma_f32" not in code and "v_fmac_f32" not in code, (
+                f"contracted multiply-add in {where}"
+            )

@@ -1,4 +1,5 @@
 """LARS and the lars() wrapper against a float64 reference of the MLPerf rule."""
+
 from __future__ import annotations
 
 import copy
@@ -30,24 +31,41 @@ def reference_lars(weights, grads_per_step, *, lr, momentum, wd, eta, eps, skip)
     return ws
 
 
-shapes = st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple),
-                  min_size=1, max_size=4)
+shapes = st.lists(
+    st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=4
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(shapes=shapes, seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 3),
-       lr=st.floats(1e-3, 10.0), momentum=st.sampled_from([0.0, 0.5, 0.9]),
-       wd=st.sampled_from([0.0, 1e-4, 5e-5, 0.1]), eta=st.sampled_from([0.001, 0.02, 1.0]),
-       eps=st.sampled_from([0.0, 1e-8, 1e-3]),
-       zero_w=st.lists(st.booleans(), min_size=4, max_size=4),
-       zero_g=st.lists(st.booleans(), min_size=4, max_size=4))
-def test_lars_matches_float64_reference(shapes, seed, steps, lr, momentum, wd, eta, eps,
-                                        zero_w, zero_g):
+@given(
+    shapes=shapes,
+    seed=st.integers(0, 2**31 - 1),
+    steps=st.integers(1, 3),
+    lr=st.floats(1e-3, 10.0),
+    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    wd=st.sampled_from([0.0, 1e-4, 5e-5, 0.1]),
+    eta=st.sampled_from([0.001, 0.02, 1.0]),
+    eps=st.sampled_from([0.0, 1e-8, 1e-3]),
+    zero_w=st.lists(st.booleans(), min_size=4, max_size=4),
+    zero_g=st.lists(st.booleans(), min_size=4, max_size=4),
+)
+def test_lars_matches_float64_reference(
+    shapes, seed, steps, lr, momentum, wd, eta, eps, zero_w, zero_g
+):
     rng = np.random.default_rng(seed)
-    weights = [np.asarray(rng.standard_normal(s) * (0.0 if zero_w[i] else 1.0), dtype=np.float32)
-               for i, s in enumerate(shapes)]
-    grads = [[np.asarray(rng.standard_normal(s) * (0.0 if (zero_g[i] and k == 0) else 1.0), dtype=np.float32)
-              for i, s in enumerate(shapes)] for k in range(steps)]
+    weights = [
+        np.asarray(rng.standard_normal(s) * (0.0 if zero_w[i] else 1.0), dtype=np.float32)
+        for i, s in enumerate(shapes)
+    ]
+    grads = [
+        [
+            np.asarray(
+                rng.standard_normal(s) * (0.0 if (zero_g[i] and k == 0) else 1.0), dtype=np.float32
+            )
+            for i, s in enumerate(shapes)
+        ]
+        for k in range(steps)
+    ]
     params = [torch.nn.Parameter(torch.from_numpy(w.copy())) for w in weights]
     opt = LARS(params, lr=lr, momentum=momentum, weight_decay=wd, trust_coefficient=eta, eps=eps)
     for step_grads in grads:
@@ -55,10 +73,13 @@ def test_lars_matches_float64_reference(shapes, seed, steps, lr, momentum, wd, e
             p.grad = torch.from_numpy(g.copy())
         opt.step()
     skip = [len(s) <= 1 for s in shapes]
-    expected = reference_lars(weights, grads, lr=lr, momentum=momentum, wd=wd, eta=eta, eps=eps,
-                              skip=skip)
+    expected = reference_lars(
+        weights, grads, lr=lr, momentum=momentum, wd=wd, eta=eta, eps=eps, skip=skip
+    )
     for p, e in zip(params, expected):
-        np.testing.assert_allclose(p.detach().numpy(), e, rtol=2e-5, atol=2e-5 * (1 + np.abs(e).max()))
+        np.testing.assert_allclose(
+            p.detach().numpy(), e, rtol=2e-5, atol=2e-5 * (1 + np.abs(e).max())
+        )
 
 
 def test_zero_norms_give_trust_one():
@@ -88,8 +109,13 @@ def test_excluded_parameters_get_plain_momentum_sgd_without_weight_decay():
 
 def test_group_override_and_exclude_none():
     w = torch.nn.Parameter(torch.ones(4))  # dim 1: excluded by default
-    opt = LARS([{"params": [w], "lars_skip": False}], lr=1.0, momentum=0.0, weight_decay=0.0,
-               trust_coefficient=0.5)
+    opt = LARS(
+        [{"params": [w], "lars_skip": False}],
+        lr=1.0,
+        momentum=0.0,
+        weight_decay=0.0,
+        trust_coefficient=0.5,
+    )
     w.grad = torch.full((4,), 4.0)  # trust = 0.5 * 2 / 8
     opt.step()
     torch.testing.assert_close(w.detach(), torch.full((4,), 1.0 - 0.125 * 4.0))
@@ -101,10 +127,15 @@ def test_group_override_and_exclude_none():
 
 
 def test_step_never_reads_back_to_host(monkeypatch):
-    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2)
+    )
     opt = LARS(model.parameters(), lr=0.1)
-    wrapped = lars(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01,
-                   clip=True)
+    wrapped = lars(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+        0.01,
+        clip=True,
+    )
     model(torch.randn(4, 5)).sum().backward()
 
     def sync(*_a, **_k):
@@ -124,7 +155,9 @@ def test_skips_params_without_grad_and_rejects_sparse():
     opt = LARS([a, b], lr=0.1)
     a.grad = torch.ones(2, 2)
     opt.step()
-    assert torch.equal(b.detach(), torch.ones(2, 2)) and not torch.equal(a.detach(), torch.ones(2, 2))
+    assert torch.equal(b.detach(), torch.ones(2, 2)) and not torch.equal(
+        a.detach(), torch.ones(2, 2)
+    )
     emb = torch.nn.Embedding(5, 3, sparse=True)
     opt = LARS(emb.parameters(), lr=0.1)
     emb(torch.tensor([1, 2])).sum().backward()
@@ -132,9 +165,16 @@ def test_skips_params_without_grad_and_rejects_sparse():
         opt.step()
 
 
-@pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(lr=0.1, momentum=-0.1),
-                                    dict(lr=0.1, weight_decay=-1.0),
-                                    dict(lr=0.1, trust_coefficient=0.0), dict(lr=0.1, eps=-1.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=-1.0),
+        dict(lr=0.1, momentum=-0.1),
+        dict(lr=0.1, weight_decay=-1.0),
+        dict(lr=0.1, trust_coefficient=0.0),
+        dict(lr=0.1, eps=-1.0),
+    ],
+)
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="LARS"):
         LARS([torch.nn.Parameter(torch.ones(2, 2))], **kwargs)

@@ -2,6 +2,7 @@
 
 Real multi-rank runs of the plain mode live in tests/distributed/test_launch_local.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,16 @@ from commopt.testbed.torch_dist import local_rank_specs
 REPO = Path(__file__).resolve().parents[2]
 
 
-_OUTER_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-               "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+_OUTER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+)
 
 
 @pytest.fixture
@@ -43,10 +52,19 @@ def launch(monkeypatch, capfd):
 
 # -- rates and shaping -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, bits", [
-    ("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8), ("125mbps", 10**9),
-    ("64kbit", 64_000), ("1gibit", 2**30), ("5000000", 5_000_000),
-])
+
+@pytest.mark.parametrize(
+    "text, bits",
+    [
+        ("1gbit", 10**9),
+        ("100mbit", 10**8),
+        ("2.5Gbit", 25 * 10**8),
+        ("125mbps", 10**9),
+        ("64kbit", 64_000),
+        ("1gibit", 2**30),
+        ("5000000", 5_000_000),
+    ],
+)
 def test_parse_rate_reads_tc_units(text, bits):
     assert parse_rate(text) == bits
 
@@ -72,6 +90,7 @@ def test_tbf_bucket_holds_a_millisecond_and_at_least_64k():
 
 
 # -- command lines -----------------------------------------------------------------------------
+
 
 def test_mpirun_flags_for_root_and_oversubscription():
     argv = mpirun_local_argv(4, ["python", "t.py"], is_root=True, ncpus=2)
@@ -103,12 +122,14 @@ def test_torch_rank_env_matches_torchrun():
     assert {e["WORLD_SIZE"] for e in env} == {"4"}
     assert {e["LOCAL_WORLD_SIZE"] for e in env} == {"2"}
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["GLOO_SOCKET_IFNAME"]) for e in env} == {
-        ("127.0.0.1", "1234", "lo")}
+        ("127.0.0.1", "1234", "lo")
+    }
     assert [e["COMMOPT_NODE_NAME"] for e in env] == ["node0", "node0", "node1", "node1"]
     assert "COMMOPT_NODE_NAME" not in local_rank_specs(2, ["x"], port=1)[0].env
 
 
 # -- the CLI -----------------------------------------------------------------------------------
+
 
 def test_dry_run_prints_the_mpirun_line(launch):
     code, out, err = launch("-n", "4", "--dry-run", "--", "python", "train.py", "--lr", "0.1")
@@ -120,20 +141,24 @@ def test_dry_run_prints_the_mpirun_line(launch):
 
 
 def test_options_after_the_command_belong_to_it(launch):
-    code, out, err = launch("-n", "2", "--launcher", "torch", "--dry-run", "--",
-                            "prog", "-n", "7", "--link")
+    code, out, err = launch(
+        "-n", "2", "--launcher", "torch", "--dry-run", "--", "prog", "-n", "7", "--link"
+    )
     assert code == 0, err
     assert all(line.endswith("prog -n 7 --link") for line in out.splitlines())
     assert "WORLD_SIZE=2" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-n", "2"], "give the command"),
-    (["--", "true"], "-n N"),
-    (["-n", "0", "--", "true"], "-n N"),
-    (["-n", "2", "--ranks-per-host", "0", "--", "true"], "at least 1"),
-    (["-n", "2", "--link", "1gbit", "--dry-run", "--", "true"], "without --link"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-n", "2"], "give the command"),
+        (["--", "true"], "-n N"),
+        (["-n", "0", "--", "true"], "-n N"),
+        (["-n", "2", "--ranks-per-host", "0", "--", "true"], "at least 1"),
+        (["-n", "2", "--link", "1gbit", "--dry-run", "--", "true"], "without --link"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(launch, args, message):
     code, _, err = launch(*args)
     assert code == 2
@@ -157,14 +182,20 @@ def test_under_an_outer_launcher_runs_the_command_once(launch):
 
 
 def test_entry_point_runs_as_a_module():
-    r = subprocess.run([sys.executable, "-m", "commopt", "launch", "-n", "2", "--dry-run", "--",
-                        "true"], capture_output=True, text=True, timeout=60, cwd=str(REPO),
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    r = subprocess.run(
+        [sys.executable, "-m", "commopt", "launch", "-n", "2", "--dry-run", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert r.returncode == 0, r.stderr
     assert "mpirun -n 2" in r.stdout
 
 
 # -- job control -------------------------------------------------------------------------------
+
 
 def test_first_failure_stops_the_others_and_its_code_is_returned():
     t = time.monotonic()
@@ -199,9 +230,18 @@ def test_emulated_cluster_refuses_clearly_without_root(launch, monkeypatch):
     assert code == 2 and "cannot emulate a cluster here" in err and "root" in err
 
 
-@pytest.mark.parametrize("typo, fix", [("--timout", "--timeout"), ("--dryrun", "--dry-run"),
-                                       ("--lnk", "--link"), ("--launcer=torch", "--launcher")])
-def test_an_unknown_option_before_the_command_is_an_error_with_a_suggestion(launch, capfd, typo, fix):
+@pytest.mark.parametrize(
+    "typo, fix",
+    [
+        ("--timout", "--timeout"),
+        ("--dryrun", "--dry-run"),
+        ("--lnk", "--link"),
+        ("--launcer=torch", "--launcher"),
+    ],
+)
+def test_an_unknown_option_before_the_command_is_an_error_with_a_suggestion(
+    launch, capfd, typo, fix
+):
     with pytest.raises(SystemExit) as info:
         launch("-n", "2", "--dry-run", typo, "60", "--", "echo", "ran")
     err = capfd.readouterr().err
@@ -218,9 +258,28 @@ def test_an_unknown_option_of_another_subcommand_is_named(capfd):
 
 def test_launch_imports_no_torch():
     """`commopt launch` starts without torch (slow, and a Ctrl-C inside it was lost)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "commopt", "launch", "-n", "2",
-                        "--launcher", "torch", "--dry-run", "--", "true"], capture_output=True,
-                       text=True, timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "commopt",
+            "launch",
+            "-n",
+            "2",
+            "--launcher",
+            "torch",
+            "--dry-run",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert r.returncode == 0, r.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line]
     assert "commopt.commands.launch" in imported and "torch" not in imported

@@ -5,12 +5,13 @@ back: by default a 64 MiB tensor is a fresh mapping, unmapped when freed; afterw
 comes from the heap, which keeps its size after the free. (Whether the kernel then keeps
 the pages resident is the kernel's business; the benchmarks measure the effect.)
 """
+
 import subprocess
 import sys
 
 import pytest
 
-PROBE = r'''
+PROBE = r"""
 import sys, torch
 if sys.argv[1] == "reuse":
     import commopt
@@ -30,12 +31,13 @@ end = t.data_ptr() + t.numel() * 4
 del t
 after, _, hi_after = mapping_of(end - 1)
 print(kind, after, int(hi_after >= end))
-'''
+"""
 
 
 def _probe(mode: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -47,7 +49,8 @@ def test_large_tensors_come_from_the_heap_and_stay_after_free():
         pytest.skip("not glibc: reuse_freed_memory does nothing here")
     kind, after, kept = _probe("default")
     assert kind == "anonymous" and after == "unmapped", (
-        f"glibc's default should map a 64 MiB block apart and unmap it on free; got {kind}, {after}")
+        f"glibc's default should map a 64 MiB block apart and unmap it on free; got {kind}, {after}"
+    )
     kind, after, kept = _probe("reuse")
     assert kind == "[heap]", f"reuse_freed_memory: the 64 MiB block came from {kind}, not the heap"
     assert after == "[heap]" and kept == "1", "reuse_freed_memory: the heap shrank after free()"

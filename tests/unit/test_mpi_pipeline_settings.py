@@ -1,4 +1,5 @@
 """Choosing and sizing the mpi communicator's pipelined transfers (no MPI started here)."""
+
 import pytest
 
 pytest.importorskip("mpi4py")
@@ -22,8 +23,11 @@ def test_segments_fit_under_the_eager_limit_mpirun_passes():
 
 
 def test_settings_from_options_then_environment():
-    env = {"COMMOPT_MPI_PIPELINE": "0", "COMMOPT_MPI_SEGMENT_BYTES": "128K",
-           "COMMOPT_MPI_PIPELINE_MIN_BYTES": "2M"}
+    env = {
+        "COMMOPT_MPI_PIPELINE": "0",
+        "COMMOPT_MPI_SEGMENT_BYTES": "128K",
+        "COMMOPT_MPI_PIPELINE_MIN_BYTES": "2M",
+    }
     assert pipeline_settings(environ=env) == ("off", 128 * 1024, 2 << 20)
     assert pipeline_settings(True, 4096, 0, environ=env) == ("on", 4096, 0)
     assert pipeline_settings(environ={})[0] == "auto"
@@ -43,16 +47,23 @@ def test_auto_pipelines_large_buffers_between_nodes_and_polls_small_ones():
     assert transfer_path("on", big, size=2, inter_size=1, **kw) == "pipelined"
     assert transfer_path("on", small, size=2, inter_size=1, **kw) == "polled"
     assert transfer_path("off", big, size=2, inter_size=2, **kw) == "blocking"
-    assert transfer_path("on", big, size=1, inter_size=1, **kw) == "blocking"   # a world of one
+    assert transfer_path("on", big, size=1, inter_size=1, **kw) == "blocking"  # a world of one
 
 
 def test_blocks_and_segments_cover_every_element_once():
     for numel, parts, seg in ((10, 3, 2), (1, 4, 5), (1031, 4, 7), (8, 2, 8)):
-        covered = [i for lo, hi in _block_bounds(numel, parts) for a, b in _segments(lo, hi, seg)
-                   for i in range(a, b)]
+        covered = [
+            i
+            for lo, hi in _block_bounds(numel, parts)
+            for a, b in _segments(lo, hi, seg)
+            for i in range(a, b)
+        ]
         assert covered == list(range(numel))
-        assert all(b - a <= seg for lo, hi in _block_bounds(numel, parts)
-                   for a, b in _segments(lo, hi, seg))
+        assert all(
+            b - a <= seg
+            for lo, hi in _block_bounds(numel, parts)
+            for a, b in _segments(lo, hi, seg)
+        )
 
 
 def test_launch_passes_the_eager_limit_unless_the_environment_sets_one():
@@ -66,14 +77,17 @@ def test_launch_passes_the_eager_limit_unless_the_environment_sets_one():
 
 def test_wait_mode_and_longest_sleep_from_the_environment():
     from commopt.comm.mpi.settings import wait_settings
+
     assert wait_settings({}) == ("paced", pytest.approx(200e-6))
-    assert wait_settings({"COMMOPT_MPI_WAIT": "Polled", "COMMOPT_MPI_POLL_SLEEP_US": "50"}) == \
-        ("polled", pytest.approx(50e-6))
+    assert wait_settings({"COMMOPT_MPI_WAIT": "Polled", "COMMOPT_MPI_POLL_SLEEP_US": "50"}) == (
+        "polled",
+        pytest.approx(50e-6),
+    )
     assert wait_settings({"COMMOPT_MPI_POLL_SLEEP_US": "0"})[0] == "spin"  # 0: MPI_Wait
     with pytest.raises(ValueError, match="COMMOPT_MPI_WAIT='busy': use one of paced, polled, spin"):
         wait_settings({"COMMOPT_MPI_WAIT": "busy"})
     for bad in ("fast", "-5", "1e9"):
-        with pytest.raises(ValueError, match="COMMOPT_MPI_POLL_SLEEP_US.*microseconds"):
+        with pytest.raises(ValueError, match=r"COMMOPT_MPI_POLL_SLEEP_US.*microseconds"):
             wait_settings({"COMMOPT_MPI_POLL_SLEEP_US": bad})
 
 
@@ -90,6 +104,7 @@ class _Request:
 
 def test_paced_wait_naps_through_the_expected_time_in_few_polls(monkeypatch):
     from commopt.comm.mpi import p2p
+
     monkeypatch.setattr(p2p, "_WAIT_MODE", "paced")
     naps, clock = [], [0.0]
 

@@ -4,6 +4,7 @@ What needs real ranks (averaging, consistent skips, mismatched models) is in
 tests/distributed/; here: the torch.optim.Optimizer surface, buckets, hooks, double
 buffering's exact stale-by-one rule, state dicts and the errors for bad input.
 """
+
 import copy
 import logging
 import pickle
@@ -42,14 +43,18 @@ def params(model):
 
 # -- the wrapper behaves as the optimizer it wraps -----------------------------------------------
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("factory", [
-    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
-    lambda ps: torch.optim.Adam(ps, lr=0.01),
-])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=0.01),
+    ],
+)
 def test_world_of_one_equals_the_plain_optimizer_exactly(comm, factory, overlap):
     model, ref = mlp(), mlp()
-    opt = create_multi_node_optimizer(factory(model.parameters()), comm, overlap=overlap,
-                                      bucket_cap_mb=0.001)
+    opt = create_multi_node_optimizer(
+        factory(model.parameters()), comm, overlap=overlap, bucket_cap_mb=0.001
+    )
     ref_opt = factory(ref.parameters())
     for step in range(4):
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -93,7 +98,7 @@ def test_grad_scaler_works(comm):
     model, ref = mlp(), mlp()
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(3):
         opt.zero_grad()
         scaler.scale(loss(model, step)).backward()
@@ -102,15 +107,25 @@ def test_grad_scaler_works(comm):
         ref_opt.zero_grad()
         loss(ref, step).backward()
         ref_opt.step()
-    assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(
+        torch.allclose(a, b, rtol=1e-6, atol=0)
+        for a, b in zip(model.parameters(), ref.parameters())
+    )
 
 
 # -- buckets -------------------------------------------------------------------------------------
 def test_buckets_are_homogeneous_capped_and_aligned(comm):
-    model = torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.Linear(50, 30), torch.nn.Linear(30, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(40, 50), torch.nn.Linear(50, 30), torch.nn.Linear(30, 2)
+    )
     opt = create_multi_node_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), comm, compression="qsgd4", model=model,
-        bucket_cap_mb=0.01, policy=CompressionPolicy(min_compress_numel=100))
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        comm,
+        compression="qsgd4",
+        model=model,
+        bucket_cap_mb=0.01,
+        policy=CompressionPolicy(min_compress_numel=100),
+    )
     buckets = opt.buckets
     assert [b.index for b in buckets] == list(range(len(buckets)))
     seen = sorted(s.param for b in buckets for s in b.slots)
@@ -125,15 +140,17 @@ def test_buckets_are_homogeneous_capped_and_aligned(comm):
         assert b.numel * 4 <= 0.01 * 2**20 or len(b.slots) == 1
         # the last layer first: buckets fill in (roughly) backward order
         assert [s.param for s in b.slots] == sorted((s.param for s in b.slots), reverse=True)
-    plain = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                        bucket_cap_mb=0.01)
+    plain = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, bucket_cap_mb=0.01
+    )
     assert plain.buckets[0].slots[0].param == 5 and all(not b.compressed for b in plain.buckets)
 
 
 def test_overlap_sends_buckets_during_backward(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                      bucket_cap_mb=0.0001)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, bucket_cap_mb=0.0001
+    )
     seen = []  # buckets on their way when the last gradient (the first layer's) arrives
     model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(opt._current.issued))
     loss(model, 0).backward()
@@ -141,23 +158,32 @@ def test_overlap_sends_buckets_during_backward(comm):
     # backward() returns with the averages in .grad (DDP's contract): nothing left in flight
     assert opt._current is None and opt._reduced.issued == len(opt.buckets)
     opt.step()
-    off = create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm, overlap=False)
+    off = create_multi_node_optimizer(
+        torch.optim.SGD(mlp().parameters(), lr=0.1), comm, overlap=False
+    )
     assert off._current is None
 
 
 def test_unused_parameters_with_and_without_zero_fill(comm):
     for zero_fill in (True, False):
-        model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 3), "unused": torch.nn.Linear(3, 3)})
+        model = torch.nn.ModuleDict(
+            {"used": torch.nn.Linear(3, 3), "unused": torch.nn.Linear(3, 3)}
+        )
         before = params(model["unused"])
         opt = create_multi_node_optimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5), comm,
-            zero_fill=zero_fill, model=model)
+            torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5),
+            comm,
+            zero_fill=zero_fill,
+            model=model,
+        )
         model["used"](torch.ones(2, 3)).sum().backward()
         opt.step()
         g = model["unused"].weight.grad
         if zero_fill:
             assert torch.equal(g, torch.zeros(3, 3))
-            assert not torch.equal(model["unused"].weight, before[0]), "weight decay applies to zeros"
+            assert not torch.equal(model["unused"].weight, before[0]), (
+                "weight decay applies to zeros"
+            )
         else:
             assert g is None and torch.equal(model["unused"].weight, before[0])
 
@@ -192,8 +218,9 @@ def test_add_param_group_adds_hooks_and_buckets(comm):
 def test_double_buffering_is_exactly_one_step_stale(comm):
     lr = 0.1
     model, ref = mlp(), mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=lr), comm,
-                                      double_buffering=True, bucket_cap_mb=0.001)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=lr), comm, double_buffering=True, bucket_cap_mb=0.001
+    )
     stale = None
     for step in range(5):
         ref.zero_grad()
@@ -221,8 +248,9 @@ def test_double_buffering_is_exactly_one_step_stale(comm):
 
 def test_double_buffering_synchronize_exposes_the_gradients_to_apply(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                      double_buffering=True)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering=True
+    )
     loss(model, 0).backward()
     g0 = [p.grad.clone() for p in model.parameters()]
     opt.step()  # first step: sends, applies nothing
@@ -239,8 +267,9 @@ def test_double_buffering_synchronize_exposes_the_gradients_to_apply(comm):
 
 def test_double_buffering_with_grad_scaler_needs_unscale_before_synchronize(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                      double_buffering=True)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering=True
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(loss(model, 0)).backward()
     opt.synchronize()
@@ -268,17 +297,24 @@ def test_nonfinite_gradients_skip_the_step_and_are_reported(comm, caplog):
 
 
 # -- state dict ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs", [
-    dict(),
-    dict(double_buffering=True),
-    dict(compression="qsgd4+ef", algorithm="scatter_reduce"),
-    dict(compression="qsgd4+ef", algorithm="scatter_reduce", double_buffering=True),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(double_buffering=True),
+        dict(compression="qsgd4+ef", algorithm="scatter_reduce"),
+        dict(compression="qsgd4+ef", algorithm="scatter_reduce", double_buffering=True),
+    ],
+)
 def test_state_dict_round_trip_continues_identically(comm, kwargs):
     def build(seed):
         model = mlp(seed)
-        opt = create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm,
-                                          policy=CompressionPolicy(min_compress_numel=16), **kwargs)
+        opt = create_multi_node_optimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            comm,
+            policy=CompressionPolicy(min_compress_numel=16),
+            **kwargs,
+        )
         return model, opt
 
     def train(model, opt, steps):
@@ -303,9 +339,13 @@ def test_state_dict_round_trip_continues_identically(comm, kwargs):
 
 def test_load_state_dict_rejects_what_does_not_fit(comm):
     model = mlp()
-    opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                      compression="qsgd4+ef", algorithm="scatter_reduce",
-                                      policy=CompressionPolicy(min_compress_numel=16))
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        comm,
+        compression="qsgd4+ef",
+        algorithm="scatter_reduce",
+        policy=CompressionPolicy(min_compress_numel=16),
+    )
     loss(model, 0).backward()
     opt.step()
     sd = opt.state_dict()
@@ -320,8 +360,9 @@ def test_load_state_dict_rejects_what_does_not_fit(comm):
     with pytest.raises(ValueError, match="bucket"):
         opt.load_state_dict(other)
     db_model = mlp()
-    db = create_multi_node_optimizer(torch.optim.SGD(db_model.parameters(), lr=0.1), comm,
-                                     double_buffering=True)
+    db = create_multi_node_optimizer(
+        torch.optim.SGD(db_model.parameters(), lr=0.1), comm, double_buffering=True
+    )
     loss(db_model, 0).backward()
     db.step()
     plain = create_multi_node_optimizer(torch.optim.SGD(db_model.parameters(), lr=0.1), comm)
@@ -339,23 +380,29 @@ def test_wrapping_twice_or_a_non_optimizer_is_a_type_error(comm):
     with pytest.raises(TypeError, match="Communicator"):
         create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), "mpi")
     with pytest.raises(TypeError, match="compression"):
-        create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm, compression=4)
+        create_multi_node_optimizer(
+            torch.optim.SGD(mlp().parameters(), lr=0.1), comm, compression=4
+        )
     with pytest.raises(ValueError, match="unknown codec"):
-        create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm, compression="zip")
+        create_multi_node_optimizer(
+            torch.optim.SGD(mlp().parameters(), lr=0.1), comm, compression="zip"
+        )
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(opt)
     assert isinstance(opt, MultiNodeOptimizer)
 
 
 def test_allreduce_grad_dtype_picks_the_cast_codec(comm):
-    opt = create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm,
-                                      allreduce_grad_dtype="float16")
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(mlp().parameters(), lr=0.1), comm, allreduce_grad_dtype="float16"
+    )
     assert {b.codec.name for b in opt.buckets} == {"fp16"}
     comm16 = commopt.create_communicator("local", allreduce_grad_dtype="bfloat16")
     opt = create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm16)
     assert {b.codec.name for b in opt.buckets} == {"bf16"}
-    opt = create_multi_node_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), comm16,
-                                      allreduce_grad_dtype=torch.float32)
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(mlp().parameters(), lr=0.1), comm16, allreduce_grad_dtype=torch.float32
+    )
     assert {b.codec.name for b in opt.buckets} == {"none"}
 
 

@@ -7,6 +7,7 @@ events. The trace records which event is recorded on which stream, which stream 
 which event, what is enqueued where, from which host thread, in which order; no kernel runs
 and no byte moves (the results of the collectives are not checked here: tests/gpu does).
 """
+
 import json
 import threading
 import types
@@ -107,7 +108,9 @@ def test_caller_stream_recorded_then_comm_stream_waits_then_enqueue(traces):
         ops, side = sc["ops"], sc["side"]
         assert {op[1] for op in ops} == {"MainThread"}, f"rank {rank}: issued from {ops}"
         first = next(i for i, op in enumerate(ops) if op[0] == "record")
-        assert ops[first][3] == side, f"rank {rank}: first record not on the caller's stream:\n" + "\n".join(sc["lines"])
+        assert ops[first][3] == side, (
+            f"rank {rank}: first record not on the caller's stream:\n" + "\n".join(sc["lines"])
+        )
         event = ops[first][2]
         comm_wait = next(i for i, op in enumerate(ops) if op[0] == "wait" and op[3] == event)
         comm_stream = ops[comm_wait][2]
@@ -116,7 +119,9 @@ def test_caller_stream_recorded_then_comm_stream_waits_then_enqueue(traces):
         assert first < comm_wait < enq and ops[enq][2] == comm_stream, f"rank {rank}"
         back = next(i for i, op in enumerate(ops) if i > enq and op[0] == "wait")
         assert ops[back][2] == side, f"rank {rank}: Work.wait() did not order the caller's stream"
-        done = max(i for i, op in enumerate(ops[:back]) if op[0] == "record" and op[3] == comm_stream)
+        done = max(
+            i for i, op in enumerate(ops[:back]) if op[0] == "record" and op[3] == comm_stream
+        )
         assert done > enq and ops[back][3] == ops[done][2], f"rank {rank}: waited on {ops[back]}"
 
 
@@ -162,7 +167,7 @@ def test_gradient_traffic_one_communicator_one_stream_same_order(traces, scenari
         enq = enqueues(sc)
         assert len({s for s, _ in enq}) == 1, f"rank {rank}: NCCL calls on several streams {enq}"
         stream = enq[0][0]
-        steps = list(enq[len([1 for op in ops[:sc['mark']] if op[0] == 'enqueue']):])
+        steps = list(enq[len([1 for op in ops[: sc["mark"]] if op[0] == "enqueue"]) :])
         assert len(steps) >= 3 * sc["buckets"], f"rank {rank}: {steps}"
         # Every wait of the comm stream is on an event of the caller's (default) stream,
         # recorded just before by the same thread.
@@ -189,7 +194,9 @@ def test_hierarchical_plan_is_chosen_and_stays_on_one_stream(traces):
         assert len(waits) == 1, f"rank {rank}: the plan's stages crossed streams: {waits}"
 
 
-@pytest.mark.parametrize("scenario", ["plain", "pipelined", "overlap", "double_buffering", "hierarchical"])
+@pytest.mark.parametrize(
+    "scenario", ["plain", "pipelined", "overlap", "double_buffering", "hierarchical"]
+)
 def test_finalize_destroys_every_nccl_communicator_and_thread(traces, scenario):
     """Finding 4: finalize() destroys every NCCL communicator it (and its splits) created and
     leaves no thread behind (the bootstrap MPI communicators' workers included)."""
@@ -199,10 +206,13 @@ def test_finalize_destroys_every_nccl_communicator_and_thread(traces, scenario):
         destroyed = [op[2] for op in sc["ops"] if op[0] == "nccl-destroy"]
         assert inits and sorted(inits) == sorted(destroyed), f"rank {rank}: {inits} vs {destroyed}"
         assert sc["threads_grew"] <= 0, f"rank {rank}: {sc['threads_grew']} thread(s) left"
-        assert sc["mpi_comms_grew"] == 0, f"rank {rank}: {sc['mpi_comms_grew']} MPI communicator(s) left"
+        assert sc["mpi_comms_grew"] == 0, (
+            f"rank {rank}: {sc['mpi_comms_grew']} MPI communicator(s) left"
+        )
 
 
 # -- in-process checks of the CUDA staging (ordering logic and buffer kinds, no GPU) ---------
+
 
 def test_cuda_ready_records_on_the_tensors_device():
     """Finding 6: with cuda:0 current, a tensor on cuda:1 is waited for on cuda:1's stream."""
@@ -227,7 +237,9 @@ def test_cuda_aware_tensors_reach_mpi_without_numpy():
 
     t = torch.empty(8, dtype=torch.bfloat16, device="meta")
     view = numpy_view(t)
-    assert isinstance(view, torch.Tensor) and view.dtype == torch.int16 and view.device.type == "meta"
+    assert (
+        isinstance(view, torch.Tensor) and view.dtype == torch.int16 and view.device.type == "meta"
+    )
     assert numpy_view(t, as_bytes=True).dtype == torch.uint8
     me = types.SimpleNamespace(cuda_aware=True)
     host, back = MPICommunicator._host(me, t, fill=True)
@@ -248,9 +260,13 @@ def test_cuda_aware_detection_asks_the_mpi_library(monkeypatch):
     found = detect_cuda_aware(bare)
     assert isinstance(found, bool)
     if shutil.which("ompi_info"):
-        info = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True, text=True).stdout
-        built = "mpi_built_with_cuda_support:value:true" in info or \
-            "opal_built_with_cuda_support:value:true" in info
+        info = subprocess.run(
+            ["ompi_info", "--parsable", "--all"], capture_output=True, text=True
+        ).stdout
+        built = (
+            "mpi_built_with_cuda_support:value:true" in info
+            or "opal_built_with_cuda_support:value:true" in info
+        )
         assert found == built
     monkeypatch.setenv(CUDA_AWARE_ENV, "1")
     assert detect_cuda_aware(bare) is True
@@ -267,6 +283,7 @@ def test_driver_runs_stream_ordered_jobs_inline():
 
     trace = StreamTrace()
     comm_stream = trace.new_stream(None)
+
     class StreamOrdered:  # what the driver reads of a stream-ordered communicator
         stream_ordered, size, streams = True, 4, trace
 
@@ -275,8 +292,9 @@ def test_driver_runs_stream_ordered_jobs_inline():
 
     comm = StreamOrdered()
     seen = []
-    work = driver.submit(comm, lambda: seen.append((threading.current_thread().name,
-                                                     trace.current(None).name)))
+    work = driver.submit(
+        comm, lambda: seen.append((threading.current_thread().name, trace.current(None).name))
+    )
     assert seen == [("MainThread", comm_stream.name)]
     assert [op for op, *_ in trace.ops] == ["record", "wait", "use", "end-use", "record"]
     work.wait()

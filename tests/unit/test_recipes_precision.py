@@ -1,5 +1,6 @@
 """The recipes' mixed precision runs one code path on CUDA and CPU: checked here with CPU
 bf16 autocast (fp16 with GradScaler needs CUDA: tests/gpu/test_transformer_recipe.py)."""
+
 import json
 
 import pytest
@@ -11,8 +12,16 @@ from recipes.precision import MixedPrecision
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("option, dtype", [("auto", None), ("off", None), ("fp32", None),
-                                           ("on", torch.bfloat16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "option, dtype",
+    [
+        ("auto", None),
+        ("off", None),
+        ("fp32", None),
+        ("on", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+    ],
+)
 def test_cpu_resolution(option, dtype):
     mp = MixedPrecision.resolve(option, CPU)
     assert mp.dtype == dtype and mp.scaler is None
@@ -34,8 +43,9 @@ def test_transformer_bf16_steps_through_the_multi_node_optimizer():
     cfg = architecture("transformer_tiny", encoder_layers=1, decoder_layers=1, dropout=0.0)
     model = Transformer(cfg, 40)
     comm = commopt.create_communicator("local")
-    opt = commopt.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=3e-3), comm,
-                                              model=model)
+    opt = commopt.create_multi_node_optimizer(
+        torch.optim.Adam(model.parameters(), lr=3e-3), comm, model=model
+    )
     mp = MixedPrecision.resolve("bf16", CPU)
     src = torch.randint(4, 40, (4, 7))
     prev = torch.randint(4, 40, (4, 6))
@@ -59,15 +69,35 @@ def test_resnet_recipe_runs_bf16_autocast_on_the_cpu(tmp_path, capsys):
     bf16; its losses differ from fp32's (autocast took effect) and are finite."""
     from recipes.resnet50 import train as recipe
 
-    tiny = ["--preset", "smoke", "--image-size", "32", "--batch-size", "4", "--train-size", "8",
-            "--val-size", "4", "--progress", "none", "--communicator", "local", "--log-every", "1",
-            "--max-steps", "2", "--no-eval"]
+    tiny = [
+        "--preset",
+        "smoke",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--train-size",
+        "8",
+        "--val-size",
+        "4",
+        "--progress",
+        "none",
+        "--communicator",
+        "local",
+        "--log-every",
+        "1",
+        "--max-steps",
+        "2",
+        "--no-eval",
+    ]
     losses = {}
     for amp in ("bf16", "off"):
         log = tmp_path / f"{amp}.jsonl"
         assert recipe.main(tiny + ["--amp", amp, "--log-jsonl", str(log)]) == 0
         records = [json.loads(line) for line in log.read_text().splitlines()]
-        assert records[0]["event"] == "config" and records[0]["amp"] == ("bf16" if amp == "bf16" else "fp32")
+        assert records[0]["event"] == "config" and records[0]["amp"] == (
+            "bf16" if amp == "bf16" else "fp32"
+        )
         losses[amp] = [r["loss"] for r in records if r["event"] == "train"]
     capsys.readouterr()
     assert len(losses["bf16"]) == 2 and all(torch.isfinite(torch.tensor(losses["bf16"])))

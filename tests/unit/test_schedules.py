@@ -1,4 +1,5 @@
 """The recipes' LR schedules: pure functions, their LRScheduler forms, the MLPerf defaults."""
+
 from __future__ import annotations
 
 import itertools
@@ -31,23 +32,34 @@ def test_poly_warmup_key_points():
 
 
 @settings(max_examples=100, deadline=None)
-@given(total=st.integers(1, 10_000), warm_frac=st.floats(0.0, 1.0), power=st.sampled_from([1.0, 2.0]),
-       base=st.floats(0.01, 50.0))
+@given(
+    total=st.integers(1, 10_000),
+    warm_frac=st.floats(0.0, 1.0),
+    power=st.sampled_from([1.0, 2.0]),
+    base=st.floats(0.01, 50.0),
+)
 def test_poly_warmup_rises_then_falls_and_stays_in_range(total, warm_frac, power, base):
     warm = int(total * warm_frac)
-    lrs = [poly_warmup_lr(s, base_lr=base, total_steps=total, warmup_steps=warm, power=power,
-                          end_lr=1e-4) for s in range(0, total + 1, max(1, total // 50))]
+    lrs = [
+        poly_warmup_lr(
+            s, base_lr=base, total_steps=total, warmup_steps=warm, power=power, end_lr=1e-4
+        )
+        for s in range(0, total + 1, max(1, total // 50))
+    ]
     peak = lrs.index(max(lrs))
-    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(lrs[:peak + 1]))
-    assert all(a >= b - 1e-12 for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(lrs[: peak + 1]))
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[peak:], lrs[peak + 1 :]))
     assert max(lrs) <= base + 1e-9 and min(lrs) >= 0.0
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(total_steps=0, warmup_steps=0), "total_steps"),
-    (dict(total_steps=10, warmup_steps=11), "warmup_steps"),
-    (dict(total_steps=10, warmup_steps=-1), "warmup_steps"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(total_steps=0, warmup_steps=0), "total_steps"),
+        (dict(total_steps=10, warmup_steps=11), "warmup_steps"),
+        (dict(total_steps=10, warmup_steps=-1), "warmup_steps"),
+    ],
+)
 def test_poly_warmup_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         poly_warmup_lr(0, base_lr=1.0, **kw)
@@ -70,10 +82,19 @@ def test_chainermn_schedule():
 def test_mlperf_lars_defaults_by_global_batch():
     assert (mlperf_lars_defaults(256).base_lr, mlperf_lars_defaults(256).warmup_epochs) == (10.0, 5)
     assert mlperf_lars_defaults(16383).base_lr == 10.0
-    assert (mlperf_lars_defaults(16384).base_lr, mlperf_lars_defaults(16384).warmup_epochs) == (25.0, 5)
+    assert (mlperf_lars_defaults(16384).base_lr, mlperf_lars_defaults(16384).warmup_epochs) == (
+        25.0,
+        5,
+    )
     assert mlperf_lars_defaults(32767).base_lr == 25.0
     d = mlperf_lars_defaults(32768)
-    assert (d.base_lr, d.warmup_epochs, d.power, d.end_lr, d.label_smoothing) == (31.2, 25, 2.0, 1e-4, 0.1)
+    assert (d.base_lr, d.warmup_epochs, d.power, d.end_lr, d.label_smoothing) == (
+        31.2,
+        25,
+        2.0,
+        1e-4,
+        0.1,
+    )
     with pytest.raises(ValueError, match="global_batch"):
         mlperf_lars_defaults(0)
 
@@ -90,8 +111,10 @@ def test_poly_warmup_scheduler_matches_function():
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    expected = [poly_warmup_lr(s, base_lr=4.0, total_steps=20, warmup_steps=4, end_lr=1e-3)
-                for s in range(25)]
+    expected = [
+        poly_warmup_lr(s, base_lr=4.0, total_steps=20, warmup_steps=4, end_lr=1e-3)
+        for s in range(25)
+    ]
     assert seen == pytest.approx(expected)
     # resume: a fresh scheduler loaded from the state continues at the same LR
     opt2 = _opt(4.0)

@@ -4,6 +4,7 @@ Runs the real script against a real (throw-away) virtualenv holding a stand-in t
 distribution: one that raises the error a CUDA wheel raises next to a CPU torch, and one that
 imports. No download is made (TORCHVISION_PIN is empty: check only).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -38,15 +39,24 @@ def _install_standin(root: Path, broken: bool) -> Path:
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
     (info / "INSTALLER").write_text("pip\n")
-    files = ["torchvision/__init__.py", "torchvision/models.py", "torchvision/datasets.py",
-             *(f"torchvision-0.28.0.dist-info/{n}" for n in ("METADATA", "INSTALLER", "RECORD"))]
+    files = [
+        "torchvision/__init__.py",
+        "torchvision/models.py",
+        "torchvision/datasets.py",
+        *(f"torchvision-0.28.0.dist-info/{n}" for n in ("METADATA", "INSTALLER", "RECORD")),
+    ]
     (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
     return pkg
 
 
 def _run(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(root)], capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin", "TORCHVISION_PIN": ""})
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "TORCHVISION_PIN": ""},
+    )
 
 
 @pytest.mark.slow

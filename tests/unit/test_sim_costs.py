@@ -1,4 +1,5 @@
 """The simulator's cost model: textbook formulas, their composition on machines, overlap bounds."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,17 @@ INTRA, INTER = Link(5 * US, 20e9), Link(30 * US, 2.5e9)
 
 
 def uniform_machine(gpus_per_node=8, intra=INTRA, inter=INTER) -> Machine:
-    return Machine(name="uniform", description="test", gpu="v100", gpus_per_node=gpus_per_node,
-                   intra=intra, inter=inter, inter_gbps=20.0, inter_efficiency=1.0, memory_GBps=900.0)
+    return Machine(
+        name="uniform",
+        description="test",
+        gpu="v100",
+        gpus_per_node=gpus_per_node,
+        intra=intra,
+        inter=inter,
+        inter_gbps=20.0,
+        inter_efficiency=1.0,
+        memory_GBps=900.0,
+    )
 
 
 @pytest.mark.parametrize("n", [2, 3, 8, 64, 4096])
@@ -43,7 +53,12 @@ def test_one_worker_communicates_nothing():
     link = Link(1e-3, 1e6)
     assert ring_allreduce_time(1, 1e9, link) == 0.0
     assert tree_allreduce_time(1, 1e9, link) == 0.0
-    assert allreduce_time(get_machine("v100-nvlink-25g"), 1, numel=1e8, grad_bytes=4, algorithm="ring").total_s == 0.0
+    assert (
+        allreduce_time(
+            get_machine("v100-nvlink-25g"), 1, numel=1e8, grad_bytes=4, algorithm="ring"
+        ).total_s
+        == 0.0
+    )
 
 
 def test_bad_sizes_are_refused_with_a_reason():
@@ -77,12 +92,14 @@ def test_hierarchical_is_reduce_scatter_plus_inter_ring_plus_allgather():
     assert hierarchical_allreduce_time(g, nodes, S, m.intra, m.inter) == pytest.approx(expected)
     assert hierarchical_time(m, nodes, g, S, S, linear=True) == pytest.approx(expected)
     # One node: the hierarchy collapses to the intra-node ring.
-    assert hierarchical_time(m, 1, g, S, S, linear=True) == pytest.approx(ring_allreduce_time(g, S, m.intra))
+    assert hierarchical_time(m, 1, g, S, S, linear=True) == pytest.approx(
+        ring_allreduce_time(g, S, m.intra)
+    )
 
 
 def test_hierarchical_beats_flat_ring_when_the_nic_is_slow_and_latency_counts():
     m = uniform_machine()
-    S = 1e6   # latency-bound: the flat ring pays 2(n-1) inter-node latencies
+    S = 1e6  # latency-bound: the flat ring pays 2(n-1) inter-node latencies
     assert hierarchical_time(m, 64, 8, S, S, linear=True) < ring_time(m, 64, 8, S)
 
 
@@ -100,7 +117,7 @@ def test_no_algorithm_beats_the_nic_bandwidth_floor(algorithm, gpus):
     m = get_machine("v100-nvlink-25g")
     nodes = gpus // m.gpus_per_node
     S = 4e8
-    floor = 2 * (nodes - 1) / nodes * S / m.inter.bandwidth_Bps   # what each NIC must move
+    floor = 2 * (nodes - 1) / nodes * S / m.inter.bandwidth_Bps  # what each NIC must move
     t = allreduce_time(m, gpus, numel=S / 4, grad_bytes=4, algorithm=algorithm).total_s
     assert t >= floor * (1 - 1e-9)
 
@@ -127,7 +144,9 @@ def test_alltoall_latencies_overlap_send_overheads_add_up():
     t = scatter_reduce_allgather_time(128, 0.0, link, 2 * US)
     assert t == pytest.approx(2 * (30 * US + 127 * 2 * US))
     m = uniform_machine(gpus_per_node=1)
-    assert sra_time(m, 128, 1, 0.0) == pytest.approx(2 * (m.inter.latency_s + 127 * m.message_overhead_s))
+    assert sra_time(m, 128, 1, 0.0) == pytest.approx(
+        2 * (m.inter.latency_s + 127 * m.message_overhead_s)
+    )
 
 
 def test_codecs_shrink_the_wire_and_nonlinear_ones_need_sra():
@@ -156,7 +175,7 @@ def test_qsgd_sizes_match_commopts_codec():
     for bits, bucket in [(2, 128), (4, 128), (8, 128), (4, 1024)]:
         ours = get_codec_cost(f"qsgd{bits}b{bucket}").wire_bytes(1 << 20, grad_bytes=4)
         theirs = codecs.QSGD(bits=bits, bucket_size=bucket).encoded_nbytes(1 << 20)
-        assert ours == pytest.approx(theirs, abs=4)   # theirs pads to 4 bytes
+        assert ours == pytest.approx(theirs, abs=4)  # theirs pads to 4 bytes
 
 
 # --- overlap --------------------------------------------------------------------------------
@@ -166,11 +185,17 @@ _models = st.sampled_from(["resnet50", "bert-large", "transformer-xl-base"])
 
 
 @settings(max_examples=60, deadline=None)
-@given(machine=_machines, model=_models, gpus=st.sampled_from([2, 8, 16, 128, 1024]),
-       codec=st.sampled_from(["none", "fp16", "qsgd4"]), bucket=st.sampled_from([1.0, 25.0, 400.0]),
-       gbps=st.sampled_from([None, 1.0, 400.0]))
+@given(
+    machine=_machines,
+    model=_models,
+    gpus=st.sampled_from([2, 8, 16, 128, 1024]),
+    codec=st.sampled_from(["none", "fp16", "qsgd4"]),
+    bucket=st.sampled_from([1.0, 25.0, 400.0]),
+    gbps=st.sampled_from([None, 1.0, 400.0]),
+)
 def test_overlap_is_never_faster_than_the_larger_of_compute_and_communication(
-        machine, model, gpus, codec, bucket, gbps):
+    machine, model, gpus, codec, bucket, gbps
+):
     m = get_machine(machine).with_overrides(inter_gbps=gbps)
     profile = load_profile(model)
     if m.gpu not in profile.throughput:
@@ -183,7 +208,8 @@ def test_overlap_is_never_faster_than_the_larger_of_compute_and_communication(
         steps[overlap] = p
     assert steps["none"].step_s == pytest.approx(steps["none"].compute_s + steps["none"].comm_s)
     assert steps["double-buffering"].step_s == pytest.approx(
-        max(steps["double-buffering"].compute_s, steps["double-buffering"].comm_s))
+        max(steps["double-buffering"].compute_s, steps["double-buffering"].comm_s)
+    )
     assert steps["backward"].step_s <= steps["none"].step_s * (1 + 1e-12)
 
 
@@ -223,7 +249,10 @@ def test_link_overrides_keep_the_preset_efficiency():
     m = get_machine("v100-nvlink-25g")
     fast = m.with_overrides(inter_gbps=400)
     assert fast.inter.bandwidth_Bps == pytest.approx(400 * GBIT * m.inter_efficiency)
-    assert simulate("bert-large", fast, Plan(), 256).efficiency > simulate("bert-large", m, Plan(), 256).efficiency
+    assert (
+        simulate("bert-large", fast, Plan(), 256).efficiency
+        > simulate("bert-large", m, Plan(), 256).efficiency
+    )
     with pytest.raises(ValueError, match="inter-gbps"):
         m.with_overrides(inter_gbps=0)
 
@@ -239,17 +268,18 @@ _seconds = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
 @settings(max_examples=200, deadline=None)
 @given(wire=_seconds, codec=_seconds, pieces=st.integers(1, 4096), fixed=st.floats(0.0, 1e-3))
 def test_pipeline_is_never_faster_than_the_wire_or_the_codec_and_never_slower_than_their_sum(
-        wire, codec, pieces, fixed):
+    wire, codec, pieces, fixed
+):
     t = pipeline_time(wire, codec, pieces, fixed)
     assert t >= wire * (1 - 1e-12) and t >= codec * (1 - 1e-12)
-    assert t >= max(wire, codec) + pieces * fixed - 1e-12      # every collective's latency is paid
-    assert t <= wire + codec + pieces * fixed + 1e-12           # never worse than no overlap
+    assert t >= max(wire, codec) + pieces * fixed - 1e-12  # every collective's latency is paid
+    assert t <= wire + codec + pieces * fixed + 1e-12  # never worse than no overlap
 
 
 def test_one_piece_is_the_unpipelined_sum_and_many_approach_the_larger_of_the_two():
     assert pipeline_time(0.075, 0.019, 1, 1e-4) == pytest.approx(0.075 + 0.019 + 1e-4)
     excess = [pipeline_time(0.075, 0.019, p) - 0.075 for p in (1, 4, 16, 256, 65536)]
-    assert excess == sorted(excess, reverse=True)              # shrinks as pieces grow in number
+    assert excess == sorted(excess, reverse=True)  # shrinks as pieces grow in number
     assert excess[-1] < 1e-6
     # Codec-bound: the same, with the roles swapped.
     assert pipeline_time(0.01, 0.05, 1000) == pytest.approx(0.05 + 0.01 / 1000)
@@ -288,23 +318,44 @@ def test_testbed_codec_speeds_come_from_the_codec_benchmark():
 
 
 @settings(max_examples=60, deadline=None)
-@given(mib=st.sampled_from([0.5, 4, 16, 64, 400]), codec=st.sampled_from(["qsgd2", "qsgd4", "qsgd8"]),
-       machine=st.sampled_from(["testbed-1gbit", "testbed-1gbit-gloo", "v100-nvlink-25g", "rtx3090-pcie"]),
-       gpus=st.sampled_from([2, 8, 64]), piece_mib=st.sampled_from([0, 1, 4, 32]))
+@given(
+    mib=st.sampled_from([0.5, 4, 16, 64, 400]),
+    codec=st.sampled_from(["qsgd2", "qsgd4", "qsgd8"]),
+    machine=st.sampled_from(
+        ["testbed-1gbit", "testbed-1gbit-gloo", "v100-nvlink-25g", "rtx3090-pcie"]
+    ),
+    gpus=st.sampled_from([2, 8, 64]),
+    piece_mib=st.sampled_from([0, 1, 4, 32]),
+)
 def test_pipelined_sra_is_bounded_by_its_wire_and_codec_time(mib, codec, machine, gpus, piece_mib):
     m = get_machine(machine)
     nodes, per_node = m.layout(gpus)
     numel = mib * 2**20 / 4
-    t = allreduce_time(m, gpus, numel=numel, grad_bytes=4, algorithm="sra", codec=codec,
-                       piece_bytes=piece_mib * 2**20)
-    wire_floor = sra_time(replace(m, message_overhead_s=0.0, intra=Link(0, m.intra.bandwidth_Bps),
-                                  inter=Link(0, m.inter.bandwidth_Bps),
-                                  uplink=m.uplink and Link(0, m.uplink.bandwidth_Bps),
-                                  cross_group=m.cross_group and Link(0, m.cross_group.bandwidth_Bps)),
-                          nodes, per_node, t.wire_bytes)
-    assert t.total_s >= wire_floor * (1 - 1e-9)                 # never faster than the wire
-    assert t.total_s >= t.codec_s * (1 - 1e-9)                  # never faster than the codec
-    assert t.total_s <= t.transfer_s + t.codec_s + 1e-12        # overlap only ever helps
+    t = allreduce_time(
+        m,
+        gpus,
+        numel=numel,
+        grad_bytes=4,
+        algorithm="sra",
+        codec=codec,
+        piece_bytes=piece_mib * 2**20,
+    )
+    wire_floor = sra_time(
+        replace(
+            m,
+            message_overhead_s=0.0,
+            intra=Link(0, m.intra.bandwidth_Bps),
+            inter=Link(0, m.inter.bandwidth_Bps),
+            uplink=m.uplink and Link(0, m.uplink.bandwidth_Bps),
+            cross_group=m.cross_group and Link(0, m.cross_group.bandwidth_Bps),
+        ),
+        nodes,
+        per_node,
+        t.wire_bytes,
+    )
+    assert t.total_s >= wire_floor * (1 - 1e-9)  # never faster than the wire
+    assert t.total_s >= t.codec_s * (1 - 1e-9)  # never faster than the codec
+    assert t.total_s <= t.transfer_s + t.codec_s + 1e-12  # overlap only ever helps
     if piece_mib == 0:
         assert t.pieces == 1 and t.hidden_s == 0.0
         assert t.total_s == pytest.approx(sra_time(m, nodes, per_node, t.wire_bytes) + t.codec_s)
@@ -314,22 +365,30 @@ def test_pipelined_testbed_qsgd4_is_wire_bound_plus_one_piece_of_codec_work():
     m = get_machine("testbed-1gbit")
     t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
     assert t.pieces == 16
-    wire = 2 * (1 / 2) * t.wire_bytes / m.inter.bandwidth_Bps      # two phases, half the bytes each
+    wire = 2 * (1 / 2) * t.wire_bytes / m.inter.bandwidth_Bps  # two phases, half the bytes each
     latencies = 16 * 2 * (m.inter.latency_s + m.message_overhead_s)
     assert t.total_s == pytest.approx(wire + t.codec_s / 16 + latencies)
     # The wire time at the line rate is the physical limit the issue states: 71 ms.
     assert 2 * (1 / 2) * t.wire_bytes / 125e6 == pytest.approx(0.0713, abs=1e-4)
-    unpipelined = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4",
-                                 piece_bytes=0)
-    assert unpipelined.total_s - t.total_s > 0.8 * t.codec_s       # most codec work is hidden
+    unpipelined = allreduce_time(
+        m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4", piece_bytes=0
+    )
+    assert unpipelined.total_s - t.total_s > 0.8 * t.codec_s  # most codec work is hidden
 
 
 def test_pieces_follow_the_piece_size_and_growing_pieces_expose_codec_work():
     m = get_machine("testbed-1gbit")
     times = []
     for piece_mib in (1, 4, 16, 64):
-        t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd8",
-                           piece_bytes=piece_mib * 2**20)
+        t = allreduce_time(
+            m,
+            2,
+            numel=16 * 2**20,
+            grad_bytes=4,
+            algorithm="sra",
+            codec="qsgd8",
+            piece_bytes=piece_mib * 2**20,
+        )
         assert t.pieces == 64 // piece_mib
         times.append(t.total_s)
     # 1 MiB pieces pay 64 pieces of latency; 64 MiB is one piece: the codec is not hidden at all.
@@ -340,15 +399,17 @@ def test_hierarchical_with_a_nonlinear_codec_pipelines_each_shard_between_nodes(
     m = get_machine("v100-nvlink-25g")
     numel = 1e8
     t = hierarchical_pipelined(m, 8, 8, numel, 4, get_codec_cost("qsgd4"))
-    intra = 2 * ring_reduce_scatter_time(8, numel * 4, m.intra)     # fp32 inside the node
+    intra = 2 * ring_reduce_scatter_time(8, numel * 4, m.intra)  # fp32 inside the node
     inter_wire = 2 * 7 / 8 * t.wire_bytes / m.inter.bandwidth_Bps  # the node's shards share its NIC
     assert t.total_s >= intra + max(inter_wire, t.codec_s) - 1e-12
-    assert t.pieces == math.ceil(numel * 4 / 8 / SRA_PIECE_BYTES)   # pieces of one GPU's shard
+    assert t.pieces == math.ceil(numel * 4 / 8 / SRA_PIECE_BYTES)  # pieces of one GPU's shard
     one_piece = hierarchical_pipelined(m, 8, 8, numel, 4, get_codec_cost("qsgd4"), piece_bytes=0)
     assert one_piece.total_s == pytest.approx(
-        hierarchical_time(m, 8, 8, numel * 4, t.wire_bytes, linear=False) + t.codec_s)
-    assert allreduce_time(m, 64, numel=numel, grad_bytes=4, algorithm="hierarchical",
-                          codec="qsgd4").total_s == pytest.approx(t.total_s)
+        hierarchical_time(m, 8, 8, numel * 4, t.wire_bytes, linear=False) + t.codec_s
+    )
+    assert allreduce_time(
+        m, 64, numel=numel, grad_bytes=4, algorithm="hierarchical", codec="qsgd4"
+    ).total_s == pytest.approx(t.total_s)
     # The pipeline hides codec work and pays a latency per piece: with the V100's fast codec it
     # hides less than it pays, with a codec as slow as the link it hides a lot.
     slow = replace(get_codec_cost("qsgd4"), encode_elems_per_s=2e8, decode_elems_per_s=4e8)
@@ -363,15 +424,18 @@ def test_transports_of_the_testbed_differ_in_collective_latency_only():
     assert gloo.inter.latency_s > mpi.inter.latency_s
     q = dict(numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
     diff = allreduce_time(gloo, 2, **q).total_s - allreduce_time(mpi, 2, **q).total_s
-    assert diff == pytest.approx(32 * (gloo.inter.latency_s - mpi.inter.latency_s))   # 16 pieces x 2
+    assert diff == pytest.approx(32 * (gloo.inter.latency_s - mpi.inter.latency_s))  # 16 pieces x 2
     # The gloo figure reproduces the quiet 96 MiB row it was read from (122 ms).
-    t96 = allreduce_time(gloo, 2, numel=24 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4").total_s
+    t96 = allreduce_time(
+        gloo, 2, numel=24 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4"
+    ).total_s
     assert t96 == pytest.approx(0.122, rel=0.01)
 
 
 def test_plan_piece_size_reaches_the_step_and_is_validated():
     m = get_machine("testbed-1gbit")
     from commopt.sim.validation import synthetic_profile
+
     prof = synthetic_profile(0.1, 64 * 2**20)
     piped = simulate(prof, m, Plan("sra", "qsgd4", 64, "none"), 2)
     flat = simulate(prof, m, Plan("sra", "qsgd4", 64, "none", piece_mb=0), 2)

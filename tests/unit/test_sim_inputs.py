@@ -1,4 +1,5 @@
 """The simulator's inputs: built-in model profiles, machine presets, codec speeds, the profiler."""
+
 from __future__ import annotations
 
 import json
@@ -27,27 +28,32 @@ def test_builtin_profiles_are_the_ones_the_builders_make():
     assert set(list_profiles()) == set(BUILDERS)
     for name, build in BUILDERS.items():
         if name == "resnet50":
-            continue   # needs a forward pass; checked below
-        assert load_profile(name) == build(), f"{name}.json is stale: run python -m commopt.sim.model_specs"
+            continue  # needs a forward pass; checked below
+        assert load_profile(name) == build(), (
+            f"{name}.json is stale: run python -m commopt.sim.model_specs"
+        )
 
 
 def test_resnet50_profile_has_torchvisions_parameters():
     profile = load_profile("resnet50")
     assert profile.numel == 25_557_032
     ours = [(n, p.shape) for n, p in resnet50(prefer_torchvision=False).named_parameters()]
-    if torchvision_available():   # the fallback must be the same network
+    if torchvision_available():  # the fallback must be the same network
         assert ours == [(n, p.shape) for n, p in resnet50().named_parameters()]
     by_layer = {lay.name: lay.numel for lay in profile.layers}
     assert by_layer["conv1"] == 64 * 3 * 7 * 7 and by_layer["fc"] == 2048 * 1000 + 1000
     assert profile.step_time("v100") == pytest.approx(64 / 1226)
 
 
-@pytest.mark.parametrize("name, params, grad_bytes", [
-    ("transformer-xl-base", 191.95e6, 2),   # DLE base: 137M tied embedding + 16 x 3.41M layers
-    ("bert-large", 334.1e6, 4),
-    ("bert-base", 108.9e6, 4),
-    ("transformer-big", 209.9e6, 2),        # published: about 210M
-])
+@pytest.mark.parametrize(
+    "name, params, grad_bytes",
+    [
+        ("transformer-xl-base", 191.95e6, 2),  # DLE base: 137M tied embedding + 16 x 3.41M layers
+        ("bert-large", 334.1e6, 4),
+        ("bert-base", 108.9e6, 4),
+        ("transformer-big", 209.9e6, 2),  # published: about 210M
+    ],
+)
 def test_transformer_profiles_have_the_published_sizes(name, params, grad_bytes):
     p = load_profile(name)
     assert p.numel == pytest.approx(params, rel=1e-3)
@@ -90,8 +96,17 @@ def test_every_preset_documents_its_links():
 
 def test_machine_files_and_errors(tmp_path):
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"name": "mine", "gpu": "v100", "gpus_per_node": 4,
-                                "intra": {"latency_us": 2, "GBps": 40}, "inter_gbps": 100}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "gpu": "v100",
+                "gpus_per_node": 4,
+                "intra": {"latency_us": 2, "GBps": 40},
+                "inter_gbps": 100,
+            }
+        )
+    )
     m = get_machine(str(path))
     assert m.gpus_per_node == 4 and m.inter.bandwidth_Bps == pytest.approx(100e9 / 8 * 0.9)
     assert simulate("resnet50", m, Plan(), 16).nodes == 4
@@ -104,12 +119,19 @@ def test_machine_files_and_errors(tmp_path):
 
 def test_codec_speeds_from_the_codec_benchmark(tmp_path):
     path = tmp_path / "codecs.json"
-    path.write_text(json.dumps({"results": [
-        {"codec": "fp16", "encode_GBps": 100, "decode_GBps": 100},
-        {"codec": "qsgd4", "bytes_ratio": 0.14, "encode_GBps": 2.0, "decode_GBps": 4.0}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "results": [
+                    {"codec": "fp16", "encode_GBps": 100, "decode_GBps": 100},
+                    {"codec": "qsgd4", "bytes_ratio": 0.14, "encode_GBps": 2.0, "decode_GBps": 4.0},
+                ]
+            }
+        )
+    )
     c = from_benchmark(str(path), "qsgd4")
     assert c.wire_bytes(1000, grad_bytes=4) == pytest.approx(560)
-    assert c.encode_s(5e8, memory_GBps=1, grad_bytes=4) == pytest.approx(1.0)   # 2 GB at 2 GB/s
+    assert c.encode_s(5e8, memory_GBps=1, grad_bytes=4) == pytest.approx(1.0)  # 2 GB at 2 GB/s
     # Measured 2-4 GB/s is far slower than the memory-bound default on a V100: more comm time.
     measured = simulate("resnet50", "v100-nvlink-25g", Plan(codec=c), 64)
     modelled = simulate("resnet50", "v100-nvlink-25g", Plan(codec="qsgd4"), 64)
@@ -122,8 +144,13 @@ def test_codec_speeds_from_the_codec_benchmark(tmp_path):
 
 def test_profile_a_real_module_on_the_cpu():
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                              torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
     prof = profile_module(net, lambda: (torch.randn(32, 64),), name="mlp", batch=32, iterations=2)
     assert [lay.name for lay in prof.layers] == ["0", "2", "4"]
     assert [lay.numel for lay in prof.layers] == [64 * 256 + 256, 256 * 256 + 256, 2570]

@@ -1,5 +1,6 @@
 """The transport model (TCP flows, socket threads, NCCL variables), software presets, the
 dominant term, and the simulate command's new options."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ def test_a_small_message_uses_one_flow_per_64_kib_piece():
     assert tuned.flows_used(2**30) == 16
     assert tuned.cap_Bps(LINE, SOCKET_MIN_CHUNK) == pytest.approx(10 * GBIT)
     # Two pieces ride two sockets of one thread: two flows' cap, or that thread's rate.
-    assert tuned.cap_Bps(LINE, 2 * SOCKET_MIN_CHUNK) == pytest.approx(min(20 * GBIT, tuned.thread_GBps * 1e9))
+    assert tuned.cap_Bps(LINE, 2 * SOCKET_MIN_CHUNK) == pytest.approx(
+        min(20 * GBIT, tuned.thread_GBps * 1e9)
+    )
 
 
 def test_the_socket_thread_is_the_limit_without_a_per_flow_cap():
@@ -49,19 +52,22 @@ def test_nccl_reads_variables_only_from_its_version():
     assert old.with_env({"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}) == old
     ib = TRANSPORTS["nccl-ib-gdr"]
     assert ib.with_env({"NCCL_SOCKET_NTHREADS": "4"}) == ib
-    assert ib.with_env({"NCCL_IB_PCI_RELAXED_ORDERING": "0"}) == ib      # not a VM with the option
+    assert ib.with_env({"NCCL_IB_PCI_RELAXED_ORDERING": "0"}) == ib  # not a VM with the option
     azure = TRANSPORTS["nccl-2.12-ib-azure"]
     off = azure.with_env({"NCCL_IB_PCI_RELAXED_ORDERING": "0"})
     assert off.relaxed_ordering is False
     assert off.cap_Bps(100e9, 2**26) == pytest.approx(100e9 * 25 / 188)
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"NCCL_SOCKET_NTHREADS": "0"}, ">= 1"),
-    ({"NCCL_SOCKET_NTHREADS": "four"}, "integer"),
-    ({"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "16"}, "at most 64"),
-    ({"NCCL_NET_PLUGIN": "teleport"}, "unknown network plugin"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"NCCL_SOCKET_NTHREADS": "0"}, ">= 1"),
+        ({"NCCL_SOCKET_NTHREADS": "four"}, "integer"),
+        ({"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "16"}, "at most 64"),
+        ({"NCCL_NET_PLUGIN": "teleport"}, "unknown network plugin"),
+    ],
+)
 def test_bad_nccl_values_are_errors(env, match):
     with pytest.raises(ValueError, match=match):
         TRANSPORTS["nccl-2.4-sockets-ec2"].with_env(env)
@@ -69,9 +75,11 @@ def test_bad_nccl_values_are_errors(env, match):
 
 def test_parse_nccl_env_words_profiles_and_typos():
     assert parse_nccl_env("NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4") == {
-        "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+        "NCCL_SOCKET_NTHREADS": "4",
+        "NCCL_NSOCKS_PERTHREAD": "4",
+    }
     assert parse_nccl_env("aws-tcp") == {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
-    assert parse_nccl_env("NCCL_DEBUG=INFO") == {"NCCL_DEBUG": "INFO"}     # read by NCCL, not modelled
+    assert parse_nccl_env("NCCL_DEBUG=INFO") == {"NCCL_DEBUG": "INFO"}  # read by NCCL, not modelled
     with pytest.raises(ValueError, match="did you mean NCCL_SOCKET_NTHREADS"):
         parse_nccl_env("NCCL_SOCKET_NTHREAD=4")
     with pytest.raises(ValueError, match="unknown --nccl-env profile"):
@@ -84,9 +92,13 @@ def test_the_tuning_changes_a_multi_node_prediction_and_not_a_single_node_one():
     m = get_machine("v100-nvlink-25g")
     tuned = m.with_overrides(nccl_env=parse_nccl_env("aws-tcp"))
     plan = software_plan("pytorch-ddp")
-    assert simulate("bert-large", tuned, plan, 16).throughput > 1.5 * simulate("bert-large", m, plan, 16).throughput
+    assert (
+        simulate("bert-large", tuned, plan, 16).throughput
+        > 1.5 * simulate("bert-large", m, plan, 16).throughput
+    )
     assert simulate("bert-large", tuned, plan, 8).throughput == pytest.approx(
-        simulate("bert-large", m, plan, 8).throughput)
+        simulate("bert-large", m, plan, 8).throughput
+    )
     with pytest.raises(ValueError, match="no NCCL transport"):
         get_machine("testbed-1gbit").with_overrides(nccl_env={"NCCL_SOCKET_NTHREADS": "4"})
     with pytest.raises(ValueError, match="unknown transport"):
@@ -111,7 +123,11 @@ def test_software_presets_cite_what_they_set():
     for sw in SOFTWARE.values():
         p = sw.plan()
         assert p.overlap == sw.overlap and p.copy_passes == sw.copy_passes
-        for f in ("overlap", "bucket_mb", "copy_passes") if sw.name.startswith("chainermn") else ("copy_passes",):
+        for f in (
+            ("overlap", "bucket_mb", "copy_passes")
+            if sw.name.startswith("chainermn")
+            else ("copy_passes",)
+        ):
             assert f in sw.sources, (sw.name, f)
     cm = software_plan("chainermn-1.3-pure_nccl")
     assert cm.algorithm == "ring" and math.isinf(cm.bucket_mb) and cm.overlap == "none"
@@ -133,19 +149,32 @@ def test_copies_cost_compute_time_and_one_buffer_waits_for_the_backward_pass():
 
 def test_nccl_algorithm_choice_excludes_the_hierarchical_ring():
     assert Plan(algorithm="nccl").candidates() == ("ring", "tree")
-    assert simulate("resnet50", "v100-nvlink-25g", Plan(algorithm="nccl"), 64).algorithm in ("ring", "tree", "ring+tree",
-                                                                                             "tree+ring")
+    assert simulate("resnet50", "v100-nvlink-25g", Plan(algorithm="nccl"), 64).algorithm in (
+        "ring",
+        "tree",
+        "ring+tree",
+        "tree+ring",
+    )
 
 
 def test_the_dominant_term_of_each_kind():
     assert simulate("resnet50", "p3dn-efa", software_plan("pytorch-ddp"), 8).dominant == "compute"
-    assert simulate("bert-large", "v100-nvlink-25g", software_plan("pytorch-ddp"), 64).dominant == \
-        "exposed communication"
+    assert (
+        simulate("bert-large", "v100-nvlink-25g", software_plan("pytorch-ddp"), 64).dominant
+        == "exposed communication"
+    )
     tiny = synthetic_profile(0.01, 4e5, device="v100")
-    assert simulate(tiny, "v100-nvlink-25g", Plan("ring", bucket_mb=0.001, overlap="none"), 4096).dominant == "latency"
+    assert (
+        simulate(
+            tiny, "v100-nvlink-25g", Plan("ring", bucket_mb=0.001, overlap="none"), 4096
+        ).dominant
+        == "latency"
+    )
     big = synthetic_profile(0.001, 4e8, device="cpu")
     fast = get_machine("testbed-1gbit").with_overrides(inter_gbps=1000)
-    assert simulate(big, fast, Plan("sra", "qsgd4", overlap="none", piece_mb=0), 2).dominant == "codec"
+    assert (
+        simulate(big, fast, Plan("sra", "qsgd4", overlap="none", piece_mb=0), 2).dominant == "codec"
+    )
 
 
 def _parser():
@@ -167,14 +196,43 @@ def test_cli_nccl_env_and_software(capsys):
     def run(*argv):
         assert cmd.run(_parser().parse_args(list(argv) + ["--json"])) == 0
         import json
+
         return json.loads(capsys.readouterr().out)
 
-    base = run("--machine", "v100-nvlink-25g", "--gpus", "16", "--model", "bert-large", "--algorithm", "nccl")
-    tuned = run("--machine", "v100-nvlink-25g", "--gpus", "16", "--model", "bert-large", "--nccl-env",
-                "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4")
+    base = run(
+        "--machine",
+        "v100-nvlink-25g",
+        "--gpus",
+        "16",
+        "--model",
+        "bert-large",
+        "--algorithm",
+        "nccl",
+    )
+    tuned = run(
+        "--machine",
+        "v100-nvlink-25g",
+        "--gpus",
+        "16",
+        "--model",
+        "bert-large",
+        "--nccl-env",
+        "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4",
+    )
     assert tuned["rows"][0]["throughput"] > 1.5 * base["rows"][0]["throughput"]
-    cm = run("--machine", "p100-10gbe", "--gpus", "32", "--software", "chainermn-1.3-pure_nccl-db", "--codec", "fp16")
-    assert cm["plan"]["overlap"] == "double-buffering" and cm["plan"]["copy_passes"] == 0   # swaps gradient arrays (ChainerMN 1.3 code)
+    cm = run(
+        "--machine",
+        "p100-10gbe",
+        "--gpus",
+        "32",
+        "--software",
+        "chainermn-1.3-pure_nccl-db",
+        "--codec",
+        "fp16",
+    )
+    assert (
+        cm["plan"]["overlap"] == "double-buffering" and cm["plan"]["copy_passes"] == 0
+    )  # swaps gradient arrays (ChainerMN 1.3 code)
     assert cmd.run(_parser().parse_args(["--nccl-env", "NCCL_NSOCK_PERTHREAD=2"])) == 2
     assert "did you mean NCCL_NSOCKS_PERTHREAD" in capsys.readouterr().err
 

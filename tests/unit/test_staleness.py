@@ -4,6 +4,7 @@ replicas stay identical through a codec, and a resume is exact.
 The replicas here are model copies in one process averaging through a codec's encode/decode
 (the arithmetic of the reduction), not a transport test.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,9 @@ from commopt.optim.staleness import LocalStepPrediction, predicted_step
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
-    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, dampening=0.0),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, nesterov=True, dampening=0.0
+    ),
     "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -48,7 +51,7 @@ def _grads(model, step, replica=0):
 def test_predicted_step_is_the_step_the_optimizer_takes(name):
     model = _model()
     opt = OPTIMIZERS[name](model.parameters())
-    for step in range(4):   # from empty state (step 0) through warm state
+    for step in range(4):  # from empty state (step 0) through warm state
         g = _grads(model, step)
         before = [p.detach().clone() for p in model.parameters()]
         predicted = predicted_step(opt, g)
@@ -81,7 +84,7 @@ def test_one_replica_compensated_double_buffering_follows_synchronous_training(n
         comp.predict(local)
         pending = local
     comp.restore()
-    for p, a in zip(model.parameters(), pending):   # flush()
+    for p, a in zip(model.parameters(), pending):  # flush()
         p.grad = a
     opt.step()
     for a, b in zip(sync.parameters(), model.parameters()):
@@ -137,7 +140,7 @@ def _train(replicas, steps, start=0):
             if r.pending is not None:
                 off = 0
                 for p in r.params():
-                    p.grad = r.pending[off:off + p.numel()].view_as(p).clone()
+                    p.grad = r.pending[off : off + p.numel()].view_as(p).clone()
                     off += p.numel()
                 r.comp.restore()
                 r.opt.step()
@@ -151,7 +154,9 @@ def test_replicas_keep_identical_true_weights_and_state_through_a_codec(name, co
     replicas = [_Replica(name, rank, codec) for rank in range(2)]
     _train(replicas, 6)
     predicted = [[p.detach().clone() for p in r.params()] for r in replicas]
-    assert any(not torch.equal(a, b) for a, b in zip(*predicted)), "each rank predicts from its own gradient"
+    assert any(not torch.equal(a, b) for a, b in zip(*predicted)), (
+        "each rank predicts from its own gradient"
+    )
     for r in replicas:
         r.comp.restore()
     for a, b in zip(replicas[0].params(), replicas[1].params()):
@@ -166,9 +171,13 @@ def test_replicas_keep_identical_true_weights_and_state_through_a_codec(name, co
 def test_resume_from_state_dicts_is_exact(name):
     ref = [_Replica(name, 0, "qsgd4+ef")]
     _train(ref, 5)
-    saved = {"model": {k: v.clone() for k, v in ref[0].model.state_dict().items()},
-             "opt": ref[0].opt.state_dict(), "comp": ref[0].comp.state_dict(),
-             "codec": ref[0].codec.state_dict(), "pending": ref[0].pending.clone()}
+    saved = {
+        "model": {k: v.clone() for k, v in ref[0].model.state_dict().items()},
+        "opt": ref[0].opt.state_dict(),
+        "comp": ref[0].comp.state_dict(),
+        "codec": ref[0].codec.state_dict(),
+        "pending": ref[0].pending.clone(),
+    }
     saved = _roundtrip(saved)
     _train(ref, 5, start=5)
 
@@ -189,6 +198,7 @@ def test_resume_from_state_dicts_is_exact(name):
 
 def _roundtrip(obj):
     import io
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     buf.seek(0)
@@ -208,7 +218,7 @@ def test_true_weights_context_and_state_without_prediction():
         assert all(torch.equal(p, t) for p, t in zip(model.parameters(), true))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), predicted))
     comp.restore()
-    comp.restore()   # idempotent
+    comp.restore()  # idempotent
     assert all(torch.equal(p, t) for p, t in zip(model.parameters(), true))
 
 

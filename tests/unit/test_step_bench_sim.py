@@ -1,5 +1,6 @@
 """Training-step rows of the simulator's testbed validation: `commopt bench step`'s
 --sim-measurements writer and their predictions (commopt.sim.validation)."""
+
 import json
 from pathlib import Path
 
@@ -20,29 +21,57 @@ REPO = Path(__file__).resolve().parents[2]
 STEP_REPORT = REPO / "benchmarks" / "results" / "step-1gbit.json"
 STEP_ENTRIES = REPO / "benchmarks" / "results" / "sim-testbed-steps-1gbit.json"
 GLOO = get_machine("testbed-1gbit-gloo")
-BW = 1e9 / 8 * 0.956            # the testbed's effective link, bytes/s
-ALPHA = GLOO.inter.latency_s    # gloo: 180 us per collective
+BW = 1e9 / 8 * 0.956  # the testbed's effective link, bytes/s
+ALPHA = GLOO.inter.latency_s  # gloo: 180 us per collective
 
 
 def _row(config, step=0.5, rounds=(0.5, 0.6, 0.45), compute=0.1, error=None):
-    return {"config": config, "error": error, "step_s": step, "step_rounds": list(rounds), "compute_s": compute}
+    return {
+        "config": config,
+        "error": error,
+        "step_s": step,
+        "step_rounds": list(rounds),
+        "compute_s": compute,
+    }
 
 
 def _report(comm="torch", rate=1e9, rows=None):
-    rows = rows if rows is not None else [
-        _row("ddp-fp32"), _row("ddp-fp16"), _row("ddp-powersgd1"), _row("commopt-fp32"),
-        _row("commopt-fp16-db"), _row("commopt-qsgd4"), _row("commopt-qsgd4+ef-db"),
-        _row("commopt-fp16", error="Traceback ...\nRuntimeError: boom")]
-    return {"command": "python benchmarks/step_bench.py --json x.json", "nprocs": 2, "rate_bits": rate,
-            "commopt_comm": comm, "load_average_start": 2.2, "load_average_end": 1.8,
-            "models": {"mlp": {"params": 1000, "rows": rows}}}
+    rows = (
+        rows
+        if rows is not None
+        else [
+            _row("ddp-fp32"),
+            _row("ddp-fp16"),
+            _row("ddp-powersgd1"),
+            _row("commopt-fp32"),
+            _row("commopt-fp16-db"),
+            _row("commopt-qsgd4"),
+            _row("commopt-qsgd4+ef-db"),
+            _row("commopt-fp16", error="Traceback ...\nRuntimeError: boom"),
+        ]
+    )
+    return {
+        "command": "python benchmarks/step_bench.py --json x.json",
+        "nprocs": 2,
+        "rate_bits": rate,
+        "commopt_comm": comm,
+        "load_average_start": 2.2,
+        "load_average_end": 1.8,
+        "models": {"mlp": {"params": 1000, "rows": rows}},
+    }
 
 
 def test_writer_gives_one_loadable_entry_per_configuration_that_ran(tmp_path):
     entries = sim_export.sim_measurements(_report())
     assert [e["what"].split(",")[0] for e in entries] == [
-        "step mlp ddp-fp32", "step mlp ddp-fp16", "step mlp ddp-powersgd1", "step mlp commopt-fp32",
-        "step mlp commopt-fp16-db", "step mlp commopt-qsgd4", "step mlp commopt-qsgd4+ef-db"]  # failed: left out
+        "step mlp ddp-fp32",
+        "step mlp ddp-fp16",
+        "step mlp ddp-powersgd1",
+        "step mlp commopt-fp32",
+        "step mlp commopt-fp16-db",
+        "step mlp commopt-qsgd4",
+        "step mlp commopt-qsgd4+ef-db",
+    ]  # failed: left out
     e = entries[0]
     assert e["command"] == "python benchmarks/step_bench.py --json x.json" and e["gpus"] == 2
     assert (e["compute_s"], e["measured_step_s"], e["grad_bytes"]) == (0.1, 0.5, 4000)
@@ -56,16 +85,30 @@ def test_writer_gives_one_loadable_entry_per_configuration_that_ran(tmp_path):
 
 
 def test_writer_maps_each_configuration_to_the_plan_that_ran():
-    plans = {e["what"].split(",")[0].split()[-1]: (e["plan"], e["transport"], e.get("not_modelled"))
-             for e in sim_export.sim_measurements(_report(comm="mpi"))}
-    assert plans["ddp-fp32"] == ({"algorithm": "ring", "codec": "none", "overlap": "backward", "bucket_mb": 25.0},
-                                 "torch", None)      # DDP is always gloo, even beside --comm mpi
+    plans = {
+        e["what"].split(",")[0].split()[-1]: (e["plan"], e["transport"], e.get("not_modelled"))
+        for e in sim_export.sim_measurements(_report(comm="mpi"))
+    }
+    assert plans["ddp-fp32"] == (
+        {"algorithm": "ring", "codec": "none", "overlap": "backward", "bucket_mb": 25.0},
+        "torch",
+        None,
+    )  # DDP is always gloo, even beside --comm mpi
     assert plans["ddp-fp16"][0]["codec"] == "fp16" and plans["ddp-fp16"][0]["algorithm"] == "ring"
     assert plans["commopt-fp32"][1] == "mpi"
-    assert plans["commopt-fp16-db"][0] == {"algorithm": "ring", "codec": "fp16", "overlap": "double-buffering",
-                                           "bucket_mb": 25.0}
-    assert plans["commopt-qsgd4"][0] == {"algorithm": "sra", "codec": "qsgd4", "overlap": "backward",
-                                         "bucket_mb": 25.0, "piece_mb": 4.0}
+    assert plans["commopt-fp16-db"][0] == {
+        "algorithm": "ring",
+        "codec": "fp16",
+        "overlap": "double-buffering",
+        "bucket_mb": 25.0,
+    }
+    assert plans["commopt-qsgd4"][0] == {
+        "algorithm": "sra",
+        "codec": "qsgd4",
+        "overlap": "backward",
+        "bucket_mb": 25.0,
+        "piece_mb": 4.0,
+    }
     assert plans["commopt-qsgd4+ef-db"][0]["codec"] == "qsgd4+ef"
     assert plans["commopt-qsgd4+ef-db"][0]["overlap"] == "double-buffering"
     psgd, _, reason = plans["ddp-powersgd1"]
@@ -125,9 +168,13 @@ def test_the_testbed_core_runs_compute_and_codec_one_after_the_other():
     plan = Plan("sra", "qsgd4", 25, "double-buffering")
     grad, compute = 100_765_760, 0.300
     shared = _step(compute, grad, plan)
-    separate = _step(compute, grad, plan, machine=Machine.from_dict({**GLOO.to_dict(),
-                                                                      "codec_shares_compute_core": False}))
-    assert shared.comm_s < compute                      # compute-bound either way
+    separate = _step(
+        compute,
+        grad,
+        plan,
+        machine=Machine.from_dict({**GLOO.to_dict(), "codec_shares_compute_core": False}),
+    )
+    assert shared.comm_s < compute  # compute-bound either way
     # encode S at 6.74 GB/s, decode 1.5 S at 11.3 GB/s (n = 2): the measured codec speeds
     codec = grad / 6.74e9 + 1.5 * grad / 11.3e9
     assert shared.codec_s == pytest.approx(codec, rel=0.01)
@@ -135,25 +182,54 @@ def test_the_testbed_core_runs_compute_and_codec_one_after_the_other():
     assert separate.step_s == pytest.approx(compute, rel=1e-6)
     # Overlap with backward: the buckets sent during backward take their codec work from it.
     back = _step(compute, grad, plan.with_(overlap="backward"))
-    back_separate = _step(compute, grad, plan.with_(overlap="backward"),
-                          machine=Machine.from_dict({**GLOO.to_dict(), "codec_shares_compute_core": False}))
+    back_separate = _step(
+        compute,
+        grad,
+        plan.with_(overlap="backward"),
+        machine=Machine.from_dict({**GLOO.to_dict(), "codec_shares_compute_core": False}),
+    )
     assert back.step_s > back_separate.step_s
 
 
 def _m(**kw):
-    base = dict(what="step mlp x", command="python benchmarks/step_bench.py ...", gpus=2, compute_s=0.075,
-                grad_bytes=100_765_760, measured_step_s=0.17, transport="torch",
-                plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "double-buffering", "bucket_mb": 25})
+    base = dict(
+        what="step mlp x",
+        command="python benchmarks/step_bench.py ...",
+        gpus=2,
+        compute_s=0.075,
+        grad_bytes=100_765_760,
+        measured_step_s=0.17,
+        transport="torch",
+        plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "double-buffering", "bucket_mb": 25},
+    )
     return Measurement(**{**base, **kw})
 
 
 def test_step_rows_not_modelled_and_error_feedback():
-    rows = compare_testbed_measurements([
-        _m(), _m(plan={"algorithm": "sra", "codec": "qsgd4+ef", "overlap": "double-buffering", "bucket_mb": 25}),
-        _m(plan={"algorithm": "ring", "codec": "powersgd1", "overlap": "backward", "bucket_mb": 4096},
-           not_modelled="no low-rank codec")])
+    rows = compare_testbed_measurements(
+        [
+            _m(),
+            _m(
+                plan={
+                    "algorithm": "sra",
+                    "codec": "qsgd4+ef",
+                    "overlap": "double-buffering",
+                    "bucket_mb": 25,
+                }
+            ),
+            _m(
+                plan={
+                    "algorithm": "ring",
+                    "codec": "powersgd1",
+                    "overlap": "backward",
+                    "bucket_mb": 4096,
+                },
+                not_modelled="no low-rank codec",
+            ),
+        ]
+    )
     assert [r["kind"] for r in rows] == ["step"] * 3 and rows[0]["machine"] == "testbed-1gbit-gloo"
-    assert rows[1]["predicted_step_s"] == rows[0]["predicted_step_s"]     # EF's passes: not modelled
+    assert rows[1]["predicted_step_s"] == rows[0]["predicted_step_s"]  # EF's passes: not modelled
     assert rows[2]["status"] == "not modelled" and rows[2]["predicted_step_s"] is None
     # The link limit of a step row: the gradient's allreduce at line rate (qsgd4: 0.1328 of fp32).
     assert rows[0]["limit_s"] == pytest.approx(100_765_760 * 0.1328125 / 125e6, rel=1e-3)
@@ -164,13 +240,21 @@ def test_step_rows_not_modelled_and_error_feedback():
     assert "compute (measured)" in text and "n/a" in text
 
 
-@pytest.mark.skipif(not STEP_ENTRIES.exists(), reason="no benchmarks/results/sim-testbed-steps-1gbit.json")
+@pytest.mark.skipif(
+    not STEP_ENTRIES.exists(), reason="no benchmarks/results/sim-testbed-steps-1gbit.json"
+)
 def test_the_recorded_step_rows_all_get_a_prediction_or_a_reason():
     rows = compare_testbed_measurements(load_measurements(str(STEP_ENTRIES)))
     assert len(rows) == 24 and {r["kind"] for r in rows} == {"step"}
-    assert sum(r["status"] == "not modelled" for r in rows) == 4       # PowerSGD rank 1 and 4, both models
+    assert (
+        sum(r["status"] == "not modelled" for r in rows) == 4
+    )  # PowerSGD rank 1 and 4, both models
     # (1 ulp of slack: a double-buffered step hidden entirely behind compute is compute itself)
-    assert all(r["predicted_step_s"] >= r["compute_s"] * (1 - 1e-12) for r in rows if r["status"] != "not modelled")
+    assert all(
+        r["predicted_step_s"] >= r["compute_s"] * (1 - 1e-12)
+        for r in rows
+        if r["status"] != "not modelled"
+    )
 
 
 def test_a_miss_shows_the_cpu_one_rank_used_per_step():

@@ -1,10 +1,15 @@
 """commopt._tables: the one table printer, with tabulate and with its plain fallback."""
+
 import pytest
 
 from commopt._tables import table
 
 HEADERS = ["configuration", "step ms", "speed-up"]
-ROWS = [["ddp-fp32", "812", "1.00x"], ["commopt-qsgd4+ef-db", "95", "8.55x"], ["ddp-fp16", "failed: boom"]]
+ROWS = [
+    ["ddp-fp32", "812", "1.00x"],
+    ["commopt-qsgd4+ef-db", "95", "8.55x"],
+    ["ddp-fp16", "failed: boom"],
+]
 
 
 def _cells(line, markdown):
@@ -23,8 +28,8 @@ def test_both_printers_give_the_same_cells_aligned(plain, markdown):
     assert _cells(lines[2], markdown) == ROWS[0]
     assert _cells(lines[3], markdown) == ROWS[1]
     if markdown:
-        assert _cells(lines[4], markdown) == ROWS[2] + [""]   # padded to every column
-        assert lines[1].replace(" ", "").endswith("---:|")    # numbers aligned right
+        assert _cells(lines[4], markdown) == ROWS[2] + [""]  # padded to every column
+        assert lines[1].replace(" ", "").endswith("---:|")  # numbers aligned right
     else:
         # Columns after the first are aligned right: the numbers end in the same column.
         assert lines[2].index("812") + 3 == lines[3].index("95") + 2

@@ -1,4 +1,5 @@
 """Time to accuracy's pure parts: the target from DDP fp32's curve, reaching it, the table, the plot."""
+
 import pytest
 
 from commopt.bench.to_accuracy_report import markdown, plot, reached, summarize
@@ -6,18 +7,35 @@ from commopt.bench.to_accuracy_report import markdown, plot, reached, summarize
 
 def _report():
     return {
-        "command": "commopt bench to_accuracy --budget 20", "link": "emulated 1gbit",
-        "rate_bits": 1e9, "nprocs": 2, "machine": "test", "load_average_start": 1.0,
-        "date": "today", "budget": 20, "eval_every": 10, "model": "wide char MLP",
+        "command": "commopt bench to_accuracy --budget 20",
+        "link": "emulated 1gbit",
+        "rate_bits": 1e9,
+        "nprocs": 2,
+        "machine": "test",
+        "load_average_start": 1.0,
+        "date": "today",
+        "budget": 20,
+        "eval_every": 10,
+        "model": "wide char MLP",
         "runs": {
-            "ddp-fp32": {"curve": [(0, 0.0, 4.6), (10, 8.0, 3.0), (20, 16.0, 2.8)],
-                         "step_times": [0.8] * 20, "wire_bytes": 100_000_000},
-            "commopt-qsgd4+ef-db": {"curve": [(0, 0.0, 4.6), (10, 2.0, 2.75), (20, 4.0, 2.5)],
-                                    "step_times": [0.2] * 20, "wire_bytes": 12_500_000},
-            "ddp-powersgd1": {"curve": [(0, 0.0, 4.6), (10, 1.0, 3.2), (20, 2.0, 2.9)],
-                              "step_times": [0.1] * 20, "wire_bytes": 1_000_000},
+            "ddp-fp32": {
+                "curve": [(0, 0.0, 4.6), (10, 8.0, 3.0), (20, 16.0, 2.8)],
+                "step_times": [0.8] * 20,
+                "wire_bytes": 100_000_000,
+            },
+            "commopt-qsgd4+ef-db": {
+                "curve": [(0, 0.0, 4.6), (10, 2.0, 2.75), (20, 4.0, 2.5)],
+                "step_times": [0.2] * 20,
+                "wire_bytes": 12_500_000,
+            },
+            "ddp-powersgd1": {
+                "curve": [(0, 0.0, 4.6), (10, 1.0, 3.2), (20, 2.0, 2.9)],
+                "step_times": [0.1] * 20,
+                "wire_bytes": 1_000_000,
+            },
             "commopt-fp16": {"error": "exit code 1: boom"},
-        }}
+        },
+    }
 
 
 def test_reached_is_the_first_point_at_or_below_the_target():
@@ -34,12 +52,12 @@ def test_summary_times_each_configuration_against_ddp_fp32s_final_loss():
     assert q["steps_to_target"] == 10 and q["wall_to_target_s"] == 2.0
     assert q["speedup_vs_ddp_fp32"] == pytest.approx(8.0)
     assert not p["reached"] and p["wall_to_target_s"] is None and p["final_loss"] == 2.9
-    assert ref["link_limit_step_s"] == pytest.approx(0.8)   # 2(n-1)/n x 100 MB at 1 Gbit/s
+    assert ref["link_limit_step_s"] == pytest.approx(0.8)  # 2(n-1)/n x 100 MB at 1 Gbit/s
     assert rows["commopt-fp16"]["error"] == "exit code 1: boom"
 
 
 def test_tolerance_raises_the_target():
-    report = dict(_report(), tolerance=0.05)   # 2.8 x 1.05 = 2.94: PowerSGD's 2.9 now counts
+    report = dict(_report(), tolerance=0.05)  # 2.8 x 1.05 = 2.94: PowerSGD's 2.9 now counts
     rows = {r["config"]: r for r in summarize(report)}
     assert rows["ddp-fp32"]["target"] == pytest.approx(2.94)
     assert rows["ddp-powersgd1"]["reached"] and rows["ddp-powersgd1"]["wall_to_target_s"] == 2.0

@@ -1,4 +1,5 @@
 """The torch transport's rendezvous settings (the multi-rank cases are in the fault matrix)."""
+
 import pytest
 
 from commopt.comm import torch_dist

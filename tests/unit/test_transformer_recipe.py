@@ -1,4 +1,5 @@
 """The Transformer recipe in one process: corpus, batching, model, decoding, options, resume."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("sentencepiece", reason="the Transformer recipe needs sentencepiece (commopt[recipes])")
+pytest.importorskip(
+    "sentencepiece", reason="the Transformer recipe needs sentencepiece (commopt[recipes])"
+)
 pytest.importorskip("sacrebleu", reason="the Transformer recipe needs sacrebleu (commopt[recipes])")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,8 +45,9 @@ def smoke_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(smoke_dir):
-    return SentencePieceTokenizer.train([str(smoke_dir / "train.src"), str(smoke_dir / "train.tgt")], 300,
-                                        model_type="bpe")
+    return SentencePieceTokenizer.train(
+        [str(smoke_dir / "train.src"), str(smoke_dir / "train.tgt")], 300, model_type="bpe"
+    )
 
 
 # -- corpus ---------------------------------------------------------------------------------------
@@ -115,12 +119,16 @@ def _split_from_lengths(lengths):
     flat = torch.full((int(sum(lengths)),), 5, dtype=torch.int32)
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return TokenizedSplit(flat, offsets, flat.clone(), offsets.clone(), ["x"] * len(lengths), ["x"] * len(lengths))
+    return TokenizedSplit(
+        flat, offsets, flat.clone(), offsets.clone(), ["x"] * len(lengths), ["x"] * len(lengths)
+    )
 
 
 def test_ranks_get_disjoint_batches_and_resume_mid_epoch():
     split = _split_from_lengths([3 + (i * 7) % 20 for i in range(300)])
-    kw = dict(world_size=2, update_freq=2, seed=3, max_tokens=60, max_sentences=None, max_positions=100)
+    kw = dict(
+        world_size=2, update_freq=2, seed=3, max_tokens=60, max_sentences=None, max_positions=100
+    )
     r0, r1 = ShardedBatchIterator(split, rank=0, **kw), ShardedBatchIterator(split, rank=1, **kw)
     u0, u1 = list(r0.updates()), list(r1.updates())
     assert len(u0) == len(u1) == r0.updates_per_epoch > 0
@@ -137,14 +145,16 @@ def test_ranks_get_disjoint_batches_and_resume_mid_epoch():
 
 
 def test_collate_shifts_target_behind_eos(smoke_dir, tokenizer):
-    split = load_split(str(smoke_dir), "valid", "src", "tgt", tokenizer, tokenizer_key="t", use_cache=False)
+    split = load_split(
+        str(smoke_dir), "valid", "src", "tgt", tokenizer, tokenizer_key="t", use_cache=False
+    )
     batch = collate(split, [0, 1, 2])
     assert batch["src_tokens"].shape[0] == 3
     t = batch["target"][0]
     n = int(t.ne(PAD).sum())
     assert t[n - 1] == EOS
     assert batch["prev_output_tokens"][0, 0] == EOS
-    assert torch.equal(batch["prev_output_tokens"][0, 1:n], t[:n - 1])
+    assert torch.equal(batch["prev_output_tokens"][0, 1:n], t[: n - 1])
     assert batch["ntokens"] == int(batch["target"].ne(PAD).sum())
 
 
@@ -152,7 +162,9 @@ def test_collate_shifts_target_behind_eos(smoke_dir, tokenizer):
 @pytest.mark.parametrize("normalize_before", [False, True])
 def test_decoder_is_causal_and_source_padding_is_ignored(normalize_before):
     torch.manual_seed(0)
-    model = Transformer(architecture("transformer_tiny", normalize_before=normalize_before), 50).eval()
+    model = Transformer(
+        architecture("transformer_tiny", normalize_before=normalize_before), 50
+    ).eval()
     src = torch.tensor([[7, 8, 9, EOS]])
     prev = torch.tensor([[EOS, 11, 12, 13]])
     out = model(src, prev)
@@ -173,7 +185,10 @@ def test_incremental_decoding_matches_full_forward():
     full = model(src, prev)
     enc, mask = model.encode(src)
     cache: dict = {}
-    steps = [model.decode(prev[:, t:t + 1], enc, mask, cache=cache, start=t)[:, -1] for t in range(prev.size(1))]
+    steps = [
+        model.decode(prev[:, t : t + 1], enc, mask, cache=cache, start=t)[:, -1]
+        for t in range(prev.size(1))
+    ]
     assert torch.allclose(torch.stack(steps, 1), full, atol=1e-5)
 
 
@@ -195,7 +210,9 @@ def test_label_smoothed_loss_formula():
     logits = torch.randn(2, 3, 11)
     target = torch.tensor([[4, 5, PAD], [6, 7, 8]])
     loss0, nll0 = label_smoothed_nll_loss(logits, target, 0.0)
-    ref = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD, reduction="sum")
+    ref = torch.nn.functional.cross_entropy(
+        logits.view(-1, 11), target.view(-1), ignore_index=PAD, reduction="sum"
+    )
     assert torch.allclose(loss0, ref) and torch.allclose(nll0, ref)
     eps = 0.1
     loss, nll = label_smoothed_nll_loss(logits, target, eps)
@@ -247,7 +264,9 @@ def test_checkpoint_averaging_streams_files(tmp_path):
     paths = []
     for i, value in enumerate((1.0, 2.0, 6.0)):
         p = str(tmp_path / f"checkpoint_1_{i + 1}.pt")
-        torch.save({"model": {"w": torch.full((2,), value), "n": torch.tensor(i)}, "optimizer": {}}, p)
+        torch.save(
+            {"model": {"w": torch.full((2,), value), "n": torch.tensor(i)}, "optimizer": {}}, p
+        )
         paths.append(p)
     assert ckpt.numbered_checkpoints(str(tmp_path)) == paths
     avg = ckpt.average_checkpoints(paths)
@@ -270,7 +289,9 @@ def test_bad_arguments_get_clear_messages(capsys, tmp_path):
     assert "unknown preset 'wmt14-xx'" in err and "smoke" in err
     err = _error_of(["--preset", "wmt16-en-de"], capsys)
     assert "needs --data" in err
-    err = _error_of(["--preset", "smoke", "--batch-size", "30", "--update-freq", "4"], capsys, world_size=2)
+    err = _error_of(
+        ["--preset", "smoke", "--batch-size", "30", "--update-freq", "4"], capsys, world_size=2
+    )
     assert "not divisible by 2 ranks x --update-freq 4" in err and "multiple of 8" in err
     err = _error_of(["--preset", "smoke", "--max-tokens", "0"], capsys)
     assert "--max-tokens must be a positive" in err
@@ -283,14 +304,39 @@ def test_bad_arguments_get_clear_messages(capsys, tmp_path):
 def test_max_tokens_below_the_longest_pair_is_rejected():
     split = _split_from_lengths([5, 9, 40])
     with pytest.raises(ValueError, match="raise --max-tokens to at least 40"):
-        ShardedBatchIterator(split, rank=0, world_size=1, update_freq=1, seed=1, max_tokens=30,
-                             max_sentences=None, max_positions=100)
+        ShardedBatchIterator(
+            split,
+            rank=0,
+            world_size=1,
+            update_freq=1,
+            seed=1,
+            max_tokens=30,
+            max_sentences=None,
+            max_positions=100,
+        )
 
 
 def _train_args(extra, data, save_dir):
-    return ["--preset", "smoke", "--data", str(data), "--save-dir", str(save_dir), "--max-tokens", "300",
-            "--no-progress-bar", "--final-eval", "none", "--log-interval", "1", "--threads", "1",
-            "--vocab-size", "300", *extra]
+    return [
+        "--preset",
+        "smoke",
+        "--data",
+        str(data),
+        "--save-dir",
+        str(save_dir),
+        "--max-tokens",
+        "300",
+        "--no-progress-bar",
+        "--final-eval",
+        "none",
+        "--log-interval",
+        "1",
+        "--threads",
+        "1",
+        "--vocab-size",
+        "300",
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -306,7 +352,9 @@ def in_process_training():
 
 def test_unknown_compression_is_rejected(tmp_path, smoke_dir, in_process_training, capsys):
     with pytest.raises(SystemExit) as exc:
-        in_process_training(_train_args(["--compression", "qsgd77", "--max-update", "1"], smoke_dir, tmp_path))
+        in_process_training(
+            _train_args(["--compression", "qsgd77", "--max-update", "1"], smoke_dir, tmp_path)
+        )
     assert exc.value.code == 2
     assert "qsgd77" in capsys.readouterr().err
 
@@ -319,14 +367,31 @@ def _train_losses(save_dir):
 
 def test_resume_is_exact_on_cpu(tmp_path, smoke_dir, in_process_training):
     """3+3 updates in one run equal 3 updates, then a new process resuming for 3 more."""
-    common = ["--dropout", "0.1", "--save-interval-updates", "0", "--validate-interval-updates", "0"]
+    common = [
+        "--dropout",
+        "0.1",
+        "--save-interval-updates",
+        "0",
+        "--validate-interval-updates",
+        "0",
+    ]
     a, b = tmp_path / "straight", tmp_path / "resumed"
     in_process_training(_train_args(common + ["--max-update", "6"], smoke_dir, a))
     in_process_training(_train_args(common + ["--max-update", "3"], smoke_dir, b))
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "recipes.transformer.train",
-                        *_train_args(common + ["--max-update", "6"], smoke_dir, b)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.transformer.train",
+            *_train_args(common + ["--max-update", "6"], smoke_dir, b),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     sa, sb = ckpt.load_checkpoint(str(a / ckpt.LAST)), ckpt.load_checkpoint(str(b / ckpt.LAST))
     assert sa["num_updates"] == sb["num_updates"] == 6

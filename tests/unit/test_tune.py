@@ -1,4 +1,5 @@
 """`commopt tune`: grid parsing, ranking, the table and env file, and one real sweep on loopback."""
+
 from __future__ import annotations
 
 import json
@@ -15,22 +16,38 @@ from commopt.network.tune import BenchRow, PointResult
 def test_grid_is_the_cartesian_product_in_order():
     points = tune.parse_grid(["A_X=1,2", "B_Y=x,y,z"])
     assert [(p["A_X"], p["B_Y"]) for p in points] == [
-        ("1", "x"), ("1", "y"), ("1", "z"), ("2", "x"), ("2", "y"), ("2", "z")]
+        ("1", "x"),
+        ("1", "y"),
+        ("1", "z"),
+        ("2", "x"),
+        ("2", "y"),
+        ("2", "z"),
+    ]
 
 
 def test_grid_mca_names_linked_values_sizes_and_ranges():
     (p,) = tune.parse_grid(["btl_tcp_eager_limit+btl_tcp_rndv_eager_limit=256K"])
-    assert p == {"OMPI_MCA_btl_tcp_eager_limit": "262144", "OMPI_MCA_btl_tcp_rndv_eager_limit": "262144"}
-    assert [q["NCCL_NSOCKS_PERTHREAD"] for q in tune.parse_grid(["NCCL_NSOCKS_PERTHREAD=2-4"])] == ["2", "3", "4"]
+    assert p == {
+        "OMPI_MCA_btl_tcp_eager_limit": "262144",
+        "OMPI_MCA_btl_tcp_rndv_eager_limit": "262144",
+    }
+    assert [q["NCCL_NSOCKS_PERTHREAD"] for q in tune.parse_grid(["NCCL_NSOCKS_PERTHREAD=2-4"])] == [
+        "2",
+        "3",
+        "4",
+    ]
     assert [q["X_IF"] for q in tune.parse_grid(["X_IF=lo,docker0|lo"])] == ["lo,docker0", "lo"]
     assert tune.parse_value("1M") == "1048576" and tune.parse_value("2GiB") == str(2 * 2**30)
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("NCCL_SOCKET_NTHREADS", "needs NAME=v1"),
-    ("NCCL_SOCKET_NTHREADS=", "no values"),
-    ("BAD-NAME=1", "not a variable name"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("NCCL_SOCKET_NTHREADS", "needs NAME=v1"),
+        ("NCCL_SOCKET_NTHREADS=", "no values"),
+        ("BAD-NAME=1", "not a variable name"),
+    ],
+)
 def test_bad_grid_specs_say_what_to_write(spec, match):
     with pytest.raises(ValueError, match=match):
         tune.parse_grid([spec])
@@ -43,31 +60,50 @@ def test_same_variable_twice_is_refused():
 
 def test_default_grids_and_points_the_transport_would_change():
     nccl = tune.parse_grid(tune.DEFAULT_GRIDS["nccl"])
-    assert len(nccl) == 16 and all(tune.skip_reason(p) is None for p in nccl)  # 8 x 8 = 64 is allowed
-    assert "caps the product" in tune.skip_reason({"NCCL_SOCKET_NTHREADS": "16", "NCCL_NSOCKS_PERTHREAD": "8"})
+    assert len(nccl) == 16 and all(
+        tune.skip_reason(p) is None for p in nccl
+    )  # 8 x 8 = 64 is allowed
+    assert "caps the product" in tune.skip_reason(
+        {"NCCL_SOCKET_NTHREADS": "16", "NCCL_NSOCKS_PERTHREAD": "8"}
+    )
     assert "caps" in tune.skip_reason({"NCCL_SOCKET_NTHREADS": "32"})
-    assert "rndv" in tune.skip_reason({"OMPI_MCA_btl_tcp_eager_limit": "65536",
-                                       "OMPI_MCA_btl_tcp_rndv_eager_limit": "131072"})
+    assert "rndv" in tune.skip_reason(
+        {"OMPI_MCA_btl_tcp_eager_limit": "65536", "OMPI_MCA_btl_tcp_rndv_eager_limit": "131072"}
+    )
     mpi = tune.parse_grid(tune.DEFAULT_GRIDS["mpi"])
     assert len(mpi) == 9 and {p["OMPI_MCA_btl_tcp_links"] for p in mpi} == {"1", "2", "4"}
 
 
 # -- benchmark output ----------------------------------------------------------------------------------
 def test_bench_output_is_found_among_other_lines():
-    text = ("rank 0 warming up\n"
-            + json.dumps({"results": [{"bytes": 2**20, "busbw_gbps": 0.1},
-                                      {"bytes": 1024, "busbw_gbps": 0.01}]})
-            + "\ndone\n")
+    text = (
+        "rank 0 warming up\n"
+        + json.dumps(
+            {"results": [{"bytes": 2**20, "busbw_gbps": 0.1}, {"bytes": 1024, "busbw_gbps": 0.01}]}
+        )
+        + "\ndone\n"
+    )
     rows = tune.parse_bench_output(text)
     assert rows == [BenchRow(1024, 0.01), BenchRow(2**20, 0.1)]
     rows = tune.parse_bench_output(json.dumps([{"size": 8, "busbw_bytes_per_s": 2e9}]))
     assert rows == [BenchRow(8, 2.0)]
 
 
-@pytest.mark.parametrize("text", ["", "no json here", json.dumps({"results": []}),
-                                  json.dumps([{"bytes": 8}]),
-                                  json.dumps([{"size": 8, "busbw_gbps": 1, "codec": "fp32"},
-                                              {"size": 8, "busbw_gbps": 2, "codec": "fp16"}])])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "no json here",
+        json.dumps({"results": []}),
+        json.dumps([{"bytes": 8}]),
+        json.dumps(
+            [
+                {"size": 8, "busbw_gbps": 1, "codec": "fp32"},
+                {"size": 8, "busbw_gbps": 2, "codec": "fp16"},
+            ]
+        ),
+    ],
+)
 def test_bad_bench_output_raises(text):
     with pytest.raises(ValueError):
         tune.parse_bench_output(text)
@@ -82,7 +118,7 @@ SIZES = (2**16, 2**20, 2**24)
 
 
 def test_ranking_uses_large_messages_only():
-    base = res({}, zip(SIZES, (0.5, 0.05, 0.05)))             # best at 64 KiB, poor when large
+    base = res({}, zip(SIZES, (0.5, 0.05, 0.05)))  # best at 64 KiB, poor when large
     links4 = res({"OMPI_MCA_btl_tcp_links": "4"}, zip(SIZES, (0.01, 0.10, 0.11)))
     broken = res({"OMPI_MCA_btl_tcp_links": "8"}, [], error="exit code 1")
     ranked = tune.rank([base, broken, links4])
@@ -117,16 +153,26 @@ def test_env_file_exports_the_best_and_is_valid_shell(tmp_path):
     assert "2.00x" in text and "export OMPI_MCA_btl_tcp_links=4" in text
     f = tmp_path / "best.env"
     f.write_text(text)
-    out = subprocess.run(["bash", "-c", f"source {f}; echo $OMPI_MCA_btl_tcp_links $X_LIST"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", f"source {f}; echo $OMPI_MCA_btl_tcp_links $X_LIST"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.split() == ["4", "lo,docker0"]
     assert "nothing to export" in tune.env_file_text(base, command="x")
 
 
 def test_run_point_reports_failures_and_timeouts():
-    ok = tune.run_point({"COMMOPT_T": "7"}, [sys.executable, "-c",
-                        "import os, json; print(json.dumps([{'bytes': 8, 'busbw': int(os.environ['COMMOPT_T'])}]))"],
-                        timeout=60)
+    ok = tune.run_point(
+        {"COMMOPT_T": "7"},
+        [
+            sys.executable,
+            "-c",
+            "import os, json; print(json.dumps([{'bytes': 8, 'busbw': int(os.environ['COMMOPT_T'])}]))",
+        ],
+        timeout=60,
+    )
     assert ok.error is None and ok.rows == [BenchRow(8, 7.0)]
     bad = tune.run_point({}, [sys.executable, "-c", "import sys; sys.exit('boom')"], timeout=60)
     assert bad.error.startswith("exit code 1") and "boom" in bad.error
@@ -154,8 +200,13 @@ def test_sweep_repeats_round_robin_and_skips_a_failed_point(tmp_path):
         "print(json.dumps([{'bytes': 2**20, 'busbw': 1.0}]))\n"
     )
     seen = []
-    results = tune.sweep([{}, {"P_X": "bad"}, {"P_X": "good"}], [sys.executable, "-c", script],
-                         timeout=60, repeats=2, progress=lambda i, n, r: seen.append((i, n)))
+    results = tune.sweep(
+        [{}, {"P_X": "bad"}, {"P_X": "good"}],
+        [sys.executable, "-c", script],
+        timeout=60,
+        repeats=2,
+        progress=lambda i, n, r: seen.append((i, n)),
+    )
     assert log.read_text().split() == ["base", "bad", "good", "base", "good"]
     assert [r.error is None for r in results] == [True, False, True]
     assert seen[-1] == (5, 5)
@@ -168,12 +219,23 @@ def test_nothing_from_argv_runs_when_the_env_file_is_sourced(tmp_path):
     import shlex
 
     best = res({"OMPI_MCA_btl_tcp_links": "4"}, [(2**20, 0.1)])
-    command = shlex.join(["commopt", "bench", "--bench-args",
-                          "x\ntouch injected-newline\n$(touch injected-subst) `touch injected-tick`"])
+    command = shlex.join(
+        [
+            "commopt",
+            "bench",
+            "--bench-args",
+            "x\ntouch injected-newline\n$(touch injected-subst) `touch injected-tick`",
+        ]
+    )
     env = tmp_path / "best.env"
     tune.write_env_file(str(env), tune.env_file_text(best, command=command))
-    out = subprocess.run(["bash", "-c", f"source {env}; echo $OMPI_MCA_btl_tcp_links"], cwd=tmp_path,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", f"source {env}; echo $OMPI_MCA_btl_tcp_links"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.split() == ["4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.env"]
     assert "injected-newline" in env.read_text()  # recorded, as an escaped comment

@@ -70,6 +70,7 @@ arithmetic from raw timings), ``floor`` (the codec time and the floor), ``report
     >>> parser.parse_args(["--configs", "ddp-fp32,commopt-qsgd4-db"]).configs
     'ddp-fp32,commopt-qsgd4-db'
 """
+
 from __future__ import annotations
 
 from commopt.bench.step.cli import add_arguments, run

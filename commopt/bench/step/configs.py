@@ -13,6 +13,7 @@ next step). ``wrap`` builds one on a rank.
     >>> allreduce_limit_s(100e6, 2, parse_rate("1gbit"))
     0.8
 """
+
 from __future__ import annotations
 
 import math
@@ -31,13 +32,14 @@ POWERSGD_BUCKET_MB = 4096
 #: error feedback and warm start. Warm-up steps cover them.
 POWERSGD_START_ITER = 2
 
+
 @dataclass(frozen=True)
 class StepConfig:
     """One column of the comparison."""
 
     name: str
-    kind: str            # "ddp" or "commopt"
-    wire: str            # "fp32", "fp16", "powersgd", "qsgd4", "qsgd4+ef"
+    kind: str  # "ddp" or "commopt"
+    wire: str  # "fp32", "fp16", "powersgd", "qsgd4", "qsgd4+ef"
     label: str
     powersgd_rank: int = 0
     double_buffering: bool = False
@@ -51,18 +53,34 @@ def _configs() -> dict[str, StepConfig]:
         StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
     ]
     for db in (False, True):
-        for wire, label in (("fp32", "fp32"), ("fp16", "fp16"), ("qsgd4", "qsgd4"),
-                            ("qsgd4+ef", "qsgd4+EF")):
+        for wire, label in (
+            ("fp32", "fp32"),
+            ("fp16", "fp16"),
+            ("qsgd4", "qsgd4"),
+            ("qsgd4+ef", "qsgd4+EF"),
+        ):
             mode = "double buffering" if db else "overlap"
-            out.append(StepConfig(f"commopt-{wire}{'-db' if db else ''}", "commopt", wire,
-                                  f"commopt {label}, {mode}", double_buffering=db))
+            out.append(
+                StepConfig(
+                    f"commopt-{wire}{'-db' if db else ''}",
+                    "commopt",
+                    wire,
+                    f"commopt {label}, {mode}",
+                    double_buffering=db,
+                )
+            )
     return {c.name: c for c in out}
 
 
 CONFIGS: dict[str, StepConfig] = _configs()
 #: What `commopt demo` runs: DDP fp32 against commopt's fp16, qsgd4 and double buffering.
-DEMO_CONFIGS = ("ddp-fp32", "commopt-fp16", "commopt-qsgd4", "commopt-fp16-db",
-                "commopt-qsgd4+ef-db")
+DEMO_CONFIGS = (
+    "ddp-fp32",
+    "commopt-fp16",
+    "commopt-qsgd4",
+    "commopt-fp16-db",
+    "commopt-qsgd4+ef-db",
+)
 
 
 def parse_rate(text: str) -> float:
@@ -127,8 +145,11 @@ def wrap_ddp(model, cfg: StepConfig):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)  # one bucket: see POWERSGD_BUCKET_MB
-    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                                   start_powerSGD_iter=POWERSGD_START_ITER)
+    state = powersgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=cfg.powersgd_rank,
+        start_powerSGD_iter=POWERSGD_START_ITER,
+    )
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     return ddp
 
@@ -139,15 +160,19 @@ def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
 
     kwargs: dict[str, Any] = {}
     if cfg.wire == "fp16":
-        kwargs["allreduce_grad_dtype"] = "float16"   # every gradient in 16 bits, as DDP's hook
+        kwargs["allreduce_grad_dtype"] = "float16"  # every gradient in 16 bits, as DDP's hook
     elif cfg.wire.startswith("qsgd"):
         kwargs["compression"] = cfg.wire
-    return commopt.create_multi_node_optimizer(inner, comm, double_buffering=cfg.double_buffering,
-                                               overlap=True, model=model, **kwargs)
+    return commopt.create_multi_node_optimizer(
+        inner, comm, double_buffering=cfg.double_buffering, overlap=True, model=model, **kwargs
+    )
 
 
 def commopt_wire_bytes(opt) -> int:
     """Bytes one step of commopt's optimizer ``opt`` puts on the wire, from its buckets' codecs."""
-    return int(sum(b.codec.encoded_nbytes(b.numel) if b.codec is not None else 4 * b.numel
-                   for b in opt.buckets))
-
+    return int(
+        sum(
+            b.codec.encoded_nbytes(b.numel) if b.codec is not None else 4 * b.numel
+            for b in opt.buckets
+        )
+    )

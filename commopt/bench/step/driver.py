@@ -10,6 +10,7 @@ without that configuration.
     >>> plan_link(None).description
     'plain loopback (unshaped: --no-link)'
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 class LinkPlan:
     """Where the ranks run: the link's rate (None: loopback) and how to say so."""
 
-    rate_bits: float | None   # None: unshaped loopback
-    link_arg: str | None      # what goes to `commopt launch --link`
+    rate_bits: float | None  # None: unshaped loopback
+    link_arg: str | None  # what goes to `commopt launch --link`
     description: str
 
 
@@ -53,17 +54,38 @@ def plan_link(link: str | None) -> LinkPlan:
 
     reason = unavailable_reason()
     if reason is not None:
-        return LinkPlan(None, None, f"plain loopback, unshaped: no emulated {link} link here "
-                                    f"because {reason}")
-    return LinkPlan(rate, link, f"emulated hosts joined by {link} links (tc tbf, network namespaces)")
+        return LinkPlan(
+            None, None, f"plain loopback, unshaped: no emulated {link} link here because {reason}"
+        )
+    return LinkPlan(
+        rate, link, f"emulated hosts joined by {link} links (tc tbf, network namespaces)"
+    )
 
 
-def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Path,
-              threads: int) -> list[str]:
-    worker = [sys.executable, "-m", "commopt.bench.step", "--worker", ",".join(schedule),
-              "--model", model, "--warmup", str(args.warmup), "--threads", str(threads),
-              "--seed", str(args.seed), "--comm", args.comm,
-              "--collective-timeout", str(args.collective_timeout), "--result", str(result)]
+def _job_argv(
+    args, plan: LinkPlan, model: str, schedule: list[str], result: Path, threads: int
+) -> list[str]:
+    worker = [
+        sys.executable,
+        "-m",
+        "commopt.bench.step",
+        "--worker",
+        ",".join(schedule),
+        "--model",
+        model,
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(threads),
+        "--seed",
+        str(args.seed),
+        "--comm",
+        args.comm,
+        "--collective-timeout",
+        str(args.collective_timeout),
+        "--result",
+        str(result),
+    ]
     if args.steps:
         worker += ["--steps", str(args.steps)]
     if args.batch:
@@ -75,17 +97,33 @@ def _job_argv(args, plan: LinkPlan, model: str, schedule: list[str], result: Pat
     if args.block:
         worker += ["--block", str(args.block)]
     if getattr(args, "profile", False):
-        worker += ["--profile", "--profile-steps", str(args.profile_steps),
-                   "--profile-rate", str(args.profile_rate)]
-    argv = [sys.executable, "-m", "commopt", "launch", "-n", str(args.nprocs),
-            "--launcher", args.launcher, "--timeout", str(args.timeout)]
+        worker += [
+            "--profile",
+            "--profile-steps",
+            str(args.profile_steps),
+            "--profile-rate",
+            str(args.profile_rate),
+        ]
+    argv = [
+        sys.executable,
+        "-m",
+        "commopt",
+        "launch",
+        "-n",
+        str(args.nprocs),
+        "--launcher",
+        args.launcher,
+        "--timeout",
+        str(args.timeout),
+    ]
     if plan.link_arg:
         argv += ["--link", plan.link_arg]
     return argv + ["--", *worker]
 
 
-def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: int,
-             report_line) -> tuple[list[dict], int | None, str | None]:
+def _run_job(
+    args, plan, model, schedule, workdir: Path, attempt: int, threads: int, report_line
+) -> tuple[list[dict], int | None, str | None]:
     """Run ``schedule`` in one job: (records of every rank, index that failed, why).
 
     The index is None with a reason when the job failed before any configuration started
@@ -99,13 +137,19 @@ def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     current, started = None, False
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                text=True, errors="replace")
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            errors="replace",
+        )
         assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             out.write(line)
             if line.startswith(PROGRESS):
-                word, index, name, *rest = line[len(PROGRESS):].split()
+                word, index, name, *rest = line[len(PROGRESS) :].split()
                 current = int(index) if word == "start" else None
                 started = True
                 if word == "done":
@@ -123,8 +167,11 @@ def _run_job(args, plan, model, schedule, workdir: Path, attempt: int, threads: 
     if not started:
         return records, None, why
     done = {e["index"] for e in records if e["rank"] == 0}
-    failed = current if current is not None else next(
-        (i for i in range(len(schedule)) if i not in done), 0)
+    failed = (
+        current
+        if current is not None
+        else next((i for i in range(len(schedule)) if i not in done), 0)
+    )
     return records, failed, why
 
 
@@ -144,8 +191,9 @@ def root_cause(log: str, lines: int = 10) -> str:
     return "\n".join(text[-lines:])
 
 
-def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Path,
-              threads: int) -> dict[str, dict]:
+def run_model(
+    args, plan: LinkPlan, model: str, configs: list[str], workdir: Path, threads: int
+) -> dict[str, dict]:
     """Every configuration of ``model``, ``args.rounds`` times: config -> merged result."""
     schedule = [c for _ in range(args.rounds) for c in configs]
     records: list[dict] = []
@@ -156,13 +204,23 @@ def run_model(args, plan: LinkPlan, model: str, configs: list[str], workdir: Pat
 
     def report_line(local, name, step_s, loss):
         k = pending_at_start[local]
-        print(f"[{k + 1}/{total}] {model} {name}: {step_s * 1e3:.0f} ms/step, "
-              f"final loss {loss:.4f}", flush=True)
+        print(
+            f"[{k + 1}/{total}] {model} {name}: {step_s * 1e3:.0f} ms/step, final loss {loss:.4f}",
+            flush=True,
+        )
 
     while pending:
         pending_at_start = list(pending)
-        got, failed, why = _run_job(args, plan, model, [schedule[i] for i in pending], workdir,
-                                    attempt, threads, report_line)
+        got, failed, why = _run_job(
+            args,
+            plan,
+            model,
+            [schedule[i] for i in pending],
+            workdir,
+            attempt,
+            threads,
+            report_line,
+        )
         for e in got:  # the job numbered its own schedule: back to this run's numbering
             e["index"] = pending_at_start[e["index"]]
             e["round"] = e["index"] // len(configs)
@@ -223,16 +281,28 @@ def run_driver(args: argparse.Namespace) -> dict:
         raise SystemExit(f"commopt bench step: {exc}") from None
     threads = args.threads or _threads_per_rank(args.nprocs)
     report = {
-        "command": _command_line(args), "link": plan.description, "link_rate": plan.link_arg,
-        "rate_bits": plan.rate_bits, "nprocs": args.nprocs, "threads_per_rank": threads,
-        "launcher": args.launcher, "commopt_comm": args.comm, "machine": _machine(),
-        "torch": torch.__version__, "load_average_start": os.getloadavg()[0],
-        "date": time.strftime("%Y-%m-%d %H:%M"), "warmup": args.warmup, "rounds": args.rounds,
+        "command": _command_line(args),
+        "link": plan.description,
+        "link_rate": plan.link_arg,
+        "rate_bits": plan.rate_bits,
+        "nprocs": args.nprocs,
+        "threads_per_rank": threads,
+        "launcher": args.launcher,
+        "commopt_comm": args.comm,
+        "machine": _machine(),
+        "torch": torch.__version__,
+        "load_average_start": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "warmup": args.warmup,
+        "rounds": args.rounds,
         "models": {},
     }
-    print(f"step benchmark: {args.nprocs} ranks, {plan.description}; {threads} thread(s) per "
-          f"rank; {args.rounds} round(s) of every configuration, {args.warmup} warm-up steps "
-          f"each", flush=True)
+    print(
+        f"step benchmark: {args.nprocs} ranks, {plan.description}; {threads} thread(s) per "
+        f"rank; {args.rounds} round(s) of every configuration, {args.warmup} warm-up steps "
+        f"each",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="commopt-step-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -241,15 +311,28 @@ def run_driver(args: argparse.Namespace) -> dict:
             results = run_model(args, plan, model, configs, workdir, threads)
             rows = summarize(results, args.nprocs, plan.rate_bits)
             params = next((r["params"] for r in results.values() if "params" in r), None)
-            fp32_limit = allreduce_limit_s(4 * params, args.nprocs, plan.rate_bits) if params else None
+            fp32_limit = (
+                allreduce_limit_s(4 * params, args.nprocs, plan.rate_bits) if params else None
+            )
             report["models"][model] = {
-                "description": spec.description, "role": spec.role, "params": params,
-                "batch_per_rank": args.batch or spec.batch_size, "steps": args.steps or spec.steps,
-                "fp32_allreduce_limit_s": fp32_limit, "rows": [vars(r) for r in rows],
-                "raw": results, "targets": check_targets(spec.role, rows),
+                "description": spec.description,
+                "role": spec.role,
+                "params": params,
+                "batch_per_rank": args.batch or spec.batch_size,
+                "steps": args.steps or spec.steps,
+                "fp32_allreduce_limit_s": fp32_limit,
+                "rows": [vars(r) for r in rows],
+                "raw": results,
+                "targets": check_targets(spec.role, rows),
             }
-            print_model(model, report["models"][model], rows, args.nprocs, plan,
-                         targets=not getattr(args, "hide_targets", False))
+            print_model(
+                model,
+                report["models"][model],
+                rows,
+                args.nprocs,
+                plan,
+                targets=not getattr(args, "hide_targets", False),
+            )
     report["load_average_end"] = os.getloadavg()[0]
     write_outputs(report, args)
     return report
@@ -265,8 +348,14 @@ def rerender(args: argparse.Namespace) -> dict:
         info["targets"] = check_targets(info["role"], rows)
         info.setdefault("steps", MODELS[model].steps)
         print_model(model, info, rows, report["nprocs"], plan)
-    report.setdefault("rounds", max(len(r.get("rounds", [])) for info in report["models"].values()
-                                    for r in info["raw"].values()))
+    report.setdefault(
+        "rounds",
+        max(
+            len(r.get("rounds", []))
+            for info in report["models"].values()
+            for r in info["raw"].values()
+        ),
+    )
     write_outputs(report, args)
     return report
 
@@ -286,9 +375,10 @@ def _split(text: str, valid: dict, what: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in valid]
     if bad or not names:
-        raise SystemExit(f"commopt bench step: unknown {what} {', '.join(bad) or '(none given)'}; "
-                         f"choose from {', '.join(valid)}")
+        raise SystemExit(
+            f"commopt bench step: unknown {what} {', '.join(bad) or '(none given)'}; "
+            f"choose from {', '.join(valid)}"
+        )
     if len(set(names)) != len(names):
         raise SystemExit(f"commopt bench step: a {what} is named twice in {text!r}")
     return names
-

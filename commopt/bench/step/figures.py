@@ -4,9 +4,12 @@ Pure arithmetic over the workers' records (no torch, no processes):
 
     >>> efficiency(0.5, 0.25), comm_wait_share(0.5, 0.25)
     (0.5, 0.5)
-    >>> robust_step([{"step_times": [1.0, 9.0, 2.0]}, {"step_times": [3.0]}, {"step_times": [60.0]}])
+    >>> robust_step(
+    ...     [{"step_times": [1.0, 9.0, 2.0]}, {"step_times": [3.0]}, {"step_times": [60.0]}]
+    ... )
     3.0
 """
+
 from __future__ import annotations
 
 import statistics
@@ -39,8 +42,11 @@ def cpu_share(rounds: list[dict]) -> float | None:
     A mean over the blocks' CPU per step against the mean step time, not the median step: a
     slow step's CPU is counted with its own duration.
     """
-    shares = [statistics.fmean(r["cpu_per_step"]) / statistics.fmean(r["step_times"])
-              for r in rounds if r.get("cpu_per_step") and r.get("step_times")]
+    shares = [
+        statistics.fmean(r["cpu_per_step"]) / statistics.fmean(r["step_times"])
+        for r in rounds
+        if r.get("cpu_per_step") and r.get("step_times")
+    ]
     return statistics.median(shares) if shares else None
 
 
@@ -62,13 +68,13 @@ class Row:
     wire_bytes: int | None = None
     final_loss: float | None = None
     backward_s: float | None = None
-    cpu_s: float | None = None     # one rank's process CPU time (all threads) per step
+    cpu_s: float | None = None  # one rank's process CPU time (all threads) per step
     cpu_busy: float | None = None  # that CPU time / wall time during the timed steps (cores)
     ranks_agree: bool | None = None
-    codec_s: float | None = None   # one step's codec arithmetic on one rank (floor.py)
-    floor_s: float | None = None   # max(compute + codec, link limit)
+    codec_s: float | None = None  # one step's codec arithmetic on one rank (floor.py)
+    floor_s: float | None = None  # max(compute + codec, link limit)
     floor_ratio: float | None = None  # step / floor
-    bound: str | None = None       # "processor" or "link": what the rank CPU says limits it
+    bound: str | None = None  # "processor" or "link": what the rank CPU says limits it
     error: str | None = None
 
 
@@ -153,27 +159,41 @@ def check_targets(role: str, rows: list[Row]) -> list[str]:
     if role == "communication":
         best = min(commopt, key=_step_s)
         if best.speedup is not None:
-            lines.append(f"best commopt ({best.config}) is {best.speedup:.2f}x faster per step "
-                         f"than DDP fp32 (target >= 5x: {'met' if best.speedup >= 5 else 'NOT met'})")
+            lines.append(
+                f"best commopt ({best.config}) is {best.speedup:.2f}x faster per step "
+                f"than DDP fp32 (target >= 5x: {'met' if best.speedup >= 5 else 'NOT met'})"
+            )
         hooks = [r for r in ok if r.kind == "ddp" and r.config != "ddp-fp32"]
         if hooks:
             hook = min(hooks, key=_step_s)
             ratio = _step_s(hook) / _step_s(best)
-            lines.append(f"best commopt is {ratio:.2f}x faster than the best DDP hook "
-                         f"({hook.config}, {_step_s(hook) * 1e3:.0f} ms) "
-                         f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
+            lines.append(
+                f"best commopt is {ratio:.2f}x faster than the best DDP hook "
+                f"({hook.config}, {_step_s(hook) * 1e3:.0f} ms) "
+                f"(target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})"
+            )
             if best.cpu_s is not None and best.limit_s is not None:
-                floor = (f"; step / floor {best.floor_ratio:.2f}x (floor {best.floor_s * 1e3:.0f} ms, "
-                         f"set by the {best.bound})") if best.floor_ratio and best.floor_s else ""
-                lines.append(f"best commopt's rank keeps {best.cpu_busy:.2f} cores busy "
-                             f"({best.cpu_s * 1e3:.0f} ms of CPU per {_step_s(best) * 1e3:.0f} ms step) "
-                             f"against a link limit of {best.limit_s * 1e3:.0f} ms{floor}")
+                floor = (
+                    (
+                        f"; step / floor {best.floor_ratio:.2f}x (floor {best.floor_s * 1e3:.0f} ms, "
+                        f"set by the {best.bound})"
+                    )
+                    if best.floor_ratio and best.floor_s
+                    else ""
+                )
+                lines.append(
+                    f"best commopt's rank keeps {best.cpu_busy:.2f} cores busy "
+                    f"({best.cpu_s * 1e3:.0f} ms of CPU per {_step_s(best) * 1e3:.0f} ms step) "
+                    f"against a link limit of {best.limit_s * 1e3:.0f} ms{floor}"
+                )
     elif role == "compute":
         eff = [(r.efficiency, r) for r in commopt if r.efficiency is not None]
         if eff:
             e, best = max(eff, key=lambda pair: pair[0])
-            lines.append(f"best commopt scaling efficiency {e:.0%} ({best.config}) "
-                         f"(target >= 90%: {'met' if e >= 0.9 else 'NOT met'})")
+            lines.append(
+                f"best commopt scaling efficiency {e:.0%} ({best.config}) "
+                f"(target >= 90%: {'met' if e >= 0.9 else 'NOT met'})"
+            )
     return lines
 
 
@@ -191,18 +211,35 @@ def merge_rounds(entries: list[dict]) -> dict:
     for k in sorted(by_round):
         ranks = by_round[k]
         first = ranks[min(ranks)]
-        rounds.append({key: first.get(key) for key in ("step_times", "compute_times",
-                                                       "block_efficiency", "backward_times",
-                                                       "cpu_per_step", "codec_s", "losses",
-                                                       "eval_loss")})
-        rounds[-1]["rank_step_medians"] = [statistics.median(ranks[r]["step_times"])
-                                           for r in sorted(ranks)]
+        rounds.append(
+            {
+                key: first.get(key)
+                for key in (
+                    "step_times",
+                    "compute_times",
+                    "block_efficiency",
+                    "backward_times",
+                    "cpu_per_step",
+                    "codec_s",
+                    "losses",
+                    "eval_loss",
+                )
+            }
+        )
+        rounds[-1]["rank_step_medians"] = [
+            statistics.median(ranks[r]["step_times"]) for r in sorted(ranks)
+        ]
         agree = agree and len({ranks[r]["checksum"] for r in ranks}) == 1
     first = entries[0]
-    merged = {"rounds": rounds, "batch": first["batch"], "size": first["size"],
-              "wire_bytes": first["wire_bytes"], "params": first["params"], "ranks_agree": agree}
+    merged = {
+        "rounds": rounds,
+        "batch": first["batch"],
+        "size": first["size"],
+        "wire_bytes": first["wire_bytes"],
+        "params": first["params"],
+        "ranks_agree": agree,
+    }
     profiles = {str(e["rank"]): e["profile"] for e in entries if e.get("profile")}
     if profiles:
         merged["profile"] = profiles
     return merged
-

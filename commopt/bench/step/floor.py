@@ -12,6 +12,7 @@ waiting for a shared core) or wire time that the schedule did not hide.
     >>> floor_s(compute_s=0.08, codec_s=0.04, limit_s=None)
     0.12
 """
+
 from __future__ import annotations
 
 import statistics
@@ -42,9 +43,11 @@ def _commopt_work(cfg, numel: int, n: int):
     codec = get_codec("fp32" if cfg.wire == "fp32" else cfg.wire)
     wire = torch.empty(codec.encoded_nbytes(numel), dtype=torch.uint8)
     if cfg.wire == "fp32":  # the transport sums fp32 as it receives: one add pass per decode
+
         def add_received():
             for _ in range(round(dec)):
                 acc.add_(grad)
+
         return add_received
     step = [0]
 
@@ -53,6 +56,7 @@ def _commopt_work(cfg, numel: int, n: int):
         codec.encode(grad, wire, scale=1.0 / n, rng=RngKey(0, 0, step[0]), key="floor")
         for _ in range(round(dec)):
             codec.decode(wire, acc, accumulate=True)
+
     return encode_decode
 
 
@@ -67,14 +71,19 @@ def _ddp_work(cfg, shapes, n: int):
     if cfg.wire == "fp32":
         return lambda: flat.add_(flat)  # gloo's sum of the received bucket
     if cfg.wire == "fp16":
+
         def fp16_hook():  # fp16_compress_hook: divide, cast down, (sum), cast back
             half = flat.div(n).to(torch.float16)
             half.add_(half)
             flat.copy_(half)
+
         return fp16_hook
     rank = cfg.powersgd_rank
-    mats = [g.reshape(g.shape[0], -1) for g in grads
-            if g.dim() > 1 and (g.shape[0] + math.prod(g.shape[1:])) * rank * 2 < g.numel()]
+    mats = [
+        g.reshape(g.shape[0], -1)
+        for g in grads
+        if g.dim() > 1 and (g.shape[0] + math.prod(g.shape[1:])) * rank * 2 < g.numel()
+    ]
     state = [(torch.zeros_like(m), torch.randn(m.shape[1], rank)) for m in mats]
 
     def work():  # PowerSGD's arithmetic: error feedback, P = MQ, orthonormal P, Q = M^T P, PQ^T
@@ -84,6 +93,7 @@ def _ddp_work(cfg, shapes, n: int):
             p = torch.linalg.qr(p).Q
             q.copy_(m.t() @ p)
             err.copy_(m - p @ q.t())
+
     return work
 
 

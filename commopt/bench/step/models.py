@@ -22,6 +22,7 @@ only on (step, rank): every configuration sees the same batches.
 torch is imported only when a model or batch is made: `commopt bench` builds its options
 from ``MODELS`` at every start of the command line.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -57,9 +58,9 @@ class ModelSpec:
     classes: int
     input_shape: tuple[int, ...]
     signal: float  # scale of the class means against unit noise
-    steps: int     # timed steps per round in the step benchmark
-    block: int     # timed steps between two compute-only measurements there
-    role: str      # what bounds its step on a slow link: "communication", "compute" or "test"
+    steps: int  # timed steps per round in the step benchmark
+    block: int  # timed steps between two compute-only measurements there
+    role: str  # what bounds its step on a slow link: "communication", "compute" or "test"
     factory: Callable[[], nn.Module]
 
     def build(self) -> nn.Module:
@@ -70,7 +71,9 @@ class ModelSpec:
 
         if self.name not in _MEANS:
             g = torch.Generator().manual_seed(_TASK_SEED)
-            _MEANS[self.name] = torch.randn((self.classes, *self.input_shape), generator=g) * self.signal
+            _MEANS[self.name] = (
+                torch.randn((self.classes, *self.input_shape), generator=g) * self.signal
+            )
         return _MEANS[self.name]
 
     def _sample(self, g: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +101,12 @@ def _wide_mlp(d_in: int = 1024, hidden: int = 4096, classes: int = 16) -> nn.Mod
     # 1024 -> 4096 -> 4096 -> 1024 -> 16: 25.2M parameters, three big matrices that
     # PowerSGD can factor and QSGD can quantise, plus a few small tensors.
     return nn.Sequential(
-        nn.Linear(d_in, hidden), nn.GELU(),
-        nn.Linear(hidden, hidden), nn.GELU(),
-        nn.Linear(hidden, d_in), nn.GELU(),
+        nn.Linear(d_in, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, d_in),
+        nn.GELU(),
         nn.Linear(d_in, classes),
     )
 
@@ -110,30 +116,68 @@ def _small_cnn(classes: int = 10) -> nn.Module:
 
     # 32x32 RGB -> 10 classes; 0.24M parameters but ~76 MFLOP per sample (fwd + bwd).
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(128, 128, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, classes),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(128, 128, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, classes),
     )
 
 
 def _tiny_mlp() -> nn.Module:
     from torch import nn
 
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
 
 
 MODELS: dict[str, ModelSpec] = {
-    "mlp": ModelSpec("mlp", "wide MLP 1024-4096-4096-1024-16 (25.2M params), communication-bound",
-                     batch_size=8, lr=0.05, classes=16, input_shape=(1024,), signal=0.3,
-                     steps=6, block=3, role="communication", factory=_wide_mlp),
-    "cnn": ModelSpec("cnn", "small CNN, 4 conv layers (0.24M params) on 3x32x32, compute-bound",
-                     batch_size=128, lr=0.1, classes=10, input_shape=(3, 32, 32), signal=1.0,
-                     steps=24, block=4, role="compute", factory=_small_cnn),
-    "tiny": ModelSpec("tiny", "MLP 32-64-64-4 (6.5k params), for tests",
-                      batch_size=16, lr=0.1, classes=4, input_shape=(32,), signal=0.5,
-                      steps=3, block=3, role="test", factory=_tiny_mlp),
+    "mlp": ModelSpec(
+        "mlp",
+        "wide MLP 1024-4096-4096-1024-16 (25.2M params), communication-bound",
+        batch_size=8,
+        lr=0.05,
+        classes=16,
+        input_shape=(1024,),
+        signal=0.3,
+        steps=6,
+        block=3,
+        role="communication",
+        factory=_wide_mlp,
+    ),
+    "cnn": ModelSpec(
+        "cnn",
+        "small CNN, 4 conv layers (0.24M params) on 3x32x32, compute-bound",
+        batch_size=128,
+        lr=0.1,
+        classes=10,
+        input_shape=(3, 32, 32),
+        signal=1.0,
+        steps=24,
+        block=4,
+        role="compute",
+        factory=_small_cnn,
+    ),
+    "tiny": ModelSpec(
+        "tiny",
+        "MLP 32-64-64-4 (6.5k params), for tests",
+        batch_size=16,
+        lr=0.1,
+        classes=4,
+        input_shape=(32,),
+        signal=0.5,
+        steps=3,
+        block=3,
+        role="test",
+        factory=_tiny_mlp,
+    ),
 }
 
 

@@ -3,14 +3,17 @@
 The entries are read by ``benchmarks/sim_validation.py --measured``, which checks the
 simulator's predicted step times against the measured ones.
 """
+
 from __future__ import annotations
 
 from commopt.bench.step.configs import CONFIGS, POWERSGD_BUCKET_MB
 
 #: Why the simulator cannot predict a configuration (its rows are written, flagged, not counted).
 SIM_NOT_MODELLED = {
-    "powersgd": ("PowerSGD (low-rank factorisation, with its own CPU work per step): the simulator has no "
-                 "low-rank codec"),
+    "powersgd": (
+        "PowerSGD (low-rank factorisation, with its own CPU work per step): the simulator has no "
+        "low-rank codec"
+    ),
 }
 
 
@@ -26,19 +29,48 @@ def sim_measurements(report: dict) -> list[dict]:
     allgather ("sra"); overlap is "backward" (buckets sent during backward) or, for ``-db``,
     "double-buffering". PowerSGD rows carry ``not_modelled`` (the reason).
 
-        >>> r = {"command": "c", "nprocs": 2, "rate_bits": 1e9, "commopt_comm": "torch", "models": {
-        ...     "m": {"params": 10, "rows": [{"config": "commopt-qsgd4-db", "error": None, "step_s": 0.2,
-        ...     "step_rounds": [0.2, 0.3], "compute_s": 0.1}]}}}
+        >>> r = {
+        ...     "command": "c",
+        ...     "nprocs": 2,
+        ...     "rate_bits": 1e9,
+        ...     "commopt_comm": "torch",
+        ...     "models": {
+        ...         "m": {
+        ...             "params": 10,
+        ...             "rows": [
+        ...                 {
+        ...                     "config": "commopt-qsgd4-db",
+        ...                     "error": None,
+        ...                     "step_s": 0.2,
+        ...                     "step_rounds": [0.2, 0.3],
+        ...                     "compute_s": 0.1,
+        ...                 }
+        ...             ],
+        ...         }
+        ...     },
+        ... }
         >>> e = sim_measurements(r)[0]
-        >>> e["plan"]["algorithm"], e["plan"]["codec"], e["plan"]["overlap"], e["grad_bytes"], e["transport"]
+        >>> (
+        ...     e["plan"]["algorithm"],
+        ...     e["plan"]["codec"],
+        ...     e["plan"]["overlap"],
+        ...     e["grad_bytes"],
+        ...     e["transport"],
+        ... )
         ('sra', 'qsgd4', 'double-buffering', 40, 'torch')
     """
     from commopt.collectives import PIECE_BYTES
 
     if not report.get("rate_bits"):
-        raise ValueError("--sim-measurements needs a run on the emulated link (this report ran on "
-                         "unshaped loopback): rerun with --link RATE")
-    loads = [v for v in (report.get("load_average_start"), report.get("load_average_end")) if v is not None]
+        raise ValueError(
+            "--sim-measurements needs a run on the emulated link (this report ran on "
+            "unshaped loopback): rerun with --link RATE"
+        )
+    loads = [
+        v
+        for v in (report.get("load_average_start"), report.get("load_average_end"))
+        if v is not None
+    ]
     out = []
     for model, info in report["models"].items():
         for row in info["rows"]:
@@ -46,21 +78,34 @@ def sim_measurements(report: dict) -> list[dict]:
                 continue
             cfg = CONFIGS[row["config"]]
             rounds = row.get("step_rounds") or [row["step_s"]]
-            plan = {"algorithm": "sra" if cfg.wire.startswith("qsgd") else "ring",
-                    "codec": "none" if cfg.wire == "fp32" else cfg.wire,
-                    "overlap": "double-buffering" if cfg.double_buffering else "backward", "bucket_mb": 25.0}
+            plan = {
+                "algorithm": "sra" if cfg.wire.startswith("qsgd") else "ring",
+                "codec": "none" if cfg.wire == "fp32" else cfg.wire,
+                "overlap": "double-buffering" if cfg.double_buffering else "backward",
+                "bucket_mb": 25.0,
+            }
             if cfg.wire.startswith("qsgd"):
                 plan["piece_mb"] = PIECE_BYTES / 2**20  # the pipeline's pieces, as they ran
             if cfg.wire == "powersgd":
-                plan.update(codec=f"powersgd{cfg.powersgd_rank}", bucket_mb=float(POWERSGD_BUCKET_MB))
+                plan.update(
+                    codec=f"powersgd{cfg.powersgd_rank}", bucket_mb=float(POWERSGD_BUCKET_MB)
+                )
             transport = "torch" if cfg.kind == "ddp" else report.get("commopt_comm", "torch")
             entry = {
                 "what": f"step {model} {row['config']}, {report['nprocs']} hosts x 1 rank, "
-                        f"{report['rate_bits'] / 1e9:g} Gbit/s (median of {len(rounds)} rounds)",
-                "command": report["command"], "gpus": report["nprocs"], "compute_s": row["compute_s"],
-                "grad_bytes": 4 * info["params"], "measured_step_s": row["step_s"], "plan": plan,
-                "transport": transport, "link_bits_per_s": report["rate_bits"], "rounds": len(rounds),
-                "measured_min_s": min(rounds), "measured_max_s": max(rounds)}
+                f"{report['rate_bits'] / 1e9:g} Gbit/s (median of {len(rounds)} rounds)",
+                "command": report["command"],
+                "gpus": report["nprocs"],
+                "compute_s": row["compute_s"],
+                "grad_bytes": 4 * info["params"],
+                "measured_step_s": row["step_s"],
+                "plan": plan,
+                "transport": transport,
+                "link_bits_per_s": report["rate_bits"],
+                "rounds": len(rounds),
+                "measured_min_s": min(rounds),
+                "measured_max_s": max(rounds),
+            }
             if loads:
                 entry["load_average"] = [min(loads), max(loads)]
             if row.get("cpu_s") is not None:
@@ -69,4 +114,3 @@ def sim_measurements(report: dict) -> list[dict]:
                 entry["not_modelled"] = SIM_NOT_MODELLED[cfg.wire]
             out.append(entry)
     return out
-

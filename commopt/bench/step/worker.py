@@ -9,6 +9,7 @@ same moment and under the same sharing of the machine's cores). The records go t
 ``RESULT.rank<N>`` after each configuration, so a later failure keeps them; rank 0 prints
 ``PROGRESS`` lines for the driver.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,11 @@ def run_worker(args: argparse.Namespace) -> int:
         records.append(rec)
         out.write_text(json.dumps(records))  # after each one: a later failure keeps these
         if comm.rank == 0:
-            print(f"{PROGRESS}done {index} {name} {statistics.median(rec['step_times']):.6f} "
-                  f"{rec['eval_loss']:.6f}", flush=True)
+            print(
+                f"{PROGRESS}done {index} {name} {statistics.median(rec['step_times']):.6f} "
+                f"{rec['eval_loss']:.6f}",
+                flush=True,
+            )
     gloo.allgather_obj(None)  # nobody tears down while a peer still reads
     import torch.distributed as dist
 
@@ -116,8 +120,10 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     # for every configuration so that all train the same number of steps.
     restarts = n_blocks - 1
     profile_steps = (1 + args.profile_steps) if profile else 0  # one to restart, then profiled
-    batches = [spec.batch(step=i, rank=rank, size=batch)
-               for i in range(args.warmup + steps + restarts + profile_steps)]
+    batches = [
+        spec.batch(step=i, rank=rank, size=batch)
+        for i in range(args.warmup + steps + restarts + profile_steps)
+    ]
     feed = iter(batches)
     step_times, backward_times, losses, compute_times, block_eff = [], [], [], [], []
     block_cpu = []  # this process's CPU seconds (every thread) per timed step, per block
@@ -180,12 +186,21 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
             commopt_opt.flush()
     if commopt_opt is not None:
         commopt_opt.close()
-    return {"batch": batch, "step_times": step_times, "compute_times": compute_times,
-            "block_efficiency": block_eff, "backward_times": backward_times, "losses": losses,
-            "cpu_per_step": block_cpu, "codec_s": codec_s, "profile": prof,
-            "eval_loss": eval_loss, "checksum": checksum, "wire_bytes": wire_bytes,
-            "params": sum(math.prod(s) for s in shapes)}
-
+    return {
+        "batch": batch,
+        "step_times": step_times,
+        "compute_times": compute_times,
+        "block_efficiency": block_eff,
+        "backward_times": backward_times,
+        "losses": losses,
+        "cpu_per_step": block_cpu,
+        "codec_s": codec_s,
+        "profile": prof,
+        "eval_loss": eval_loss,
+        "checksum": checksum,
+        "wire_bytes": wire_bytes,
+        "params": sum(math.prod(s) for s in shapes),
+    }
 
 
 def _profile_steps(cfg: StepConfig, args, rank: int, train_step, gloo) -> dict:
@@ -201,5 +216,10 @@ def _profile_steps(cfg: StepConfig, args, rank: int, train_step, gloo) -> dict:
     after, wall = thread_cpu(), time.perf_counter() - wall
     text = spy.stop()
     threads = attribute(parse_raw(text), cpu_delta(before, after))
-    return {"steps": args.profile_steps, "rate": args.profile_rate, "wall_s": wall,
-            "step_times": times, "threads": {str(tid): t for tid, t in threads.items()}}
+    return {
+        "steps": args.profile_steps,
+        "rate": args.profile_rate,
+        "wall_s": wall,
+        "step_times": times,
+        "threads": {str(tid): t for tid, t in threads.items()},
+    }

@@ -40,18 +40,34 @@ Modules: :mod:`~commopt.comm.mpi.transport` (the communicator), :mod:`~commopt.c
 environment), :mod:`~commopt.comm.mpi.user_ops` (16-bit sums),
 :mod:`~commopt.comm.mpi.runtime` (lazy mpi4py, tensor views).
 """
+
 from __future__ import annotations
 
 from commopt.comm.mpi.p2p import direct_allgather, pairwise_alltoall, ring_allreduce
 from commopt.comm.mpi.runtime import _mpi as _mpi  # the lazy mpi4py import other transports share
 from commopt.comm.mpi.settings import (
-    DEFAULT_PIPELINE_MIN_BYTES, OMPI_TCP_EAGER_DEFAULT, PIPELINE_ENV, PIPELINE_MIN_ENV,
-    SEGMENT_ENV, default_segment_bytes, pipeline_settings, transfer_path,
+    DEFAULT_PIPELINE_MIN_BYTES,
+    OMPI_TCP_EAGER_DEFAULT,
+    PIPELINE_ENV,
+    PIPELINE_MIN_ENV,
+    SEGMENT_ENV,
+    default_segment_bytes,
+    pipeline_settings,
+    transfer_path,
 )
 from commopt.comm.mpi.transport import MPICommunicator
 
 __all__ = [
-    "MPICommunicator", "pipeline_settings", "transfer_path", "default_segment_bytes",
-    "ring_allreduce", "pairwise_alltoall", "direct_allgather", "PIPELINE_ENV", "SEGMENT_ENV",
-    "PIPELINE_MIN_ENV", "OMPI_TCP_EAGER_DEFAULT", "DEFAULT_PIPELINE_MIN_BYTES",
+    "DEFAULT_PIPELINE_MIN_BYTES",
+    "OMPI_TCP_EAGER_DEFAULT",
+    "PIPELINE_ENV",
+    "PIPELINE_MIN_ENV",
+    "SEGMENT_ENV",
+    "MPICommunicator",
+    "default_segment_bytes",
+    "direct_allgather",
+    "pairwise_alltoall",
+    "pipeline_settings",
+    "ring_allreduce",
+    "transfer_path",
 ]

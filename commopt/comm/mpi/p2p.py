@@ -8,6 +8,7 @@ in flight keep both directions of every link busy (see :mod:`commopt.comm.mpi`).
     >>> _block_bounds(10, 3), _segments(0, 5, 2)
     ([(0, 4), (4, 8), (8, 10)], [(0, 2), (2, 4), (4, 5)])
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ import torch
 from commopt.comm.mpi.runtime import numpy_view
 from commopt.comm.mpi.settings import wait_settings
 
-__all__ = ["ring_allreduce", "pairwise_alltoall", "direct_allgather", "wait_polled"]
+__all__ = ["direct_allgather", "pairwise_alltoall", "ring_allreduce", "wait_polled"]
 
 # Tag bases: each pipelined operation uses its own range of point-to-point tags (MPI keeps
 # them apart from the collectives' traffic on the same communicator).
@@ -77,8 +78,9 @@ def _segments(lo: int, hi: int, seg: int):
     return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
 
 
-def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
-                   scratch: torch.Tensor | None = None) -> None:
+def ring_allreduce(
+    mpi_comm, buf: torch.Tensor, seg_elems: int, scratch: torch.Tensor | None = None
+) -> None:
     """Sum the contiguous CPU tensor ``buf`` over ``mpi_comm`` in place: segmented ring.
 
     Reduce-scatter then allgather around the ring (rank r sends to r+1), 2(n-1) steps, each
@@ -116,8 +118,9 @@ def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
     plan = []  # per step: (send segments, recv segments, recv block's start)
     for t in range(steps):
         sb, rb = blocks_of(t)
-        plan.append((_segments(*blocks[sb], seg_elems), _segments(*blocks[rb], seg_elems),
-                     blocks[rb][0]))
+        plan.append(
+            (_segments(*blocks[sb], seg_elems), _segments(*blocks[rb], seg_elems), blocks[rb][0])
+        )
     pending: list[dict[int, tuple]] = [dict() for _ in range(steps)]
 
     def post(t: int, k: int) -> None:
@@ -126,8 +129,8 @@ def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
         if k < len(recvs):
             lo, hi = recvs[k]
             if t < n - 1:  # partial sums land aside, then get added
-                rreq = mpi_comm.Irecv(tmp_arr[lo - start: hi - start], left, _TAG_RING + t)
-            else:          # finished sums land in place
+                rreq = mpi_comm.Irecv(tmp_arr[lo - start : hi - start], left, _TAG_RING + t)
+            else:  # finished sums land in place
                 rreq = mpi_comm.Irecv(arr[lo:hi], left, _TAG_RING + t)
         sreq = None
         if k < len(sends):
@@ -147,7 +150,7 @@ def ring_allreduce(mpi_comm, buf: torch.Tensor, seg_elems: int,
                 expect = wait_polled(rreq, expect)
                 if t < n - 1:
                     lo, hi = recvs[k]
-                    buf[lo:hi].add_(tmp[lo - start: hi - start])
+                    buf[lo:hi].add_(tmp[lo - start : hi - start])
             if sreq is not None:
                 # The next step may receive into the memory this segment was sent from.
                 wait_polled(sreq)
@@ -182,14 +185,20 @@ def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: i
     """MPI_Alltoall of equal byte chunks as segmented Isend/Irecv to and from every peer."""
     r = mpi_comm.Get_rank()
     chunk = send.size // mpi_comm.Get_size()
-    recv[r * chunk:(r + 1) * chunk] = send[r * chunk:(r + 1) * chunk]
-    _exchange(mpi_comm, recv, chunk, lambda dst: send[dst * chunk:(dst + 1) * chunk],
-              _TAG_ALLTOALL, seg_bytes)
+    recv[r * chunk : (r + 1) * chunk] = send[r * chunk : (r + 1) * chunk]
+    _exchange(
+        mpi_comm,
+        recv,
+        chunk,
+        lambda dst: send[dst * chunk : (dst + 1) * chunk],
+        _TAG_ALLTOALL,
+        seg_bytes,
+    )
 
 
 def direct_allgather(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
     """MPI_Allgather as segmented Isend/Irecv of this rank's bytes to and from every peer."""
     r = mpi_comm.Get_rank()
     chunk = send.size
-    recv[r * chunk:(r + 1) * chunk] = send
+    recv[r * chunk : (r + 1) * chunk] = send
     _exchange(mpi_comm, recv, chunk, lambda dst: send, _TAG_ALLGATHER, seg_bytes)

@@ -13,9 +13,10 @@ job with a message naming itself, so no peer hangs.
 
     >>> import torch
     >>> from commopt.comm.mpi.runtime import numpy_view
-    >>> numpy_view(torch.tensor([1.0, 2.0], dtype=torch.float16)).dtype   # 16-bit words
+    >>> numpy_view(torch.tensor([1.0, 2.0], dtype=torch.float16)).dtype  # 16-bit words
     dtype('int16')
 """
+
 from __future__ import annotations
 
 import os
@@ -108,7 +109,8 @@ def _leave() -> None:
                 f"they would wait for it in their next collective forever, so it aborts the "
                 f"job after waiting {limit:g}s (${EXIT_TIMEOUT_ENV}). Ranks that run out of "
                 f"data early: train inside `with commopt.Join(optimizer):`; a rank that works "
-                f"longer at the end (saving): call comm.barrier() before the others leave.\n")
+                f"longer at the end (saving): call comm.barrier() before the others leave.\n"
+            )
             sys.stderr.flush()
             world.Abort(1)
         time.sleep(pause)

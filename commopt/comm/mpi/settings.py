@@ -3,39 +3,60 @@
 Pure functions (no MPI started): which path a collective takes (:func:`transfer_path`) and
 how large its segments are (:func:`pipeline_settings`, :func:`default_segment_bytes`).
 """
+
 from __future__ import annotations
 
 import os
 
 from commopt.units import parse_bytes
 
-__all__ = ["PIPELINE_ENV", "SEGMENT_ENV", "PIPELINE_MIN_ENV", "OMPI_TCP_EAGER_DEFAULT",
-           "DEFAULT_PIPELINE_MIN_BYTES", "pipeline_settings", "transfer_path",
-           "default_segment_bytes", "WAIT_ENV", "POLL_SLEEP_ENV", "wait_settings"]
+__all__ = [
+    "DEFAULT_PIPELINE_MIN_BYTES",
+    "OMPI_TCP_EAGER_DEFAULT",
+    "PIPELINE_ENV",
+    "PIPELINE_MIN_ENV",
+    "POLL_SLEEP_ENV",
+    "SEGMENT_ENV",
+    "WAIT_ENV",
+    "default_segment_bytes",
+    "pipeline_settings",
+    "transfer_path",
+    "wait_settings",
+]
 
-PIPELINE_ENV = "COMMOPT_MPI_PIPELINE"                  # auto (default), on, off
-SEGMENT_ENV = "COMMOPT_MPI_SEGMENT_BYTES"              # default: from the eager limit
-PIPELINE_MIN_ENV = "COMMOPT_MPI_PIPELINE_MIN_BYTES"    # default: DEFAULT_PIPELINE_MIN_BYTES
-WAIT_ENV = "COMMOPT_MPI_WAIT"                          # paced (default), polled, spin
-POLL_SLEEP_ENV = "COMMOPT_MPI_POLL_SLEEP_US"           # longest sleep between polls (200)
+PIPELINE_ENV = "COMMOPT_MPI_PIPELINE"  # auto (default), on, off
+SEGMENT_ENV = "COMMOPT_MPI_SEGMENT_BYTES"  # default: from the eager limit
+PIPELINE_MIN_ENV = "COMMOPT_MPI_PIPELINE_MIN_BYTES"  # default: DEFAULT_PIPELINE_MIN_BYTES
+WAIT_ENV = "COMMOPT_MPI_WAIT"  # paced (default), polled, spin
+POLL_SLEEP_ENV = "COMMOPT_MPI_POLL_SLEEP_US"  # longest sleep between polls (200)
 _WAIT_MODES = ("paced", "polled", "spin")
 #: Open MPI's TCP eager limit (bytes, header included) when nothing else says otherwise.
 OMPI_TCP_EAGER_DEFAULT = 64 * 1024
 #: Below this a buffer goes to MPI's own collective: few segments, nothing to pipeline.
 DEFAULT_PIPELINE_MIN_BYTES = 256 * 1024
 _HEADER_SLACK = 1024  # room for the PML/BTL headers, which count against the eager limit
-_PIPELINE_MODES = {"auto": "auto", "on": "on", "1": "on", "true": "on", "yes": "on",
-                   "off": "off", "0": "off", "false": "off", "no": "off"}
+_PIPELINE_MODES = {
+    "auto": "auto",
+    "on": "on",
+    "1": "on",
+    "true": "on",
+    "yes": "on",
+    "off": "off",
+    "0": "off",
+    "false": "off",
+    "no": "off",
+}
 
 
-def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
-                      environ=None) -> tuple[str, int, int]:
+def pipeline_settings(
+    pipeline=None, segment_bytes=None, min_bytes=None, environ=None
+) -> tuple[str, int, int]:
     """(mode, segment bytes, smallest pipelined buffer) from the options, else the environment.
 
-        >>> pipeline_settings("on", "1M", 0, environ={})
-        ('on', 1048576, 0)
-        >>> pipeline_settings(environ={"COMMOPT_MPI_PIPELINE": "off"})[0]
-        'off'
+    >>> pipeline_settings("on", "1M", 0, environ={})
+    ('on', 1048576, 0)
+    >>> pipeline_settings(environ={"COMMOPT_MPI_PIPELINE": "off"})[0]
+    'off'
     """
     environ = os.environ if environ is None else environ
     if pipeline is None:
@@ -44,16 +65,19 @@ def pipeline_settings(pipeline=None, segment_bytes=None, min_bytes=None,
         pipeline = "on" if pipeline else "off"
     mode = _PIPELINE_MODES.get(str(pipeline).strip().lower())
     if mode is None:
-        raise ValueError(f"pipeline={pipeline!r}: use 'auto', 'on' or 'off' (option or "
-                         f"{PIPELINE_ENV})")
+        raise ValueError(
+            f"pipeline={pipeline!r}: use 'auto', 'on' or 'off' (option or {PIPELINE_ENV})"
+        )
     if segment_bytes is None:
         segment_bytes = environ.get(SEGMENT_ENV) or default_segment_bytes(environ)
     if min_bytes is None:
         min_bytes = environ.get(PIPELINE_MIN_ENV) or DEFAULT_PIPELINE_MIN_BYTES
     seg = parse_bytes(segment_bytes, "segment_bytes")
     if seg < 8:
-        raise ValueError(f"segment_bytes={segment_bytes!r} is too small: give at least 8 bytes "
-                         f"(just under the transport's eager limit is best, e.g. 60K)")
+        raise ValueError(
+            f"segment_bytes={segment_bytes!r} is too small: give at least 8 bytes "
+            f"(just under the transport's eager limit is best, e.g. 60K)"
+        )
     return mode, seg, parse_bytes(min_bytes, "pipeline_min_bytes")
 
 
@@ -121,6 +145,8 @@ def wait_settings(environ=None) -> tuple[str, float]:
     except ValueError:
         sleep_us = -1.0
     if not 0 <= sleep_us <= 1e6:
-        raise ValueError(f"{POLL_SLEEP_ENV}={text!r}: give microseconds between 0 and 1000000, "
-                         f"e.g. 200 (0 waits in MPI_Wait)")
+        raise ValueError(
+            f"{POLL_SLEEP_ENV}={text!r}: give microseconds between 0 and 1000000, "
+            f"e.g. 200 (0 waits in MPI_Wait)"
+        )
     return ("spin" if sleep_us == 0 else mode), sleep_us / 1e6

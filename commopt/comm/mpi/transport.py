@@ -3,12 +3,14 @@
 Every operation runs on the communicator's one worker thread, in issue order; see
 :mod:`commopt.comm.mpi` for the design and the pipelined paths.
 """
+
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -16,11 +18,20 @@ from commopt.comm.base import Communicator, FutureWork, Work
 from commopt.comm.mpi.p2p import direct_allgather, pairwise_alltoall, ring_allreduce, wait_polled
 from commopt.comm.mpi.runtime import _mpi, install_exit_handshake, mpi_type, numpy_view
 from commopt.comm.mpi.settings import (
-    PIPELINE_ENV, PIPELINE_MIN_ENV, SEGMENT_ENV, pipeline_settings, transfer_path,
+    PIPELINE_ENV,
+    PIPELINE_MIN_ENV,
+    SEGMENT_ENV,
+    pipeline_settings,
+    transfer_path,
 )
 from commopt.comm.mpi.user_ops import sum16_op
 
-__all__ = ["MPICommunicator", "detect_cuda_aware", "live_mpi_communicators", "ready_after_producers"]
+__all__ = [
+    "MPICommunicator",
+    "detect_cuda_aware",
+    "live_mpi_communicators",
+    "ready_after_producers",
+]
 
 #: ids of the MPICommunicators whose MPI communicator is not freed yet (for leak checks).
 _LIVE_COMMS: set[int] = set()
@@ -48,8 +59,10 @@ def detect_cuda_aware(MPI) -> bool:
     forced = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
     if forced:
         if forced not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"{CUDA_AWARE_ENV}={forced!r}: give 1 (CUDA-aware MPI) or 0 (stage "
-                             f"CUDA tensors through host memory)")
+            raise ValueError(
+                f"{CUDA_AWARE_ENV}={forced!r}: give 1 (CUDA-aware MPI) or 0 (stage "
+                f"CUDA tensors through host memory)"
+            )
         return forced in ("1", "true", "yes", "on")
     query = getattr(MPI, "Query_cuda_support", None)
     if query is not None:
@@ -101,15 +114,22 @@ class MPICommunicator(Communicator):
     COMMOPT_MPI_PIPELINE, COMMOPT_MPI_SEGMENT_BYTES, COMMOPT_MPI_PIPELINE_MIN_BYTES (the
     options win). Every rank must use the same settings; the constructor checks.
 
-        >>> comm = MPICommunicator(pipeline="off")          # doctest: +SKIP
+        >>> comm = MPICommunicator(pipeline="off")  # doctest: +SKIP
     """
 
     name = "mpi"
 
-    def __init__(self, *, allreduce_grad_dtype: torch.dtype | None = None, mpi_comm=None,
-                 cuda_aware: bool | None = None, pipeline: str | bool | None = None,
-                 segment_bytes: int | str | None = None,
-                 pipeline_min_bytes: int | str | None = None, _dup: bool = True):
+    def __init__(
+        self,
+        *,
+        allreduce_grad_dtype: torch.dtype | None = None,
+        mpi_comm=None,
+        cuda_aware: bool | None = None,
+        pipeline: str | bool | None = None,
+        segment_bytes: int | str | None = None,
+        pipeline_min_bytes: int | str | None = None,
+        _dup: bool = True,
+    ):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -123,7 +143,8 @@ class MPICommunicator(Communicator):
         self.size = self.mpi_comm.Get_size()
         self.cuda_aware = detect_cuda_aware(MPI) if cuda_aware is None else bool(cuda_aware)
         self.pipeline, self.segment_bytes, self.pipeline_min_bytes = pipeline_settings(
-            pipeline, segment_bytes, pipeline_min_bytes)
+            pipeline, segment_bytes, pipeline_min_bytes
+        )
         self._scratch_buf: torch.Tensor | None = None
         self._objects = threading.local()  # .active while this thread exchanges objects
         self._thread_prefix = f"commopt-mpi-{id(self):x}"
@@ -136,7 +157,8 @@ class MPICommunicator(Communicator):
             raise ValueError(
                 f"rank {self.rank}: the ranks disagree on the MPI pipeline settings "
                 f"(pipeline, segment_bytes, pipeline_min_bytes): {everyone}. Give every rank "
-                f"the same {PIPELINE_ENV}, {SEGMENT_ENV}, {PIPELINE_MIN_ENV} and eager limit.")
+                f"the same {PIPELINE_ENV}, {SEGMENT_ENV}, {PIPELINE_MIN_ENV} and eager limit."
+            )
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         """A reusable byte buffer for the worker thread (fresh pages cost a fault each)."""
@@ -151,11 +173,18 @@ class MPICommunicator(Communicator):
             # every rank: the pipeline settings that choose the path are what ranks compare,
             # and a blocking collective never matches a nonblocking one on a peer.
             return "blocking"
-        return transfer_path(self.pipeline, nbytes, size=self.size, inter_size=self.inter_size,
-                             min_bytes=self.pipeline_min_bytes)
+        return transfer_path(
+            self.pipeline,
+            nbytes,
+            size=self.size,
+            inter_size=self.inter_size,
+            min_bytes=self.pipeline_min_bytes,
+        )
 
     # -- running on the worker -------------------------------------------------------
-    def _submit(self, fn: Callable[[], Any], finalize: Callable[[], None] | None = None) -> FutureWork:
+    def _submit(
+        self, fn: Callable[[], Any], finalize: Callable[[], None] | None = None
+    ) -> FutureWork:
         with self._lock:  # one submission order, even with several calling threads
             return FutureWork(self._worker.submit(fn), finalize)
 
@@ -208,15 +237,28 @@ class MPICommunicator(Communicator):
         return self._submit(run)
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
-        return self._exchange_op(send, recv, send.numel() * send.element_size(), pairwise_alltoall,
-                                 self.mpi_comm.Ialltoall, self.mpi_comm.Alltoall)
+        return self._exchange_op(
+            send,
+            recv,
+            send.numel() * send.element_size(),
+            pairwise_alltoall,
+            self.mpi_comm.Ialltoall,
+            self.mpi_comm.Alltoall,
+        )
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
-        return self._exchange_op(send, recv, recv.numel() * recv.element_size(), direct_allgather,
-                                 self.mpi_comm.Iallgather, self.mpi_comm.Allgather)
+        return self._exchange_op(
+            send,
+            recv,
+            recv.numel() * recv.element_size(),
+            direct_allgather,
+            self.mpi_comm.Iallgather,
+            self.mpi_comm.Allgather,
+        )
 
-    def _exchange_op(self, send: torch.Tensor, recv: torch.Tensor, nbytes: int, pipelined,
-                     nonblocking, blocking) -> Work:
+    def _exchange_op(
+        self, send: torch.Tensor, recv: torch.Tensor, nbytes: int, pipelined, nonblocking, blocking
+    ) -> Work:
         """An all-to-all style collective on bytes by the path ``nbytes`` calls for: commopt's
         ``pipelined`` point-to-point version, MPI's ``nonblocking`` one polled, or ``blocking``."""
         ready = self._cuda_ready(send)
@@ -262,12 +304,17 @@ class MPICommunicator(Communicator):
         finally:
             self._objects.active = False
 
-    def _split(self, color: int, key: int) -> "MPICommunicator":
+    def _split(self, color: int, key: int) -> MPICommunicator:
         sub = self._call(lambda: self.mpi_comm.Split(color, key))
-        return MPICommunicator(allreduce_grad_dtype=self.allreduce_grad_dtype, mpi_comm=sub,
-                               cuda_aware=self.cuda_aware, pipeline=self.pipeline,
-                               segment_bytes=self.segment_bytes,
-                               pipeline_min_bytes=self.pipeline_min_bytes, _dup=False)
+        return MPICommunicator(
+            allreduce_grad_dtype=self.allreduce_grad_dtype,
+            mpi_comm=sub,
+            cuda_aware=self.cuda_aware,
+            pipeline=self.pipeline,
+            segment_bytes=self.segment_bytes,
+            pipeline_min_bytes=self.pipeline_min_bytes,
+            _dup=False,
+        )
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
         if dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
@@ -276,9 +323,17 @@ class MPICommunicator(Communicator):
         # commopt's scatter-reduce/allgather (fp32 on the side). Between nodes large buffers
         # take the pipelined ring, which adds 16-bit segments with torch (rounding once per
         # addition, as gloo and NCCL do) at full speed.
-        return (dtype in (torch.float16, torch.bfloat16) and transfer_path(
-            self.pipeline, 1 << 62, size=self.size, inter_size=self.inter_size,
-            min_bytes=self.pipeline_min_bytes) == "pipelined")
+        return (
+            dtype in (torch.float16, torch.bfloat16)
+            and transfer_path(
+                self.pipeline,
+                1 << 62,
+                size=self.size,
+                inter_size=self.inter_size,
+                min_bytes=self.pipeline_min_bytes,
+            )
+            == "pipelined"
+        )
 
     def finalize(self) -> None:
         # Not joining from the worker itself (a last reference dropped there).

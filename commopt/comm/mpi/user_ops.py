@@ -9,6 +9,7 @@ wire still carries 16 bits.
     >>> bf16_to_f32(f32_to_bf16(np.array([1.5, -2.0], dtype=np.float32))).tolist()
     [1.5, -2.0]
 """
+
 from __future__ import annotations
 
 from typing import Any
