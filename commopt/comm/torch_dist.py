@@ -289,7 +289,7 @@ def _explain_departure(exc: RuntimeError) -> Exception:
         for r in range(size):
             if r != rank and store.check([f"rank{r}"]):
                 left[r] = store.get(f"rank{r}").decode()
-    except Exception:
+    except Exception:  # rank 0 hosts the store: it is the one that left
         left = {0: "left (its rendezvous store is gone with it)"}
     if not left:
         return exc

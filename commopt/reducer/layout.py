@@ -109,8 +109,8 @@ def build_buckets(
             order.append(kind)
         b.slots.append(Slot(i, b.numel, p.numel(), padded))
         b.numel += padded
-    for kind in order:
-        close(kind)
+    while order:  # close() removes the kind from order: take them one by one, oldest first
+        close(order[0])
     return buckets
 
 

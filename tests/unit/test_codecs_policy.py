@@ -86,3 +86,23 @@ def test_get_codec_names():
 def test_qsgd_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QSGD(**kwargs)
+
+
+def test_every_parameter_lands_in_a_bucket_when_kinds_mix():
+    # Compressed and plain tensors open buckets of different kinds; closing the open ones at
+    # the end must close all of them (a loop that removed from the list it walked skipped
+    # every other kind and silently dropped their parameters from the reduction).
+    from commopt.reducer.layout import build_buckets
+
+    params = [torch.zeros(64, 64), torch.zeros(64), torch.zeros(16, 64), torch.zeros(16)]
+    names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    buckets = build_buckets(
+        params,
+        names,
+        codec=get_codec("qsgd4"),
+        plain_codec=get_codec("fp16"),
+        policy=CompressionPolicy(min_compress_numel=64),
+    )
+    placed = sorted(s.param for b in buckets for s in b.slots)
+    assert placed == [0, 1, 2, 3], f"parameters in buckets: {placed}"
+    assert {b.compressed for b in buckets} == {True, False}
