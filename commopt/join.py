@@ -51,16 +51,16 @@ class Join:
         self.optimizer = optimizer
         self.comm = optimizer.comm
         self.shadow_steps = 0  # steps this rank took with zero gradients after its data ended
-        self._handle = None
         self._shadowing = False
 
     def __enter__(self) -> Self:
-        self._handle = self.optimizer.register_step_pre_hook(self._before_step)
+        # The flag goes before each step's first bucket (as DDP's Join does it in forward):
+        # a rank that shadows sends its flag, then its zero buckets, in the same order.
+        self.optimizer._before_reduction = self._training
         return self
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        if not self._shadowing:
-            self._still_training(True)
+    def _training(self) -> None:
+        self._still_training(True)
 
     def _still_training(self, mine: bool) -> int:
         """How many ranks still have data (a collective call, once per step on every rank)."""
@@ -70,6 +70,7 @@ class Join:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
+            self.optimizer._before_reduction = None
             if exc_type is None:
                 self._shadowing = True
                 while self._still_training(False) > 0:
@@ -77,6 +78,5 @@ class Join:
                     self.optimizer.step()  # zeros in, the others' average out
                     self.shadow_steps += 1
         finally:
-            if self._handle is not None:
-                self._handle.remove()
+            self.optimizer._before_reduction = None
             self._shadowing = False

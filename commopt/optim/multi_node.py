@@ -178,6 +178,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._iteration = 0  # reductions started: the "step" of the RNG keys
         # Reduction state.
         self._reducer: GradientReducer | None = None
+        #: called as each step's reduction starts (commopt.Join counts the ranks with data)
+        self._before_reduction: Callable[[], None] | None = None
         self._hooks: list = []
         self._signature: tuple | None = None
         self._current: StepReduction | None = None  # issued by hooks, not all issued yet
@@ -398,6 +400,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
         self._reduced = None
+        if self._before_reduction is not None:
+            self._before_reduction()  # commopt.Join's flag: before this step's first bucket
         red = self._layout.start(step=self._iteration, buffer=buffer, scale=scale)
         self._iteration = red.step + 1  # a step every rank skipped gave its number back
         return red
