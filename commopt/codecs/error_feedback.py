@@ -11,8 +11,7 @@ The residual lives in the scaled ("sent") domain and is part of ``state_dict``.
     >>> x = torch.tensor([1.0, 0.4, 0.3, 0.0])
     >>> wire = torch.empty(ef.encoded_nbytes(4), dtype=torch.uint8)
     >>> ef.encode(x, wire, key="layer1")
-    >>> sent = torch.zeros(4)
-    ... ef.decode(wire, sent)
+    >>> sent = torch.zeros(4); ef.decode(wire, sent)
     >>> sent.tolist(), ef.residual("layer1").tolist()
     ([1.0, 0.0, 0.0, 0.0], [0.0, 0.4000000059604645, 0.30000001192092896, 0.0])
 
@@ -25,10 +24,8 @@ first encode writes its new residual into a second buffer and keeps the old one,
 every rank skips a step for NaN/Inf: the healthy ranks' residuals must not keep a gradient
 that was never applied). Costs one more residual-sized buffer per key, no extra pass.
 
-    >>> ef.begin_step()
-    ... ef.encode(torch.tensor([0.0, 9.0, 0.0, 0.0]), wire, key="layer1")
-    >>> ef.discard_step()
-    ... ef.residual("layer1").tolist()
+    >>> ef.begin_step(); ef.encode(torch.tensor([0.0, 9.0, 0.0, 0.0]), wire, key="layer1")
+    >>> ef.discard_step(); ef.residual("layer1").tolist()
     [0.0, 0.4000000059604645, 0.30000001192092896, 0.0]
 """
 

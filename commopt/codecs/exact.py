@@ -22,10 +22,8 @@ class Exact(Codec):
     >>> from commopt.codecs.exact import Exact
     >>> codec, x = Exact(torch.float64), torch.tensor([1.5, -2.0], dtype=torch.float64)
     >>> wire = torch.empty(codec.encoded_nbytes(2), dtype=torch.uint8)
-    >>> codec.encode(x, wire, scale=2.0)
-    ... out = torch.empty_like(x)
-    >>> codec.decode(wire, out)
-    ... out.tolist()
+    >>> codec.encode(x, wire, scale=2.0); out = torch.empty_like(x)
+    >>> codec.decode(wire, out); out.tolist()
     [3.0, -4.0]
     """
 

@@ -16,8 +16,7 @@ selected one sees the device's default stream.
     >>> with trace.use(side):
     ...     trace.current(None).name
     's1:0'
-    >>> ev = trace.record(side)
-    ... trace.wait(trace.current(None), ev)
+    >>> ev = trace.record(side); trace.wait(trace.current(None), ev)
     >>> trace.lines()
     ['MainThread use s1:0', 'MainThread end-use s1:0', 'MainThread record e1 on s1:0', 'MainThread wait default:0 on e1']
 """

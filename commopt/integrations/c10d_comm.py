@@ -13,9 +13,7 @@ which is how tests and users see that compression happened.
     >>> import datetime, torch, torch.distributed as dist
     >>> store = dist.HashStore()
     >>> comm = C10dCommunicator(store, rank=0, size=1, timeout=datetime.timedelta(seconds=30))
-    >>> t = torch.ones(3)
-    ... comm.allreduce(t)
-    ... t.tolist()
+    >>> t = torch.ones(3); comm.allreduce(t); t.tolist()
     [1.0, 1.0, 1.0]
 
 ``bcast_obj``/``allgather_obj`` carry JSON (strings, numbers, lists), never pickles. The

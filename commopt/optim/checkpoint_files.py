@@ -14,8 +14,7 @@ every commopt communicator (``mpi`` included); the communicator only provides a 
     >>> opt = create_multi_node_optimizer(
     ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model, compression="qsgd4+ef"
     ... )
-    >>> model(torch.ones(3, 4)).sum().backward()
-    ... opt.step()
+    >>> model(torch.ones(3, 4)).sum().backward(); opt.step()
     >>> path = tempfile.mkdtemp() + "/ckpt"
     >>> save_checkpoint(path, model, opt, extra={"epoch": 3})
     >>> load_checkpoint(path, model, opt)

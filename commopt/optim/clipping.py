@@ -10,14 +10,12 @@ third way, a write before the reduction, through the tensors' version counters (
 in-place operation bumps them; reading one costs nothing), so it fails loudly instead.
 
     >>> import torch
-    >>> w = torch.nn.Parameter(torch.zeros(2))
-    ... w.grad = torch.tensor([3.0, 4.0])
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
     >>> clip_grad_norm([w], max_norm=1.0)  # returns the norm before clipping
     5.0
     >>> [round(x, 3) for x in w.grad.tolist()]
     [0.6, 0.8]
-    >>> guard = GradWriteGuard()
-    ... guard.record([w])
+    >>> guard = GradWriteGuard(); guard.record([w])
     >>> guard.written([w], ["w"])
     []
     >>> _ = w.grad.mul_(0.5)  # what clip_grad_norm_ does

@@ -11,8 +11,7 @@ weights (the same on every rank) and the predicted weights each rank's model hol
 steps (its own).
 
     >>> import torch
-    >>> w = torch.nn.Parameter(torch.zeros(2))
-    ... w.grad = torch.tensor([1.0, -2.0])
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([1.0, -2.0])
     >>> local = LocalGradients.take([w], [w], scale=1.0, keep_reference=lambda p: True)
     >>> local.grads[0].data_ptr() == w.grad.data_ptr()  # held, not copied
     True

@@ -9,8 +9,7 @@ reduction still pending, so a resumed run applies exactly what the original woul
     >>> import torch, commopt
     >>> from commopt.reducer import GradientReducer
     >>> from commopt.optim.double_buffering import DoubleBuffer
-    >>> w = torch.nn.Parameter(torch.zeros(2))
-    ... w.grad = torch.ones(2)
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.ones(2)
     >>> reducer = GradientReducer(commopt.create_communicator("local"), [w], ["w"], num_buffers=2)
     >>> db = DoubleBuffer()
     >>> db.exchange(lambda buffer: reducer.start(step=0, buffer=buffer), reducer, zero_fill=True)

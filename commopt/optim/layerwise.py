@@ -117,8 +117,7 @@ class LARS(Optimizer):
         >>> p = torch.nn.Parameter(torch.ones(2, 2))
         >>> opt = LARS([p], lr=1.0, momentum=0.0, weight_decay=0.0, trust_coefficient=0.5)
         >>> p.grad = torch.full((2, 2), 4.0)  # ||w|| = 2, ||g|| = 8: trust = 0.5 * 2 / 8
-        >>> opt.step()
-        ... p.data[0, 0].item()
+        >>> opt.step(); p.data[0, 0].item()
         0.5
     """
 

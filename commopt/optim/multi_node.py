@@ -19,8 +19,7 @@ each method with the docstring its users read.
     ...     torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model
     ... )
     >>> model(torch.ones(3, 4)).sum().backward()
-    >>> opt.step()
-    ... opt.zero_grad()
+    >>> opt.step(); opt.zero_grad()
     >>> opt.applied_steps, opt.skipped_steps
     (1, 0)
 
@@ -479,8 +478,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             >>> model(torch.ones(1, 2)).sum().backward()
             >>> opt.step()  # sends this step's gradients; applies nothing yet
             >>> opt.wait()  # that reduction has completed
-            >>> opt.flush()
-            ... opt.applied_steps
+            >>> opt.flush(); opt.applied_steps
             1
         """
         driver.drain(self._data_comm)
@@ -735,9 +733,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             ...     model=model,
             ...     double_buffering="compensated",
             ... )
-            >>> model(torch.ones(1, 2)).sum().backward()
-            ... opt.step()
-            ... opt.zero_grad()
+            >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
             >>> before = model.bias.item()  # predicted: one local step ahead
             >>> with opt.true_weights():
             ...     round(before - model.bias.item(), 6)

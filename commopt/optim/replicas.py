@@ -94,8 +94,7 @@ def broadcast_from_root(
 
         >>> import torch, commopt
         >>> w = torch.ones(3)
-        >>> broadcast_from_root(commopt.create_communicator("local"), [w])
-        ... w.tolist()
+        >>> broadcast_from_root(commopt.create_communicator("local"), [w]); w.tolist()
         [1.0, 1.0, 1.0]
     """
     tensors = list(params)

@@ -39,9 +39,7 @@ and ``commopt.optim.layerwise.LARS``.
     >>> w.data.tolist()  # the next step's forward runs here
     [-0.5, 1.0]
     >>> w.grad = torch.tensor([2.0, -2.0])  # the average of step 0 arrives
-    >>> comp.restore()
-    ... opt.step()
-    ... w.data.tolist()  # applied at the true weights (zero)
+    >>> comp.restore(); opt.step(); w.data.tolist()  # applied at the true weights (zero)
     [-1.0, 1.0]
 """
 

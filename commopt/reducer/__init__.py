@@ -11,8 +11,7 @@ carries one codec. In a compressed bucket every tensor starts at a multiple of t
     >>> import torch, commopt
     >>> from commopt.reducer import GradientReducer
     >>> comm = commopt.create_communicator("local")
-    >>> w = torch.nn.Parameter(torch.ones(3))
-    ... w.grad = torch.full((3,), 2.0)
+    >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 2.0)
     >>> reducer = GradientReducer(comm, [w], ["w"])
     >>> step = reducer.start(step=0)
     >>> step.issue_remaining()

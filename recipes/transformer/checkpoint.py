@@ -5,8 +5,7 @@ A checkpoint is one ``torch.save`` dict (see ``train.py`` for its keys). Rank 0 
 a temporary file first and are renamed, so a crash never leaves a torn checkpoint.
 
     >>> import torch
-    >>> a = {"model": {"w": torch.tensor([1.0, 3.0])}}
-    ... b = {"model": {"w": torch.tensor([3.0, 5.0])}}
+    >>> a = {"model": {"w": torch.tensor([1.0, 3.0])}}; b = {"model": {"w": torch.tensor([3.0, 5.0])}}
     >>> average_model_states([a["model"], b["model"]])["w"].tolist()
     [2.0, 4.0]
 """

@@ -11,8 +11,7 @@ gain 1/sqrt(2)) and N(0, d^-1/2) embeddings with a zero pad row.
     >>> import torch
     >>> cfg = ARCHITECTURES["transformer_tiny"]
     >>> model = Transformer(cfg, vocab_size=40)
-    >>> src = torch.tensor([[5, 6, 7, 2]])
-    ... prev = torch.tensor([[2, 8, 9]])
+    >>> src = torch.tensor([[5, 6, 7, 2]]); prev = torch.tensor([[2, 8, 9]])
     >>> model(src, prev).shape
     torch.Size([1, 3, 40])
 """
