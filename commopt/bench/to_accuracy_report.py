@@ -38,6 +38,9 @@ def summarize(report: dict) -> list[dict]:
     """One row per configuration: time and steps to the target, final loss, the link's limit."""
     runs = report["runs"]
     if REFERENCE not in runs or "curve" not in runs[REFERENCE]:
+        why = runs.get(REFERENCE, {}).get("error")
+        if why:
+            raise ValueError(f"{REFERENCE} (the target) did not finish: {why}")
         raise ValueError(f"the target is {REFERENCE}'s final loss: run {REFERENCE} too")
     target = target_loss(report)
     rows = []

@@ -89,5 +89,5 @@ def test_inside_mpirun_it_does_not_start_ranks_again():
         "echo rank $OMPI_COMM_WORLD_RANK",
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert sorted(r.stdout.splitlines()) == ["rank 0", "rank 1"]
