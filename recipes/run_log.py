@@ -127,9 +127,9 @@ class RunLog:
         if not self._show:
             return
         if self._bar is not None:
-            self._bar.update(n)
-            if status:
+            if status:  # before the update, which redraws the bar with it
                 self._bar.set_postfix_str(status, refresh=False)
+            self._bar.update(n)
         elif status:
             self.write(status)
 
