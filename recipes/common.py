@@ -1,6 +1,6 @@
 """Pieces every recipe shares, one helper per job: launcher-aware communicator creation, the
-device and CPU threads, the commopt command-line options and optimizer factory, machine-readable
-logs and a progress display, and atomic checkpoint writes.
+device and CPU threads, the commopt command-line options and optimizer factory, and atomic
+checkpoint writes. What a run reports (JSON lines, a progress bar) is ``recipes.run_log``.
 
 ``--communicator auto`` picks ``mpi`` under mpirun/mpiexec/srun, ``torch`` under torchrun and
 ``local`` for a single process. Under srun with ``--communicator torch`` the Slurm variables
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -176,62 +173,6 @@ def state_digest(module: torch.nn.Module) -> str:
             else b""
         )
     return h.hexdigest()[:16]
-
-
-class JsonLines:
-    """Rank 0 appends one JSON object a line to ``path`` (other ranks and path=None: no-op)."""
-
-    def __init__(self, path: str | None, enabled: bool):
-        self.file = None
-        if path and enabled:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1)
-
-    def write(self, **record) -> None:
-        if self.file is not None:
-            record.setdefault("time", round(time.time(), 3))
-            self.file.write(json.dumps(record, sort_keys=False) + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-class Progress:
-    """Rank 0's view: a tqdm bar on a terminal, else one plain line per update."""
-
-    def __init__(self, total: int, initial: int, mode: str, enabled: bool):
-        self.bar = None
-        self.enabled = enabled and mode != "none"
-        if self.enabled and (mode == "bar" or (mode == "auto" and sys.stderr.isatty())):
-            try:
-                from tqdm import tqdm
-            except ImportError:  # the bar is optional; text lines still show progress
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-    def update(self, n: int, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(n)
-            self.bar.set_postfix_str(text, refresh=False)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def write(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def atomic_save(obj, path: str | os.PathLike) -> None:

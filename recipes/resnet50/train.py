@@ -30,8 +30,6 @@ from commopt.optim.checkpoint import join_rank_state, split_rank_state
 from commopt.optim.layerwise import LARS
 from commopt.optim.schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
 from recipes.common import (
-    JsonLines,
-    Progress,
     RecipeError,
     add_commopt_arguments,
     atomic_save,
@@ -54,6 +52,7 @@ from recipes.resnet50.data import (
 )
 from recipes.resnet50.model import model_source, resnet50
 from recipes.resnet50.presets import PRESETS, get_preset
+from recipes.run_log import PROGRESS_MODES, RunLog
 
 PROG = "python -m recipes.resnet50.train"
 CHECKPOINT_FORMAT = "commopt-resnet50/1"
@@ -148,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--log-jsonl", metavar="FILE", help="rank 0 appends JSON records here")
     e.add_argument("--log-every", type=int, help="steps between train records")
-    e.add_argument("--progress", choices=("auto", "bar", "text", "none"), default="auto")
+    e.add_argument("--progress", choices=PROGRESS_MODES, default="auto")
     add_commopt_arguments(p)
     return p
 
@@ -523,12 +522,10 @@ def build_optimizer(model, cfg: Config):
 
 
 def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
-    rank0 = comm.rank == 0
     try:
         precision = MixedPrecision.resolve(args.amp, device)
     except ValueError as exc:
         raise RecipeError(f"--amp {args.amp}: {exc}") from None
-    log = JsonLines(args.log_jsonl, rank0)
     torch.manual_seed(cfg.seed)
     train_set, val_set = make_datasets(
         cfg.data_kind,
@@ -568,8 +565,15 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         position = dict(shared["position"])
         del shared, own
     sources = {"model_source": model_source(model), "data_source": data_source(train_set)}
-    log.write(
-        event="config",
+    log = RunLog(
+        rank=comm.rank,
+        path=args.log_jsonl,
+        progress=args.progress,
+        total=total_steps,
+        initial=position["global_step"],
+    )
+    log.event(
+        "config",
         world_size=comm.size,
         device=str(device),
         amp=precision.name,
@@ -578,14 +582,12 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         resumed_at=position["global_step"],
         **asdict(cfg),
     )
-    progress = Progress(total_steps, position["global_step"], args.progress, rank0)
-    if rank0:
-        progress.write(
-            f"resnet50 {cfg.preset}: {comm.size} rank(s) on {device}, global batch "
-            f"{cfg.global_batch}, {cfg.optimizer} lr {cfg.lr:g}, comm {config_label(args)}"
-            + (f", resumed at step {position['global_step']}" if position["global_step"] else "")
-        )
-        progress.write(f"model: {sources['model_source']}; data: {sources['data_source']}")
+    log.write(
+        f"resnet50 {cfg.preset}: {comm.size} rank(s) on {device}, global batch "
+        f"{cfg.global_batch}, {cfg.optimizer} lr {cfg.lr:g}, comm {config_label(args)}"
+        + (f", resumed at step {position['global_step']}" if position["global_step"] else "")
+    )
+    log.write(f"model: {sources['model_source']}; data: {sources['data_source']}")
 
     clock = {"paused": 0.0}  # seconds spent in evaluation and checkpoints: not training
 
@@ -601,13 +603,13 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             path = paused(
                 lambda: save_checkpoint(ckpt_dir, comm, position, model, opt, precision.scaler, cfg)
             )
-            log.write(event="checkpoint", step=position["global_step"], path=str(path))
+            log.event("checkpoint", step=position["global_step"], path=str(path))
 
     def run_eval(final: bool = False):
         result = paused(lambda: evaluate(model, val_set, cfg, comm, device, precision))
         now = time.perf_counter()
-        log.write(
-            event="eval",
+        log.event(
+            "eval",
             step=position["global_step"],
             epoch=position["epoch"],
             elapsed_s=round(now - run_start, 3),
@@ -616,7 +618,7 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             **result,
         )
         what = "final eval" if final else f"eval at step {position['global_step']}"
-        progress.write(f"{what}: top1 {result['top1']:.4f} loss {result['loss']:.4f}")
+        log.write(f"{what}: top1 {result['top1']:.4f} loss {result['loss']:.4f}")
         return result
 
     metrics = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -687,8 +689,8 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
                     images_per_s=round(ips, 2),
                     elapsed_s=round(now - run_start, 3),
                 )
-                log.write(event="train", **record)
-                progress.update(
+                log.event("train", **record)
+                log.advance(
                     step - last_log_step,
                     f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
                     f"top1 {record['top1']:.3f} {ips:.1f} img/s lr {lr:.4g}",
@@ -717,7 +719,6 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
     end, paused_at_end = time.perf_counter(), clock["paused"]
     if not args.no_eval:
         last_eval = run_eval(final=True)
-    progress.close()
     summary = {
         "steps": position["global_step"] - first_step,
         "global_step": position["global_step"],
@@ -731,7 +732,7 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
         summary["images_per_s"] = round((images_done - timed_from[1]) / busy, 2)
     if last_eval is not None:
         summary["top1"] = last_eval["top1"]
-    log.write(event="done", **summary)
+    log.event("done", **summary)
     log.close()
     return summary
 

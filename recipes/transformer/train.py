@@ -42,9 +42,9 @@ from commopt.optim.checkpoint import (
 )
 from recipes.common import choose_device, create_communicator, multi_node_optimizer, set_cpu_threads
 from recipes.precision import MixedPrecision
+from recipes.run_log import RunLog
 from recipes.transformer import checkpoint as ckpt
 from recipes.transformer.data import ShardedBatchIterator, collate, load_split, shard_for_rank
-from recipes.transformer.logs import RunLog
 from recipes.transformer.model import (
     Transformer,
     architecture,
@@ -328,7 +328,12 @@ class Trainer:
             result["bleu"] = self.bleu("valid")
         self.best_valid_loss = min(self.best_valid_loss, result["loss"])
         self.log.event(
-            "valid", epoch=epoch, update=self.num_updates, best_loss=self.best_valid_loss, **result
+            "valid",
+            echo=True,
+            epoch=epoch,
+            update=self.num_updates,
+            best_loss=self.best_valid_loss,
+            **result,
         )
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -375,7 +380,7 @@ class Trainer:
                 num_updates=self.num_updates,
                 keep_last=self.args.keep_last,
             )
-            self.log.event("checkpoint", update=self.num_updates, path=path)
+            self.log.event("checkpoint", echo=True, update=self.num_updates, path=path)
         self.comm.barrier()  # nobody runs ahead of a checkpoint that is being written
 
     def load_state_dict(self, state: dict) -> None:
@@ -447,9 +452,9 @@ class Trainer:
                 if self.num_updates % a.log_interval == 0 or at_end:
                     shown = self._log_train(window, time.time() - window_start, epoch)
                     window, window_start = Stats(), time.time()
-                    log.progress(1, loss=round(shown, 3), epoch=epoch)
+                    log.advance(1, f"loss {shown:.3f} epoch {epoch}" if log.bar_shown else "")
                 else:
-                    log.progress(1)
+                    log.advance(1)
                 if at_end:
                     break
                 if (
@@ -487,6 +492,7 @@ class Trainer:
         updates = max(window.updates, 1)
         self.log.event(
             "train",
+            echo=not self.log.bar_shown,  # the bar shows the loss; without one, a line does
             epoch=epoch,
             update=self.num_updates,
             loss=everyone.loss / n / LN2,
@@ -525,6 +531,7 @@ class Trainer:
         score = self.bleu(a.final_eval)
         self.log.event(
             "final",
+            echo=True,
             split=a.final_eval,
             bleu=score,
             averaged_checkpoints=averaged,
@@ -601,10 +608,12 @@ def run(argv: list[str] | None = None) -> Trainer:
     data = load_data(args, comm, tokenizer, key)
     log = RunLog(
         rank=comm.rank,
-        json_path=args.json_log,
-        progress=False if args.no_progress_bar else None,
+        path=args.json_log,
+        progress="text" if args.no_progress_bar else "auto",
         total=args.max_update or 0,
         initial=int(restored["num_updates"]) if restored else 0,
+        unit="upd",
+        out=sys.stdout,  # text lines on stdout, as fairseq prints its log
     )
     try:
         try:
@@ -613,11 +622,12 @@ def run(argv: list[str] | None = None) -> Trainer:
             build_parser().error(str(exc))
         if restored is not None:
             trainer.load_state_dict(restored)
-            log.event("resume", update=trainer.num_updates, epoch=trainer.iterator.epoch)
+            log.event("resume", echo=True, update=trainer.num_updates, epoch=trainer.iterator.epoch)
         del restored
         it = trainer.iterator
         log.event(
             "config",
+            echo=True,
             preset=args.preset,
             arch=args.arch,
             parameters=count_parameters(trainer.model),
