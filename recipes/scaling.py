@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from commopt._tables import table
+from commopt.commands.launch import launch_argv
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")
 MPIRUN_LOCAL = [
@@ -208,22 +209,7 @@ def read_transformer_run(log_path: Path, target_loss: float) -> dict:
 
 def emulated_link_available(link: str) -> tuple[bool, str]:
     """Can ``commopt launch --link`` make a 2-host cluster here? (ok, reason)."""
-    probe = [
-        sys.executable,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        "2",
-        "--link",
-        link,
-        "--timeout",
-        "60",
-        "--",
-        sys.executable,
-        "-c",
-        "pass",
-    ]
+    probe = [*launch_argv(2, "--link", link, "--timeout", "60", "--"), sys.executable, "-c", "pass"]
     try:
         res = subprocess.run(probe, capture_output=True, text=True, timeout=90)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -236,7 +222,7 @@ def emulated_link_available(link: str) -> tuple[bool, str]:
 
 def launch_prefix(launcher: str, n: int, link: str | None) -> list[str]:
     if launcher == "commopt":
-        prefix = [sys.executable, "-m", "commopt", "launch", "-n", str(n)]
+        prefix = launch_argv(n)
         return prefix + (["--link", link] if link else []) + ["--"]
     return MPIRUN_LOCAL + ["-np", str(n), "-x", "PYTHONPATH"]
 
