@@ -195,16 +195,9 @@ def _alpha(m, alpha_us):
 
 
 def _testbed_error(m, machine) -> float:
-    from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
-    from commopt.sim.validation import _plan_codec, compare_measured
+    from commopt.sim.validation import compare_measured, measured_plan
 
-    plan = Plan(
-        m.plan.get("algorithm", "ring"),
-        _plan_codec(m),
-        m.plan.get("bucket_mb", 25),
-        m.plan.get("overlap", "none"),
-        m.plan.get("piece_mb", DEFAULT_PIECE_MB),
-    )
+    plan = measured_plan(m)
     return compare_measured(
         measured_step_s=m.measured_step_s,
         compute_s=m.compute_s,

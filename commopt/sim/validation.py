@@ -426,6 +426,17 @@ def _plan_codec(m: Measurement) -> str:
     return m.plan.get("codec", "none").removesuffix("+ef")
 
 
+def measured_plan(m: Measurement) -> Plan:
+    """The simulator's plan of a measurement (the job's defaults where it names none)."""
+    return Plan(
+        m.plan.get("algorithm", "ring"),
+        _plan_codec(m),
+        m.plan.get("bucket_mb", 25),
+        m.plan.get("overlap", "none"),
+        m.plan.get("piece_mb", DEFAULT_PIECE_MB),
+    )
+
+
 def _link_limit_s(m: Measurement, machine: Machine) -> float | None:
     """The gradient's allreduce on the link: 2(n-1)/n x the codec's wire bytes / line rate."""
     try:
@@ -506,13 +517,7 @@ def compare_testbed_measurements(
             )
             out.append(row)
             continue
-        plan = Plan(
-            m.plan.get("algorithm", "ring"),
-            _plan_codec(m),
-            m.plan.get("bucket_mb", 25),
-            m.plan.get("overlap", "none"),
-            m.plan.get("piece_mb", DEFAULT_PIECE_MB),
-        )
+        plan = measured_plan(m)
         row.update(
             compare_measured(
                 measured_step_s=m.measured_step_s,
