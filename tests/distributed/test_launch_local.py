@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from commopt.commands.launch import launch_argv
 from tests.multirank import launch, needs_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,13 +78,7 @@ def test_inside_mpirun_it_does_not_start_ranks_again():
         "lo",
         "-x",
         f"PYTHONPATH={REPO}",
-        PY,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        "2",
-        "--",
+        *launch_argv(2, "--"),
         "sh",
         "-c",
         "echo rank $OMPI_COMM_WORLD_RANK",
