@@ -288,25 +288,21 @@ def test_the_recorded_testbed_measurements_all_get_a_prediction():
 
 def test_the_validation_script_takes_every_testbed_row_from_its_files(tmp_path):
     path = tmp_path / "m.json"
+
+    def entry(what: str, comm: str, step_s: float, algorithm: str, codec: str) -> dict:
+        return dict(
+            what=what,
+            command=f"commopt launch ... --comm {comm}",
+            gpus=2,
+            compute_s=1e-6,
+            grad_bytes=64 * 2**20,
+            measured_step_s=step_s,
+            plan={"algorithm": algorithm, "codec": codec, "overlap": "none", "bucket_mb": 64},
+        )
+
     entries = [
-        dict(
-            what="allreduce fp32 64 MiB, mpi",
-            command="commopt launch ... --comm mpi",
-            gpus=2,
-            compute_s=1e-6,
-            grad_bytes=64 * 2**20,
-            measured_step_s=0.57,
-            plan={"algorithm": "ring", "codec": "none", "overlap": "none", "bucket_mb": 64},
-        ),
-        dict(
-            what="allreduce qsgd4 64 MiB, gloo",
-            command="commopt launch ... --comm torch",
-            gpus=2,
-            compute_s=1e-6,
-            grad_bytes=64 * 2**20,
-            measured_step_s=0.2,
-            plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "none", "bucket_mb": 64},
-        ),
+        entry("allreduce fp32 64 MiB, mpi", "mpi", 0.57, "ring", "none"),
+        entry("allreduce qsgd4 64 MiB, gloo", "torch", 0.2, "sra", "qsgd4"),
     ]
     path.write_text(json.dumps(entries))
     r = subprocess.run(
