@@ -35,6 +35,7 @@ from pathlib import Path
 
 from commopt._tables import table
 from commopt.commands.launch import launch_argv
+from commopt.testbed.mpirun import LOOPBACK_MCA
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")
 MPIRUN_LOCAL = [
@@ -46,12 +47,7 @@ MPIRUN_LOCAL = [
     "--mca",
     "btl",
     "self,tcp,vader",
-    "--mca",
-    "btl_tcp_if_include",
-    "lo",
-    "--mca",
-    "oob_tcp_if_include",
-    "lo",
+    *LOOPBACK_MCA,
 ]
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from commopt.testbed.mpirun import LOOPBACK_MCA
 from commopt.testbed.torch_dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,12 +120,7 @@ def run_mpi(
             "--mca",
             "btl",
             "self,tcp,vader",
-            "--mca",
-            "btl_tcp_if_include",
-            "lo",
-            "--mca",
-            "oob_tcp_if_include",
-            "lo",
+            *LOOPBACK_MCA,
             "--bind-to",
             "none",
             # Ranks outnumber cores: busy-polling ranks would starve each other.
