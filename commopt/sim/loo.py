@@ -195,17 +195,9 @@ def _alpha(m, alpha_us):
 
 
 def _testbed_error(m, machine) -> float:
-    from commopt.sim.validation import compare_measured, measured_plan
+    from commopt.sim.validation import compare_measurement
 
-    plan = measured_plan(m)
-    return compare_measured(
-        measured_step_s=m.measured_step_s,
-        compute_s=m.compute_s,
-        grad_bytes=m.grad_bytes,
-        gpus=m.gpus,
-        plan=plan,
-        machine=machine,
-    )["error"]
+    return compare_measurement(m, machine)["error"]
 
 
 def effects_loo() -> list[LooRow]:

@@ -426,14 +426,23 @@ def _plan_codec(m: Measurement) -> str:
     return m.plan.get("codec", "none").removesuffix("+ef")
 
 
-def measured_plan(m: Measurement) -> Plan:
-    """The simulator's plan of a measurement (the job's defaults where it names none)."""
-    return Plan(
+def compare_measurement(m: Measurement, machine: Machine) -> dict:
+    """:func:`compare_measured` on a measurement's step, with its plan (the job's defaults
+    where it names none) on ``machine``."""
+    plan = Plan(
         m.plan.get("algorithm", "ring"),
         _plan_codec(m),
         m.plan.get("bucket_mb", 25),
         m.plan.get("overlap", "none"),
         m.plan.get("piece_mb", DEFAULT_PIECE_MB),
+    )
+    return compare_measured(
+        measured_step_s=m.measured_step_s,
+        compute_s=m.compute_s,
+        grad_bytes=m.grad_bytes,
+        gpus=m.gpus,
+        plan=plan,
+        machine=machine,
     )
 
 
@@ -517,17 +526,7 @@ def compare_testbed_measurements(
             )
             out.append(row)
             continue
-        plan = measured_plan(m)
-        row.update(
-            compare_measured(
-                measured_step_s=m.measured_step_s,
-                compute_s=m.compute_s,
-                grad_bytes=m.grad_bytes,
-                gpus=m.gpus,
-                plan=plan,
-                machine=machine,
-            )
-        )
+        row.update(compare_measurement(m, machine))
         if row["transport"] in NOT_MODELLED:
             row["status"], row["reason"] = "not modelled", NOT_MODELLED[row["transport"]]
             row["label"] = row["transport"]
