@@ -161,6 +161,18 @@ def throughput(row: dict):
     return row.get("throughput", row.get("images_per_s"))
 
 
+def one_rank_fp32(results: list[dict]):
+    """The throughput of fp32 on one rank, the baseline of the efficiencies (None if not run)."""
+    return next(
+        (
+            throughput(r)
+            for r in results
+            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
+        ),
+        None,
+    )
+
+
 def read_transformer_run(log_path: Path, target_loss: float) -> dict:
     """Target tokens/s, final validation loss and time to ``target_loss`` (bits/token, training
     time) from the Transformer recipe's JSON lines.
@@ -302,14 +314,7 @@ def best_of(rows: list[dict]) -> dict:
 
 def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) -> list[dict]:
     """Adds ``efficiency`` = t / (t0 * n), t0 the 1-rank fp32 throughput."""
-    t0 = next(
-        (
-            throughput(r)
-            for r in results
-            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
-        ),
-        None,
-    )
+    t0 = one_rank_fp32(results)
     for r in results:
         t = throughput(r)
         r["efficiency"] = round(t / (t0 * r["ranks"]), 3) if (t and t0) else None
@@ -369,14 +374,7 @@ def plot(
         )
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    t0 = next(
-        (
-            throughput(r)
-            for r in results
-            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
-        ),
-        None,
-    )
+    t0 = one_rank_fp32(results)
     for c in configs:
         pts = [(r["ranks"], throughput(r)) for r in results if r["config"] == c and throughput(r)]
         if pts:
