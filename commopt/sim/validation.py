@@ -202,15 +202,25 @@ CHAINERMN_AWS_TRANSPORT = "nccl-2.2-sockets-ec2"
 def chainermn_effect() -> Effect:
     """ResNet-50 8 -> 32 GPUs on AWS (p3.16xlarge, 25 Gbit/s), double buffering + FP16: 96%."""
     m = get_machine(CHAINERMN_AWS).with_overrides(transport=CHAINERMN_AWS_TRANSPORT)
-    with_features = chainermn_efficiency(
-        m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    return chainermn_db_fp16_effect(
+        m, "V100 over 25 Gbit/s", "96% parallel efficiency (8 -> 32 GPUs)", 0.96
     )
-    without = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl"))
+
+
+def chainermn_db_fp16_effect(
+    machine: str | Machine, gpus: str, published: str, published_value: float
+) -> Effect:
+    """ChainerMN 1.3's double buffering + FP16 all-reduce against its plain pure_nccl, 8 -> 32
+    ``gpus`` on ``machine``."""
+    with_features = chainermn_efficiency(
+        machine, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    )
+    without = chainermn_efficiency(machine, software_plan("chainermn-1.3-pure_nccl"))
     return Effect(
-        "ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s "
+        f"ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 {gpus} "
         "(NCCL 2.2 sockets)",
-        "96% parallel efficiency (8 -> 32 GPUs)",
-        0.96,
+        published,
+        published_value,
         with_features,
         without,
         "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass",
