@@ -34,6 +34,18 @@ from commopt.testbed.torch_dist import free_port
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
+#: A rank script's opening for fake nodes: ``args=[backend, per_node]`` name the communicator's
+#: back-end and the ranks per node, and the node name is set before commopt reads it.
+FAKE_NODES = r"""
+import os, sys
+import torch
+from commopt.comm.launcher import detect_launcher
+
+backend, per_node = sys.argv[1], int(sys.argv[2])
+info = detect_launcher()
+os.environ["COMMOPT_NODE_NAME"] = f"node-{info.rank // per_node}"
+"""
+
 
 def mpirun_available() -> bool:
     return shutil.which("mpirun") is not None
