@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy_sim as sim
-from accuracy_study import _append, _done
+from accuracy_study import _done, record_run
 
 CONFIGS = (
     "fp32",
@@ -100,26 +100,18 @@ def main(argv=None) -> int:
                         continue
                     t = sim.TASKS[task]
                     r = sim.run(t, opt, config, seed=seed, replicas=args.replicas)
-                    _append(
+                    record_run(
                         out,
-                        {
-                            "task": task,
-                            "optimizer": opt,
-                            "config": config,
-                            "seed": seed,
-                            "lr": t.lr[opt],
-                            "lr_scale": 1.0,
-                            "replicas": args.replicas,
-                            "steps": t.steps,
-                            "metric": t.metric,
-                            **r,
-                        },
-                    )
-                    fin = r["final"][t.metric] if r["final"] else float("nan")
-                    print(
-                        f"{task} {opt} {config} seed {seed}: {t.metric} {fin:.4f} "
-                        f"diverged={r['diverged']} ({r['seconds']} s)",
-                        flush=True,
+                        f"{task} {opt} {config} seed {seed}",
+                        t,
+                        r,
+                        task=task,
+                        optimizer=opt,
+                        config=config,
+                        seed=seed,
+                        lr=t.lr[opt],
+                        lr_scale=1.0,
+                        replicas=args.replicas,
                     )
     return 0
 

@@ -32,6 +32,13 @@ def _append(path: Path, record: dict) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def record_run(out: Path, label: str, t, r: dict, **fields) -> None:
+    """Append one run (``fields``, the task's steps and metric, ``r``) to ``out``; print it."""
+    _append(out, {**fields, "steps": t.steps, "metric": t.metric, **r})
+    fin = r["final"][t.metric] if r["final"] else float("nan")
+    print(f"{label}: {t.metric} {fin:.4f} diverged={r['diverged']} ({r['seconds']} s)", flush=True)
+
+
 def _done(path: Path) -> set:
     if not path.exists():
         return set()
@@ -79,24 +86,18 @@ def main(argv=None) -> int:
                         t = sim.TASKS[task]
                         lr = t.lr[opt] * scale
                         r = sim.run(t, opt, config, seed=seed, lr=lr, replicas=args.replicas)
-                        rec = {
-                            "task": task,
-                            "optimizer": opt,
-                            "config": config,
-                            "seed": seed,
-                            "lr": lr,
-                            "lr_scale": scale,
-                            "replicas": args.replicas,
-                            "steps": t.steps,
-                            "metric": t.metric,
-                            **r,
-                        }
-                        _append(out, rec)
-                        fin = r["final"][t.metric] if r["final"] else float("nan")
-                        print(
-                            f"{task} {opt} x{scale} {config} seed {seed}: {t.metric} {fin:.4f} "
-                            f"diverged={r['diverged']} ({r['seconds']} s)",
-                            flush=True,
+                        record_run(
+                            out,
+                            f"{task} {opt} x{scale} {config} seed {seed}",
+                            t,
+                            r,
+                            task=task,
+                            optimizer=opt,
+                            config=config,
+                            seed=seed,
+                            lr=lr,
+                            lr_scale=scale,
+                            replicas=args.replicas,
                         )
     return 0
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from commopt._tables import table
+from commopt.commands.launch import launch_argv
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -99,18 +100,7 @@ def bench_command(args, comm: str, codecs: str) -> list[str]:
 
 
 def launch_command(args, launcher: str, bench: list[str]) -> list[str]:
-    cmd = [
-        PY,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        str(args.nprocs),
-        "--link",
-        args.link,
-        "--timeout",
-        str(args.timeout),
-    ]
+    cmd = launch_argv(args.nprocs, "--link", args.link, "--timeout", str(args.timeout))
     if launcher == "torch":
         cmd += ["--launcher", "torch"]
     return cmd + ["--"] + bench

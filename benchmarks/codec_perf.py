@@ -74,6 +74,15 @@ def interleaved_best(fns: dict, reps: int) -> dict:
     return best
 
 
+def qsgd_calls(x, wire, out, bits: int, bucket: int, norm: str, stochastic: bool, **extra):
+    """One QSGD case's timed calls: encode ``x`` into ``wire``, decode it onto ``out``."""
+    shape = dict(bits=bits, levels=2 ** (bits - 1) - 1, bucket_size=bucket, **extra)
+    return (
+        lambda: kernels.qsgd_encode(x, wire, key=(1, 2), norm=norm, stochastic=stochastic, **shape),
+        lambda: kernels.qsgd_decode(wire, out, accumulate=True, **shape),
+    )
+
+
 def run_cpu(numel: int, threads: int, reps: int, ref_reps: int) -> dict:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -94,46 +103,17 @@ def run_cpu(numel: int, threads: int, reps: int, ref_reps: int) -> dict:
         rows.append(row)
 
     for label, bits, bucket, norm, stochastic in QSGD_CASES:
-        lv = 2 ** (bits - 1) - 1
         wire = torch.empty(
             kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket), dtype=torch.uint8
         )
-        out = torch.zeros(numel)
-
-        def enc(impl, **extra):
-            return lambda: kernels.qsgd_encode(
-                x,
-                wire,
-                bits=bits,
-                levels=lv,
-                bucket_size=bucket,
-                key=(1, 2),
-                norm=norm,
-                stochastic=stochastic,
-                impl=impl,
-                **extra,
-            )
-
-        def dec(impl, **extra):
-            return lambda: kernels.qsgd_decode(
-                wire,
-                out,
-                bits=bits,
-                levels=lv,
-                bucket_size=bucket,
-                accumulate=True,
-                impl=impl,
-                **extra,
-            )
-
+        case = (x, wire, torch.zeros(numel), bits, bucket, norm, stochastic)
+        native_enc, native_dec = qsgd_calls(*case, impl="native", threads=threads)
+        ref_enc, ref_dec = qsgd_calls(*case, impl="reference")
         measure(
             label,
             wire.numel() / (numel * 4),
-            {
-                "native_encode": enc("native", threads=threads),
-                "native_decode": dec("native", threads=threads),
-            },
-            {"reference_encode": enc("reference"), "reference_decode": dec("reference")},
+            {"native_encode": native_enc, "native_decode": native_dec},
+            {"reference_encode": ref_enc, "reference_decode": ref_dec},
         )
     for label, dtype in CAST_CASES:
         wire = torch.empty(numel, dtype=dtype)
@@ -169,34 +149,15 @@ def run_cuda(numel: int, reps: int) -> dict | None:
     copy_s = best_seconds(lambda: dst.copy_(x), reps, sync)
     rows = []
     for label, bits, bucket, norm, stochastic in QSGD_CASES:
-        lv = 2 ** (bits - 1) - 1
         wire = torch.empty(
             kernels.qsgd_nbytes(numel, bits=bits, bucket_size=bucket),
             dtype=torch.uint8,
             device="cuda",
         )
         out = torch.zeros(numel, device="cuda")
-        enc = best_seconds(
-            lambda: kernels.qsgd_encode(
-                x,
-                wire,
-                bits=bits,
-                levels=lv,
-                bucket_size=bucket,
-                key=(1, 2),
-                norm=norm,
-                stochastic=stochastic,
-            ),
-            reps,
-            sync,
-        )
-        dec = best_seconds(
-            lambda: kernels.qsgd_decode(
-                wire, out, bits=bits, levels=lv, bucket_size=bucket, accumulate=True
-            ),
-            reps,
-            sync,
-        )
+        encode, decode = qsgd_calls(x, wire, out, bits, bucket, norm, stochastic)
+        enc = best_seconds(encode, reps, sync)
+        dec = best_seconds(decode, reps, sync)
         # bytes the encode must move: read x, write the wire
         rows.append(
             {

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from commopt.commands.launch import launch_argv
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 VARIANTS = {  # polled is the default
@@ -81,17 +83,7 @@ def run_once(args, variant: str, link: str) -> dict:
         script = Path(tmp) / "rank.py"
         script.write_text(RANK)
         cmd = [
-            PY,
-            "-m",
-            "commopt",
-            "launch",
-            "-n",
-            "2",
-            "--link",
-            link,
-            "--timeout",
-            "300",
-            "--",
+            *launch_argv(2, "--link", link, "--timeout", "300", "--"),
             PY,
             str(script),
             str(args.size),

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from commopt.commands.launch import launch_argv
+
 REPO = Path(__file__).resolve().parents[1]
 TIMED_MODES = ("compute", "communication", "no-overlap", "overlap", "double-buffering", "ddp")
 MEMORY_MODES = ("ddp", "overlap", "double-buffering")
@@ -138,7 +140,7 @@ def rank_main(args) -> None:
 
 # -- the driver: starts the jobs, prints the table ------------------------------------------------
 def launch(args, rank_args: list[str], out: str) -> dict:
-    cmd = [sys.executable, "-m", "commopt", "launch", "-n", str(args.ranks), "--launcher", "torch"]
+    cmd = launch_argv(args.ranks, "--launcher", "torch")
     if args.link:
         cmd += ["--link", args.link]
     cmd += [

@@ -88,6 +88,8 @@ def _run_seed(
         )
     spec = work / f"runs-seed{seed}.json"
     spec.write_text(json.dumps(runs))
+    from commopt.testbed.mpirun import LOOPBACK_MCA  # the repository is on sys.path by now
+
     cmd = [
         "mpirun",
         "--allow-run-as-root",
@@ -98,12 +100,7 @@ def _run_seed(
         "--mca",
         "btl",
         "self,tcp,vader",
-        "--mca",
-        "btl_tcp_if_include",
-        "lo",
-        "--mca",
-        "oob_tcp_if_include",
-        "lo",
+        *LOOPBACK_MCA,
         "-x",
         "OMP_NUM_THREADS=1",
         "-x",

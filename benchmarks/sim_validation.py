@@ -263,6 +263,10 @@ def _status(r: dict) -> str:
     return status
 
 
+#: The testbed tables' last columns: the link's limit, the measurement and the verdict.
+_MEASURED_COLUMNS = ("link limit", "measured: median (min-max)", "load", "pred/meas - 1", "status")
+
+
 def _measured_cells(r: dict) -> tuple[str, str]:
     spread = ""
     if r["measured_min_s"] is not None and r["measured_max_s"] is not None:
@@ -297,16 +301,7 @@ def render_testbed_table(markdown: bool, rows: list[dict]) -> str:
             ]
         )
     return _table(
-        [
-            "testbed run",
-            "preset",
-            "predicted",
-            "link limit",
-            "measured: median (min-max)",
-            "load",
-            "pred/meas - 1",
-            "status",
-        ],
+        ["testbed run", "preset", "predicted", *_MEASURED_COLUMNS],
         out,
         markdown,
     )
@@ -342,17 +337,7 @@ def render_step_table(markdown: bool, rows: list[dict]) -> str:
             ]
         )
     return _table(
-        [
-            "testbed step",
-            "preset",
-            "compute (measured)",
-            "predicted step",
-            "link limit",
-            "measured: median (min-max)",
-            "load",
-            "pred/meas - 1",
-            "status",
-        ],
+        ["testbed step", "preset", "compute (measured)", "predicted step", *_MEASURED_COLUMNS],
         out,
         markdown,
     )

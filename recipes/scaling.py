@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 from commopt._tables import table
+from commopt.commands.launch import launch_argv
+from commopt.testbed.mpirun import LOOPBACK_MCA
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")
 MPIRUN_LOCAL = [
@@ -45,12 +47,7 @@ MPIRUN_LOCAL = [
     "--mca",
     "btl",
     "self,tcp,vader",
-    "--mca",
-    "btl_tcp_if_include",
-    "lo",
-    "--mca",
-    "oob_tcp_if_include",
-    "lo",
+    *LOOPBACK_MCA,
 ]
 
 
@@ -164,6 +161,18 @@ def throughput(row: dict):
     return row.get("throughput", row.get("images_per_s"))
 
 
+def one_rank_fp32(results: list[dict]):
+    """The throughput of fp32 on one rank, the baseline of the efficiencies (None if not run)."""
+    return next(
+        (
+            throughput(r)
+            for r in results
+            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
+        ),
+        None,
+    )
+
+
 def read_transformer_run(log_path: Path, target_loss: float) -> dict:
     """Target tokens/s, final validation loss and time to ``target_loss`` (bits/token, training
     time) from the Transformer recipe's JSON lines.
@@ -208,22 +217,7 @@ def read_transformer_run(log_path: Path, target_loss: float) -> dict:
 
 def emulated_link_available(link: str) -> tuple[bool, str]:
     """Can ``commopt launch --link`` make a 2-host cluster here? (ok, reason)."""
-    probe = [
-        sys.executable,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        "2",
-        "--link",
-        link,
-        "--timeout",
-        "60",
-        "--",
-        sys.executable,
-        "-c",
-        "pass",
-    ]
+    probe = [*launch_argv(2, "--link", link, "--timeout", "60", "--"), sys.executable, "-c", "pass"]
     try:
         res = subprocess.run(probe, capture_output=True, text=True, timeout=90)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -236,7 +230,7 @@ def emulated_link_available(link: str) -> tuple[bool, str]:
 
 def launch_prefix(launcher: str, n: int, link: str | None) -> list[str]:
     if launcher == "commopt":
-        prefix = [sys.executable, "-m", "commopt", "launch", "-n", str(n)]
+        prefix = launch_argv(n)
         return prefix + (["--link", link] if link else []) + ["--"]
     return MPIRUN_LOCAL + ["-np", str(n), "-x", "PYTHONPATH"]
 
@@ -320,14 +314,7 @@ def best_of(rows: list[dict]) -> dict:
 
 def efficiency_table(results: list[dict], ranks: list[int], configs: list[str]) -> list[dict]:
     """Adds ``efficiency`` = t / (t0 * n), t0 the 1-rank fp32 throughput."""
-    t0 = next(
-        (
-            throughput(r)
-            for r in results
-            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
-        ),
-        None,
-    )
+    t0 = one_rank_fp32(results)
     for r in results:
         t = throughput(r)
         r["efficiency"] = round(t / (t0 * r["ranks"]), 3) if (t and t0) else None
@@ -387,14 +374,7 @@ def plot(
         )
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    t0 = next(
-        (
-            throughput(r)
-            for r in results
-            if r["ranks"] == 1 and r["config"] == "fp32" and throughput(r)
-        ),
-        None,
-    )
+    t0 = one_rank_fp32(results)
     for c in configs:
         pts = [(r["ranks"], throughput(r)) for r in results if r["config"] == c and throughput(r)]
         if pts:

@@ -28,10 +28,23 @@ from pathlib import Path
 
 import pytest
 
+from commopt.testbed.mpirun import LOOPBACK_MCA
 from commopt.testbed.torch_dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+
+#: A rank script's opening for fake nodes: ``args=[backend, per_node]`` name the communicator's
+#: back-end and the ranks per node, and the node name is set before commopt reads it.
+FAKE_NODES = r"""
+import os, sys
+import torch
+from commopt.comm.launcher import detect_launcher
+
+backend, per_node = sys.argv[1], int(sys.argv[2])
+info = detect_launcher()
+os.environ["COMMOPT_NODE_NAME"] = f"node-{info.rank // per_node}"
+"""
 
 
 def mpirun_available() -> bool:
@@ -119,12 +132,7 @@ def run_mpi(
             "--mca",
             "btl",
             "self,tcp,vader",
-            "--mca",
-            "btl_tcp_if_include",
-            "lo",
-            "--mca",
-            "oob_tcp_if_include",
-            "lo",
+            *LOOPBACK_MCA,
             "--bind-to",
             "none",
             # Ranks outnumber cores: busy-polling ranks would starve each other.

@@ -12,26 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from commopt.bench.profile_step import PHASES
+
 if TYPE_CHECKING:  # matplotlib is optional and imported where a plot is drawn
     from matplotlib.artist import Artist
 
 #: Columns of the profile table: the phases, the CPU py-spy could not attribute (native
 #: threads it does not sample), the thread's CPU and its time asleep.
-COLUMNS = (
-    "forward",
-    "backward",
-    "pack",
-    "NaN check",
-    "encode",
-    "send/receive",
-    "wait/poll",
-    "decode",
-    "unpack",
-    "apply",
-    "commopt Python",
-    "other",
-    "native",
-)
+COLUMNS = (*PHASES, "native")
 
 
 def thread_rows(profile: dict) -> dict[str, dict[str, float]]:

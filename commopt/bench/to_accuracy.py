@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,13 +107,14 @@ def run_driver(args: argparse.Namespace) -> dict:
     """Launch the job, one configuration after another; the report with every curve."""
     from commopt.bench.step.configs import CONFIGS
     from commopt.bench.step.driver import (
-        _PACKAGE_ROOT,
         _machine,
         _threads_per_rank,
         plan_link,
         root_cause,
+        start_job,
     )
     from commopt.bench.to_accuracy_worker import PROGRESS
+    from commopt.commands.launch import launch_argv
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
@@ -180,29 +180,11 @@ def run_driver(args: argparse.Namespace) -> dict:
         ):
             worker += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
         worker += ["--threads", str(threads)]
-        argv = [
-            sys.executable,
-            "-m",
-            "commopt",
-            "launch",
-            "-n",
-            str(args.nprocs),
-            "--timeout",
-            str(args.timeout),
-        ]
+        argv = launch_argv(args.nprocs, "--timeout", str(args.timeout))
         if plan.link_arg:
             argv += ["--link", plan.link_arg]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         log = []
-        proc = subprocess.Popen(
-            argv + ["--", *worker],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
-            errors="replace",
-        )
+        proc = start_job(argv + ["--", *worker], threads)
         assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             log.append(line)

@@ -50,6 +50,10 @@ REDUCIBLE_DTYPES = (
     torch.int32,
     torch.int64,
 )
+#: dtypes a transport sums natively at full speed on the wire (``supports_sum``'s default).
+NATIVE_SUM_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+#: gloo (torch >= 2.1) and NCCL (>= 2.10) sum fp16 and bf16 themselves too.
+C10D_SUM_DTYPES = (*NATIVE_SUM_DTYPES, torch.float16, torch.bfloat16)
 
 
 class Work:
@@ -213,7 +217,7 @@ class Communicator(ABC):
         collectives whether a 16-bit buffer can be handed to it as it is, or whether
         accumulating in fp32 on the side (scatter-reduce/allgather) is the better plan.
         """
-        return dtype in (torch.float32, torch.float64, torch.int32, torch.int64)
+        return dtype in NATIVE_SUM_DTYPES
 
     def finalize(self) -> None:  # noqa: B027 - a default: most transports hold nothing to release
         """Release transport resources (threads, streams). Safe to call twice."""

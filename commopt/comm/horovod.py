@@ -148,11 +148,17 @@ class HorovodCommunicator(Communicator):
         )
         return HandleWork(hvd, handle)
 
-    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
-        hvd = self._hvd
+    def _nothing_to_send(self, send: torch.Tensor, recv: torch.Tensor) -> bool:
+        """True when an exchange has no peer to reach: empty, or one rank (``recv`` gets ``send``)."""
         if send.numel() == 0 or self.size == 1:
             if self.size == 1 and recv.data_ptr() != send.data_ptr():
                 recv.copy_(send)
+            return True
+        return False
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
+        hvd = self._hvd
+        if self._nothing_to_send(send, recv):
             return _DONE
         rows = _movable(send).reshape(self.size, -1)
         if self._reordered():
@@ -172,9 +178,7 @@ class HorovodCommunicator(Communicator):
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         hvd = self._hvd
-        if send.numel() == 0 or self.size == 1:
-            if self.size == 1 and recv.data_ptr() != send.data_ptr():
-                recv.copy_(send)
+        if self._nothing_to_send(send, recv):
             return _DONE
         handle = hvd.allgather_async(
             _movable(send).reshape(-1), name=self._name("allgather"), process_set=self._ps

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from commopt.comm.base import Communicator, Work
+from commopt.comm.base import C10D_SUM_DTYPES, Communicator, Work
 from commopt.comm.streams import CudaStreams, issue_after_caller
 
 # ncclDataType_t values (nccl.h); stable across NCCL 2.x.
@@ -209,14 +209,7 @@ class NcclCommunicator(Communicator):
         return child
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        return dtype in (
-            torch.float32,
-            torch.float64,
-            torch.int32,
-            torch.int64,
-            torch.float16,
-            torch.bfloat16,
-        )
+        return dtype in C10D_SUM_DTYPES
 
     def finalize(self) -> None:
         """Wait for the work in flight; destroy the NCCL communicators (this one and those

@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from commopt.comm.base import Communicator, CompletedWork, Work
+from commopt.comm.base import C10D_SUM_DTYPES, Communicator, CompletedWork, Work
 from commopt.comm.launcher import detect_launcher
 
 _DONE = CompletedWork()
@@ -407,14 +407,7 @@ class TorchCommunicator(Communicator):
 
     # gloo (torch >= 2.1) and nccl (>= 2.10) both sum fp16 and bf16 in C++/CUDA.
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        return dtype in (
-            torch.float32,
-            torch.float64,
-            torch.int32,
-            torch.int64,
-            torch.float16,
-            torch.bfloat16,
-        )
+        return dtype in C10D_SUM_DTYPES
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
         if self.supports_sum(buf.dtype):

@@ -72,14 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tour(args) -> int:
+    from commopt.commands.launch import launch_argv
+
     cmd = [
-        sys.executable,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        str(args.nprocs),
-        "--",
+        *launch_argv(args.nprocs, "--"),
         sys.executable,
         "-m",
         "commopt.examples.allreduce_tour",

@@ -23,6 +23,15 @@ import sys
 HELP = "run a command on N ranks, here or on an emulated cluster with shaped links"
 
 
+def launch_argv(nprocs: int, *options: str) -> list[str]:
+    """The command line of ``commopt launch -n NPROCS OPTIONS...`` run by this Python.
+
+    >>> launch_argv(2, "--timeout", "60", "--")[1:]
+    ['-m', 'commopt', 'launch', '-n', '2', '--timeout', '60', '--']
+    """
+    return [sys.executable, "-m", "commopt", "launch", "-n", str(nprocs), *options]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = (
         "commopt launch -n N [--link RATE [--ranks-per-host K]] "

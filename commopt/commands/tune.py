@@ -131,18 +131,9 @@ def runner_argv(args) -> list[str]:
     if args.runner:
         return shlex.split(args.runner)
     # launch's own timeout stops a hung point cleanly; tune's (a little later) is the backstop.
-    argv = [
-        sys.executable,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        str(args.nprocs),
-        "--launcher",
-        args.launcher,
-        "--timeout",
-        f"{args.timeout:g}",
-    ]
+    from commopt.commands.launch import launch_argv
+
+    argv = launch_argv(args.nprocs, "--launcher", args.launcher, "--timeout", f"{args.timeout:g}")
     if args.link:
         argv += ["--link", args.link]
     if args.ranks_per_host:

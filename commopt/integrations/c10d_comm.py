@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commopt.comm.base import Communicator, Work
+from commopt.comm.base import C10D_SUM_DTYPES, Communicator, Work
 
 __all__ = ["C10dCommunicator"]
 
@@ -112,14 +112,7 @@ class C10dCommunicator(Communicator):
 
     # gloo (torch >= 2.1) and nccl sum fp16 and bf16 themselves.
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        return dtype in (
-            torch.float32,
-            torch.float64,
-            torch.int32,
-            torch.int64,
-            torch.float16,
-            torch.bfloat16,
-        )
+        return dtype in C10D_SUM_DTYPES
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
         self._count(buf.numel() * buf.element_size())

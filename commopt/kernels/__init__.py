@@ -228,6 +228,13 @@ def _scale32(scale: float) -> float:
     return struct.unpack("f", struct.pack("f", float(scale)))[0]
 
 
+def _run(op: str, which: str, threads: int | None, *tensors: torch.Tensor, **kwargs: Any) -> None:
+    # Only the native kernels take a thread count.
+    if which == "native":
+        kwargs["threads"] = threads
+    getattr(_backend(which), op)(*tensors, **kwargs)
+
+
 def qsgd_encode(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -256,8 +263,12 @@ def qsgd_encode(
     nbytes = qsgd_nbytes(x.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
     _check_flat("out", out, torch.uint8, nbytes)
     k0, k1 = (int(k) & 0xFFFFFFFF for k in key)
-    which = _pick(impl, x, out)
-    kwargs: dict[str, Any] = dict(
+    _run(
+        "qsgd_encode",
+        _pick(impl, x, out),
+        threads,
+        x,
+        out,
         bits=bits,
         levels=levels,
         bucket_size=bucket_size,
@@ -267,9 +278,6 @@ def qsgd_encode(
         scale=_scale32(scale),
         scale_bytes=scale_bytes,
     )
-    if which == "native":
-        kwargs["threads"] = threads
-    _backend(which).qsgd_encode(x, out, **kwargs)
 
 
 def qsgd_decode(
@@ -290,8 +298,12 @@ def qsgd_decode(
     _check_flat("out", out, torch.float32)
     nbytes = qsgd_nbytes(out.numel(), bits=bits, bucket_size=bucket_size, scale_bytes=scale_bytes)
     _check_flat("wire", wire, torch.uint8, nbytes)
-    which = _pick(impl, wire, out)
-    kwargs: dict[str, Any] = dict(
+    _run(
+        "qsgd_decode",
+        _pick(impl, wire, out),
+        threads,
+        wire,
+        out,
         bits=bits,
         levels=levels,
         bucket_size=bucket_size,
@@ -299,9 +311,6 @@ def qsgd_decode(
         alpha=_scale32(alpha),
         scale_bytes=scale_bytes,
     )
-    if which == "native":
-        kwargs["threads"] = threads
-    _backend(which).qsgd_decode(wire, out, **kwargs)
 
 
 def cast_encode(
@@ -315,11 +324,7 @@ def cast_encode(
     """Write ``x * scale`` into ``out`` (float32, float16 or bfloat16; round to nearest even)."""
     _check_flat("x", x, torch.float32)
     _check_flat("out", out, CAST_DTYPES, x.numel())
-    which = _pick(impl, x, out)
-    kwargs: dict[str, Any] = dict(scale=_scale32(scale))
-    if which == "native":
-        kwargs["threads"] = threads
-    _backend(which).cast_encode(x, out, **kwargs)
+    _run("cast_encode", _pick(impl, x, out), threads, x, out, scale=_scale32(scale))
 
 
 def cast_decode(
@@ -334,11 +339,15 @@ def cast_decode(
     """Write (or add) ``alpha * float32(wire)`` into float32 ``out``."""
     _check_flat("wire", wire, CAST_DTYPES)
     _check_flat("out", out, torch.float32, wire.numel())
-    which = _pick(impl, wire, out)
-    kwargs: dict[str, Any] = dict(accumulate=accumulate, alpha=_scale32(alpha))
-    if which == "native":
-        kwargs["threads"] = threads
-    _backend(which).cast_decode(wire, out, **kwargs)
+    _run(
+        "cast_decode",
+        _pick(impl, wire, out),
+        threads,
+        wire,
+        out,
+        accumulate=accumulate,
+        alpha=_scale32(alpha),
+    )
 
 
 # ----------------------------------------------------------------------------- pack and check

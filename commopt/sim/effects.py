@@ -23,8 +23,8 @@ from commopt.sim.transport import parse_nccl_env
 from commopt.sim.validation import (
     Effect,
     cgx_effect,
+    chainermn_db_fp16_effect,
     chainermn_effect,
-    chainermn_efficiency,
     chainermn_profile,
 )
 
@@ -119,19 +119,8 @@ def gcp_fastsocket_sensitivity() -> list[tuple[str, dict]]:
 
 
 def chainermn_10gbe_effect() -> Effect:
-    m = "p100-10gbe"
-    with_features = chainermn_efficiency(
-        m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
-    )
-    without = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl"))
-    return Effect(
-        "ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 P100 over 10 GbE "
-        "(NCCL 2.2 sockets)",
-        "near-linear scaling (taken as 100%)",
-        1.0,
-        with_features,
-        without,
-        "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass",
+    return chainermn_db_fp16_effect(
+        "p100-10gbe", "P100 over 10 GbE", "near-linear scaling (taken as 100%)", 1.0
     )
 
 

@@ -195,24 +195,9 @@ def _alpha(m, alpha_us):
 
 
 def _testbed_error(m, machine) -> float:
-    from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
-    from commopt.sim.validation import _plan_codec, compare_measured
+    from commopt.sim.validation import compare_measurement
 
-    plan = Plan(
-        m.plan.get("algorithm", "ring"),
-        _plan_codec(m),
-        m.plan.get("bucket_mb", 25),
-        m.plan.get("overlap", "none"),
-        m.plan.get("piece_mb", DEFAULT_PIECE_MB),
-    )
-    return compare_measured(
-        measured_step_s=m.measured_step_s,
-        compute_s=m.compute_s,
-        grad_bytes=m.grad_bytes,
-        gpus=m.gpus,
-        plan=plan,
-        machine=machine,
-    )["error"]
+    return compare_measurement(m, machine)["error"]
 
 
 def effects_loo() -> list[LooRow]:

@@ -202,15 +202,25 @@ CHAINERMN_AWS_TRANSPORT = "nccl-2.2-sockets-ec2"
 def chainermn_effect() -> Effect:
     """ResNet-50 8 -> 32 GPUs on AWS (p3.16xlarge, 25 Gbit/s), double buffering + FP16: 96%."""
     m = get_machine(CHAINERMN_AWS).with_overrides(transport=CHAINERMN_AWS_TRANSPORT)
-    with_features = chainermn_efficiency(
-        m, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    return chainermn_db_fp16_effect(
+        m, "V100 over 25 Gbit/s", "96% parallel efficiency (8 -> 32 GPUs)", 0.96
     )
-    without = chainermn_efficiency(m, software_plan("chainermn-1.3-pure_nccl"))
+
+
+def chainermn_db_fp16_effect(
+    machine: str | Machine, gpus: str, published: str, published_value: float
+) -> Effect:
+    """ChainerMN 1.3's double buffering + FP16 all-reduce against its plain pure_nccl, 8 -> 32
+    ``gpus`` on ``machine``."""
+    with_features = chainermn_efficiency(
+        machine, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    )
+    without = chainermn_efficiency(machine, software_plan("chainermn-1.3-pure_nccl"))
     return Effect(
-        "ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 V100 over 25 Gbit/s "
+        f"ChainerMN 1.3: double buffering + FP16 all-reduce, ResNet-50, 8 -> 32 {gpus} "
         "(NCCL 2.2 sockets)",
-        "96% parallel efficiency (8 -> 32 GPUs)",
-        0.96,
+        published,
+        published_value,
         with_features,
         without,
         "baseline: ChainerMN 1.3 pure_nccl, FP32 all-reduce after the backward pass",
@@ -426,6 +436,26 @@ def _plan_codec(m: Measurement) -> str:
     return m.plan.get("codec", "none").removesuffix("+ef")
 
 
+def compare_measurement(m: Measurement, machine: Machine) -> dict:
+    """:func:`compare_measured` on a measurement's step, with its plan (the job's defaults
+    where it names none) on ``machine``."""
+    plan = Plan(
+        m.plan.get("algorithm", "ring"),
+        _plan_codec(m),
+        m.plan.get("bucket_mb", 25),
+        m.plan.get("overlap", "none"),
+        m.plan.get("piece_mb", DEFAULT_PIECE_MB),
+    )
+    return compare_measured(
+        measured_step_s=m.measured_step_s,
+        compute_s=m.compute_s,
+        grad_bytes=m.grad_bytes,
+        gpus=m.gpus,
+        plan=plan,
+        machine=machine,
+    )
+
+
 def _link_limit_s(m: Measurement, machine: Machine) -> float | None:
     """The gradient's allreduce on the link: 2(n-1)/n x the codec's wire bytes / line rate."""
     try:
@@ -506,23 +536,7 @@ def compare_testbed_measurements(
             )
             out.append(row)
             continue
-        plan = Plan(
-            m.plan.get("algorithm", "ring"),
-            _plan_codec(m),
-            m.plan.get("bucket_mb", 25),
-            m.plan.get("overlap", "none"),
-            m.plan.get("piece_mb", DEFAULT_PIECE_MB),
-        )
-        row.update(
-            compare_measured(
-                measured_step_s=m.measured_step_s,
-                compute_s=m.compute_s,
-                grad_bytes=m.grad_bytes,
-                gpus=m.gpus,
-                plan=plan,
-                machine=machine,
-            )
-        )
+        row.update(compare_measurement(m, machine))
         if row["transport"] in NOT_MODELLED:
             row["status"], row["reason"] = "not modelled", NOT_MODELLED[row["transport"]]
             row["label"] = row["transport"]

@@ -74,9 +74,8 @@ def _mca_flags(settings: dict[str, str]) -> list[str]:
     return flags
 
 
-def _loopback_only() -> list[str]:
-    # Every rank is on this machine: its TCP traffic, if any, belongs on loopback.
-    return ["--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
+#: Open MPI's flags for ranks all on this machine: their TCP traffic, if any, stays on loopback.
+LOOPBACK_MCA = ("--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo")
 
 
 def mpirun_local_argv(
@@ -97,7 +96,7 @@ def mpirun_local_argv(
     ncpus = (os.cpu_count() or 1) if ncpus is None else ncpus
     flags = (
         _common_flags(nprocs, is_root=is_root, ncpus=ncpus)
-        + _loopback_only()
+        + list(LOOPBACK_MCA)
         + _mca_flags(tcp_mca_defaults())
     )
     if ranks_per_node is None or ranks_per_node >= nprocs:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from commopt.commands.launch import launch_argv
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.distributed,
@@ -23,13 +25,7 @@ def test_two_rank_sweep_over_codecs():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
     env["PYTHONPATH"] = str(REPO)
     cmd = [
-        sys.executable,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        "2",
-        "--",
+        *launch_argv(2, "--"),
         sys.executable,
         "-m",
         "commopt",

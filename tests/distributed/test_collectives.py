@@ -7,19 +7,13 @@ bit-exact against an emulation, QSGD within its analytic bound, async overlap in
 
 import pytest
 
-from tests.multirank import run_mpi, run_torch
+from tests.multirank import FAKE_NODES, run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-RANK_SCRIPT = r'''
-import os, sys
-import torch
-from commopt.comm.launcher import detect_launcher
-
-backend, per_node = sys.argv[1], int(sys.argv[2])
-info = detect_launcher()
-os.environ["COMMOPT_NODE_NAME"] = f"node-{info.rank // per_node}"
-
+RANK_SCRIPT = (
+    FAKE_NODES
+    + r'''
 import commopt
 from commopt import collectives, driver
 from commopt.codecs import get_codec, RngKey
@@ -224,6 +218,7 @@ assert torch.equal(y, torch.ones(10)), "scale"
 
 print(f"collectives ok {backend} rank {r}/{n} checks={checked}")
 '''
+)
 
 
 def _expect(out, backend, n):

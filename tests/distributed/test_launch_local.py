@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from commopt.commands.launch import launch_argv
+from commopt.testbed.mpirun import LOOPBACK_MCA
 from tests.multirank import launch, needs_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,21 +71,10 @@ def test_inside_mpirun_it_does_not_start_ranks_again():
         "2",
         "--bind-to",
         "none",
-        "--mca",
-        "btl_tcp_if_include",
-        "lo",
-        "--mca",
-        "oob_tcp_if_include",
-        "lo",
+        *LOOPBACK_MCA,
         "-x",
         f"PYTHONPATH={REPO}",
-        PY,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        "2",
-        "--",
+        *launch_argv(2, "--"),
         "sh",
         "-c",
         "echo rank $OMPI_COMM_WORLD_RANK",

@@ -10,19 +10,14 @@ sparse gradients.
 
 import pytest
 
-from tests.multirank import run_mpi, run_torch
+from tests.multirank import FAKE_NODES, run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
-COMMON = r"""
-import os, sys, copy
-import torch
-from commopt.comm.launcher import detect_launcher
-
-backend, per_node = sys.argv[1], int(sys.argv[2])
-info = detect_launcher()
-os.environ["COMMOPT_NODE_NAME"] = f"node-{info.rank // per_node}"
-
+COMMON = (
+    FAKE_NODES
+    + r"""
+import copy
 import commopt
 from commopt.optim import create_multi_node_optimizer, ModelMismatchError
 
@@ -59,6 +54,7 @@ def all_same(model, what):
     for q, other in enumerate(comm.allgather_obj(flat)):
         assert torch.equal(other, flat), f"{what}: parameters of rank {q} differ from rank {r}"
 """
+)
 
 EQUIVALENCE = (
     COMMON

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.multirank import run_mpi, run_torch
+from tests.recipe_args import tiny_resnet
 
 pytestmark = pytest.mark.distributed
 
@@ -21,24 +22,7 @@ from recipes.resnet50.train import main
 sys.exit(main(sys.argv[1:]))
 """
 # ResNet-50 itself at a reduced image size and batch: a few steps stay well under a minute.
-TINY = [
-    "--preset",
-    "smoke",
-    "--image-size",
-    "32",
-    "--batch-size",
-    "4",
-    "--train-size",
-    "16",
-    "--val-size",
-    "8",
-    "--progress",
-    "none",
-    "--log-every",
-    "1",
-    "--threads",
-    "1",
-]
+TINY = tiny_resnet(log_every=1, threads=1)
 
 
 def _summary(out: list[str]) -> dict:

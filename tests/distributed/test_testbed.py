@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from commopt.commands.launch import launch_argv
 from commopt.testbed import (
     TestbedUnavailable,
     emulated_cluster,
@@ -120,29 +121,16 @@ def test_failing_job_leaves_nothing_behind():
     assert_run_gone(run_slot(r.stderr), before)
 
 
+def _sleep_on_cluster() -> subprocess.Popen:
+    """A 2-host job that sleeps a minute; its stderr's first line says the cluster is up."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    argv = launch_argv(2, "--link", "1gbit", "--launcher", "torch", "--", "sleep", "60")
+    return subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+
+
 def test_sigterm_mid_job_leaves_nothing_behind():
     before = root_links()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "commopt",
-            "launch",
-            "-n",
-            "2",
-            "--link",
-            "1gbit",
-            "--launcher",
-            "torch",
-            "--",
-            "sleep",
-            "60",
-        ],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = _sleep_on_cluster()
     first = p.stderr.readline()  # printed once the cluster is up
     time.sleep(0.5)
     p.send_signal(signal.SIGTERM)
@@ -154,27 +142,7 @@ def test_sigterm_mid_job_leaves_nothing_behind():
 def test_cleanup_after_sigkill():
     """SIGKILL leaves no chance to clean up; `commopt launch --cleanup` finds what is left."""
     before = root_links()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "commopt",
-            "launch",
-            "-n",
-            "2",
-            "--link",
-            "1gbit",
-            "--launcher",
-            "torch",
-            "--",
-            "sleep",
-            "60",
-        ],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = _sleep_on_cluster()
     slot = run_slot(p.stderr.readline())
     p.kill()
     p.wait(timeout=30)

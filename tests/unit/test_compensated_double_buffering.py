@@ -16,7 +16,7 @@ from torch import nn
 import commopt
 from commopt.optim.fingerprint import wire_settings
 from commopt.optim.layerwise import LARS
-from commopt.optim.staleness import LocalStepPrediction
+from tests.staleness_loop import compensated_by_hand
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
@@ -59,23 +59,14 @@ def _by_hand(name, steps):
     """The contract of staleness.py, written out (the delayed loop with prediction)."""
     model = _model()
     opt = OPTIMIZERS[name](model.parameters())
-    comp, pending = LocalStepPrediction(opt), None
-    for step in range(steps):
+
+    def grads(step):
         for p in model.parameters():
             p.grad = None
         _loss(model, step).backward()
-        local = [p.grad.clone() for p in model.parameters()]
-        if pending is not None:
-            for p, a in zip(model.parameters(), pending):
-                p.grad = a
-            comp.restore()
-            opt.step()
-        comp.predict(local)
-        pending = local
-    comp.restore()
-    for p, a in zip(model.parameters(), pending):
-        p.grad = a
-    opt.step()
+        return [p.grad.clone() for p in model.parameters()]
+
+    compensated_by_hand(model, opt, grads, steps)
     return model
 
 

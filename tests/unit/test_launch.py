@@ -181,15 +181,14 @@ def test_under_an_outer_launcher_runs_the_command_once(launch):
     assert code == 2 and "outside" in err
 
 
+def _run_here(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` in a fresh process on this checkout; its output as text."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=str(REPO), env=env)
+
+
 def test_entry_point_runs_as_a_module():
-    r = subprocess.run(
-        [sys.executable, "-m", "commopt", "launch", "-n", "2", "--dry-run", "--", "true"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=str(REPO),
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
+    r = _run_here([sys.executable, "-m", "commopt", "launch", "-n", "2", "--dry-run", "--", "true"])
     assert r.returncode == 0, r.stderr
     assert "mpirun -n 2" in r.stdout
 
@@ -258,7 +257,7 @@ def test_an_unknown_option_of_another_subcommand_is_named(capfd):
 
 def test_launch_imports_no_torch():
     """`commopt launch` starts without torch (slow, and a Ctrl-C inside it was lost)."""
-    r = subprocess.run(
+    r = _run_here(
         [
             sys.executable,
             "-X",
@@ -273,12 +272,7 @@ def test_launch_imports_no_torch():
             "--dry-run",
             "--",
             "true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=str(REPO),
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        ]
     )
     assert r.returncode == 0, r.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line]

@@ -8,6 +8,7 @@ import torch
 
 import commopt
 from recipes.precision import MixedPrecision
+from tests.recipe_args import tiny_resnet
 
 CPU = torch.device("cpu")
 
@@ -70,24 +71,7 @@ def test_resnet_recipe_runs_bf16_autocast_on_the_cpu(tmp_path, capsys):
     from recipes.resnet50 import train as recipe
 
     tiny = [
-        "--preset",
-        "smoke",
-        "--image-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--train-size",
-        "8",
-        "--val-size",
-        "4",
-        "--progress",
-        "none",
-        "--communicator",
-        "local",
-        "--log-every",
-        "1",
-        "--max-steps",
-        "2",
+        *tiny_resnet(train_size=8, val_size=4, communicator="local", log_every=1, max_steps=2),
         "--no-eval",
     ]
     losses = {}

@@ -21,23 +21,9 @@ from recipes.resnet50.data import (
 )
 from recipes.resnet50.model import resnet50
 from recipes.resnet50.presets import PRESETS
+from tests.recipe_args import tiny_resnet
 
-TINY = [
-    "--image-size",
-    "32",
-    "--batch-size",
-    "4",
-    "--train-size",
-    "16",
-    "--val-size",
-    "8",
-    "--progress",
-    "none",
-    "--communicator",
-    "local",
-    "--log-every",
-    "1",
-]
+TINY = tiny_resnet(preset=None, communicator="local", log_every=1)
 
 
 def resolve(*argv):

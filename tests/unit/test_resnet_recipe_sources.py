@@ -17,6 +17,7 @@ from recipes.resnet50.model import (
     torchvision_available,
     torchvision_import_error,
 )
+from tests.recipe_args import tiny_resnet
 
 needs_torchvision = pytest.mark.skipif(
     not torchvision_available(),
@@ -24,24 +25,7 @@ needs_torchvision = pytest.mark.skipif(
     "see scripts/setup_torchvision.sh for a CPU build",
 )
 
-TINY = [
-    "--preset",
-    "smoke",
-    "--image-size",
-    "32",
-    "--batch-size",
-    "4",
-    "--train-size",
-    "8",
-    "--val-size",
-    "4",
-    "--progress",
-    "none",
-    "--communicator",
-    "local",
-    "--max-steps",
-    "1",
-]
+TINY = tiny_resnet(train_size=8, val_size=4, communicator="local", max_steps=1)
 
 
 def test_fallback_is_the_builtin_network_and_synthetic_images(monkeypatch):

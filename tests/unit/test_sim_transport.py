@@ -199,26 +199,9 @@ def test_cli_nccl_env_and_software(capsys):
 
         return json.loads(capsys.readouterr().out)
 
-    base = run(
-        "--machine",
-        "v100-nvlink-25g",
-        "--gpus",
-        "16",
-        "--model",
-        "bert-large",
-        "--algorithm",
-        "nccl",
-    )
-    tuned = run(
-        "--machine",
-        "v100-nvlink-25g",
-        "--gpus",
-        "16",
-        "--model",
-        "bert-large",
-        "--nccl-env",
-        "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4",
-    )
+    bert_on_16 = ("--machine", "v100-nvlink-25g", "--gpus", "16", "--model", "bert-large")
+    base = run(*bert_on_16, "--algorithm", "nccl")
+    tuned = run(*bert_on_16, "--nccl-env", "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4")
     assert tuned["rows"][0]["throughput"] > 1.5 * base["rows"][0]["throughput"]
     cm = run(
         "--machine",

@@ -65,26 +65,21 @@ def test_assumption_dependent_rows_really_depend_on_the_assumption():
     flagged = [r for r in ROWS if r.caveat]
     assert {(r.row.model, r.row.machine) for r in flagged} == {("bert-large", "rtx3090-pcie")}
     profile = load_profile("bert-large")
+
+    def error_at(r, seqs: int) -> float:
+        """The row's error with ``seqs`` sequences of 384 per GPU."""
+        batch = profile.with_overrides(batch_per_gpu=seqs * 384)
+        other = simulate(batch, r.row.machine, r.row.plan, r.row.gpus)
+        return abs(other.throughput / r.row.published - 1)
+
     for r in flagged:
         for seqs in (2, 8):
-            other = simulate(
-                profile.with_overrides(batch_per_gpu=seqs * 384),
-                r.row.machine,
-                r.row.plan,
-                r.row.gpus,
-            )
-            assert abs(other.throughput / r.row.published - 1) > 0.3
+            assert error_at(r, seqs) > 0.3
     # The V100 BERT rows are a real test: they hardly move with the batch.
     for r in ROWS:
         if (r.row.model, r.row.machine) == ("bert-large", "v100-nvlink-25g") and r.row.gpus > 1:
             for seqs in (2, 8):
-                other = simulate(
-                    profile.with_overrides(batch_per_gpu=seqs * 384),
-                    r.row.machine,
-                    r.row.plan,
-                    r.row.gpus,
-                )
-                assert abs(other.throughput / r.row.published - 1) <= TOLERANCE
+                assert error_at(r, seqs) <= TOLERANCE
 
 
 def test_bert_on_the_3090_is_slower_on_2_gpus_than_on_1_as_published():
@@ -288,25 +283,21 @@ def test_the_recorded_testbed_measurements_all_get_a_prediction():
 
 def test_the_validation_script_takes_every_testbed_row_from_its_files(tmp_path):
     path = tmp_path / "m.json"
+
+    def entry(what: str, comm: str, step_s: float, algorithm: str, codec: str) -> dict:
+        return dict(
+            what=what,
+            command=f"commopt launch ... --comm {comm}",
+            gpus=2,
+            compute_s=1e-6,
+            grad_bytes=64 * 2**20,
+            measured_step_s=step_s,
+            plan={"algorithm": algorithm, "codec": codec, "overlap": "none", "bucket_mb": 64},
+        )
+
     entries = [
-        dict(
-            what="allreduce fp32 64 MiB, mpi",
-            command="commopt launch ... --comm mpi",
-            gpus=2,
-            compute_s=1e-6,
-            grad_bytes=64 * 2**20,
-            measured_step_s=0.57,
-            plan={"algorithm": "ring", "codec": "none", "overlap": "none", "bucket_mb": 64},
-        ),
-        dict(
-            what="allreduce qsgd4 64 MiB, gloo",
-            command="commopt launch ... --comm torch",
-            gpus=2,
-            compute_s=1e-6,
-            grad_bytes=64 * 2**20,
-            measured_step_s=0.2,
-            plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "none", "bucket_mb": 64},
-        ),
+        entry("allreduce fp32 64 MiB, mpi", "mpi", 0.57, "ring", "none"),
+        entry("allreduce qsgd4 64 MiB, gloo", "torch", 0.2, "sra", "qsgd4"),
     ]
     path.write_text(json.dumps(entries))
     r = subprocess.run(

@@ -14,6 +14,7 @@ from torch import nn
 from commopt.codecs import RngKey, get_codec
 from commopt.optim.layerwise import LARS
 from commopt.optim.staleness import LocalStepPrediction, predicted_step
+from tests.staleness_loop import compensated_by_hand
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
@@ -72,21 +73,7 @@ def test_one_replica_compensated_double_buffering_follows_synchronous_training(n
 
     model = _model()
     opt = OPTIMIZERS[name](model.parameters())
-    comp = LocalStepPrediction(opt)
-    pending = None
-    for step in range(12):
-        local = _grads(model, step)
-        if pending is not None:
-            for p, a in zip(model.parameters(), pending):
-                p.grad = a
-            comp.restore()
-            opt.step()
-        comp.predict(local)
-        pending = local
-    comp.restore()
-    for p, a in zip(model.parameters(), pending):  # flush()
-        p.grad = a
-    opt.step()
+    compensated_by_hand(model, opt, lambda step: _grads(model, step), 12)
     for a, b in zip(sync.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 

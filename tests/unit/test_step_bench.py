@@ -262,34 +262,44 @@ def test_plan_link_without_link_is_loopback_and_says_so():
     assert plan.rate_bits is None and plan.link_arg is None and "loopback" in plan.description
 
 
-def test_markdown_report_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
-    results = {"ddp-fp32": _result(1.0, compute=0.4), "commopt-fp16-db": _result(0.5, compute=0.4)}
-    rows = figures.summarize(results, 2, 1e9)
-    report = {
-        "command": "commopt bench step --models mlp",
+def _report(command: str, load_end: float, mlp: dict, role: str | None = None, **link) -> dict:
+    """A saved report of one model, a wide MLP on 2 ranks joined by an emulated 1 Gbit/s link."""
+    return {
+        "command": command,
         "link": "emulated 1gbit",
+        **link,
         "nprocs": 2,
         "threads_per_rank": 1,
         "machine": "cpu",
         "torch": "x",
         "load_average_start": 1.0,
-        "load_average_end": 2.0,
+        "load_average_end": load_end,
         "date": "today",
         "warmup": 3,
         "rounds": 3,
         "models": {
             "mlp": {
                 "description": "wide MLP",
+                **({"role": role} if role else {}),
                 "params": 25_000_000,
                 "batch_per_rank": 8,
                 "steps": 5,
                 "fp32_allreduce_limit_s": 0.8,
-                "rows": [vars(r) for r in rows],
-                "targets": figures.check_targets("communication", rows),
+                **mlp,
             }
         },
     }
+
+
+def test_markdown_report_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"ddp-fp32": _result(1.0, compute=0.4), "commopt-fp16-db": _result(0.5, compute=0.4)}
+    rows = figures.summarize(results, 2, 1e9)
+    report = _report(
+        "commopt bench step --models mlp",
+        2.0,
+        {"rows": [vars(r) for r in rows], "targets": figures.check_targets("communication", rows)},
+    )
     md = rp.markdown_report(json.loads(json.dumps(report)))
     assert "Command: `commopt bench step --models mlp`" in md and "needs 800 ms" in md
     assert "3 round(s), each 3 warm-up and 5 timed steps" in md
@@ -381,34 +391,14 @@ def test_from_json_recomputes_the_tables_of_a_saved_report(tmp_path, capsys):
         "ddp-fp32": _result(1.0, wire=100_000_000, compute=0.2),
         "commopt-qsgd4-db": _result(0.25, wire=13_000_000, compute=0.2),
     }
-    report = {
-        "command": "commopt bench step",
-        "link": "emulated 1gbit",
-        "link_rate": "1gbit",
-        "rate_bits": 1e9,
-        "nprocs": 2,
-        "threads_per_rank": 1,
-        "machine": "cpu",
-        "torch": "x",
-        "load_average_start": 1.0,
-        "load_average_end": 1.0,
-        "date": "today",
-        "warmup": 3,
-        "rounds": 3,
-        "models": {
-            "mlp": {
-                "description": "wide MLP",
-                "role": "communication",
-                "params": 25_000_000,
-                "batch_per_rank": 8,
-                "steps": 5,
-                "fp32_allreduce_limit_s": 0.8,
-                "raw": raw,
-                "rows": [],
-                "targets": [],
-            }
-        },
-    }
+    report = _report(
+        "commopt bench step",
+        1.0,
+        {"raw": raw, "rows": [], "targets": []},
+        role="communication",
+        link_rate="1gbit",
+        rate_bits=1e9,
+    )
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(report))
     parser = __import__("argparse").ArgumentParser()

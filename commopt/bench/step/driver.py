@@ -31,6 +31,7 @@ from commopt.bench.step.figures import check_targets, merge_rounds, summarize
 from commopt.bench.step.models import MODELS
 from commopt.bench.step.report import print_model, write_outputs
 from commopt.bench.step.worker import PROGRESS
+from commopt.commands.launch import launch_argv
 
 #: The folder holding the commopt package this runs from: the ranks import the same one.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
@@ -104,21 +105,23 @@ def _job_argv(
             "--profile-rate",
             str(args.profile_rate),
         ]
-    argv = [
-        sys.executable,
-        "-m",
-        "commopt",
-        "launch",
-        "-n",
-        str(args.nprocs),
-        "--launcher",
-        args.launcher,
-        "--timeout",
-        str(args.timeout),
-    ]
+    argv = launch_argv(args.nprocs, "--launcher", args.launcher, "--timeout", str(args.timeout))
     if plan.link_arg:
         argv += ["--link", plan.link_arg]
     return argv + ["--", *worker]
+
+
+def start_job(argv: list[str], threads: int) -> subprocess.Popen[str]:
+    """Start a launch command line, its output and errors read as text lines from ``stdout``.
+
+    Unbuffered, ``threads`` OpenMP threads a rank, and the ranks import the commopt this
+    driver runs (a checkout or an installed package).
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
+    )
 
 
 def _run_job(
@@ -132,19 +135,9 @@ def _run_job(
     result = workdir / f"{model}-{attempt}.json"
     log = workdir / f"{model}-{attempt}.log"
     argv = _job_argv(args, plan, model, schedule, result, threads)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-    # The ranks import the commopt this driver runs (a checkout or an installed package).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     current, started = None, False
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
-            errors="replace",
-        )
+        proc = start_job(argv, threads)
         assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             out.write(line)

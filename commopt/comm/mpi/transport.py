@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from commopt.comm.base import Communicator, FutureWork, Work
+from commopt.comm.base import NATIVE_SUM_DTYPES, Communicator, FutureWork, Work
 from commopt.comm.mpi.p2p import direct_allgather, pairwise_alltoall, ring_allreduce, wait_polled
 from commopt.comm.mpi.runtime import _mpi, install_exit_handshake, mpi_type, numpy_view
 from commopt.comm.mpi.settings import (
@@ -317,7 +317,7 @@ class MPICommunicator(Communicator):
         )
 
     def supports_sum(self, dtype: torch.dtype) -> bool:
-        if dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+        if dtype in NATIVE_SUM_DTYPES:
             return True
         # fp16/bf16: MPI's own collectives sum them with a Python reduction, better left to
         # commopt's scatter-reduce/allgather (fp32 on the side). Between nodes large buffers
