@@ -55,6 +55,7 @@ from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
 from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
+from commopt.optim.step_state import Stage, StepState
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
 __all__ = ["ModelMismatchError", "MultiNodeOptimizer", "create_multi_node_optimizer"]
@@ -181,11 +182,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._before_reduction: Callable[[], None] | None = None
         self._hooks: list = []
         self._signature: tuple | None = None
-        self._current: StepReduction | None = None  # issued by hooks, not all issued yet
-        self._reduced: StepReduction | None = (
-            None  # all issued, waited for and unpacked, not applied
-        )
-        self._dirty = False  # backward wrote gradients since the last reduction
+        self._step = StepState()  # the step in progress (without double buffering)
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
         self._db = DoubleBuffer()  # double buffering: the reduction in flight between steps
@@ -218,11 +215,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ reads gradients through param_groups: finish the reduction
         # first so that every rank inspects the same averaged gradients and takes the same
         # skip decision (local gradients would differ, and so would the decisions).
-        if (
-            not self.double_buffering
-            and not self._internal
-            and (self._dirty or self._current is not None)
-        ):
+        if not self.double_buffering and not self._internal and self._step.has_local:
             self.synchronize()
         return self._inner.param_groups
 
@@ -248,11 +241,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``). The fastest choice for large models; ``None`` grads
         (the default) cost one copy per step and a fresh allocation per backward.
         """
-        if not self.double_buffering and self._current is None:
-            self._reduced = None  # averages not applied (a skipped step) are discarded
+        if not self.double_buffering:
+            self._step.drop()  # averages not applied (a skipped step) are discarded
         self._guard.clear()
         buffer = self._db.buffer if self.double_buffering else 0
-        in_flight = self._current is not None and not self.double_buffering
+        in_flight = self._step.in_flight is not None and not self.double_buffering
         if (
             not set_to_none
             and self.zero_fill
@@ -355,7 +348,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
-            if self._current is not None or self._reduced is not None:
+            if self._step.started:
                 # This step's reduction has started (or finished): these gradients would be
                 # added, un-averaged, to what it sends or has already averaged.
                 raise RuntimeError(
@@ -368,11 +361,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if not self._backward_queued and not _in_nested_backward():
             # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
             self._queue_backward_done()
-        self._dirty = True
-        if self.double_buffering or not self.overlap:
+        if self.double_buffering:
             return
-        if self._current is None:
-            if self._reduced is not None and self._adds_to_averages(index):
+        self._step.wrote()
+        if not self.overlap:
+            return
+        if self._step.in_flight is None:
+            if self._step.averages is not None and self._adds_to_averages(index):
                 # The averages were not applied (GradScaler skipped the step) and this backward
                 # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
                 raise RuntimeError(
@@ -380,9 +375,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "already. Call optimizer.zero_grad() between steps; for gradient accumulation, "
                     "run all but the last backward inside `with optimizer.no_sync():`."
                 )
-            self._current = self._start()
-        self._current.mark_ready(index)
-        if self._current.issued == len(self._layout.buckets) and not self._backward_queued:
+            self._step.drop()
+            self._step.send(self._start())
+        red = self._step.in_flight
+        assert red is not None  # (sent just above)
+        red.mark_ready(index)
+        if red.issued == len(self._layout.buckets) and not self._backward_queued:
             # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
             # finishing at its end is safe, as DDP's reducer does.
             self._queue_backward_done()
@@ -398,7 +396,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
-        self._reduced = None
         if self._before_reduction is not None:
             self._before_reduction()  # commopt.Join's flag: before this step's first bucket
         red = self._layout.start(step=self._iteration, buffer=buffer, scale=scale)
@@ -443,19 +440,18 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     self._ensure_layout()
                     self._db_exchange(scale=1.0)
                 return
-            if self._reduced is not None and not self._dirty and self._current is None:
+            if self._step.stage is Stage.AVERAGED:
                 return  # already averaged since the last backward
             self._ensure_layout()
-            red = self._current if self._current is not None else self._start()
-            self._current = None
+            red = self._step.collect()  # the one the hooks are sending, if any
+            if red is None:
+                red = self._start()
             red.issue_remaining()
             red.unpack(self.zero_fill)
-            self._reduced = red
-            self._averaged = [
-                None if p.grad is None else weakref.ref(p.grad)  # (second-backward
-                for p in self._layout.params
-            ]  # check)
-            self._dirty = False
+            self._step.averaged(red)
+            self._averaged = [  # (the second-backward check)
+                None if p.grad is None else weakref.ref(p.grad) for p in self._layout.params
+            ]
 
     def wait(self) -> None:
         """Block until every reduction this optimizer has started is complete.
@@ -561,15 +557,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             elif self.double_buffering:
                 self._step_double_buffered()
             else:
-                if self._reduced is None or self._dirty or self._current is not None:
+                if self._step.stage is not Stage.AVERAGED:
                     if self._skip_sync:
                         raise self._not_synchronized_error()
                     self._check_no_local_writes()
                     self.synchronize()
-                red, self._reduced = self._reduced, None
-                if red is None:  # synchronize() above leaves the averages here
-                    raise RuntimeError("internal: step() found no averaged gradients")
-                self._apply(red.wait())
+                self._apply(self._step.take().wait())
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -624,7 +617,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             )
 
         def averaged_closure():
-            self._reduced = None  # the previous evaluation's gradients are consumed
+            self._step.drop()  # the previous evaluation's gradients are consumed
             self._guard.clear()
             with torch.enable_grad():
                 loss = closure()
@@ -633,7 +626,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             return self._average_loss(loss)
 
         loss = self._inner.step(averaged_closure)
-        self._reduced = None
+        self._step.drop()
         self.applied_steps += 1
         self.last_step_skipped = False
         return loss
@@ -811,7 +804,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._iteration = int(extra["iteration"])
             self.applied_steps = int(extra["applied_steps"])
             self.skipped_steps = int(extra["skipped_steps"])
-            self._current = self._reduced = None
+            self._step.reset()
             if extra.get("pending") is not None and not self.double_buffering:
                 raise ValueError(
                     "the checkpoint holds pending double-buffered gradients: load it into an "
@@ -842,7 +835,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._db.drop()
         if self._comp is not None:
             self._comp.restore()
-        self._current = self._reduced = None
+        self._step.reset()
         if self._release is not None:
             self._release()  # finalizes the private communicator once (drained above)
 
