@@ -152,7 +152,9 @@ def test_overlap_sends_buckets_during_backward(comm):
         torch.optim.SGD(model.parameters(), lr=0.1), comm, bucket_cap_mb=0.0001
     )
     seen = []  # buckets on their way when the last gradient (the first layer's) arrives
-    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(opt._step.in_flight.issued))
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(opt._step.in_flight.issued)
+    )
     loss(model, 0).backward()
     assert seen and seen[0] > 0 and len(opt.buckets) > 1, "buckets were sent during backward"
     # backward() returns with the averages in .grad (DDP's contract): nothing left in flight
