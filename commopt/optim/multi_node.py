@@ -1,16 +1,29 @@
 """``create_multi_node_optimizer``: data-parallel training by wrapping any torch optimizer.
 
-The wrapper owns the *when* of gradient reduction: backward hooks that send each bucket as
-soon as its gradients are ready, the collective NaN/Inf skip and the state dict. Its parts
-live beside it: :mod:`~commopt.optim.double_buffering` (the reduction in flight between
-steps), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
-:mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.checkpoint`
-(what each rank checkpoints). The reducer (:mod:`commopt.reducer`) owns the buckets and
-the codecs; the collectives own the algorithms; :mod:`commopt.driver` owns the threads.
+:class:`MultiNodeOptimizer` is the ``torch.optim.Optimizer`` surface that torch, GradScaler,
+LR schedulers and users call; each job behind it lives in a module of its own:
 
-Over 400 lines on purpose: one class, the ``torch.optim.Optimizer`` surface that torch,
-GradScaler and LR schedulers call (param_groups, zero_grad, step, state_dict, hooks...),
-each method with the docstring its users read.
+- :mod:`~commopt.optim.backward_hooks`: the hook on each parameter, the end-of-backward callback;
+- :mod:`~commopt.optim.step_state`: the stage of the step in progress (a small state machine);
+- :mod:`~commopt.optim.synchronous_step` / :mod:`~commopt.optim.double_buffered_step`: what
+  the hooks, ``synchronize()``, ``step()`` and ``flush()`` do in each mode, and
+  :mod:`~commopt.optim.double_buffering` the reduction in flight between steps;
+- :mod:`~commopt.optim.apply_step`: the collective NaN/Inf skip, clipping, the counters;
+- :mod:`~commopt.optim.closures` (``step(closure)``), :mod:`~commopt.optim.compensation`
+  (``double_buffering="compensated"``), :mod:`~commopt.optim.checkpoint` (the state dict's
+  part), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
+  :mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.clipping`.
+
+The reducer (:mod:`commopt.reducer`) owns the buckets and the codecs; the collectives own the
+algorithms; :mod:`commopt.driver` owns the threads.
+
+Over 400 lines on purpose: about 330 are code, the rest docstrings, doctests and comments.
+What is left is the one class users and torch talk to (the public methods ``param_groups``,
+``zero_grad``, ``step``, ``synchronize``, ``skip_synchronize``, ``no_sync``, ``wait``,
+``flush``, ``true_weights``, ``state_dict``, ``load_state_dict``, ``add_param_group``,
+``close``, ``remove_hooks``, ``buckets``, ``inner``, each with the docstring its users
+read), its constructor (argument checks, the private communicator) and the bucket layout's
+rebuild when the parameters change; every method hands its job to the modules above.
 
     >>> import torch, commopt
     >>> comm = commopt.create_communicator("local")
@@ -23,13 +36,9 @@ each method with the docstring its users read.
     >>> opt.applied_steps, opt.skipped_steps
     (1, 0)
 
-Modes (see docs/optimizer.md): ``overlap=True`` sends buckets during backward and
-``step()`` waits for what is still in flight; ``overlap=False`` sends everything in
-``step()``; ``double_buffering=True`` lets the reduction of step t run during step t+1's
-forward and backward and applies it at step t+1 (one step stale; ``flush()`` applies the
-last one); ``double_buffering="compensated"`` also moves each rank's model, between steps,
-to the weights its local gradient predicts for the next step, so the stale average is
-applied (nearly) where it was computed (:mod:`~commopt.optim.staleness`).
+Modes (docs/optimizer.md): ``overlap=True`` sends buckets during backward, ``overlap=False``
+in ``step()``; ``double_buffering=True`` applies step t's average at step t+1 (``flush()``
+applies the last one), ``"compensated"`` at the weights each rank's gradient predicts.
 """
 
 from __future__ import annotations
