@@ -35,7 +35,7 @@ from commopt.optim.compensation import LocalGradients, unpack_replaces_grad
 if TYPE_CHECKING:
     from commopt.optim.multi_node import MultiNodeOptimizer
 
-__all__ = ["exchange", "flush", "inverse_grad_scale", "step"]
+__all__ = ["exchange", "flush", "inverse_grad_scale", "step", "synchronize"]
 
 
 def inverse_grad_scale(opt: MultiNodeOptimizer) -> float:
@@ -57,6 +57,14 @@ def exchange(opt: MultiNodeOptimizer, scale: float) -> None:
     opt._db.exchange(
         lambda buffer: opt._start(scale=scale, buffer=buffer), opt._layout, opt.zero_fill
     )
+
+
+def synchronize(opt: MultiNodeOptimizer) -> None:
+    """Send this step's gradients now (once a step): the previous step's averages land in
+    ``param.grad``, where ``step()`` applies them."""
+    if not opt._db.exchanged:
+        opt._ensure_layout()
+        exchange(opt, scale=1.0)
 
 
 def step(opt: MultiNodeOptimizer) -> None:

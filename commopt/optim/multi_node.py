@@ -399,11 +399,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._guard.clear()  # an explicit call: the gradients in .grad now are the ones to send
         with self._own_reads():
             if self.double_buffering:
-                if not self._db.exchanged:
-                    self._ensure_layout()
-                    double_buffered_step.exchange(self, scale=1.0)
-                return
-            synchronous_step.synchronize(self)
+                double_buffered_step.synchronize(self)
+            else:
+                synchronous_step.synchronize(self)
 
     def wait(self) -> None:
         """Block until every reduction this optimizer has started is complete.
