@@ -22,14 +22,19 @@ number of ranks and no rank ever holds a peer's residuals (``save_checkpoint`` i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from commopt.optim.multi_node import MultiNodeOptimizer
 
 __all__ = [
     "STATE_VERSION",
     "check_compatible",
+    "commopt_state",
     "drop_codec_state",
     "has_codec_state",
     "join_rank_state",
+    "load_commopt_state",
     "own_codec_state",
     "split_rank_state",
 ]
@@ -43,6 +48,55 @@ _RESUME_HINT = (
     "with commopt.optim.drop_codec_state(state_dict) before load_state_dict (error "
     "feedback then restarts from zero residuals: the next steps lose the carried error)"
 )
+
+
+def commopt_state(opt: MultiNodeOptimizer) -> dict[str, Any]:
+    """``opt``'s part of its state dict (no reduction may be in flight: drain first)."""
+    db = opt._db.state_dict()  # completes the pending reduction first
+    layout = opt._layout
+    state = {
+        "version": STATE_VERSION,
+        "world_size": opt.comm.size,
+        "rank": opt.comm.rank,
+        "seed": opt.seed,
+        "iteration": opt._iteration - layout.pending_discards,
+        "applied_steps": opt.applied_steps,
+        "skipped_steps": opt.skipped_steps,
+        "double_buffering": opt.double_buffering,
+        "db_buffer": db["db_buffer"],
+        "buckets": [b.key for b in layout.buckets],
+        "codec_state": layout.codec_states(),  # this rank's own only
+        "pending": db["pending"],
+    }
+    if opt._comp is not None:
+        state.update(opt._comp.state())
+    return state
+
+
+def load_commopt_state(opt: MultiNodeOptimizer, extra: dict[str, Any]) -> None:
+    """Restore :func:`commopt_state`'s ``extra`` into ``opt`` (checked first; drained first)."""
+    layout, rank = opt._layout, opt.comm.rank
+    check_compatible(extra, [b.key for b in layout.buckets], rank=rank, size=opt.comm.size)
+    layout.load_codec_states(own_codec_state(extra, rank))
+    opt.seed = int(extra["seed"])
+    layout.seed = opt.seed
+    opt._iteration = int(extra["iteration"])
+    opt.applied_steps = int(extra["applied_steps"])
+    opt.skipped_steps = int(extra["skipped_steps"])
+    opt._step.reset()
+    if extra.get("pending") is not None and not opt.double_buffering:
+        raise ValueError(
+            "the checkpoint holds pending double-buffered gradients: load it into an "
+            "optimizer with double_buffering=True (or call flush() before saving)"
+        )
+    opt._db.load_state_dict(extra, layout)
+    if opt._comp is None:
+        # (imported here: the state format above, drop_codec_state etc., needs no torch)
+        from commopt.optim.compensation import refuse_prediction
+
+        refuse_prediction(extra)
+    else:
+        opt._comp.load(extra, rank)
 
 
 def has_codec_state(codec_state: dict) -> bool:

@@ -23,13 +23,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from commopt.optim.staleness import LocalStepPrediction
 
-__all__ = ["COMPENSATED", "Compensation", "LocalGradients", "parse_mode", "refuse_prediction"]
+if TYPE_CHECKING:
+    from commopt.reducer import GradientReducer
+
+__all__ = [
+    "COMPENSATED",
+    "Compensation",
+    "LocalGradients",
+    "parse_mode",
+    "refuse_prediction",
+    "unpack_replaces_grad",
+]
 
 COMPENSATED = "compensated"
 
@@ -93,6 +103,27 @@ class LocalGradients:
         if not coef < 1.0:
             return self.grads
         return [None if g is None else g * coef for g in self.grads]
+
+
+def unpack_replaces_grad(reducer: GradientReducer) -> Callable[[torch.Tensor], bool]:
+    """``f(p)``: unpacking points ``p.grad`` at its bucket, leaving the tensor now there alone.
+
+    False for a gradient that is a bucket view (the reduction overwrites it) and for a
+    parameter whose averages are copied into its ``.grad`` (dtype differs from the bucket's):
+    :meth:`LocalGradients.take` keeps a reference where this is True, else a copy.
+    """
+    index = {id(q): i for i, q in enumerate(reducer.params)}
+    storages = {f.untyped_storage().data_ptr() for buffers in reducer.buffers for f in buffers}
+
+    def replaces(p: torch.Tensor) -> bool:
+        flat = reducer.buffers[0][reducer.bucket_of[index[id(p)]]]
+        return (
+            p.grad is not None
+            and p.grad.untyped_storage().data_ptr() not in storages
+            and reducer._viewable(p, flat)
+        )
+
+    return replaces
 
 
 class Compensation:

@@ -1,16 +1,29 @@
 """``create_multi_node_optimizer``: data-parallel training by wrapping any torch optimizer.
 
-The wrapper owns the *when* of gradient reduction: backward hooks that send each bucket as
-soon as its gradients are ready, the collective NaN/Inf skip and the state dict. Its parts
-live beside it: :mod:`~commopt.optim.double_buffering` (the reduction in flight between
-steps), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
-:mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.checkpoint`
-(what each rank checkpoints). The reducer (:mod:`commopt.reducer`) owns the buckets and
-the codecs; the collectives own the algorithms; :mod:`commopt.driver` owns the threads.
+:class:`MultiNodeOptimizer` is the ``torch.optim.Optimizer`` surface that torch, GradScaler,
+LR schedulers and users call; each job behind it lives in a module of its own:
 
-Over 400 lines on purpose: one class, the ``torch.optim.Optimizer`` surface that torch,
-GradScaler and LR schedulers call (param_groups, zero_grad, step, state_dict, hooks...),
-each method with the docstring its users read.
+- :mod:`~commopt.optim.backward_hooks`: the hook on each parameter, the end-of-backward callback;
+- :mod:`~commopt.optim.step_state`: the stage of the step in progress (a small state machine);
+- :mod:`~commopt.optim.synchronous_step` / :mod:`~commopt.optim.double_buffered_step`: what
+  the hooks, ``synchronize()``, ``step()`` and ``flush()`` do in each mode, and
+  :mod:`~commopt.optim.double_buffering` the reduction in flight between steps;
+- :mod:`~commopt.optim.apply_step`: the collective NaN/Inf skip, clipping, the counters;
+- :mod:`~commopt.optim.closures` (``step(closure)``), :mod:`~commopt.optim.compensation`
+  (``double_buffering="compensated"``), :mod:`~commopt.optim.checkpoint` (the state dict's
+  part), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
+  :mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.clipping`.
+
+The reducer (:mod:`commopt.reducer`) owns the buckets and the codecs; the collectives own the
+algorithms; :mod:`commopt.driver` owns the threads.
+
+Over 400 lines on purpose: about 330 are code, the rest docstrings, doctests and comments.
+What is left is the one class users and torch talk to (the public methods ``param_groups``,
+``zero_grad``, ``step``, ``synchronize``, ``skip_synchronize``, ``no_sync``, ``wait``,
+``flush``, ``true_weights``, ``state_dict``, ``load_state_dict``, ``add_param_group``,
+``close``, ``remove_hooks``, ``buckets``, ``inner``, each with the docstring its users
+read), its constructor (argument checks, the private communicator) and the bucket layout's
+rebuild when the parameters change; every method hands its job to the modules above.
 
     >>> import torch, commopt
     >>> comm = commopt.create_communicator("local")
@@ -23,21 +36,14 @@ each method with the docstring its users read.
     >>> opt.applied_steps, opt.skipped_steps
     (1, 0)
 
-Modes (see docs/optimizer.md): ``overlap=True`` sends buckets during backward and
-``step()`` waits for what is still in flight; ``overlap=False`` sends everything in
-``step()``; ``double_buffering=True`` lets the reduction of step t run during step t+1's
-forward and backward and applies it at step t+1 (one step stale; ``flush()`` applies the
-last one); ``double_buffering="compensated"`` also moves each rank's model, between steps,
-to the weights its local gradient predicts for the next step, so the stale average is
-applied (nearly) where it was computed (:mod:`~commopt.optim.staleness`).
+Modes (docs/optimizer.md): ``overlap=True`` sends buckets during backward, ``overlap=False``
+in ``step()``; ``double_buffering=True`` applies step t's average at step t+1 (``flush()``
+applies the last one), ``"compensated"`` at the weights each rank's gradient predicts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -47,19 +53,25 @@ import torch
 from commopt import driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
-from commopt.optim import clipping
+from commopt.optim import clipping, double_buffered_step, synchronous_step
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
-from commopt.optim.checkpoint import STATE_VERSION, check_compatible, own_codec_state
-from commopt.optim.compensation import Compensation, LocalGradients, parse_mode, refuse_prediction
+from commopt.optim.backward_hooks import BackwardHooks
+from commopt.optim.checkpoint import commopt_state, load_commopt_state
+from commopt.optim.closures import step_with_closure
+from commopt.optim.compensation import Compensation, parse_mode
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
-from commopt.optim.replicas import ModelMismatchError, broadcast_from_root, check_same_model
-from commopt.reducer import GradientReducer, StepReduction, StepResult
+from commopt.optim.replicas import (
+    ModelMismatchError,
+    broadcast_from_root,
+    check_same_model,
+    param_names,
+)
+from commopt.optim.step_state import StepState
+from commopt.reducer import GradientReducer, StepReduction
 
 __all__ = ["ModelMismatchError", "MultiNodeOptimizer", "create_multi_node_optimizer"]
-
-log = logging.getLogger("commopt")
 
 
 def create_multi_node_optimizer(
@@ -152,7 +164,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None  # before clipping, when clip_grad_norm is set
         self._skip_sync = False  # inside skip_synchronize()
         self._guard = clipping.GradWriteGuard()  # .grad writes before the reduction
-        self._backward_queued = False  # the end-of-backward callback is queued
         self._averaged: list = []  # param.grad as the last synchronize() left them
         self._ddp_checked = False  # the first step looks for DDP again (DDP wrapped later)
         init_hook_tables(self)
@@ -179,13 +190,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._reducer: GradientReducer | None = None
         #: called as each step's reduction starts (commopt.Join counts the ranks with data)
         self._before_reduction: Callable[[], None] | None = None
-        self._hooks: list = []
+        self._hooks = BackwardHooks(self)  # per-parameter hooks, the end-of-backward callback
         self._signature: tuple | None = None
-        self._current: StepReduction | None = None  # issued by hooks, not all issued yet
-        self._reduced: StepReduction | None = (
-            None  # all issued, waited for and unpacked, not applied
-        )
-        self._dirty = False  # backward wrote gradients since the last reduction
+        self._step = StepState()  # the step in progress (without double buffering)
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
         self._db = DoubleBuffer()  # double buffering: the reduction in flight between steps
@@ -218,11 +225,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ reads gradients through param_groups: finish the reduction
         # first so that every rank inspects the same averaged gradients and takes the same
         # skip decision (local gradients would differ, and so would the decisions).
-        if (
-            not self.double_buffering
-            and not self._internal
-            and (self._dirty or self._current is not None)
-        ):
+        if not self.double_buffering and not self._internal and self._step.has_local:
             self.synchronize()
         return self._inner.param_groups
 
@@ -248,11 +251,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``). The fastest choice for large models; ``None`` grads
         (the default) cost one copy per step and a fresh allocation per backward.
         """
-        if not self.double_buffering and self._current is None:
-            self._reduced = None  # averages not applied (a skipped step) are discarded
+        if not self.double_buffering:
+            self._step.drop()  # averages not applied (a skipped step) are discarded
         self._guard.clear()
         buffer = self._db.buffer if self.double_buffering else 0
-        in_flight = self._current is not None and not self.double_buffering
+        in_flight = self._step.in_flight is not None and not self.double_buffering
         if (
             not set_to_none
             and self.zero_fill
@@ -291,17 +294,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self._inner.param_groups for p in g["params"]]
 
-    def _names(self, params: list[torch.Tensor]) -> list[str]:
-        """The model's parameter names (what the compression policy matches), else positions."""
-        model = self._model_ref() if self._model_ref is not None else None
-        by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        names, k = [], 0
-        for gi, g in enumerate(self._inner.param_groups):
-            for pi, _ in enumerate(g["params"]):
-                names.append(by_id.get(id(params[k]), f"param_groups[{gi}]['params'][{pi}]"))
-                k += 1
-        return names
-
     def _current_signature(self) -> tuple:
         return tuple((id(p), p.requires_grad) for p in self._all_params())
 
@@ -309,15 +301,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """(Re)build buckets and hooks; check every rank has the same parameters; broadcast."""
         with self._own_reads():
             params = self._all_params()
-            names = self._names(params)
             model = self._model_ref() if self._model_ref is not None else None
+            names = param_names(self._inner.param_groups, model)
             check_same_model(self.comm, params, names, model)
             if broadcast:
                 broadcast_from_root(self.comm, params, model)
             trainable = [i for i, p in enumerate(params) if p.requires_grad]
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
+            self._hooks.remove()
             self._reducer = GradientReducer(
                 self._data_comm,
                 [params[i] for i in trainable],
@@ -332,9 +322,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 grad_views=True,
             )
             check_same_settings(self)  # every rank's wire settings agree, or all raise
-            me = weakref.ref(self)
-            for j, i in enumerate(trainable):
-                self._hooks.append(params[i].register_post_accumulate_grad_hook(_GradReady(me, j)))
+            self._hooks.attach(self._reducer.params)
             self._signature = self._current_signature()
 
     def _ensure_layout(self) -> None:
@@ -355,7 +343,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
-            if self._current is not None or self._reduced is not None:
+            if self._step.started:
                 # This step's reduction has started (or finished): these gradients would be
                 # added, un-averaged, to what it sends or has already averaged.
                 raise RuntimeError(
@@ -365,40 +353,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "the last one outside, then synchronize()/step()"
                 )
             return
-        if not self._backward_queued and not _in_nested_backward():
-            # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
-            self._queue_backward_done()
-        self._dirty = True
-        if self.double_buffering or not self.overlap:
-            return
-        if self._current is None:
-            if self._reduced is not None and self._adds_to_averages(index):
-                # The averages were not applied (GradScaler skipped the step) and this backward
-                # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
-                raise RuntimeError(
-                    "a second backward() before step(): the gradients of the first were averaged "
-                    "already. Call optimizer.zero_grad() between steps; for gradient accumulation, "
-                    "run all but the last backward inside `with optimizer.no_sync():`."
-                )
-            self._current = self._start()
-        self._current.mark_ready(index)
-        if self._current.issued == len(self._layout.buckets) and not self._backward_queued:
-            # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
-            # finishing at its end is safe, as DDP's reducer does.
-            self._queue_backward_done()
-
-    def _adds_to_averages(self, index: int) -> bool:
-        """Whether parameter ``index``'s gradient is still the tensor synchronize() left."""
-        ref = self._averaged[index] if index < len(self._averaged) else None
-        grad = self._layout.params[index].grad
-        return ref is not None and grad is not None and ref() is grad
-
-    def _queue_backward_done(self) -> None:
-        self._backward_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
+        self._hooks.queue_end_of_backward()
+        if not self.double_buffering:
+            synchronous_step.grad_ready(self, index)
 
     def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
-        self._reduced = None
         if self._before_reduction is not None:
             self._before_reduction()  # commopt.Join's flag: before this step's first bucket
         red = self._layout.start(step=self._iteration, buffer=buffer, scale=scale)
@@ -439,23 +399,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._guard.clear()  # an explicit call: the gradients in .grad now are the ones to send
         with self._own_reads():
             if self.double_buffering:
-                if not self._db.exchanged:
-                    self._ensure_layout()
-                    self._db_exchange(scale=1.0)
-                return
-            if self._reduced is not None and not self._dirty and self._current is None:
-                return  # already averaged since the last backward
-            self._ensure_layout()
-            red = self._current if self._current is not None else self._start()
-            self._current = None
-            red.issue_remaining()
-            red.unpack(self.zero_fill)
-            self._reduced = red
-            self._averaged = [
-                None if p.grad is None else weakref.ref(p.grad)  # (second-backward
-                for p in self._layout.params
-            ]  # check)
-            self._dirty = False
+                double_buffered_step.synchronize(self)
+            else:
+                synchronous_step.synchronize(self)
 
     def wait(self) -> None:
         """Block until every reduction this optimizer has started is complete.
@@ -495,7 +441,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         here). Otherwise the gradients stay local until ``step()``: remember their version
         counters, so that ``step()`` can tell a write (a clip) before the reduction.
         """
-        self._backward_queued = False
+        self._hooks.end_queued = False
         if self._no_sync:
             return
         if self.overlap and not self.double_buffering:
@@ -550,173 +496,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         loss = None
-        self._backward_queued = False  # (a backward that raised never ran its callback)
+        self._hooks.end_queued = False  # (a backward that raised never ran its callback)
         if not self._ddp_checked:  # DDP may have wrapped the model after this optimizer
             self._ddp_checked = True
             with self._own_reads():
                 refuse_ddp(self._all_params(), self._model_ref() if self._model_ref else None)
         with self._own_reads():
             if closure is not None:
-                loss = self._step_with_closure(closure)
+                loss = step_with_closure(self, closure)
             elif self.double_buffering:
-                self._step_double_buffered()
+                double_buffered_step.step(self)
             else:
-                if self._reduced is None or self._dirty or self._current is not None:
-                    if self._skip_sync:
-                        raise self._not_synchronized_error()
-                    self._check_no_local_writes()
-                    self.synchronize()
-                red, self._reduced = self._reduced, None
-                if red is None:  # synchronize() above leaves the averages here
-                    raise RuntimeError("internal: step() found no averaged gradients")
-                self._apply(red.wait())
+                synchronous_step.step(self)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
 
-    def _apply(self, result: StepResult | None) -> None:
-        """Run the inner step unless some rank had NaN/Inf (decided collectively)."""
-        if result is None:
-            self.last_step_skipped = False
-            return
-        if result.nonfinite:
-            self.skipped_steps += 1
-            self.last_step_skipped = True
-            if self.comm.rank == 0:
-                log.warning(
-                    "commopt: skipped step %d on every rank: NaN/Inf gradients on some rank "
-                    "(buckets %s); %d step(s) skipped so far",
-                    self.applied_steps + self.skipped_steps,
-                    result.bad_buckets,
-                    self.skipped_steps,
-                )
-            return
-        self._clip()
-        self._inner.step()
-        self.applied_steps += 1
-        self.last_step_skipped = False
-
-    def _clip(self) -> None:
-        """``clip_grad_norm=``: clip the averaged gradients about to be applied."""
-        if self.clip_grad_norm is not None:
-            self.last_grad_norm = clipping.clip_grad_norm(self._layout.params, self.clip_grad_norm)
-
-    # -- closures (LBFGS) -------------------------------------------------------------------------
-    def _step_with_closure(self, closure: Callable[[], Any]):
-        """``inner.step(closure)`` where every closure call returns averaged loss and gradients.
-
-        The closure re-evaluates the loss and its gradients (LBFGS calls it several times per
-        step); each call's gradients are averaged over the ranks before the inner optimizer
-        reads them, and so is the loss it returns, so that every rank takes the same
-        line-search and convergence decisions (the same number of closure calls: otherwise
-        the ranks would wait on each other forever).
-        """
-        if self.double_buffering:
-            raise ValueError(
-                "step(closure) re-evaluates the gradients within the step, which double "
-                "buffering (gradients applied one step late) cannot do: create the optimizer "
-                "with double_buffering=False for closure optimizers such as LBFGS"
-            )
-        if self._skip_sync:
-            raise RuntimeError(
-                "step(closure) inside skip_synchronize(): the closure's gradients "
-                "are averaged by step() itself; call step(closure) outside it"
-            )
-
-        def averaged_closure():
-            self._reduced = None  # the previous evaluation's gradients are consumed
-            self._guard.clear()
-            with torch.enable_grad():
-                loss = closure()
-            self.synchronize()
-            self._clip()
-            return self._average_loss(loss)
-
-        loss = self._inner.step(averaged_closure)
-        self._reduced = None
-        self.applied_steps += 1
-        self.last_step_skipped = False
-        return loss
-
-    def _average_loss(self, loss):
-        """The mean of ``loss`` over the ranks (same type back: tensor or number; None stays)."""
-        if loss is None or self.comm.size == 1:
-            return loss
-        value = torch.tensor(
-            [float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=torch.float64
-        )
-        self.comm.allreduce(value)
-        mean = value.item() / self.comm.size
-        if isinstance(loss, torch.Tensor):
-            return torch.tensor(mean, dtype=loss.dtype, device=loss.device)
-        return mean
-
-    # -- double buffering -------------------------------------------------------------------------
-    def _grad_scale(self) -> float:
-        """1 / GradScaler's scale when GradScaler drives this step (double buffering)."""
-        scale = getattr(self, "grad_scale", None)
-        if scale is None:
-            return 1.0
-        value = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.item())
-        return 1.0 / value
-
-    def _db_exchange(self, scale: float) -> None:
-        """Send this step's gradients; put the previous step's averages into param.grad."""
-        if self._comp is not None:
-            reducer = self._layout
-            self._comp.local = LocalGradients.take(
-                self._all_params(), reducer.params, scale, self._reducer_replaces_grad()
-            )
-        self._db.exchange(
-            lambda buffer: self._start(scale=scale, buffer=buffer), self._layout, self.zero_fill
-        )
-
-    def _reducer_replaces_grad(self) -> Callable[[torch.Tensor], bool]:
-        """``f(p)``: unpacking points ``p.grad`` at its bucket, leaving the tensor now there alone.
-
-        False for a gradient that is a bucket view (the reduction overwrites it) and for a
-        parameter whose averages are copied into its ``.grad`` (dtype differs from the bucket's).
-        """
-        reducer = self._layout
-        index = {id(q): i for i, q in enumerate(reducer.params)}
-        storages = {f.untyped_storage().data_ptr() for buffers in reducer.buffers for f in buffers}
-
-        def replaces(p: torch.Tensor) -> bool:
-            flat = reducer.buffers[0][reducer.bucket_of[index[id(p)]]]
-            return (
-                p.grad is not None
-                and p.grad.untyped_storage().data_ptr() not in storages
-                and reducer._viewable(p, flat)
-            )
-
-        return replaces
-
-    def _step_double_buffered(self) -> None:
-        scale = self._grad_scale()
-        if not self._db.exchanged:
-            if self._skip_sync:
-                raise self._not_synchronized_error()
-            if not (
-                getattr(self, "found_inf", None) is not None
-                and getattr(self, "grad_scale", None) is None
-            ):
-                self._check_no_local_writes()  # (GradScaler.unscale_ writes them: allowed)
-            self._guard.clear()
-            self._ensure_layout()
-            self._db_exchange(scale)
-        elif scale != 1.0:
-            raise RuntimeError(
-                "with double_buffering and GradScaler, call scaler.unscale_(optimizer) before "
-                "optimizer.synchronize(): the gradients were sent still scaled"
-            )
-        if self._comp is not None:
-            self._comp.restore()  # the stale average is applied at the true weights
-        self._apply(self._db.take())
-        if self._comp is not None:
-            pending = self._db.pending  # this step's reduction: its local NaN/Inf flags
-            local_bad = pending is not None and any(bool(b) for b in pending._bad if b is not None)
-            self._comp.predict(local_bad, self.clip_grad_norm)
-
+    # -- double buffering (optim/double_buffered_step.py) ------------------------------------
     @contextlib.contextmanager
     def true_weights(self):
         """Inside the block the model holds the true (replicated) weights; after it, as before.
@@ -747,17 +543,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
-        if not self.double_buffering:
-            return  # nothing is ever pending without double buffering
-        if self._db.pending is None:
-            if self._comp is not None:
-                self._comp.restore()
-            return
-        with self._own_reads():
-            if self._comp is not None:
-                self._comp.local = None
-                self._comp.restore()  # the model keeps the true weights from here on
-            self._apply(self._db.flush(self.zero_fill))
+        if self.double_buffering:  # (nothing is ever pending without double buffering)
+            double_buffered_step.flush(self)
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -770,24 +557,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         with self._own_reads():
             self._drain()
-            db = self._db.state_dict()  # completes the pending reduction first
+            extra = commopt_state(self)  # completes the pending reduction first
             sd = self._inner.state_dict()
-            sd["commopt"] = {
-                "version": STATE_VERSION,
-                "world_size": self.comm.size,
-                "rank": self.comm.rank,
-                "seed": self.seed,
-                "iteration": self._iteration - self._layout.pending_discards,
-                "applied_steps": self.applied_steps,
-                "skipped_steps": self.skipped_steps,
-                "double_buffering": self.double_buffering,
-                "db_buffer": db["db_buffer"],
-                "buckets": [b.key for b in self._layout.buckets],
-                "codec_state": self._layout.codec_states(),  # this rank's own only
-                "pending": db["pending"],
-            }
-            if self._comp is not None:
-                sd["commopt"].update(self._comp.state())
+            sd["commopt"] = extra
             return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -799,32 +571,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            check_compatible(
-                extra,
-                [b.key for b in self._layout.buckets],
-                rank=self.comm.rank,
-                size=self.comm.size,
-            )
-            self._layout.load_codec_states(own_codec_state(extra, self.comm.rank))
-            self.seed = int(extra["seed"])
-            self._layout.seed = self.seed
-            self._iteration = int(extra["iteration"])
-            self.applied_steps = int(extra["applied_steps"])
-            self.skipped_steps = int(extra["skipped_steps"])
-            self._current = self._reduced = None
-            if extra.get("pending") is not None and not self.double_buffering:
-                raise ValueError(
-                    "the checkpoint holds pending double-buffered gradients: load it into an "
-                    "optimizer with double_buffering=True (or call flush() before saving)"
-                )
-            self._db.load_state_dict(extra, self._layout)
-            self._load_compensation(extra)
-
-    def _load_compensation(self, extra: dict[str, Any]) -> None:
-        if self._comp is None:
-            refuse_prediction(extra)
-        else:
-            self._comp.load(extra, self.comm.rank)
+            load_commopt_state(self, extra)
 
     # -- misc -------------------------------------------------------------------------------------
     @property
@@ -842,46 +589,14 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._db.drop()
         if self._comp is not None:
             self._comp.restore()
-        self._current = self._reduced = None
+        self._step.reset()
         if self._release is not None:
             self._release()  # finalizes the private communicator once (drained above)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._hooks.remove()
 
     def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter exit torch may be gone
             self.remove_hooks()
-
-
-def _in_nested_backward() -> bool:
-    """Whether this hook runs in a backward started by an autograd Function's backward.
-
-    Reentrant activation checkpointing runs such inner backward passes; a callback queued
-    there would run at the end of the inner pass, before the outer one has produced the
-    other gradients. Its trace is torch's trampoline for Python backward functions on this
-    thread's stack (a few dozen frames, looked at once per backward).
-    """
-    trampoline = torch.autograd.function.BackwardCFunction.apply.__code__
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is trampoline:
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _GradReady:
-    """Backward hook of one parameter; holds the optimizer weakly."""
-
-    def __init__(self, opt_ref, index: int):
-        self._opt_ref = opt_ref
-        self._index = index
-
-    def __call__(self, param: torch.Tensor) -> None:
-        opt = self._opt_ref()
-        if opt is not None:
-            opt._on_grad_ready(self._index)

@@ -13,11 +13,29 @@ import torch
 
 from commopt.comm.base import Communicator
 
-__all__ = ["ModelMismatchError", "broadcast_from_root", "check_same_model"]
+__all__ = ["ModelMismatchError", "broadcast_from_root", "check_same_model", "param_names"]
 
 
 class ModelMismatchError(ValueError):
     """The ranks' optimizers (models) do not hold the same parameters."""
+
+
+def param_names(param_groups: Sequence[dict], model: torch.nn.Module | None) -> list[str]:
+    """``model``'s names of the parameters in ``param_groups`` (what errors and the compression
+    policy use), else their positions.
+
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> groups = [{"params": [model.weight]}, {"params": [model.bias, torch.zeros(1)]}]
+        >>> param_names(groups, model)
+        ['weight', 'bias', "param_groups[1]['params'][1]"]
+    """
+    by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    return [
+        by_id.get(id(p), f"param_groups[{gi}]['params'][{pi}]")
+        for gi, g in enumerate(param_groups)
+        for pi, p in enumerate(g["params"])
+    ]
 
 
 def check_same_model(

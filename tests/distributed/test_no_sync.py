@@ -104,8 +104,8 @@ def train(compiled, use_no_sync, steps=3):
                 torch.nn.functional.mse_loss(forward(x), y).backward()
         # The post-accumulate-grad hooks fired in the compiled backward: backward() returned
         # with every bucket reduced (DDP's contract), nothing is left for step() to send.
-        red = opt._reduced
-        issued.append(red.issued if red is not None and opt._current is None else 0)
+        red = opt._step.averages
+        issued.append(red.issued if red is not None and opt._step.in_flight is None else 0)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], issued, len(opt.buckets)
 
