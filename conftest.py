@@ -7,7 +7,10 @@ helpers and rank scripts that mpirun starts, and a rank script runs its rank at 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+import pytest
 
 _TESTS = Path(__file__).resolve().parent / "tests"
 
@@ -19,3 +22,25 @@ def pytest_ignore_collect(collection_path: Path, config: object) -> bool | None:
     if name.startswith("test_") or name in ("conftest.py", "__init__.py"):
         return None
     return True
+
+
+def _mpi_initialised_here() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")  # never imported here: importing it would init MPI
+    return bool(mpi is not None and mpi.Is_initialized())
+
+
+@pytest.fixture(autouse=True)
+def _mpi_stays_out_of_the_pytest_process(request):
+    """Fail the test that initialises MPI in pytest's own process.
+
+    Open MPI's singleton init writes PMIX_* and OMPI_MCA_* variables into the C environment
+    of the process; every later subprocess inherits them, and mpirun started with them exits
+    1 without a word. MPI belongs in the ranks' processes (tests/multirank.py).
+    """
+    before = _mpi_initialised_here()
+    yield
+    if not before and _mpi_initialised_here():
+        pytest.fail(
+            f"{request.node.nodeid} initialised MPI in the pytest process (a singleton whose "
+            f"PMIX_/OMPI_ variables break every later mpirun): run it in a rank's process"
+        )
