@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from commopt.comm.errors import CommError
+
 __all__ = ["PeerLeftError", "departure_reason", "install", "naming_departures", "prepare_mpi"]
 
 _TAG = 7301  # the notices' tag on the private communicator
@@ -95,7 +97,7 @@ def install(hvd) -> None:
     threading._register_atexit(_leave)  # type: ignore[attr-defined]
 
 
-class PeerLeftError(RuntimeError):
+class PeerLeftError(CommError):
     """A Horovod operation failed because another rank left the job (see :func:`explain`)."""
 
 
