@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -58,7 +59,12 @@ def _function(nodeid: str) -> str:
     return nodeid.split("[")[0]
 
 
-def merge(old: dict, new: dict, pattern: str) -> dict:
+def _module_order() -> list[str]:
+    """The matrix's test functions in the order the module defines them."""
+    return re.findall(r"^def (test_\w+)", (REPO / MODULE).read_text(), re.M)
+
+
+def merge(old: dict, new: dict, pattern: str, module_order: list[str] | None = None) -> dict:
     """``old``'s rows with ``new``'s (a subset run with ``-k pattern``) merged in, by test id."""
     fresh: dict[str, list[dict]] = {}
     for row in new["cases"]:
@@ -71,9 +77,14 @@ def merge(old: dict, new: dict, pattern: str) -> dict:
             cases.extend(fresh.pop(row["test"]))  # a test's rows are replaced together
         elif row["test"] not in replaced:  # (its later rows went with its first)
             cases.append(row)
-    for test, rows in fresh.items():  # new tests: after the last row of the same function
+    # New tests: after the last row of the same function, or of the functions above theirs
+    # in the module (pytest's order), so the page keeps the module's order.
+    order = module_order or _module_order()
+    for test, rows in fresh.items():
+        name = _function(test).split("::")[-1]
+        before = set(order[: order.index(name) + 1]) if name in order else {name}
         at = max(
-            (i + 1 for i, r in enumerate(cases) if _function(r["test"]) == _function(test)),
+            (i + 1 for i, r in enumerate(cases) if _function(r["test"]).split("::")[-1] in before),
             default=len(cases),
         )
         cases[at:at] = rows
@@ -163,7 +174,11 @@ def render(doc: dict) -> str:
         "at once, and a rank left alone waits `COMMOPT_EXIT_TIMEOUT` seconds (default 30)",
         "for the others, then aborts the job naming itself. Under `torch` (gloo) the",
         "leaving rank notes why in the rendezvous store and its peers raise `CommError`",
-        "naming it. When shards are uneven by design, train inside",
+        "naming it. Under `horovod` over MPI each rank, as it leaves, sends the others a",
+        "notice on a private communicator and shuts Horovod down as Horovod does at exit;",
+        "peers waiting in a Horovod operation raise `PeerLeftError` (a `CommError` and a",
+        "`HorovodInternalError`) naming it, and the same exit barrier as under `mpi` ends",
+        "a job whose other ranks do not leave. When shards are uneven by design, train inside",
         "`with commopt.Join(optimizer):` so that ranks that run out of data keep joining",
         "the others' steps with zero gradients (the average is over all ranks) until every",
         "rank is done.",

@@ -88,7 +88,7 @@ def test_rows_of_a_rerun_test_are_replaced_and_new_tests_go_beside_their_sibling
         "run": dict(RUN, command="subset", pytest_exit_code=0),
         "cases": [row("test_leaves[mpi]", "leaves again", 9.0), row("test_leaves[hvd]", "hvd")],
     }
-    merged = merge(old, new, "leaves")
+    merged = merge(old, new, "leaves", ["test_a", "test_two_rows", "test_leaves", "test_z"])
     assert [c["case"] for c in merged["cases"]] == [
         "a",
         "first",
@@ -106,4 +106,15 @@ def test_rows_of_a_rerun_test_are_replaced_and_new_tests_go_beside_their_sibling
 def test_a_test_that_now_records_two_rows_replaces_its_one():
     old = {"run": RUN, "cases": [row("test_t", "one"), row("test_u", "u")]}
     new = {"run": RUN, "cases": [row("test_t", "one'"), row("test_t", "two")]}
-    assert [c["case"] for c in merge(old, new, "t")["cases"]] == ["one'", "two", "u"]
+    assert [c["case"] for c in merge(old, new, "t", ["test_t", "test_u"])["cases"]] == [
+        "one'",
+        "two",
+        "u",
+    ]
+
+
+def test_a_new_test_function_goes_where_the_module_defines_it():
+    old = {"run": RUN, "cases": [row("test_a", "a"), row("test_c", "c")]}
+    new = {"run": RUN, "cases": [row("test_b", "b")]}
+    order = ["test_a", "test_b", "test_c"]
+    assert [c["case"] for c in merge(old, new, "b", order)["cases"]] == ["a", "b", "c"]
