@@ -195,14 +195,16 @@ print("unreachable")
 """
 
 
-@pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2), ("mpi", 4)])
+@pytest.mark.parametrize(
+    "transport, nprocs", [("mpi", 2), ("torch", 2), ("mpi", 4), ("horovod", 2)]
+)
 def test_a_raising_rank_ends_the_job(case, transport, nprocs):
     c = case("a rank raises", "every rank ends; the error names rank 1", transport, nprocs)
     msg = c.ranks_failed(transport, RAISES, nprocs, timeout=90)
     assert "rank 1" in msg and "fails on purpose" in msg, msg
 
 
-@pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2)])
+@pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2), ("horovod", 2)])
 def test_a_killed_rank_ends_the_job(case, transport, nprocs):
     c = case(
         "a rank is killed (SIGKILL)", "every rank ends with an error, none hangs", transport, nprocs
