@@ -19,6 +19,9 @@ wire; ``supports_sum(torch.bfloat16)`` is False so commopt's collectives move bf
 with alltoall/allgather and accumulate in fp32 themselves). Data movement (alltoall,
 allgather, broadcast) of bf16 travels as raw 16-bit words.
 
+A rank that leaves early (``sys.exit``, an early return, an exception) under Horovod over
+MPI is named by its peers: see :mod:`commopt.comm.horovod_exit`.
+
 ``split`` registers Horovod process sets, which every rank of the job must do together:
 split the top-level communicator (all ranks call it), not a communicator made by split.
 """

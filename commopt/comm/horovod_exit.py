@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from commopt.comm.errors import CommError
 
@@ -39,8 +40,8 @@ _REASONS = {
     _NO_ERROR: "ended without an error: its script returned or called sys.exit",
     _UNCAUGHT: "ended with an uncaught exception (its traceback is in its log)",
 }
-_comm = None  # the private COMM_WORLD duplicate
-_hvd_mod = None
+_comm: Any = None  # the private COMM_WORLD duplicate (mpi4py's Intracomm)
+_hvd_mod: Any = None  # horovod.torch
 _received: dict[int, int] = {}  # source rank -> code of the notices read so far
 _state = {"uncaught": False}
 _lock = threading.Lock()  # one reader of the notices at a time (worker threads may fail together)
@@ -103,7 +104,6 @@ class PeerLeftError(CommError):
 
 def _read_notices(wait_s: float) -> None:
     """Read the notices that arrived (waiting up to ``wait_s`` for a first one)."""
-
     MPI = sys.modules["mpi4py.MPI"]
     deadline = time.monotonic() + wait_s
     status = MPI.Status()
