@@ -5,7 +5,8 @@ environment for gloo), has a timeout, and checks that the job ends cleanly: the 
 naming the rank, on every rank that should see it, and nothing left running. Each case
 records how long the job took to end; ``python -m tests.distributed.fault_report`` runs this
 module and writes docs/reliability.md from those records (the counts and times are never
-written by hand).
+written by hand). The ``horovod`` cases run Horovod over mpirun; they are skipped, with the
+reason, where horovod.torch does not import (``make horovod`` builds it).
 
 Sections: transports (a rank raises, is killed, disagrees, sends what it should not), the
 torch rendezvous, launchers (``commopt launch`` input and signals), the emulated testbed,
