@@ -19,6 +19,9 @@ wire; ``supports_sum(torch.bfloat16)`` is False so commopt's collectives move bf
 with alltoall/allgather and accumulate in fp32 themselves). Data movement (alltoall,
 allgather, broadcast) of bf16 travels as raw 16-bit words.
 
+A rank that leaves early (``sys.exit``, an early return, an exception) under Horovod over
+MPI is named by its peers: see :mod:`commopt.comm.horovod_exit`.
+
 ``split`` registers Horovod process sets, which every rank of the job must do together:
 split the top-level communicator (all ranks call it), not a communicator made by split.
 """
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from commopt.comm import horovod_exit
 from commopt.comm.base import Communicator, CompletedWork, Work
 
 _DONE = CompletedWork()
@@ -53,8 +57,10 @@ def _hvd():
     if not hvd.is_initialized():
         # Process sets for split() need this before init.
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        horovod_exit.prepare_mpi(hvd)
         hvd.init()
         _OWNS_INIT = True
+        horovod_exit.install(hvd)  # a rank that leaves early is named by its peers
     return hvd
 
 
@@ -68,13 +74,20 @@ class HandleWork(Work):
     def wait(self) -> None:
         if self._done:
             return
-        output = self._hvd.synchronize(self._handle)
+        with horovod_exit.naming_departures():
+            output = self._hvd.synchronize(self._handle)
         self._done = True
         if self._finalize is not None:
             self._finalize(output)
 
     def is_completed(self) -> bool:
         return self._done or bool(self._hvd.poll(self._handle))
+
+
+def _submit(start: Callable[..., Any], *args, **kwargs):
+    """Start a Horovod operation; if Horovod is shut down, say which rank left, if one did."""
+    with horovod_exit.naming_departures():
+        return start(*args, **kwargs)
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -139,12 +152,20 @@ class HorovodCommunicator(Communicator):
             return _DONE
         if buf.dtype == torch.bfloat16:  # no bf16 in Horovod: sum in fp32, round once
             wide = buf.float()
-            handle = hvd.allreduce_async_(
-                wide, op=hvd.Sum, name=self._name("allreduce"), process_set=self._ps
+            handle = _submit(
+                hvd.allreduce_async_,
+                wide,
+                op=hvd.Sum,
+                name=self._name("allreduce"),
+                process_set=self._ps,
             )
             return HandleWork(hvd, handle, lambda _out: buf.copy_(wide))
-        handle = hvd.allreduce_async_(
-            buf, op=hvd.Sum, name=self._name("allreduce"), process_set=self._ps
+        handle = _submit(
+            hvd.allreduce_async_,
+            buf,
+            op=hvd.Sum,
+            name=self._name("allreduce"),
+            process_set=self._ps,
         )
         return HandleWork(hvd, handle)
 
@@ -163,8 +184,8 @@ class HorovodCommunicator(Communicator):
         rows = _movable(send).reshape(self.size, -1)
         if self._reordered():
             rows = self._to_set_order(rows)
-        handle = hvd.alltoall_async(
-            rows.contiguous(), name=self._name("alltoall"), process_set=self._ps
+        handle = _submit(
+            hvd.alltoall_async, rows.contiguous(), name=self._name("alltoall"), process_set=self._ps
         )
 
         def finish(output):
@@ -180,8 +201,11 @@ class HorovodCommunicator(Communicator):
         hvd = self._hvd
         if self._nothing_to_send(send, recv):
             return _DONE
-        handle = hvd.allgather_async(
-            _movable(send).reshape(-1), name=self._name("allgather"), process_set=self._ps
+        handle = _submit(
+            hvd.allgather_async,
+            _movable(send).reshape(-1),
+            name=self._name("allgather"),
+            process_set=self._ps,
         )
 
         def finish(output):
@@ -196,7 +220,8 @@ class HorovodCommunicator(Communicator):
         hvd = self._hvd
         if buf.numel() == 0 or self.size == 1:
             return _DONE
-        handle = hvd.broadcast_async_(
+        handle = _submit(
+            hvd.broadcast_async_,
             _movable(buf).reshape(-1),
             root_rank=self._order[root],
             name=self._name("broadcast"),
@@ -205,7 +230,8 @@ class HorovodCommunicator(Communicator):
         return HandleWork(hvd, handle)
 
     def _barrier(self) -> None:
-        self._hvd.barrier(process_set=self._ps)
+        with horovod_exit.naming_departures():
+            self._hvd.barrier(process_set=self._ps)
 
     # Objects (bcast_obj/allgather_obj) use the base class's JSON + bytes path over this
     # communicator's own collectives: Horovod's *_object helpers pickle and have no process set.

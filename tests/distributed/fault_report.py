@@ -2,10 +2,14 @@
 
     $ python -m tests.distributed.fault_report                 # run, then write the page
     $ python -m tests.distributed.fault_report --from-json benchmarks/results/fault-matrix.json
+    $ python -m tests.distributed.fault_report --only horovod  # run a subset, merge, write
 
 The run's records (one per case: expected behaviour, outcome, seconds to a clean exit) go to
 ``--json`` (default benchmarks/results/fault-matrix.json) with the command, date and machine;
 the page is made from that file alone, so no count or time in it is written by hand.
+``--only PATTERN`` runs the cases pytest's ``-k PATTERN`` selects and merges their rows into
+the existing file (a row of the same test is replaced, a new one goes after its test's
+siblings); the subset's command, date and load are listed beside the full run's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +53,45 @@ def run_matrix(json_path: Path, pytest_args: list[str]) -> dict:
     }
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
+
+
+def _function(nodeid: str) -> str:
+    return nodeid.split("[")[0]
+
+
+def _module_order() -> list[str]:
+    """The matrix's test functions in the order the module defines them."""
+    return re.findall(r"^def (test_\w+)", (REPO / MODULE).read_text(), re.M)
+
+
+def merge(old: dict, new: dict, pattern: str, module_order: list[str] | None = None) -> dict:
+    """``old``'s rows with ``new``'s (a subset run with ``-k pattern``) merged in, by test id."""
+    fresh: dict[str, list[dict]] = {}
+    for row in new["cases"]:
+        fresh.setdefault(row["test"], []).append(row)
+    cases: list[dict] = []
+    replaced: set[str] = set()
+    for row in old["cases"]:
+        if row["test"] in fresh:
+            replaced.add(row["test"])
+            cases.extend(fresh.pop(row["test"]))  # a test's rows are replaced together
+        elif row["test"] not in replaced:  # (its later rows went with its first)
+            cases.append(row)
+    # New tests: after the last row of the same function, or of the functions above theirs
+    # in the module (pytest's order), so the page keeps the module's order.
+    order = module_order or _module_order()
+    for test, rows in fresh.items():
+        name = _function(test).split("::")[-1]
+        before = set(order[: order.index(name) + 1]) if name in order else {name}
+        at = max(
+            (i + 1 for i, r in enumerate(cases) if _function(r["test"]).split("::")[-1] in before),
+            default=len(cases),
+        )
+        cases[at:at] = rows
+    subset = dict(new.get("run", {}), only=pattern)
+    merged = dict(old, cases=cases)
+    merged["subset_runs"] = [*old.get("subset_runs", []), subset]
+    return merged
 
 
 def _cell(text) -> str:
@@ -86,6 +130,20 @@ def render(doc: dict) -> str:
             else ""
         ),
         "",
+        *(
+            [
+                "Rows re-run since, merged into the same file: "
+                + "; ".join(
+                    f"`{r['command']}` ({r['date']}, load average {r['load_average'][0]}-"
+                    f"{r['load_average'][1]}, {r['wall_s']} s)"
+                    for r in doc.get("subset_runs", [])
+                )
+                + ".",
+                "",
+            ]
+            if doc.get("subset_runs")
+            else []
+        ),
         "| Case | Transport | Ranks | Expected behaviour | Result | Time (s) |",
         "|---|---|---|---|---|---|",
     ]
@@ -116,7 +174,11 @@ def render(doc: dict) -> str:
         "at once, and a rank left alone waits `COMMOPT_EXIT_TIMEOUT` seconds (default 30)",
         "for the others, then aborts the job naming itself. Under `torch` (gloo) the",
         "leaving rank notes why in the rendezvous store and its peers raise `CommError`",
-        "naming it. When shards are uneven by design, train inside",
+        "naming it. Under `horovod` over MPI each rank, as it leaves, sends the others a",
+        "notice on a private communicator and shuts Horovod down as Horovod does at exit;",
+        "peers waiting in a Horovod operation raise `PeerLeftError` (a `CommError` and a",
+        "`HorovodInternalError`) naming it, and the same exit barrier as under `mpi` ends",
+        "a job whose other ranks do not leave. When shards are uneven by design, train inside",
         "`with commopt.Join(optimizer):` so that ranks that run out of data keep joining",
         "the others' steps with zero gradients (the average is over all ranks) until every",
         "rank is done.",
@@ -136,17 +198,39 @@ def main(argv: list[str] | None = None) -> int:
         "--json", type=Path, default=DEFAULT_JSON, help="where the run's records go"
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
+    parser.add_argument(
+        "--only",
+        metavar="PATTERN",
+        help="run the cases pytest -k PATTERN selects and merge them into --json",
+    )
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
+    elif args.only:
+        if not args.json.exists():
+            parser.error(f"--only merges into {args.json}, which does not exist: run all first")
+        old = json.loads(args.json.read_text())
+        part = args.json.with_name(args.json.stem + ".subset.json")
+        try:
+            new = run_matrix(part, ["-k", args.only, *args.pytest_args])
+        finally:
+            part.unlink(missing_ok=True)
+        new["run"]["command"] = "python -m tests.distributed.fault_report --only " + " ".join(
+            [repr(args.only) if " " in args.only else args.only, *args.pytest_args]
+        )
+        doc = merge(old, new, args.only)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
     else:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = run_matrix(args.json, args.pytest_args)
     args.out.write_text(render(doc))
     print(f"wrote {args.out} ({len(doc['cases'])} cases)")
     failed = [c for c in doc["cases"] if c["outcome"] == "failed"]
-    return 1 if failed or doc.get("run", {}).get("pytest_exit_code", 0) not in (0,) else 0
+    codes = [
+        r.get("pytest_exit_code", 0) for r in [doc.get("run", {}), *doc.get("subset_runs", [])]
+    ]
+    return 1 if failed or any(codes) else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ environment for gloo), has a timeout, and checks that the job ends cleanly: the 
 naming the rank, on every rank that should see it, and nothing left running. Each case
 records how long the job took to end; ``python -m tests.distributed.fault_report`` runs this
 module and writes docs/reliability.md from those records (the counts and times are never
-written by hand).
+written by hand). The ``horovod`` cases run Horovod over mpirun; they are skipped, with the
+reason, where horovod.torch does not import (``make horovod`` builds it).
 
 Sections: transports (a rank raises, is killed, disagrees, sends what it should not), the
 torch rendezvous, launchers (``commopt launch`` input and signals), the emulated testbed,
@@ -20,6 +21,7 @@ cases and their recorder live together; each section is short and independent.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -38,7 +40,25 @@ PY = sys.executable
 #: Where the records of this run go (fault_report sets it; default: a file in $TMPDIR).
 RECORDS_ENV = "COMMOPT_FAULT_MATRIX_JSON"
 
-RUNNERS = {"mpi": run_mpi, "torch": run_torch}
+
+@functools.cache
+def horovod_missing() -> str | None:
+    """Why the ``horovod`` cases cannot run here, or None (``make horovod`` builds it)."""
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as exc:
+        return f"horovod.torch does not import ({exc}); run 'make horovod' to build it"
+    return None
+
+
+def run_horovod(code: str, nprocs: int, **kwargs) -> list[str]:
+    """``run_mpi`` for the ``horovod`` communicator (Horovod over MPI), skipped without it."""
+    if horovod_missing():
+        pytest.skip(horovod_missing())
+    return run_mpi(code, nprocs, **kwargs)
+
+
+RUNNERS = {"mpi": run_mpi, "torch": run_torch, "horovod": run_horovod}
 
 
 # -- recording ---------------------------------------------------------------------------------
@@ -176,14 +196,16 @@ print("unreachable")
 """
 
 
-@pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2), ("mpi", 4)])
+@pytest.mark.parametrize(
+    "transport, nprocs", [("mpi", 2), ("torch", 2), ("mpi", 4), ("horovod", 2)]
+)
 def test_a_raising_rank_ends_the_job(case, transport, nprocs):
     c = case("a rank raises", "every rank ends; the error names rank 1", transport, nprocs)
     msg = c.ranks_failed(transport, RAISES, nprocs, timeout=90)
     assert "rank 1" in msg and "fails on purpose" in msg, msg
 
 
-@pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2)])
+@pytest.mark.parametrize("transport, nprocs", [("mpi", 2), ("torch", 2), ("horovod", 2)])
 def test_a_killed_rank_ends_the_job(case, transport, nprocs):
     c = case(
         "a rank is killed (SIGKILL)", "every rank ends with an error, none hangs", transport, nprocs
@@ -191,6 +213,12 @@ def test_a_killed_rank_ends_the_job(case, transport, nprocs):
     msg = c.ranks_failed(transport, KILLED, nprocs, timeout=90)
     assert "rank 1" in msg or "signal 9" in msg or "Killed" in msg or "killed" in msg, msg
 
+
+PEERS_LEARN = {
+    "mpi": "mpi: it aborts the job after {bound}",
+    "torch": "gloo: the peers raise CommError naming it",
+    "horovod": "Horovod over MPI: Horovod shuts down and the peers raise PeerLeftError naming it",
+}
 
 LEAVES = """
 import sys, time, torch, commopt
@@ -219,6 +247,10 @@ print("unreachable", flush=True)
         pytest.param("torch", 2, "0", None, marks=pytest.mark.slow),
         pytest.param("torch", 2, "return", None, marks=pytest.mark.slow),
         pytest.param("torch", 4, "1", None, marks=pytest.mark.slow),
+        ("horovod", 2, "1", None),
+        pytest.param("horovod", 2, "0", None, marks=pytest.mark.slow),
+        pytest.param("horovod", 2, "return", None, marks=pytest.mark.slow),
+        pytest.param("horovod", 4, "1", None, marks=pytest.mark.slow),
     ],
 )
 def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, timeout_env):
@@ -227,7 +259,7 @@ def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, tim
     c = case(
         f"rank 1 {what} at step 5 while the others train",
         f"every rank ends, within 60 s, with a message naming rank 1 as the one that left "
-        f"({'mpi: it aborts the job after ' + bound if transport == 'mpi' else 'gloo: the peers raise CommError naming it'})",
+        f"({PEERS_LEARN[transport].format(bound=bound)})",
         transport,
         nprocs,
     )
@@ -235,6 +267,9 @@ def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, tim
     msg = c.ranks_failed(transport, LEAVES, nprocs, timeout=150, env=env, args=[how])
     if transport == "mpi":
         assert f"commopt: rank 1 of {nprocs} left the job" in msg, msg
+    elif transport == "horovod":
+        named = "rank 0: a Horovod operation failed because another rank left the job (rank 1 "
+        assert f"PeerLeftError: {named}ended without an error" in msg, msg
     else:
         assert "another rank left the job (rank 1 ended without an error" in msg, msg
     assert "unreachable" not in msg and c.seconds < 60 + 30, (c.seconds, msg)  # + start-up
@@ -260,6 +295,25 @@ def test_normal_end_with_a_slower_rank_is_not_an_abort(case):
     )
     out = c.run(
         run_mpi, LONGER_AT_THE_END, 2, timeout=120, env={"COMMOPT_EXIT_TIMEOUT": "10"}, args=["mpi"]
+    )
+    assert out == ["ok\n", "ok\n"], out
+
+
+def test_horovod_normal_end_with_a_slower_rank_is_not_an_abort(case):
+    c = case(
+        "normal end: rank 0 works 4 s longer than the others (COMMOPT_EXIT_TIMEOUT=10)",
+        "exit 0 on every rank: Horovod shuts down, the exit handshake waits for rank 0, "
+        "no false abort or error",
+        "horovod",
+        2,
+    )
+    out = c.run(
+        run_horovod,
+        LONGER_AT_THE_END,
+        2,
+        timeout=120,
+        env={"COMMOPT_EXIT_TIMEOUT": "10"},
+        args=["horovod"],
     )
     assert out == ["ok\n", "ok\n"], out
 
