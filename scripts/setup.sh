@@ -45,13 +45,18 @@ fi
 
 # 4. The package (editable, with its native extension) and the dev/recipe extras.
 stamp="$VENV/.commopt-deps"
-deps_hash=$(cat pyproject.toml setup.py | sha1sum | cut -c1-16)
+editable_mode=compat
+deps_hash=$( (cat pyproject.toml setup.py; echo "$editable_mode") | sha1sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
   log "installing commopt with its extras (dev, recipes, triton: the GPU kernels, run interpreted in the tests)"
   "${PIP[@]}" setuptools wheel
   # The constraint keeps torch at the pinned build whatever an extra asks for.
   echo "$TORCH_PIN" > "$VENV/constraints.txt"
-  "${PIP[@]}" -c "$VENV/constraints.txt" --no-build-isolation -e ".[dev,recipes,triton]"
+  # compat: the editable install is a plain path in a .pth file, not an import hook. The hook's
+  # import at every interpreter start (before any commopt code) turned a Ctrl-C that came
+  # then into a RuntimeError that site.py swallows (Python 3.11): `commopt launch` ran on.
+  "${PIP[@]}" -c "$VENV/constraints.txt" --no-build-isolation \
+    --config-settings editable_mode="$editable_mode" -e ".[dev,recipes,triton]"
   echo "$deps_hash" > "$stamp"
 fi
 

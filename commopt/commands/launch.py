@@ -152,6 +152,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.nprocs is None or args.nprocs < 1:
         return _fail("say how many ranks with -n N (N >= 1)")
+    from commopt.testbed.mpirun import drop_singleton_variables
+
+    # Started by a process that ran MPI as a singleton (it imported mpi4py): the ranks
+    # are a job of their own, not part of that one.
+    drop_singleton_variables(os.environ)
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         return _fail("--ranks-per-host must be at least 1")
     if args.link is None:

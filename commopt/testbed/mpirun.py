@@ -170,3 +170,37 @@ def cluster_env(cluster: EmulatedCluster) -> dict[str, str]:
     if cluster.rate_bits is not None:
         env["COMMOPT_LINK_BITS"] = str(cluster.rate_bits)
     return env
+
+
+#: Variables an Open MPI singleton (a process that called MPI_Init without mpirun) writes into
+#: its environment, besides PMIX_*. Children inherit them, and an mpirun started with them
+#: takes itself for part of that singleton's job and exits 1 without a word.
+_SINGLETON_VARIABLES = (
+    "OMPI_MCA_ess",
+    "OMPI_MCA_pmix",
+    "OMPI_MCA_orte_ess_num_procs",
+    "OMPI_MCA_orte_launch",
+    "OMPI_MCA_orte_precondition_transports",
+    "OMPI_APP_CTX_NUM_PROCS",
+    "ORTE_SCHIZO_DETECTION",
+)
+
+
+def drop_singleton_variables(environ) -> list[str]:
+    """Remove from ``environ`` what an MPI singleton parent left there; the names removed.
+
+    Only when the parent was a singleton (``OMPI_MCA_ess=singleton``): a user's own
+    ``OMPI_MCA_*`` settings stay.
+
+    >>> env = {"OMPI_MCA_ess": "singleton", "PMIX_RANK": "0", "OMPI_MCA_btl": "tcp,self"}
+    >>> drop_singleton_variables(env), env
+    (['OMPI_MCA_ess', 'PMIX_RANK'], {'OMPI_MCA_btl': 'tcp,self'})
+    >>> drop_singleton_variables({"PMIX_RANK": "0"})
+    []
+    """
+    if environ.get("OMPI_MCA_ess") != "singleton":
+        return []
+    names = [k for k in environ if k.startswith("PMIX_") or k in _SINGLETON_VARIABLES]
+    for name in names:
+        del environ[name]
+    return names

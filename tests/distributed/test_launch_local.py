@@ -82,3 +82,23 @@ def test_inside_mpirun_it_does_not_start_ranks_again():
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert sorted(r.stdout.splitlines()) == ["rank 0", "rank 1"]
+
+
+@needs_mpirun
+def test_a_parent_that_ran_mpi_as_a_singleton_can_still_launch():
+    # mpi4py's import makes the parent an MPI singleton, whose PMIX_/OMPI_ variables its
+    # children inherit: mpirun started with them used to exit 1 without a word.
+    parent = (
+        "import subprocess, sys\n"
+        "from mpi4py import MPI\n"
+        "assert MPI.Is_initialized()\n"
+        f"sys.exit(subprocess.call({launch_argv(2, '--')!r} + "
+        "['sh', '-c', 'echo rank $OMPI_COMM_WORLD_RANK']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run(
+        [PY, "-c", parent], capture_output=True, text=True, timeout=120, cwd=str(REPO), env=env
+    )
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert sorted(r.stdout.splitlines()) == ["rank 0", "rank 1"]
