@@ -15,7 +15,8 @@ no real rank can run (they use this step's average, still on the wire there): ``
 position tables, the attention input projections, the 1-D tensors, or the embedding table
 with the average instead of the local gradient. ``e0``, ``eavg``, ``ex0.5``: the embedding
 and position tables predicted without a gradient, with the last average, or with half
-local half last average. Results: docs/accuracy.md.
+local half last average. ``sembonly``: the token-embedding table reduced synchronously
+(its average applied at once), every other tensor double-buffered. Results: docs/accuracy.md.
 """
 
 import json
@@ -45,6 +46,8 @@ def run(task, optimizer, variant, seed, steps, replicas=4):
             mom = float(part[1:])
     opt = sim.make_optimizer(optimizer, params, peak, momentum=mom)
     delayed = not variant.startswith("fp32")
+    # sembonly: the token-embedding table reduced synchronously, the rest double-buffered
+    sync_names = {"embed.weight"} if "sembonly" in variant.split("-") else set()
     nextlr = "nextlr" in variant
     coef = 1.0
     for part in variant.split("-"):
@@ -76,7 +79,8 @@ def run(task, optimizer, variant, seed, steps, replicas=4):
         for r in range(replicas):
             with torch.no_grad():
                 if delayed and predicted[r] is not None:
-                    torch._foreach_sub_(params, predicted[r])
+                    moved = [(p, d) for p, d in zip(params, predicted[r]) if d is not None]
+                    torch._foreach_sub_([p for p, _ in moved], [d for _, d in moved])
             for p in params:
                 p.grad = None
             loss = task.loss(model, xs[r], ys[r])
@@ -91,10 +95,22 @@ def run(task, optimizer, variant, seed, steps, replicas=4):
             diverged = True
             break
         avg = torch.stack(flats).mean(0)
-        if delayed:
-            pending, avg = avg, pending
-        if avg is not None:
-            apply(avg)
+        if sync_names:  # these tensors reduced synchronously: their fresh average, now
+            fresh_now, old = avg, pending
+            pending = avg
+            off = 0
+            for n, p in model.named_parameters():
+                k = p.numel()
+                src = fresh_now if n in sync_names else old
+                p.grad = None if src is None else src[off : off + k].view_as(p).clone()
+                off += k
+            opt.step()  # SGD: a tensor without a gradient is left alone
+            avg = old
+        else:
+            if delayed:
+                pending, avg = avg, pending
+            if avg is not None:
+                apply(avg)
         if delayed:
             if nextlr:
                 for g in opt.param_groups:
@@ -144,13 +160,24 @@ def run(task, optimizer, variant, seed, steps, replicas=4):
                 ests = [
                     [sub(n, a, f, x) for n, a, f, x in zip(names, prev, fresh, e)] for e in ests
                 ]
+            if sync_names:
+                names = [n for n, _ in model.named_parameters()]
+                ests = [[None if n in sync_names else x for n, x in zip(names, e)] for e in ests]
             predicted = [predicted_step(opt, e) for e in ests]
         if (step + 1) % ev == 0 and step + 1 < steps:
             curve.append({"step": step + 1, **task.evaluate(model)})
     if not diverged and pending is not None:
         for g in opt.param_groups:
             g["lr"] = sim.lr_at(steps, steps, peak)  # lr 0 at end anyway
-        apply(pending)
+        if sync_names:  # flush: the delayed tensors' last average only
+            off = 0
+            for n, p in model.named_parameters():
+                k = p.numel()
+                p.grad = None if n in sync_names else pending[off : off + k].view_as(p).clone()
+                off += k
+            opt.step()
+        else:
+            apply(pending)
     if not diverged:
         curve.append({"step": steps, **task.evaluate(model)})
     return {
