@@ -12,7 +12,8 @@ shares are reduced with the configuration's arithmetic and applied by one optimi
 * ``db``: double buffering, i.e. the average of step t applied at step t+1 (one-step-stale
   gradients; the final average is applied at the end, as ``flush()`` does);
 * ``comp``: compensated double buffering (``commopt.optim.staleness``): each replica takes
-  its gradient at the weights predicted from its own last local gradient;
+  its gradient at the weights predicted from its own last local gradient (with the
+  learning rate extrapolated through a warm-up, as ``LocalStepPrediction`` does);
 * ``db-lastupd`` (gradient at ``w + (w - w_prev)``) and ``db-mom`` (momentum/beta1 0.9 ->
   0.8) are the remedies compared in docs/accuracy.md.
 
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from commopt.codecs import RngKey, get_codec
-from commopt.optim.staleness import predicted_step
+from commopt.optim.staleness import next_lrs, predicted_step
 
 MODES = ("db", "comp", "comp-mix", "comp-avg", "comp-half", "db-lastupd", "db-mom")
 DIVERGED_LOSS = 50.0
@@ -241,6 +242,7 @@ def run(
     pending = None
     predicted: list[list[torch.Tensor] | None] = [None] * replicas  # per-replica offsets w - w_hat
     prev_w = None
+    last_lrs = None  # the rates of the last prediction, as LocalStepPrediction keeps them
     curve, diverged = [], False
     start = time.perf_counter()
 
@@ -308,7 +310,9 @@ def run(
                     else [a.lerp(x, w_own) for a, x in zip((p.grad for p in params), g)]
                     for g in locals_
                 ]
-            predicted = [predicted_step(opt, g) for g in estimates]
+            lrs = next_lrs(opt, last_lrs)  # a rising (warm-up) rate, extrapolated
+            last_lrs = [float(g["lr"]) for g in opt.param_groups]
+            predicted = [predicted_step(opt, g, lrs) for g in estimates]
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             record(step + 1)
     if not diverged and pending is not None:  # flush(): the last average

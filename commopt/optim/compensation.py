@@ -190,7 +190,7 @@ class Compensation:
         self.local = None
         saved = extra.get("compensated")
         if saved is None or saved.get("weights") is None:
-            self.prediction.load_state_dict({"weights": None})
+            self.prediction.load_state_dict(saved if saved is not None else {"weights": None})
             return
         predicted = extra.get("predicted")
         if predicted is None:

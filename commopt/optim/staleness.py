@@ -23,8 +23,11 @@ gradient of the step, before any codec; the averaged gradient is in ``param.grad
     comp.restore()  # end of training / evaluation: params <- true weights
 
 On the first step, with no average to apply yet, call ``predict`` only. The prediction
-uses the hyper-parameters in force when ``predict`` runs: a learning-rate schedule that
-changes the rate before the next step makes it off by that change only. Cost: one
+uses the hyper-parameters in force when ``predict`` runs, except the learning rate: a
+scheduler changes it after the step, so a rate that rose since the last prediction is
+extrapolated one step further (``next_lrs``: exact for a linear warm-up, where the rate
+grows by half at step 1, and the steps of a warm-up are the least stable ones); a falling
+rate (decay) is used as it is, so a step decay is never overshot. Cost: one
 parameter-sized buffer (the true weights) and, per step, one copy in, one copy out and one
 elementwise pass over the gradients and the optimizer's state (the predicted step).
 ``state_dict()`` holds plain tensors; with the model's and the optimizer's state dicts it
@@ -53,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LocalStepPrediction", "predicted_step"]
+__all__ = ["LocalStepPrediction", "next_lrs", "predicted_step"]
 
 
 def _params(optimizer) -> list[tuple[dict, Tensor]]:
@@ -108,12 +111,53 @@ def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor
     return out
 
 
-def predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+def next_lrs(optimizer, last: Sequence[float] | None) -> list[float]:
+    """Each group's learning rate expected at the next step, from its rate now and ``last``.
+
+    A rate that rose since ``last`` (the rates at the previous step) is extrapolated
+    linearly, at most doubled; a constant or falling one is kept (a decay changes little
+    per step, and a step decay must not be extrapolated past its drop).
+
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.2)
+    >>> next_lrs(opt, [0.1]), next_lrs(opt, [0.3]), next_lrs(opt, None)
+    ([0.30000000000000004], [0.2], [0.2])
+    """
+    now = [float(g["lr"]) for g in optimizer.param_groups]
+    if last is None or len(last) != len(now):
+        return now
+    return [lr + min(max(lr - prev, 0.0), lr) for lr, prev in zip(now, last)]
+
+
+@contextlib.contextmanager
+def _rates(optimizer, lrs: Sequence[float] | None) -> Iterator[None]:
+    if lrs is None:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    for g, lr in zip(groups, lrs):
+        g["lr"] = lr
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+
+
+def predicted_step(
+    optimizer, local_grads: Sequence[Tensor | None], lrs: Sequence[float] | None = None
+) -> list[Tensor | None]:
     """The step ``w - w_next`` that ``optimizer.step()`` would take with ``local_grads``.
 
     Reads the optimizer's state and hyper-parameters, changes nothing. ``local_grads``
     follows the order of ``optimizer.param_groups``' parameters; ``None`` means no step.
+    ``lrs``: each group's learning rate to predict with (default: the groups' own).
     """
+    with _rates(optimizer, lrs):
+        return _predicted_step(optimizer, local_grads)
+
+
+def _predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Tensor | None]:
     from commopt.optim.layerwise import LARS
 
     pairs = _params(optimizer)
@@ -174,6 +218,7 @@ class LocalStepPrediction:
         self.optimizer = optimizer
         predicted_step(optimizer, [None] * len(_params(optimizer)))  # unsupported: fail now
         self._weights: list[Tensor] | None = None  # true weights while the model is predicted
+        self._last_lrs: list[float] | None = None  # the groups' rates at the last prediction
 
     @property
     def predicting(self) -> bool:
@@ -199,7 +244,10 @@ class LocalStepPrediction:
                 "before the optimizer applies the averaged gradients"
             )
         params = self._tensors()
-        steps = predicted_step(self.optimizer, local_grads)
+        steps = predicted_step(
+            self.optimizer, local_grads, next_lrs(self.optimizer, self._last_lrs)
+        )
+        self._last_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._weights = [p.detach().clone() for p in params]
         moved = [(p, s) for p, s in zip(params, steps) if s is not None]
         if moved:
@@ -222,8 +270,12 @@ class LocalStepPrediction:
                 torch._foreach_copy_(params, predicted)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors: the true weights (``None`` when the parameters hold them)."""
-        return {"weights": None if self._weights is None else [w.clone() for w in self._weights]}
+        """The true weights (``None`` when the parameters hold them), plain tensors, and the
+        learning rates of the last prediction (for the next one's extrapolation)."""
+        return {
+            "weights": None if self._weights is None else [w.clone() for w in self._weights],
+            "last_lrs": None if self._last_lrs is None else list(self._last_lrs),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         weights = state.get("weights") if isinstance(state, dict) else None
@@ -232,6 +284,8 @@ class LocalStepPrediction:
                 "LocalStepPrediction.load_state_dict: expected {'weights': [...] or None} "
                 "as saved by state_dict()"
             )
+        last = state.get("last_lrs")  # absent in checkpoints older than the extrapolation
+        self._last_lrs = None if last is None else [float(x) for x in last]
         if weights is None:
             self._weights = None
             return

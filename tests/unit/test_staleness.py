@@ -78,6 +78,44 @@ def test_one_replica_compensated_double_buffering_follows_synchronous_training(n
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lars"])
+def test_prediction_lands_on_the_next_weights_during_a_linear_warm_up(name):
+    # One replica: the weights predicted at step s must be the true weights after step s+1,
+    # although a scheduler raises the learning rate between the two (from step 1 on: the
+    # first prediction has no earlier rate to extrapolate from).
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters())
+    comp = LocalStepPrediction(opt)
+    pending, predicted = None, None
+    for step in range(8):
+        for group in opt.param_groups:
+            group["lr"] = 0.02 * (step + 1)  # a linear warm-up, set before each step
+        local = _grads(model, step)
+        if pending is not None:
+            for p, a in zip(model.parameters(), pending):
+                p.grad = a
+            comp.restore()
+            opt.step()
+            if step >= 2:
+                for p, q in zip(model.parameters(), predicted):
+                    torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
+        comp.predict(local)
+        predicted = [p.detach().clone() for p in model.parameters()]
+        pending = local
+    assert comp.state_dict()["last_lrs"] == [pytest.approx(0.16)]
+
+
+def test_next_lrs_extrapolates_rises_only():
+    from commopt.optim.staleness import next_lrs
+
+    opt = OPTIMIZERS["sgd"](_model().parameters())
+    opt.param_groups[0]["lr"] = 0.3
+    assert next_lrs(opt, [0.2]) == [pytest.approx(0.4)]  # linear warm-up
+    assert next_lrs(opt, [0.0]) == [pytest.approx(0.6)]  # at most doubled
+    assert next_lrs(opt, [3.0]) == [0.3]  # a step decay is not extrapolated
+    assert next_lrs(opt, None) == [0.3]
+
+
 def test_plain_delay_does_not_follow_synchronous_training():
     # The control for the test above: without the prediction, the same loop is off.
     sync, model = _model(), _model()
@@ -196,7 +234,7 @@ def test_true_weights_context_and_state_without_prediction():
     model = _model()
     opt = OPTIMIZERS["sgd"](model.parameters())
     comp = LocalStepPrediction(opt)
-    assert comp.state_dict() == {"weights": None} and not comp.predicting
+    assert comp.state_dict() == {"weights": None, "last_lrs": None} and not comp.predicting
     true = [p.detach().clone() for p in model.parameters()]
     comp.predict(_grads(model, 0))
     predicted = [p.detach().clone() for p in model.parameters()]
