@@ -7,6 +7,7 @@ helpers and rank scripts that mpirun starts, and a rank script runs its rank at 
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -26,7 +27,13 @@ def pytest_ignore_collect(collection_path: Path, config: object) -> bool | None:
 
 def _mpi_initialised_here() -> bool:
     mpi = sys.modules.get("mpi4py.MPI")  # never imported here: importing it would init MPI
-    return bool(mpi is not None and mpi.Is_initialized())
+    if mpi is not None and mpi.Is_initialized():
+        return True
+    # Any library that started MPI here (Horovod, a C extension) left its variables in the C
+    # environment, which os.environ does not see but every child inherits.
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    return any(libc.getenv(name) for name in (b"OMPI_MCA_ess", b"PMIX_NAMESPACE", b"PMIX_RANK"))
 
 
 @pytest.fixture(autouse=True)
@@ -43,4 +50,23 @@ def _mpi_stays_out_of_the_pytest_process(request):
         pytest.fail(
             f"{request.node.nodeid} initialised MPI in the pytest process (a singleton whose "
             f"PMIX_/OMPI_ variables break every later mpirun): run it in a rank's process"
+        )
+
+
+_MPI_BEFORE_COLLECTION = _mpi_initialised_here()
+_first_module_that_started_mpi: list[str] = []
+
+
+def pytest_collectreport(report) -> None:
+    # --doctest-modules imports every module: one that imports mpi4py at its top starts MPI.
+    if not (_MPI_BEFORE_COLLECTION or _first_module_that_started_mpi) and _mpi_initialised_here():
+        _first_module_that_started_mpi.append(report.nodeid)
+
+
+def pytest_collection_finish(session) -> None:
+    if _first_module_that_started_mpi:
+        raise pytest.UsageError(
+            f"importing {_first_module_that_started_mpi[0]} to collect it initialised MPI in "
+            f"pytest's process (its PMIX_/OMPI_ variables break every later mpirun): import "
+            f"mpi4py inside the function that needs it"
         )

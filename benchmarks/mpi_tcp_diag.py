@@ -36,7 +36,6 @@ import threading
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 
 def main(argv=None) -> int:
@@ -52,6 +51,10 @@ def main(argv=None) -> int:
         "MPI_Waitall, which spins)",
     )
     args = ap.parse_args(argv)
+    # Here, not at the top: importing mpi4py starts MPI, and pytest imports this file for
+    # its doctests (an MPI singleton in pytest's process breaks every later mpirun).
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if size != 2:

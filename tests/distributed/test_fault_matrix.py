@@ -659,6 +659,12 @@ comm.barrier()
 # -- launcher signals ------------------------------------------------------------------------------
 
 
+def _as_if_from_a_terminal() -> None:  # runs in the child between fork and exec
+    # Started from a background job (nohup, `cmd &`), this process ignores SIGINT and its
+    # children inherit that, as the launcher must respect; a user's terminal does not.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _launch_and_signal(tmp_path, sig, delay: float, launcher: str = "torch"):
     """Start a 2-rank job of sleepers, send ``sig`` after ``delay``; return (rc, stderr, pids)."""
     pids = tmp_path / f"pids-{sig}-{delay}"
@@ -668,6 +674,7 @@ def _launch_and_signal(tmp_path, sig, delay: float, launcher: str = "torch"):
         env=dict(clean_env(), PYTHONPATH=str(REPO)),
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_if_from_a_terminal,
     )
     time.sleep(delay)
     p.send_signal(sig)
@@ -785,6 +792,7 @@ def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
         env=dict(clean_env(), PYTHONPATH=str(REPO)),
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_if_from_a_terminal,
     )
     first = p.stderr.readline()  # printed once the cluster is up
     slot = int(first.split(" run ")[-1])
