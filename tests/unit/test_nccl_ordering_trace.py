@@ -249,14 +249,18 @@ def test_cuda_aware_tensors_reach_mpi_without_numpy():
 def test_cuda_aware_detection_asks_the_mpi_library(monkeypatch):
     """Finding 5: without MPI.Query_cuda_support (mpi4py 4.1.2) the answer is the library's
     MPIX_Query_cuda_support, which agrees with ompi_info; the variable overrides it."""
+    import importlib.util
     import shutil
     import subprocess
 
-    mpi4py_MPI = pytest.importorskip("mpi4py.MPI")
+    pytest.importorskip("mpi4py")
+    # Found, not imported: importing mpi4py.MPI would start MPI in pytest's own process.
+    spec = importlib.util.find_spec("mpi4py.MPI")
+    assert spec is not None and spec.origin
     from commopt.comm.mpi.transport import CUDA_AWARE_ENV, detect_cuda_aware
 
     monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
-    bare = types.SimpleNamespace(__file__=mpi4py_MPI.__file__)  # an mpi4py without the query
+    bare = types.SimpleNamespace(__file__=spec.origin)  # an mpi4py without the query
     found = detect_cuda_aware(bare)
     assert isinstance(found, bool)
     if shutil.which("ompi_info"):
