@@ -168,26 +168,18 @@ def _leave() -> None:
     code = np.array([_UNCAUGHT if _state["uncaught"] else _NO_ERROR], dtype=np.int32)
     sends = [_comm.Isend([code, MPI.INT32_T], dest=r, tag=_TAG) for r in range(size) if r != me]
     _hvd_mod.shutdown()  # what Horovod does at exit, now: peers in an operation fail at once
-    from commopt.comm.mpi.runtime import EXIT_TIMEOUT_ENV, exit_timeout
+    from commopt.comm.mpi.runtime import EXIT_TIMEOUT_ENV, exit_timeout, wait_or_abort
 
     limit = exit_timeout()
-    request = _comm.Ibarrier()
-    deadline = time.monotonic() + limit
-    pause = 0.0001  # short at first: at a normal end the others arrive within milliseconds
-    while not request.Test():
-        if time.monotonic() > deadline:
-            sys.stdout.flush()
-            sys.stderr.write(
-                f"commopt: rank {me} of {size} left the job (its script returned or called "
-                f"sys.exit) and shut Horovod down, but other ranks have not left after "
-                f"{limit:g}s (${EXIT_TIMEOUT_ENV}); it aborts the job so that none waits "
-                f"forever. Ranks that run out of data early: train inside "
-                f"`with commopt.Join(optimizer):`.\n"
-            )
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+    wait_or_abort(
+        _comm.Ibarrier(),
+        limit,
+        f"commopt: rank {me} of {size} left the job (its script returned or called "
+        f"sys.exit) and shut Horovod down, but other ranks have not left after "
+        f"{limit:g}s (${EXIT_TIMEOUT_ENV}); it aborts the job so that none waits "
+        f"forever. Ranks that run out of data early: train inside "
+        f"`with commopt.Join(optimizer):`.\n",
+    )
     # Every peer sent its notice before it entered the barrier: read the ones still unread.
     for r in range(size):
         if r != me and r not in _received:

@@ -97,22 +97,32 @@ def _leave() -> None:
         return
     world = MPI.COMM_WORLD
     limit = exit_timeout()
-    request = _exit_comm.Ibarrier()
+    wait_or_abort(
+        _exit_comm.Ibarrier(),
+        limit,
+        f"commopt: rank {world.Get_rank()} of {world.Get_size()} left the job (its "
+        f"script returned or called sys.exit) while other ranks were still running; "
+        f"they would wait for it in their next collective forever, so it aborts the "
+        f"job after waiting {limit:g}s (${EXIT_TIMEOUT_ENV}). Ranks that run out of "
+        f"data early: train inside `with commopt.Join(optimizer):`; a rank that works "
+        f"longer at the end (saving): call comm.barrier() before the others leave.\n",
+    )
+
+
+def wait_or_abort(request, limit: float, message: str) -> None:
+    """Wait for the exit barrier's ``request``; after ``limit`` s print ``message`` and abort.
+
+    Polls with sleeps that grow from 0.1 ms to 10 ms: at a normal end the others arrive
+    within milliseconds, and a rank left waiting costs no core.
+    """
     deadline = time.monotonic() + limit
-    pause = 0.0001  # short at first: at a normal end the others arrive within milliseconds
+    pause = 0.0001
     while not request.Test():
         if time.monotonic() > deadline:
             sys.stdout.flush()
-            sys.stderr.write(
-                f"commopt: rank {world.Get_rank()} of {world.Get_size()} left the job (its "
-                f"script returned or called sys.exit) while other ranks were still running; "
-                f"they would wait for it in their next collective forever, so it aborts the "
-                f"job after waiting {limit:g}s (${EXIT_TIMEOUT_ENV}). Ranks that run out of "
-                f"data early: train inside `with commopt.Join(optimizer):`; a rank that works "
-                f"longer at the end (saving): call comm.barrier() before the others leave.\n"
-            )
+            sys.stderr.write(message)
             sys.stderr.flush()
-            world.Abort(1)
+            _mpi().COMM_WORLD.Abort(1)
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
 
