@@ -25,15 +25,17 @@ def pytest_ignore_collect(collection_path: Path, config: object) -> bool | None:
     return True
 
 
+# Any library that started MPI here (Horovod, a C extension) left its variables in the C
+# environment, which os.environ does not see but every child inherits.
+_c_getenv = ctypes.CDLL(None).getenv
+_c_getenv.restype = ctypes.c_char_p
+
+
 def _mpi_initialised_here() -> bool:
     mpi = sys.modules.get("mpi4py.MPI")  # never imported here: importing it would init MPI
     if mpi is not None and mpi.Is_initialized():
         return True
-    # Any library that started MPI here (Horovod, a C extension) left its variables in the C
-    # environment, which os.environ does not see but every child inherits.
-    libc = ctypes.CDLL(None)
-    libc.getenv.restype = ctypes.c_char_p
-    return any(libc.getenv(name) for name in (b"OMPI_MCA_ess", b"PMIX_NAMESPACE", b"PMIX_RANK"))
+    return any(_c_getenv(name) for name in (b"OMPI_MCA_ess", b"PMIX_NAMESPACE", b"PMIX_RANK"))
 
 
 @pytest.fixture(autouse=True)

@@ -51,15 +51,20 @@ def mpirun_available() -> bool:
     return shutil.which("mpirun") is not None
 
 
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``commopt launch ARGS`` from the repository, with no launcher's variables inherited (this
-    process may itself run under mpirun, torchrun or Slurm)."""
-    env = {
+def launcher_free_env() -> dict[str, str]:
+    """This environment without any launcher's variables (this process may itself run under
+    mpirun, torchrun or Slurm), for a child that must start a job of its own."""
+    return {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
-        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``commopt launch ARGS`` from the repository, with no launcher's variables inherited."""
+    env = launcher_free_env()
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [PYTHON, "-m", "commopt", "launch", *args],

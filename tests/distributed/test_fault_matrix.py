@@ -33,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank import REPO, run_mpi, run_torch
+from commopt.commands.launch import launch_argv
+from tests.multirank import REPO, launcher_free_env, run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 PY = sys.executable
@@ -155,20 +156,6 @@ def _write_records():
 def hung(report: str) -> bool:
     """True when tests.multirank's failure report says a rank ran into the timeout."""
     return re.search(r"^--- rank \d+: timed out", report, re.M) is not None
-
-
-def clean_env() -> dict:
-    """This environment without any launcher's variables (the test may run under one)."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-
-
-def launch_argv(*args: str) -> list[str]:
-    return [PY, "-m", "commopt", "launch", *args]
 
 
 # -- transports: a rank fails --------------------------------------------------------------------
@@ -570,8 +557,8 @@ def test_a_typo_in_launch_options_is_an_error_not_part_of_the_command(case):
     )
     r = c.run(
         subprocess.run,
-        launch_argv("-n", "2", "--timout", "60", "--", "echo", "started"),
-        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        launch_argv(2, "--timout", "60", "--", "echo", "started"),
+        env=dict(launcher_free_env(), PYTHONPATH=str(REPO)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -670,8 +657,8 @@ def _launch_and_signal(tmp_path, sig, delay: float, launcher: str = "torch"):
     pids = tmp_path / f"pids-{sig}-{delay}"
     cmd = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
     p = subprocess.Popen(
-        launch_argv("-n", "2", "--launcher", launcher, "--", *cmd),
-        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        launch_argv(2, "--launcher", launcher, "--", *cmd),
+        env=dict(launcher_free_env(), PYTHONPATH=str(REPO)),
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_as_if_from_a_terminal,
@@ -754,8 +741,7 @@ def test_a_failing_rank_ends_a_launched_job_with_its_code(case):
     r = c.run(
         subprocess.run,
         launch_argv(
-            "-n",
-            "2",
+            2,
             "--launcher",
             "torch",
             "--",
@@ -763,7 +749,7 @@ def test_a_failing_rank_ends_a_launched_job_with_its_code(case):
             "-c",
             'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 60',
         ),
-        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        env=dict(launcher_free_env(), PYTHONPATH=str(REPO)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -788,8 +774,8 @@ def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
         2,
     )
     p = subprocess.Popen(
-        launch_argv("-n", "2", "--link", "1gbit", "--launcher", "torch", "--", "sleep", "60"),
-        env=dict(clean_env(), PYTHONPATH=str(REPO)),
+        launch_argv(2, "--link", "1gbit", "--launcher", "torch", "--", "sleep", "60"),
+        env=dict(launcher_free_env(), PYTHONPATH=str(REPO)),
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_as_if_from_a_terminal,

@@ -11,7 +11,7 @@ import pytest
 
 from commopt.commands.launch import launch_argv
 from commopt.testbed.mpirun import LOOPBACK_MCA
-from tests.multirank import launch, needs_mpirun
+from tests.multirank import launch, launcher_free_env, needs_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -95,8 +95,7 @@ def test_a_parent_that_ran_mpi_as_a_singleton_can_still_launch():
         f"sys.exit(subprocess.call({launch_argv(2, '--')!r} + "
         "['sh', '-c', 'echo rank $OMPI_COMM_WORLD_RANK']))\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = str(REPO)
+    env = dict(launcher_free_env(), PYTHONPATH=str(REPO))
     r = subprocess.run(
         [PY, "-c", parent], capture_output=True, text=True, timeout=120, cwd=str(REPO), env=env
     )
