@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             part.unlink(missing_ok=True)
         new["run"]["command"] = "python -m tests.distributed.fault_report --only " + " ".join(
-            [repr(args.only) if " " in args.only else args.only, *args.pytest_args]
+            map(shlex.quote, [args.only, *args.pytest_args])
         )
         doc = merge(old, new, args.only)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
