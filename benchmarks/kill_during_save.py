@@ -280,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         "trials": len(results),
         "loadable": sum(r["loadable"] for r in results),
         "wrong_resumes": sum(r["wrong_resume"] for r in results),
-        "killed_mid_write": sum(any(n.endswith(".partial") for n in r["left_behind"]) for r in results),
-        "killed_between_renames": sum(any(n.endswith(".old") for n in r["left_behind"]) for r in results),
+        "killed_mid_write": sum(
+            any(n.endswith(".partial") for n in r["left_behind"]) for r in results
+        ),
+        "killed_between_renames": sum(
+            any(n.endswith(".old") for n in r["left_behind"]) for r in results
+        ),
         "resumed_newer_than_seen": sum(
             (r["resumed_step"] or 0) > r["last_seen_committed"] for r in results
         ),

@@ -119,7 +119,9 @@ class CheckpointManager:
                 error = f"{type(exc).__name__}: {exc}"
         error = comm.bcast_obj(error, root=0)
         if error is not None:
-            raise CheckpointError(f"rank 0 could not point {self.root / LATEST} at {path.name}: {error}")
+            raise CheckpointError(
+                f"rank 0 could not point {self.root / LATEST} at {path.name}: {error}"
+            )
         return path
 
     def load_latest(self, model, optimizer, **kwargs) -> Restored | None:

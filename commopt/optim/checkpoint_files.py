@@ -55,9 +55,10 @@ __all__ = ["RESIDUAL_MODES", "checkpoint_bytes", "load_checkpoint", "save_checkp
 REPLICATED = "replicated"
 
 #: What :func:`load_checkpoint` does with error-feedback residuals saved by another number of
-#: ranks: ``refuse`` (raise, the default), ``drop`` (restart them at zero) or ``average``
-#: (every rank starts from the saved ranks' residuals summed and divided by their number).
-RESIDUAL_MODES = ("refuse", "drop", "average")
+#: ranks: ``refuse`` (raise, the default) or ``drop`` (restart them at zero). They cannot be
+#: carried over: each rank keeps them per chunk of the reduce-scatter it sent or reduced,
+#: and another number of ranks cuts the buckets into other chunks.
+RESIDUAL_MODES = ("refuse", "drop")
 
 
 def _part_name(rank: int) -> str:
@@ -114,10 +115,10 @@ def load_checkpoint(
     Each rank checks the replicated part and its own ``rank{r}`` part against the manifest
     (a missing, truncated or altered file raises :class:`CheckpointError` naming it), then
     restores them. Resuming with another number of ranks restores the replicated part;
-    error-feedback residuals, which each rank holds for itself, follow ``residuals``:
-    ``"refuse"`` raises a ValueError naming both counts, ``"drop"`` restarts them at zero,
-    ``"average"`` gives every rank the saved ranks' residuals summed and divided by their
-    number (the error the job owed the averaged gradient carries over). State saved between
+    error-feedback residuals, which each rank holds for itself per chunk of the
+    reduce-scatter (chunks that another number of ranks cuts differently), follow
+    ``residuals``: ``"refuse"`` raises a ValueError naming both counts, ``"drop"`` restarts
+    them at zero (the error they carried, one step's quantisation error, is lost). State saved between
     steps of compensated double buffering (each rank's predicted weights) only resumes with
     the same number of ranks. ``reset_codec_state=True`` is ``residuals="drop"``, at any count.
     """
@@ -188,37 +189,13 @@ def _reshard(ckpt: _Checkpoint, rank: int, size: int, residuals: str) -> dict[st
     own: dict[str, Any] = {"rank": rank, "world_size": size, "codec_state": {}}
     if not any(has_codec_state(s) for s in states) or residuals == "drop":
         return own
-    if residuals == "refuse":
-        raise ValueError(
-            f"rank {rank}: the checkpoint holds codec state (error feedback) of "
-            f"{ckpt.world_size} ranks but this job has {size}: resume with "
-            f"{ckpt.world_size} ranks, or pass residuals='drop' (the residuals restart at "
-            "zero) or residuals='average' (every rank starts from their sum divided by "
-            f"{ckpt.world_size})"
-        )
-    own["codec_state"] = _average(states, ckpt.world_size, "codec_state")
-    return own
-
-
-def _average(trees: list[Any], count: int, where: str) -> Any:
-    """The element-wise sum of nested dicts of tensors over ``count`` ranks, divided by
-    ``count`` (a rank without an entry counts as zero); other values must agree."""
-    import torch
-
-    present = [t for t in trees if t is not None]
-    if all(isinstance(t, dict) for t in present):
-        keys = sorted({k for t in present for k in t})
-        return {k: _average([t.get(k) for t in present], count, f"{where}.{k}") for k in keys}
-    if all(isinstance(t, torch.Tensor) for t in present):
-        if len({tuple(t.shape) for t in present}) != 1:
-            raise ValueError(f"cannot average {where}: the saved ranks' shapes differ")
-        total = torch.zeros_like(present[0])
-        for t in present:
-            total += t
-        return total / count
-    if any(t != present[0] for t in present):
-        raise ValueError(f"cannot average {where}: the saved ranks hold different values")
-    return present[0]
+    raise ValueError(
+        f"rank {rank}: the checkpoint holds codec state (error feedback) of "
+        f"{ckpt.world_size} ranks but this job has {size}: each rank's residuals belong to "
+        f"the chunks {ckpt.world_size} ranks cut the buckets into. Resume with "
+        f"{ckpt.world_size} ranks, or pass residuals='drop' (they restart at zero: one "
+        "step's quantisation error per rank is lost)"
+    )
 
 
 def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
