@@ -241,9 +241,9 @@ def _preload() -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
     import commopt
-    import commopt.checkpointing.manager  # noqa: F401
-    import commopt.comm.torch_dist  # noqa: F401
-    import commopt.optim.checkpoint_files  # noqa: F401
+    import commopt.checkpointing.manager
+    import commopt.comm.torch_dist
+    import commopt.optim.checkpoint_files
     from commopt.testbed.torch_dist import free_port  # noqa: F401
 
     build(commopt.create_communicator("local"), seed=0)  # the codecs' and optimizer's modules

@@ -76,7 +76,7 @@ class ElasticRun:
         )
         self.steps, self.every = steps, every
         data = dataset()
-        self.sampler = DistributedSampler(
+        self.sampler: DistributedSampler = DistributedSampler(
             data, num_replicas=comm.size, rank=comm.rank, shuffle=True, seed=0, drop_last=True
         )
         self.loader = DataLoader(data, batch_size=batch, sampler=self.sampler)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="rank 0 saves the final weights here (torch.save)")
     args = p.parse_args(argv)
     comm = commopt.create_communicator(args.comm)
-    db = {"off": False, "on": True, "compensated": "compensated"}[args.double_buffering]
+    db: bool | str = {"off": False, "on": True}.get(args.double_buffering, "compensated")
     run = ElasticRun(
         comm,
         args.checkpoint_dir,

@@ -90,5 +90,5 @@ def test_resume_at_another_world_size(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved_model))
 
     model, opt = build("compensated")
-    with pytest.raises(ValueError, match="compensated double buffering.*Resume with 2 ranks"):
+    with pytest.raises(ValueError, match=r"compensated double buffering.*Resume with 2 ranks"):
         load_checkpoint(tmp_path / "compensated", model, opt, residuals="drop")

@@ -100,10 +100,10 @@ def test_a_missing_file_or_a_damaged_manifest_is_named(saved):
     body = json.loads(manifest.read_text())
     body["world_size"] = 3  # edited: the manifest's own checksum no longer matches
     manifest.write_text(json.dumps(body))
-    with pytest.raises(CheckpointError, match="MANIFEST.json is corrupted"):
+    with pytest.raises(CheckpointError, match=r"MANIFEST.json is corrupted"):
         load_checkpoint(path, *make())
     manifest.write_text(manifest.read_text()[:40])
-    with pytest.raises(CheckpointError, match="MANIFEST.json is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"MANIFEST.json is not valid JSON"):
         load_checkpoint(path, *make())
 
 
@@ -144,7 +144,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(saved):
         (staging / "rank0").mkdir()
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(CheckpointError, match="rank 0: OSError.*No space left.*untouched"):
+    with pytest.raises(CheckpointError, match=r"rank 0: OSError.*No space left.*untouched"):
         save_parts(path, comm, write)
     model, opt = make(seed=7)
     assert load_checkpoint(path, model, opt) == {"step": 2}
