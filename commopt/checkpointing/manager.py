@@ -40,6 +40,7 @@ from commopt.checkpointing.atomic import (
     verify_part,
     write_text_atomic,
 )
+from commopt.optim.checkpoint_files import load_checkpoint, save_checkpoint
 
 __all__ = ["CheckpointManager", "Restored", "verify_checkpoint"]
 
@@ -105,8 +106,6 @@ class CheckpointManager:
 
         Returns once the checkpoint is complete on disk and ``latest`` names it.
         """
-        from commopt.optim.checkpoint_files import save_checkpoint
-
         path = self.path(step)
         comm = optimizer.comm
         save_checkpoint(path, model, optimizer, extra=extra)
@@ -138,8 +137,6 @@ class CheckpointManager:
 
     def load(self, step: int, model, optimizer, **kwargs) -> Restored:
         """Restore checkpoint ``step``."""
-        from commopt.optim.checkpoint_files import load_checkpoint
-
         path = self.path(step)
         if resolve(path) is None:
             raise CheckpointError(

@@ -213,3 +213,11 @@ def test_bad_residuals_mode_is_refused(saved):
     path, _ = saved
     with pytest.raises(ValueError, match="residuals='sum': choose one of refuse, drop"):
         load_checkpoint(path, *make(), residuals="sum")
+
+
+def test_a_checkpoint_written_before_manifests_still_loads(saved):
+    path, want = saved
+    (path / "MANIFEST.json").unlink()  # the layout older commopt wrote: parts, no manifest
+    model, opt = make(seed=7)
+    assert load_checkpoint(path, model, opt) == {"step": 2}
+    assert_same(weights(model), want)
