@@ -118,9 +118,10 @@ def load_checkpoint(
     error-feedback residuals, which each rank holds for itself per chunk of the
     reduce-scatter (chunks that another number of ranks cuts differently), follow
     ``residuals``: ``"refuse"`` raises a ValueError naming both counts, ``"drop"`` restarts
-    them at zero (the error they carried, one step's quantisation error, is lost). State saved between
-    steps of compensated double buffering (each rank's predicted weights) only resumes with
-    the same number of ranks. ``reset_codec_state=True`` is ``residuals="drop"``, at any count.
+    them at zero (the error they carried, one step's quantisation error, is lost). State
+    saved between steps of compensated double buffering (each rank's predicted weights)
+    only resumes with the same number of ranks. ``reset_codec_state=True`` is
+    ``residuals="drop"``, at any count.
     """
     if residuals not in RESIDUAL_MODES:
         raise ValueError(f"residuals={residuals!r}: choose one of {', '.join(RESIDUAL_MODES)}")
