@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 
-torch.set_num_threads(1)  # before any fork: the children share the cores
-
 
 def digest(model, opt) -> str:
     """SHA-256 over the model's and the optimizer's whole state (this rank's residuals too)."""
@@ -259,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the JSON record here")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
+    torch.set_num_threads(1)  # before any fork: the ranks share the cores
     _preload()
     results = []
     start = time.monotonic()
