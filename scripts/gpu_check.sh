@@ -3,7 +3,7 @@
 # network, no virtual environment. Results go to $OUT (default out/gpu-check):
 # gpu-check.json, gpu-check.md and gpu-check-logs.txt. Options go to the module:
 #   bash scripts/gpu_check.sh                    # on a GPU machine, within 8 minutes
-#   bash scripts/gpu_check.sh --rehearse         # without a GPU: CPU stand-ins, under a minute
+#   bash scripts/gpu_check.sh --rehearse         # without a GPU: CPU stand-ins (~40 s of CPU)
 #   GPU_CHECK_PYTHON=.venv/bin/python bash scripts/gpu_check.sh --report docs/benchmarks-gpu.md
 # See docs/benchmarks-gpu.md.
 set -euo pipefail

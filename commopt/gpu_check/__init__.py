@@ -45,7 +45,7 @@ from commopt.gpu_check.runner import Budget, Context, run_stages
 
 #: seconds for the whole check on a GPU machine, and for a rehearsal.
 BUDGET_S = 420.0
-REHEARSAL_BUDGET_S = 60.0
+REHEARSAL_BUDGET_S = 120.0
 #: the most of the children's output kept in the logs file.
 LOG_BYTES = 8 * 2**20
 ROOT = Path(__file__).resolve().parents[2]

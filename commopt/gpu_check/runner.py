@@ -99,6 +99,11 @@ class Context:
         """Why a GPU stage ran only its CPU stand-in here."""
         if self.rehearse:
             return "rehearsal (--rehearse): the CPU stand-in ran in place of the GPU check"
+        if self.env.get("probe_failed"):
+            return (
+                f"the environment probe failed ({self.env['probe_failed'][:200]}): the CPU "
+                "stand-in ran in place of the GPU check"
+            )
         return (
             f"no CUDA device (torch {self.env.get('torch', '?')} sees none): the CPU stand-in "
             "ran in place of the GPU check"

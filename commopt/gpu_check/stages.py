@@ -25,7 +25,11 @@ Run = tuple[str, str | None, str]
 def environment(ctx: Context) -> dict:
     """Versions, the device, and the tools this machine has (run first: the others read it)."""
     result = run_job(ctx, "env", {"device": "cpu"})
-    details = require_ok(result, "the environment probe")[0]
+    try:
+        details = require_ok(result, "the environment probe")[0]
+    except StageFailed as exc:
+        ctx.env["probe_failed"] = str(exc)
+        raise
     details.update(mpirun=shutil.which("mpirun"), compiler=compiler())
     ctx.env.update(details)
     return details
@@ -226,7 +230,7 @@ def recipe_amp(ctx: Context) -> dict:
 #: name, title, function, weight (its part of the budget), the least seconds it needs on a GPU
 #: machine and as a CPU stand-in.
 STAGES = [
-    Stage("environment", "Environment", environment, 1, 20, 4, gpu=False),
+    Stage("environment", "Environment", environment, 2, 30, 4, gpu=False),
     Stage("native_build", "Native CPU kernels built here", native_build, 1, 20, 4, gpu=False),
     Stage("triton_exact", "Triton kernels bit-exact against the reference", triton_exact, 6, 40, 4),
     Stage("throughput", "Kernel throughput against the copy bandwidth", throughput, 2, 25, 3),

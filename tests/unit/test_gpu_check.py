@@ -53,7 +53,7 @@ def test_time_left_over_goes_to_later_stages_and_none_left_skips_saying_so(tmp_p
     now = [0.0]
 
     def slow(ctx):
-        now[0] += ctx.limit_s  # uses all of its share
+        now[0] += 40.0  # overruns its share and the budget
         return {}
 
     def quick(ctx):
@@ -75,15 +75,17 @@ def test_time_left_over_goes_to_later_stages_and_none_left_skips_saying_so(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(1500)
 def test_the_rehearsal_reaches_every_stage_and_skips_the_gpu_ones_with_the_reason(tmp_path):
-    # a budget above the default: the stages' CPU stand-ins must not be cut on a busy machine
+    # About 40 s of CPU time in all. The budget is a ceiling, set far above the default so
+    # that a busy machine (each stage is killed at its share) slows the test, never fails it.
     env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_CHECK_PYTHON=sys.executable, OUT=str(tmp_path))
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--rehearse", "--budget-s", "400"],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--rehearse", "--budget-s", "900"],
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu-check.json").read_text())
