@@ -195,7 +195,7 @@ def _rank_lines(d: dict) -> list[str]:
         worst = max(c["rel_error"] for c in d["codecs"])
         lines.append(
             f"{len(d['codecs'])} codec reductions, largest relative error {worst:.3g}"
-            + (f", out of bounds: {', '.join(bad)}" if bad else "")
+            + (f", out of bounds: {', '.join(bad)}" if bad else ", all within bounds")
         )
     lines += [d[key] for key in ("side_stream", "double_buffered_loop") if key in d]
     for loop in d.get("loops", []):
@@ -207,6 +207,11 @@ def _rank_lines(d: dict) -> list[str]:
         if em is not None:
             mode = f"; error mode: {'raised at step ' + str(em['at_step']) if em['raised'] else 'no error'}"
         sites = ", ".join(f"{k} x{v}" for k, v in loop.get("sync_sites", {}).items())
+        if loop.get("counted") is False:
+            lines.append(
+                f"{loop['loop']}: {loop['steps_counted']} steps (host syncs not counted: no CUDA)"
+            )
+            continue
         lines.append(
             f"{loop['loop']}: {loop['host_syncs_total']} host syncs in {loop['steps_counted']} "
             f"steps {loop.get('host_syncs') or ''}{mode}" + (f"; at {sites}" if sites else "")

@@ -200,8 +200,13 @@ class JobResult:
                 out.append(f"rank {r} {why}")
             elif not rank.get("ok"):
                 out.append(f"rank {r}: {rank.get('error', 'failed')}")
-        if not out and self.returncode not in (0,):
-            out.append(f"the job exited with {self.returncode}")
+        if not out and self.returncode is None:
+            out.append(
+                "every rank wrote its result, then the job ran past its time limit "
+                "(slow or stuck at exit)"
+            )
+        elif not out and self.returncode != 0:
+            out.append(f"every rank wrote its result, then the job exited with {self.returncode}")
         return out
 
 

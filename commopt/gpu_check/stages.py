@@ -74,7 +74,15 @@ def triton_exact(ctx: Context) -> dict:
     if not ctx.env.get("triton"):
         raise Skip(f"triton is not installed ({ctx.env.get('triton_error', 'not found')})")
     result = run_job(ctx, "triton_exact", {"device": ctx.device})
-    return require_ok(result, "Triton against the reference")[0]
+    details = require_ok(result, "Triton against the reference")[0]
+    left = details["planned"] - details["run"]
+    if left:
+        raise StageFailed(
+            f"{left} of {details['planned']} cases not run within the stage's "
+            f"{ctx.limit_s:.0f} s (raise --budget-s)",
+            details,
+        )
+    return details
 
 
 def throughput(ctx: Context) -> dict:

@@ -234,7 +234,8 @@ def cast_decode(
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns, on any devices, except that any NaN matches any NaN.
+    """Equal bit patterns, on any devices (compared on the CPU unless both share one), except
+    that any NaN matches any NaN.
 
     >>> nan = float("nan")
     >>> same_bits(torch.tensor([1.0, nan]), torch.tensor([1.0, -nan]))
@@ -242,7 +243,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     >>> same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
     False
     """
-    a, b = a.cpu(), b.cpu()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
     na, nb = a.float().isnan(), b.float().isnan()
     view = {4: torch.int32, 2: torch.int16}[a.element_size()]
     return (
@@ -259,5 +261,6 @@ def same_wire(
     scales by :func:`same_bits`."""
     head = -(-numel // bucket_size) * scale_bytes
     dtype = torch.float32 if scale_bytes == 4 else torch.float16
-    a, b = a.cpu(), b.cpu()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
     return torch.equal(a[head:], b[head:]) and same_bits(a[:head].view(dtype), b[:head].view(dtype))
