@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "gpu-check.md").write_text(text)
     if args.report is not None:
         args.report.write_text(text)
+    print(text.split("\n## ")[0], flush=True)  # the summary table
     print(f"[gpu-check] {result['verdict']}; results in {args.out}", flush=True)
     status = exit_status(result)
     if status == 2:

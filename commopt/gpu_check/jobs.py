@@ -290,6 +290,10 @@ def job_triton_exact(job: Job) -> None:
         except AssertionError as exc:
             row.update(ok=False, error=str(exc))
             failed += 1
+        except Exception as exc:  # a compile or launch error: recorded, the next case runs
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:1000])
+            job.details.setdefault("first_traceback", traceback.format_exc()[-4000:])
+            failed += 1
         row["s"] = round(time.monotonic() - start, 3)
         rows.append(row)
         job.save(ok=False, error="did not finish")
@@ -330,6 +334,8 @@ def _large_case(job: Job) -> dict:
         row.update(ok=False, error=str(exc))
     except torch.cuda.OutOfMemoryError as exc:
         row.update(skipped=f"out of memory: {str(exc)[:200]}")
+    except Exception as exc:
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:1000])
     row["s"] = round(time.monotonic() - start, 3)
     torch.cuda.empty_cache()
     return row
@@ -412,17 +418,31 @@ def job_world_of_one(job: Job) -> None:
     for name, bound in CODEC_BOUNDS.items():
         for algorithm in ("scatter_reduce", "auto"):
             t = x.clone()
-            work = collectives.allreduce(
-                comm,
-                t,
-                get_codec(name),
-                algorithm=algorithm,
-                rng=RngKey(0, 0, 1),
-                key="b",
-                async_op=True,
-            )
-            work.wait()
-            err = float((t - x).abs().max()) / float(x.abs().max())
+            try:
+                work = collectives.allreduce(
+                    comm,
+                    t,
+                    get_codec(name),
+                    algorithm=algorithm,
+                    rng=RngKey(0, 0, 1),
+                    key="b",
+                    async_op=True,
+                )
+                work.wait()
+                err = float((t - x).abs().max()) / float(x.abs().max())
+            except Exception as exc:  # recorded; the next codec runs
+                rows.append(
+                    {
+                        "codec": name,
+                        "algorithm": algorithm,
+                        "rel_error": None,
+                        "ok": False,
+                        "error": f"{type(exc).__name__}: {exc}"[:1000],
+                    }
+                )
+                bad.append(f"{name}/{algorithm}: {type(exc).__name__}")
+                job.details.setdefault("first_traceback", traceback.format_exc()[-4000:])
+                continue
             ok = t.device.type == device and err <= bound * 1.01
             rows.append({"codec": name, "algorithm": algorithm, "rel_error": err, "ok": ok})
             if not ok:

@@ -139,6 +139,8 @@ def _triton(stage: dict) -> list[str]:
     for c in cases:
         verdict = "exact" if c.get("ok") else (c.get("skipped") or c.get("error") or "differs")
         out.append(f"| {c['case']} | {verdict} | {_fmt(c.get('s'), 2)} |")
+    if d.get("first_traceback"):
+        out += ["", "The first error:", "", "```", d["first_traceback"].strip()[-1500:], "```"]
     return out + _generic(stage)
 
 
@@ -178,6 +180,10 @@ def _runs(stage: dict) -> list[str]:
         )
         if "sanitizer_reports" in run:
             out.append(f"  - sanitizer reports: {run['sanitizer_reports']}")
+        if "printed_host_syncs" in run:
+            out.append(
+                f"  - host syncs torch printed (outside Python calls): {run['printed_host_syncs']}"
+            )
         out += [
             f"  - rank {rank}: {line}"
             for rank, details in enumerate(run.get("ranks") or [])
@@ -192,7 +198,7 @@ def _rank_lines(d: dict) -> list[str]:
     lines = []
     bad = [f"{c['codec']}/{c['algorithm']}" for c in d.get("codecs", []) if not c.get("ok")]
     if d.get("codecs"):
-        worst = max(c["rel_error"] for c in d["codecs"])
+        worst = max((c["rel_error"] for c in d["codecs"] if c["rel_error"] is not None), default=0)
         lines.append(
             f"{len(d['codecs'])} codec reductions, largest relative error {worst:.3g}"
             + (f", out of bounds: {', '.join(bad)}" if bad else ", all within bounds")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -276,7 +277,8 @@ def run_job(
             proc.wait()
             code = None
     output = log.read_text(errors="replace")
-    ctx.logs.append((job, " ".join(argv[-3:-2] + [f"x{nprocs}", launcher]), output))
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    ctx.logs.append((job, f"{shown} {shlex.join(argv)}".strip(), output))
     ranks = []
     for r in range(nprocs):
         path = result_dir / f"rank{r}.json"

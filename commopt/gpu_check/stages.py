@@ -15,7 +15,7 @@ import subprocess
 import sys
 import sysconfig
 
-from commopt.gpu_check.jobs import CSAN_REPORT
+from commopt.gpu_check.jobs import CSAN_REPORT, SYNC_WARNING
 from commopt.gpu_check.runner import Context, Skip, Stage, StageFailed, require_ok, run_job
 
 #: one job's communicator, its torch.distributed backend (or None) and its launcher.
@@ -127,6 +127,7 @@ def _each(
     env: dict | None = None,
     extra: dict | None = None,
     count_races: bool = False,
+    count_printed_syncs: bool = False,
 ) -> dict:
     """One job per (communicator, backend, launcher), sharing the stage's time; every run
     is reported, and the stage fails if one did."""
@@ -155,6 +156,11 @@ def _each(
             "wall_s": result.wall_s,
         }
         problems = result.failures()
+        if count_printed_syncs:
+            # torch prints (not warns) the syncs made outside a Python call, e.g. in autograd
+            entry["printed_host_syncs"] = result.output.count(SYNC_WARNING)
+            if entry["printed_host_syncs"]:
+                problems.append(f"{entry['printed_host_syncs']} host syncs printed by torch")
         if count_races:
             entry["sanitizer_reports"] = result.output.count(CSAN_REPORT)
             if entry["sanitizer_reports"]:
@@ -197,7 +203,15 @@ def host_syncs(ctx: Context) -> dict:
     """Double-buffered and overlapped loops with every host sync counted in the step
     (``set_sync_debug_mode("warn")``), then made an error (``"error"``)."""
     extra = {"steps": 5 if ctx.on_gpu else 2, "count_syncs": True}
-    return _each(ctx, "train", _train_runs(ctx), nprocs=1, missing=_no_cupy(ctx), extra=extra)
+    return _each(
+        ctx,
+        "train",
+        _train_runs(ctx),
+        nprocs=1,
+        missing=_no_cupy(ctx),
+        extra=extra,
+        count_printed_syncs=True,
+    )
 
 
 def sanitizer(ctx: Context) -> dict:
