@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.budget_s is not None and args.budget_s <= 0:
         p.error("--budget-s must be > 0")
+    if args.from_json is not None and not args.from_json.is_file():
+        p.error(f"--from {args.from_json}: no such result file (gpu-check.json of a run)")
     return args
 
 

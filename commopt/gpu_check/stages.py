@@ -72,7 +72,10 @@ def native_build(ctx: Context) -> dict:
 def triton_exact(ctx: Context) -> dict:
     """Triton kernels bit-exact against the reference (on the CPU: under the interpreter)."""
     if not ctx.env.get("triton"):
-        raise Skip(f"triton is not installed ({ctx.env.get('triton_error', 'not found')})")
+        raise Skip(
+            f"triton is not installed ({ctx.env.get('triton_error', 'not found')}): "
+            "pip install 'commopt[triton]'"
+        )
     result = run_job(ctx, "triton_exact", {"device": ctx.device})
     details = require_ok(result, "Triton against the reference")[0]
     left = details["planned"] - details["run"]

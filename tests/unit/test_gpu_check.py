@@ -96,12 +96,17 @@ def test_the_rehearsal_reaches_every_stage_and_skips_the_gpu_ones_with_the_reaso
         got = stages[stage.name]
         if stage.gpu:
             assert got["status"] == "skipped" and got["reason"].startswith("rehearsal"), got
-            assert got["standin"]["status"] == "passed", got["standin"]
+            standin = got["standin"]
+            # skipped only for a package this machine lacks, saying which to install
+            assert standin["status"] == "passed" or (
+                standin["status"] == "skipped" and "pip install" in standin["reason"]
+            ), standin
         else:
             assert got["status"] == "passed" or (got["status"] == "skipped" and got["reason"]), got
     assert stages["environment"]["details"]["cuda"] is False
-    exact = stages["triton_exact"]["standin"]["details"]
-    assert exact["run"] == exact["planned"] and all(c["ok"] for c in exact["cases"])
+    if stages["triton_exact"]["standin"]["status"] == "passed":
+        exact = stages["triton_exact"]["standin"]["details"]
+        assert exact["run"] == exact["planned"] and all(c["ok"] for c in exact["cases"])
     two = stages["two_ranks"]["standin"]["details"]["runs"]["torch+gloo"]
     assert [r["rank"] for r in two["ranks"]] == [0, 1]
     loops = stages["host_syncs"]["standin"]["details"]["runs"]["torch+gloo"]["ranks"][0]["loops"]
@@ -187,6 +192,14 @@ def test_the_report_gives_the_figures_and_where_the_syncs_are():
     assert "2 host syncs in 5 steps" in text and "commopt/reducer/agreement.py:57 x2" in text
     assert "raised at step 0" in text
     assert "## What one GPU proves, and what needs several" in text
+
+
+def test_a_missing_result_file_is_named(tmp_path, capsys):
+    from commopt.gpu_check import main
+
+    with pytest.raises(SystemExit):
+        main(["--from", str(tmp_path / "none.json")])
+    assert "no such result file" in capsys.readouterr().err
 
 
 def test_the_docs_page_is_the_rendered_report():
