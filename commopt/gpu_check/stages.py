@@ -103,13 +103,11 @@ def _mpi_launcher(ctx: Context) -> str:
 def world_of_one(ctx: Context) -> dict:
     """pure_nccl and torch+nccl in a world of one, every codec through the collectives
     (stand-ins: MPI and gloo on the CPU)."""
-    runs: list[Run]
-    if ctx.on_gpu:
-        runs = [("torch", "nccl", "torch")]
-        if ctx.env.get("cupy_nccl"):
-            runs.insert(0, ("pure_nccl", None, _mpi_launcher(ctx)))
-    else:
-        runs = [("mpi", None, _mpi_launcher(ctx)), ("torch", "gloo", "torch")]
+    runs: list[Run] = (
+        _nccl_runs(ctx)
+        if ctx.on_gpu
+        else [("mpi", None, _mpi_launcher(ctx)), ("torch", "gloo", "torch")]
+    )
     return _each(ctx, "world_of_one", runs, nprocs=1, missing=_no_cupy(ctx))
 
 
@@ -193,28 +191,25 @@ def two_ranks(ctx: Context) -> dict:
     return _each(ctx, "two_ranks", runs, nprocs=2, missing=missing)
 
 
-def _train_runs(ctx: Context) -> list[Run]:
-    if not ctx.on_gpu:
-        return [("torch", "gloo", "torch")]
+def _nccl_runs(ctx: Context) -> list[Run]:
+    """pure_nccl (when CuPy has NCCL) and torch's nccl, in a world of one."""
     runs: list[Run] = [("torch", "nccl", "torch")]
     if ctx.env.get("cupy_nccl"):
         runs.insert(0, ("pure_nccl", None, _mpi_launcher(ctx)))
     return runs
 
 
+def _train(ctx: Context, extra: dict, **options) -> dict:
+    """The training-loop job on pure_nccl and torch+nccl (the stand-in: gloo on the CPU)."""
+    runs: list[Run] = _nccl_runs(ctx) if ctx.on_gpu else [("torch", "gloo", "torch")]
+    return _each(ctx, "train", runs, nprocs=1, missing=_no_cupy(ctx), extra=extra, **options)
+
+
 def host_syncs(ctx: Context) -> dict:
     """Double-buffered and overlapped loops with every host sync counted in the step
     (``set_sync_debug_mode("warn")``), then made an error (``"error"``)."""
     extra = {"steps": 5 if ctx.on_gpu else 2, "count_syncs": True}
-    return _each(
-        ctx,
-        "train",
-        _train_runs(ctx),
-        nprocs=1,
-        missing=_no_cupy(ctx),
-        extra=extra,
-        count_printed_syncs=True,
-    )
+    return _train(ctx, extra, count_printed_syncs=True)
 
 
 def sanitizer(ctx: Context) -> dict:
@@ -222,16 +217,7 @@ def sanitizer(ctx: Context) -> dict:
     race it prints is counted."""
     env = {"TORCH_CUDA_SANITIZER": "1"} if ctx.on_gpu else None
     extra = {"steps": 3 if ctx.on_gpu else 1, "count_syncs": False, "compression": [None]}
-    details = _each(
-        ctx,
-        "train",
-        _train_runs(ctx),
-        nprocs=1,
-        missing=_no_cupy(ctx),
-        env=env,
-        extra=extra,
-        count_races=True,
-    )
+    details = _train(ctx, extra, env=env, count_races=True)
     details["sanitizer"] = "on" if env else "off: torch's sanitizer needs CUDA"
     return details
 
