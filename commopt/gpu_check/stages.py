@@ -15,8 +15,8 @@ import subprocess
 import sys
 import sysconfig
 
-from commopt.gpu_check.jobs import CSAN_REPORT, SYNC_WARNING
 from commopt.gpu_check.runner import Context, Skip, Stage, StageFailed, require_ok, run_job
+from commopt.gpu_check.training_jobs import CSAN_REPORT, SYNC_WARNING
 
 #: one job's communicator, its torch.distributed backend (or None) and its launcher.
 Run = tuple[str, str | None, str]
