@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_COMM_TIMEOUT_S",
     "ProgressWatch",
     "comm_timeout",
+    "unwatch",
     "watch",
 ]
 
@@ -146,7 +147,8 @@ class ProgressWatch:
 
 
 class _Watchdog:
-    """One daemon thread per process: checks every registered watch, ends the job once."""
+    """One daemon thread per process while any bounded watch is registered: checks them all,
+    ends the job once. It stops when the last watch is removed (finalize)."""
 
     def __init__(self):
         self._watches: weakref.WeakKeyDictionary[ProgressWatch, Callable[[str], None]] = (
@@ -154,6 +156,7 @@ class _Watchdog:
         )
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def add(self, w: ProgressWatch, on_stall: Callable[[str], None]) -> None:
         if math.isinf(w.limit_s):
@@ -161,13 +164,24 @@ class _Watchdog:
         with self._lock:
             self._watches[w] = on_stall
             if self._thread is None:
+                self._stop = threading.Event()
                 self._thread = threading.Thread(
-                    target=self._run, name="commopt-comm-watchdog", daemon=True
+                    target=self._run, args=(self._stop,), name="commopt-comm-watchdog", daemon=True
                 )
                 self._thread.start()
 
-    def _run(self) -> None:
-        while True:
+    def remove(self, w: ProgressWatch) -> None:
+        with self._lock:
+            self._watches.pop(w, None)
+            if len(self._watches) or self._thread is None:
+                return
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             with self._lock:
                 items = list(self._watches.items())
             period = min([1.0] + [w.limit_s / 10 for w, _ in items])
@@ -175,7 +189,7 @@ class _Watchdog:
                 if w.stalled():
                     on_stall(w.message())
                     return
-            time.sleep(period)
+            stop.wait(period)
 
 
 _WATCHDOG = _Watchdog()
@@ -186,6 +200,11 @@ def watch(w: ProgressWatch, on_stall: Callable[[str], None]) -> ProgressWatch:
     an unbounded watch); returns ``w``. ``on_stall`` must end the process."""
     _WATCHDOG.add(w, on_stall)
     return w
+
+
+def unwatch(w: ProgressWatch) -> None:
+    """The watchdog forgets ``w`` (its communicator was finalized)."""
+    _WATCHDOG.remove(w)
 
 
 def say(message: str) -> None:

@@ -27,7 +27,7 @@ from commopt.comm.mpi.settings import (
     transfer_path,
 )
 from commopt.comm.mpi.user_ops import sum16_op
-from commopt.comm.timeout import ProgressWatch, comm_timeout, say, watch
+from commopt.comm.timeout import ProgressWatch, comm_timeout, say, unwatch, watch
 
 __all__ = [
     "MPICommunicator",
@@ -420,6 +420,7 @@ class MPICommunicator(Communicator):
     def finalize(self) -> None:
         # Not joining from the worker itself (a last reference dropped there).
         self._worker.shutdown(wait=not self._on_worker())
+        unwatch(self._watch)
         MPI = _mpi()
         if not MPI.Is_finalized() and self.mpi_comm != MPI.COMM_WORLD:
             try:
