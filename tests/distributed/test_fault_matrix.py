@@ -794,6 +794,35 @@ def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
     assert not list(Path(tempfile.gettempdir()).glob(f"commopt-testbed{slot}-*"))
 
 
+# -- a peer that goes silent -----------------------------------------------------------------------
+
+STOPS = """
+import os, signal, sys, time, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+t = torch.ones(1 << 16)
+comm.allreduce(t)
+if comm.rank == 1:
+    if sys.argv[1] == "mpi":
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, connected, silent
+    time.sleep(15)  # (torch: asleep instead, so the test's runner sees it end)
+    sys.exit(3)
+comm.allreduce(t)
+print("unreachable")
+"""
+
+
+@pytest.mark.parametrize("transport", ["mpi", "torch"])
+def test_a_silent_peer_ends_the_job_after_the_comm_timeout(case, transport):
+    c = case(
+        "a rank stops (SIGSTOP; torch: sleeps) before a collective, COMMOPT_COMM_TIMEOUT=3",
+        "rank 0 ends the job after 3 s naming rank 1 and the collective",
+        transport,
+        2,
+    )
+    msg = c.ranks_failed(transport, STOPS, 2, timeout=90, env={"COMMOPT_COMM_TIMEOUT": "3"})
+    assert re.search(r"rank 0: allreduce[^\n]*(nothing from|waiting for) rank\(?s?\)? 1", msg), msg
+
+
 # -- links that fail (emulated testbed) -----------------------------------------------------------
 
 #: Rank 1 trains ``steps`` steps of a ``width``-square linear layer and, before step ``at``,
