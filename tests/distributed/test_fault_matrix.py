@@ -844,7 +844,10 @@ model = torch.nn.Linear(width, width)
 opt = commopt.create_multi_node_optimizer(
     torch.optim.SGD(model.parameters(), lr=0.01), comm, model=model)
 xs = torch.randn(steps, 8, width, generator=torch.Generator().manual_seed(comm.rank))
+fault_t = None
 for step in range(steps):
+    if step == at:
+        fault_t = time.monotonic()
     if step == at and comm.rank == 1 and fault != "none":
         print(f"fault {fault} at {time.time():.3f}", file=sys.stderr, flush=True)
         (subprocess.run if fault in ("down", "slow") else subprocess.Popen)(["sh", "-c", FAULTS[fault]])
@@ -853,6 +856,7 @@ for step in range(steps):
     opt.step()
 weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
 print("digest", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+print(f"after the fault {time.monotonic() - fault_t:.1f} s", flush=True)
 """
 #: Seconds without progress before a job ends, in these rows (the default is 600).
 LINK_TIMEOUT = 5
@@ -971,6 +975,9 @@ def test_a_slow_link_is_not_a_dead_link(case, transport, longer):
     code, out, err, _ = c.run(_on_testbed, transport, "slow", SLOW_RUNS[longer], 240)
     assert code == 0, f"a slow link ended the run (exit {code}):\n{err[-3000:]}"
     assert len(re.findall(r"digest (\w+)", out)) == 2, out
+    # The slow part really outlasted the timeout (twice for two collectives that each did).
+    slow_s = min(float(x) for x in re.findall(r"after the fault ([0-9.]+) s", out))
+    assert slow_s > LINK_TIMEOUT * (2 if longer == "collective" else 1), (slow_s, out)
 
 
 # -- security ------------------------------------------------------------------------------------

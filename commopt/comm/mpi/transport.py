@@ -167,9 +167,10 @@ class MPICommunicator(Communicator):
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
         self.timeout = comm_timeout(timeout)
-        self._world_ranks = MPI.Group.Translate_ranks(
-            self.mpi_comm.Get_group(), list(range(self.size)), MPI.COMM_WORLD.Get_group()
-        )
+        mine, world = self.mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self._world_ranks = MPI.Group.Translate_ranks(mine, list(range(self.size)), world)
+        mine.Free()
+        world.Free()
         self._watch = watch(
             ProgressWatch(self.timeout, rank=self._world_ranks[self.rank], ranks_of=self._who),
             _end_job,
