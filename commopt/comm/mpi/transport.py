@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -108,12 +109,15 @@ def _end_job(message: str) -> None:
     """The watchdog's verdict: say why, then abort the whole job (every rank's mpirun kills).
 
     If MPI_Abort itself cannot reach mpirun (its daemon sits behind the failed link), the
-    process still ends 5 s later.
+    process still ends 6 s later.
     """
     say(message)
-    ender = threading.Timer(5.0, os._exit, (1,))
+    ender = threading.Timer(6.0, os._exit, (1,))
     ender.daemon = True
     ender.start()
+    # The peers' clocks ran out at about the same moment: a second lets them say so too
+    # before MPI_Abort has mpirun kill them.
+    time.sleep(1.0)
     _mpi().COMM_WORLD.Abort(1)
 
 
