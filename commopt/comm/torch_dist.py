@@ -420,6 +420,7 @@ class TorchCommunicator(Communicator):
         self.size = dist.get_world_size(group)
         self.stream_ordered = self.backend == "nccl"
         self._codec_streams: dict = {}
+        self._perms: dict[torch.device, torch.Tensor] = {}  # the alltoall's index, per device
         if self.stream_ordered:
             from commopt.comm.streams import CudaStreams
 
@@ -509,7 +510,7 @@ class TorchCommunicator(Communicator):
             )
         # Reorder chunks from our rank order to the group's, and back on arrival.
         s_chunks, r_chunks = s.view(self.size, -1), r.view(self.size, -1)
-        perm = torch.tensor(self._group_to_ours())
+        perm = self._permutation(s.device)
         s_group = s_chunks[perm].contiguous().view(-1)
         r_group = torch.empty_like(s_group)
         return self._work(
@@ -567,6 +568,13 @@ class TorchCommunicator(Communicator):
             timeout=self.timeout,
             _order=order,
         )
+
+    def _permutation(self, device: torch.device) -> torch.Tensor:
+        """``_group_to_ours()`` as an index tensor on ``device`` (built once per device)."""
+        perm = self._perms.get(device)
+        if perm is None:
+            perm = self._perms[device] = torch.tensor(self._group_to_ours(), device=device)
+        return perm
 
     def _group_to_ours(self) -> list[int]:
         """Our rank of each group rank."""
