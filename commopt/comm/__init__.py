@@ -103,9 +103,9 @@ def create_communicator(
         )
     from commopt.comm.timeout import comm_timeout
 
-    limit = comm_timeout(timeout)  # a bad value fails here, on every rank, for every backend
-    if key != "local":
-        options["timeout"] = limit
+    comm_timeout(timeout)  # a bad value (argument or environment) fails here, for every backend
+    if timeout is not None and key != "local":
+        options["timeout"] = timeout
     module_name, class_name = _BACKENDS[key]
     module = importlib.import_module(module_name)
     cls = getattr(module, class_name)
