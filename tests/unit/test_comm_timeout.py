@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import sys
 import time
 
 import pytest
@@ -110,3 +112,17 @@ def test_missing_nccl_names_the_package_pyproject_installs():
 def test_mpirun_hands_every_rank_the_commopt_variables():
     env = {"COMMOPT_COMM_TIMEOUT": "5", "COMMOPT_NODE_NAME": "n0", "HOROVOD_X": "1", "PATH": "/"}
     assert export_flags(env) == ["-x", "COMMOPT_COMM_TIMEOUT", "-x", "HOROVOD_X"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["mpi", "torch"])
+def test_commopt_launch_hands_the_timeout_to_every_rank(launcher, monkeypatch):
+    from tests.multirank import launch, mpirun_available
+
+    if launcher == "mpi" and not mpirun_available():
+        pytest.skip("mpirun not found: install Open MPI")
+    monkeypatch.setenv(COMM_TIMEOUT_ENV, "7")
+    show = "import os; print('timeout=' + os.environ.get('COMMOPT_COMM_TIMEOUT', '-'), flush=True)"
+    r = launch("-n", "2", "--launcher", launcher, "--", sys.executable, "-c", show, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert re.findall(r"timeout=(\S)", r.stdout) == ["7", "7"], r.stdout  # lines may interleave
