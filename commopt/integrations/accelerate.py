@@ -3,7 +3,7 @@
     from accelerate import Accelerator
     from commopt.integrations.accelerate import prepare_optimizer
 
-    accelerator = Accelerator()
+    accelerator = Accelerator()  # on CPU: Accelerator(cpu=True), or it runs one process
     model, loader = accelerator.prepare(model, loader)  # the optimizer is not in this call
     model, opt = prepare_optimizer(accelerator, model, torch.optim.AdamW(model.parameters()),
                                    compression="qsgd4+ef", double_buffering=True)
@@ -41,21 +41,15 @@ Accelerate's own module: ``accelerator.unwrap_model`` and ``get_state_dict`` wor
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-try:
-    import accelerate
-    from accelerate.optimizer import AcceleratedOptimizer
-except ImportError as exc:  # an optional integration: say how to get it
-    raise ImportError(
-        "commopt.integrations.accelerate needs Hugging Face Accelerate: "
-        "pip install 'accelerate==1.15.0' (or pip install 'commopt[accelerate]')"
-    ) from exc
-
 import commopt
 from commopt.optim import MultiNodeOptimizer
+
+if TYPE_CHECKING:
+    import accelerate
 
 __all__ = ["prepare_optimizer", "rank_state_file"]
 
@@ -95,6 +89,13 @@ def prepare_optimizer(
     **options: Any,
 ) -> tuple[torch.nn.Module, Any]:
     """(model without DDP, Accelerate's optimizer around commopt's): see the module's doc."""
+    try:
+        from accelerate.optimizer import AcceleratedOptimizer
+    except ImportError as exc:  # an optional integration: say how to get it
+        raise ImportError(
+            "commopt.integrations.accelerate needs Hugging Face Accelerate: "
+            "pip install 'accelerate==1.15.0' (or pip install 'commopt[accelerate]')"
+        ) from exc
     if isinstance(optimizer, AcceleratedOptimizer):
         raise TypeError(
             "prepare_optimizer takes the plain torch optimizer, not one accelerator.prepare "
@@ -110,6 +111,13 @@ def prepare_optimizer(
         raise TypeError("prepare_optimizer passes the model itself: leave out model=")
     module = accelerator.unwrap_model(model)
     comm = commopt.create_communicator(communicator, **(communicator_options or {}))
+    if comm.size != accelerator.num_processes:
+        raise ValueError(
+            f"the {communicator!r} communicator has {comm.size} ranks but the Accelerator "
+            f"{accelerator.num_processes} process(es): each would train on its own. On CPU, "
+            "Accelerate runs distributed only with Accelerator(cpu=True); otherwise pass the "
+            "communicator that spans Accelerate's processes"
+        )
     wrapped = _AccelerateStep(optimizer, comm, model=module, **options)
     if getattr(module, "no_sync", None) is None:
         # accelerator.accumulate()/no_sync() call the model's no_sync (DDP's, before).

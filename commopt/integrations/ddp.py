@@ -103,7 +103,7 @@ class CommoptHookState:
         """Raise when Lightning's DDPStrategy is training ``module`` on a device where it
         does not register comm hooks (this state's hook would never run)."""
         try:
-            trainer = module.trainer  # (a LightningModule: raises while not attached)
+            trainer: Any = module.trainer  # (a LightningModule: raises while not attached)
         except RuntimeError:
             return
         if trainer is None or trainer.state.fn != "fit":

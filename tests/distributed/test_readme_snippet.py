@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.multirank import REPO, run_mpi
+from tests.multirank import REPO, run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
@@ -44,3 +44,20 @@ def test_use_snippet_trains_on_two_ranks_with_identical_weights():
         assert last < first / 4, f"rank {rank}: loss {first} -> {last} did not fall 4x"
         rows.append(m.group(4))
     assert rows[0] == rows[1], f"ranks ended with different weights: {rows}"
+
+
+#: Python's -W flags, for every module: a FutureWarning or DeprecationWarning is an error.
+WARNINGS_AS_ERRORS = {"PYTHONWARNINGS": "error::FutureWarning,error::DeprecationWarning"}
+
+
+@pytest.mark.parametrize("communicator", ["mpi", "torch"])
+def test_use_snippet_warns_nothing(communicator):
+    """The README's program with ``-W error::FutureWarning -W error::DeprecationWarning``:
+    no warning reaches a user who did nothing wrong (the torch communicator once walked the
+    heap past torch's deprecated ``reduce_op``)."""
+    code = use_snippet((REPO / "README.md").read_text())
+    code = code.replace('create_communicator("mpi")', f"create_communicator({communicator!r})")
+    run = run_mpi if communicator == "mpi" else run_torch
+    outs = run(code, 2, timeout=180, env=WARNINGS_AS_ERRORS)
+    for rank, out in enumerate(outs):
+        assert f"rank {rank}: loss" in out, f"rank {rank} printed no result line: {out!r}"
