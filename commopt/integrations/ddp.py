@@ -67,6 +67,11 @@ class CommoptHookState:
     patterns (without it, the policy's size and dimension rules still apply).
     ``process_group``: DDP's group (default: the default group). ``algorithm``: as in
     :func:`commopt.collectives.allreduce`. ``seed``: for stochastic rounding.
+
+    With a LightningModule as ``model``, the first forward under ``Trainer.fit`` raises when
+    the Trainer's strategy is one that drops comm hooks (Lightning's DDPStrategy registers
+    them on CUDA only): commopt.integrations.lightning.CommoptHookStrategy registers this
+    hook on every device.
     """
 
     def __init__(

@@ -124,8 +124,6 @@ def _strategies() -> dict[str, type]:
         DDPStrategy's.
         """
 
-        strategy_name = "commopt"
-
         def __init__(
             self,
             compression: Any = None,
@@ -306,8 +304,6 @@ def _strategies() -> dict[str, type]:
         residuals of each rank) as ``<checkpoint>.commopt-rank<R>.pt`` next to Lightning's file.
         For double buffering or compensation use :class:`CommoptStrategy`.
         """
-
-        strategy_name = "commopt_hook"
 
         def __init__(self, hook_state: CommoptHookState, **kwargs: Any):
             if not isinstance(hook_state, CommoptHookState):

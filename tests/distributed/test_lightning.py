@@ -9,7 +9,8 @@ One rank script (Lightning's import is the slow part) trains a small regression 
   parameters of the uninterrupted run;
 - ``accumulate_grad_batches=2`` with ``gradient_clip_val``: CommoptStrategy without
   compression ends where DDP ends (within float rounding), and clipping changed the result;
-- compensated double buffering trains with the ranks identical;
+- compensated double buffering trains with the ranks identical; value clipping, which would
+  clip each rank's local gradients under double buffering, is refused with the fix;
 - ``CommoptHookStrategy`` runs commopt's DDP hook on CPU (the losses differ from DDP's), and
   Lightning's own DDPStrategy given the hook on CPU (which would drop it) raises, naming the fix.
 """
@@ -118,6 +119,16 @@ assert not torch.allclose(flat(unclipped), flat(ddp_acc)), f"rank {r}: the clip 
 # 3. compensated double buffering
 comp = fit(CommoptStrategy("qsgd4+ef", double_buffering="compensated"))
 same_on_ranks(comp, "compensated")
+
+# value clipping where the gradients are still local when Lightning clips: refused
+try:
+    fit(
+        CommoptStrategy(double_buffering=True), epochs=1,
+        gradient_clip_val=0.1, gradient_clip_algorithm="value",
+    )
+    raise AssertionError(f"rank {r}: value clipping of local gradients was accepted")
+except ValueError as e:
+    assert "gradient_clip_algorithm='norm'" in str(e), e
 
 # 4. the DDP hook path: on CPU through CommoptHookStrategy; refused through DDPStrategy
 net = Net()
