@@ -204,7 +204,8 @@ def _strategies() -> dict[str, type]:
             clip_val = trainer.gradient_clip_val
             if not clip_val:
                 return options
-            algorithm = str(trainer.gradient_clip_algorithm or "norm")
+            # (Lightning's GradClipAlgorithmType: a str enum; None means "norm")
+            algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
             averaged_before_clip = options.get("overlap", True) and not options["double_buffering"]
             if algorithm == "norm":
                 if options.get("clip_grad_norm") not in (None, clip_val):

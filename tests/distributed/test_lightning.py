@@ -73,6 +73,7 @@ def fit(strategy, model=None, epochs=2, callbacks=(), ckpt_path=None, **kw):
         enable_checkpointing=bool(callbacks), callbacks=list(callbacks), **kw,
     )
     trainer.fit(model, data(), ckpt_path=ckpt_path)
+    model.optimizer = trainer.optimizers[0]
     return model
 
 
@@ -108,8 +109,9 @@ assert torch.equal(flat(resumed), flat(run)), (
 # 2. accumulation and clipping keep their meaning (no compression: DDP's result)
 acc = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
 ddp_acc = fit("ddp", **acc)
-ours = fit(CommoptStrategy(), **acc)
+ours = fit(CommoptStrategy(), gradient_clip_algorithm="norm", **acc)
 same_on_ranks(ours, "accumulation + clipping")
+assert ours.optimizer.last_grad_norm is not None, f"rank {r}: commopt did not clip"
 assert torch.allclose(flat(ours), flat(ddp_acc), rtol=1e-5, atol=1e-6), (
     f"rank {r}: accumulation + clipping: {(flat(ours) - flat(ddp_acc)).abs().max()} from DDP"
 )
@@ -132,9 +134,15 @@ except ValueError as e:
 
 # 4. the DDP hook path: on CPU through CommoptHookStrategy; refused through DDPStrategy
 net = Net()
-hooked = fit(CommoptHookStrategy(CommoptHookState("qsgd4+ef", model=net)), model=net)
+hook_ckpts = ModelCheckpoint(dirpath=os.path.join(tmp, "hook"), save_top_k=-1)
+hooked = fit(
+    CommoptHookStrategy(CommoptHookState("qsgd4+ef", model=net)), model=net, epochs=1,
+    callbacks=[hook_ckpts],
+)
 same_on_ranks(hooked, "CommoptHookStrategy")
-assert hooked.losses != ddp.losses, f"rank {r}: the hook did not run"
+assert hooked.losses != ddp.losses[: len(hooked.losses)], f"rank {r}: the hook did not run"
+saved = torch.load(rank_state_path(hook_ckpts.best_model_path, r), weights_only=True)["hook"]
+assert saved["codecs"], f"rank {r}: the hook's checkpoint part holds no residuals: {saved}"
 net = Net()
 dropped = DDPStrategy(ddp_comm_hook=commopt_hook, ddp_comm_state=CommoptHookState(model=net))
 try:
