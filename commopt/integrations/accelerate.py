@@ -119,8 +119,10 @@ def prepare_optimizer(
             "communicator that spans Accelerate's processes"
         )
     wrapped = _AccelerateStep(optimizer, comm, model=module, **options)
-    if getattr(module, "no_sync", None) is None:
-        # accelerator.accumulate()/no_sync() call the model's no_sync (DDP's, before).
+    # accelerator.accumulate()/no_sync() call the model's no_sync (DDP's, before): the
+    # optimizer's, unless the module has one of its own.
+    own = getattr(module, "no_sync", None)
+    if own is None or isinstance(getattr(own, "__self__", None), MultiNodeOptimizer):
         module.no_sync = wrapped.no_sync
     prepared = accelerator.prepare_optimizer(wrapped)
     rank = accelerator.process_index
