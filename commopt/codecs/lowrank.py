@@ -243,7 +243,11 @@ class PowerSGD(Codec):
             gen = torch.Generator().manual_seed(
                 (self.seed * 1_000_003 + zlib.crc32(repr(key).encode())) % (2**63)
             )
-            first = torch.randn(lay.q_numel, generator=gen).to(device)
+            first = torch.randn(lay.q_numel, generator=gen)
+            if device.type == "cuda":  # an asynchronous copy: the host does not wait for it
+                first = first.pin_memory().to(device, non_blocking=True)
+            else:
+                first = first.to(device)
             self._first_q[key] = first
         return first
 
