@@ -51,31 +51,45 @@ import torch
 
 from commopt.codecs.base import Codec, RngKey
 
-__all__ = ["LowRankReduction", "PowerSGD", "orthogonalize_"]
+__all__ = ["DEPENDENT", "LowRankReduction", "PowerSGD", "orthogonalize_"]
 
 #: ``(offset, shape)`` of each tensor in a flat buffer.
 Shapes = Sequence[tuple[int, Sequence[int]]]
 
 
+#: A column whose length after the projections is at most this fraction of its length before
+#: them is (numerically) a combination of the previous columns: what is left is rounding
+#: noise without a direction of its own, so the column becomes zero. A direction kept so
+#: close to the others would be known to a relative 1/64 at best anyway.
+DEPENDENT = 64 * torch.finfo(torch.float32).eps
+
+
 def orthogonalize_(a: torch.Tensor, fallback: torch.Tensor | None = None) -> None:
     """Make the columns of ``a`` (``k x r``, ``r <= k``) orthonormal, in place.
 
-    Gram-Schmidt with a second projection pass ("twice is enough"), so a column that is
-    nearly dependent on the previous ones still comes out orthogonal to them. A column that
-    is exactly zero stays zero (no division by zero, no host read); with ``fallback`` (same
-    shape) a column of ``a`` that is zero on entry is first replaced by ``fallback``'s.
+    Gram-Schmidt with a second projection pass ("twice is enough"). Each column is first
+    scaled by a power of two (exact) to a largest entry in [0.5, 1), so its length neither
+    underflows nor overflows. A column that is zero, or (numerically) dependent on the
+    previous ones (:data:`DEPENDENT`), becomes zero: no division by zero, no host read.
+    With ``fallback`` (same shape), a column of ``a`` that is zero on entry is first
+    replaced by ``fallback``'s.
     """
     if fallback is not None:
         zero = torch.linalg.vector_norm(a, dim=0, keepdim=True) == 0
         a.copy_(torch.where(zero, fallback, a))
+    one = torch.ones((), dtype=a.dtype, device=a.device)
     for i in range(a.shape[1]):
         col = a[:, i : i + 1]
+        if col.numel():
+            col.mul_(torch.ldexp(one, -torch.frexp(col.abs().amax()).exponent))
+        before = torch.linalg.vector_norm(col)
         if i:
             prev = a[:, :i]
             for _ in range(2):
                 col.sub_(prev @ (prev.T @ col))
         norm = torch.linalg.vector_norm(col)
-        col.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
+        keep = norm > DEPENDENT * before
+        col.copy_(torch.where(keep, col / torch.where(keep, norm, one), 0.0))
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,7 @@ class PowerSGD(Codec):
         # The step whose updates discard_step() undoes, and each key's state before it.
         self._open_step: int | None = None
         self._undo: dict[Hashable, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self._spare: dict[Hashable, torch.Tensor] = {}  # final steps' old residuals, reused
 
     # -- the flat-codec interface does not apply ------------------------------------------------
     def _flat_use(self) -> TypeError:
@@ -175,6 +190,8 @@ class PowerSGD(Codec):
         at = 0  # first element not yet assigned
         for off, shape in norm:
             n = math.prod(shape)
+            if n == 0:
+                continue
             if off < at or off + n > numel:
                 raise ValueError(
                     f"{self.name}: tensor of shape {shape} at offset {off} overlaps another or "
@@ -233,7 +250,10 @@ class PowerSGD(Codec):
         if size < 1:
             raise ValueError(f"{self.name}: size must be >= 1, got {size}")
         if step is None or step != self._open_step:
-            self._undo = {}  # the previous step is final
+            for key_, (_, old_res) in self._undo.items():  # the previous step is final
+                if old_res is not None:
+                    self._spare[key_] = old_res
+            self._undo = {}
             self._open_step = step
         return LowRankReduction(self, flat, self.layout(flat.numel(), shapes), key, factor, size)
 
@@ -272,6 +292,13 @@ class PowerSGD(Codec):
             )
         return first, q.to(flat.device), (None if res is None else res.to(flat.device))
 
+    def _residual_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+        """A buffer for ``key``'s new residual: a final step's old one when it fits."""
+        spare = self._spare.pop(key, None)
+        if spare is None or spare.shape != like.shape or spare.device != like.device:
+            return torch.empty_like(like)
+        return spare
+
     def _commit(self, key: Hashable, q: torch.Tensor, res: torch.Tensor | None) -> None:
         if key not in self._undo:
             self._undo[key] = (self._qs.get(key), self._residuals.get(key))
@@ -307,6 +334,7 @@ class PowerSGD(Codec):
             self._qs.pop(k, None)
             self._residuals.pop(k, None)
             self._undo.pop(k, None)
+            self._spare.pop(k, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"qs": dict(self._qs), "residuals": dict(self._residuals)}
@@ -326,6 +354,7 @@ class PowerSGD(Codec):
             loaded[part] = {k: v.detach().clone().view(-1) for k, v in values.items()}
         self._qs, self._residuals = loaded["qs"], loaded["residuals"]
         self._undo = {}
+        self._spare = {}
         self._open_step = None
 
     def __repr__(self) -> str:
@@ -353,22 +382,23 @@ class LowRankReduction:
         self.codec, self.flat, self.lay, self.key, self.size = codec, flat, lay, key, size
         first, q_start, res = codec._state_for(key, lay, flat)
         self._res = res
-        if factor != 1.0:
-            flat.mul_(factor)
         dev = flat.device
         self.p = torch.empty(lay.p_numel, dtype=torch.float32, device=dev)
         self.q = torch.empty(lay.q_numel, dtype=torch.float32, device=dev)
         for m in lay.matrices:
             mat = self._matrix(m)
-            if res is not None:
-                mat.add_(res[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols))
+            if res is not None:  # M = residual + factor * gradient, in one pass
+                own = res[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
+                torch.add(own, mat, alpha=factor, out=mat)
+            elif factor != 1.0:
+                mat.mul_(factor)
             q = self._q(m)
             q.copy_(q_start[m.q_at : m.q_at + m.cols * m.rank].view(m.cols, m.rank))
             orthogonalize_(q, first[m.q_at : m.q_at + m.cols * m.rank].view(m.cols, m.rank))
             torch.mm(mat, q, out=self._p(m))
         at = lay.p_numel - sum(hi - lo for lo, hi in lay.rest)
         for lo, hi in lay.rest:
-            self.p[at : at + hi - lo].copy_(flat[lo:hi])
+            torch.mul(flat[lo:hi], factor, out=self.p[at : at + hi - lo])
             at += hi - lo
 
     def _matrix(self, m: _Matrix) -> torch.Tensor:
@@ -397,16 +427,16 @@ class LowRankReduction:
         """``q`` holds the sum over the ranks: the result into ``flat``; keep Q and residual."""
         codec, lay = self.codec, self.lay
         new_res = None
-        if self._res is not None or codec.error_feedback:
-            new_res = torch.zeros_like(self.flat)
+        if codec.error_feedback:
+            new_res = codec._residual_buffer(self.key, self.flat)
+            for lo, hi in lay.rest:  # sent exactly: nothing to carry
+                new_res[lo:hi].zero_()
         for m in lay.matrices:
-            mat = self._matrix(m)
-            if new_res is not None:
+            mat, p, q = self._matrix(m), self._p(m), self._q(m)
+            if new_res is not None:  # residual = M - (P @ Q.T) / size, in one pass over M
                 res = new_res[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
-                res.copy_(mat)
-            torch.mm(self._p(m), self._q(m).T, out=mat)
-            if new_res is not None:
-                res.sub_(mat, alpha=1.0 / self.size)
+                torch.addmm(mat, p, q.T, alpha=-1.0 / self.size, out=res)
+            torch.mm(p, q.T, out=mat)
         torch.nan_to_num_(self.q, nan=0.0, posinf=0.0, neginf=0.0)
         if new_res is not None:
             torch.nan_to_num_(new_res, nan=0.0, posinf=0.0, neginf=0.0)
