@@ -9,7 +9,8 @@ both ranks. How far float32 rounding goes is measured against a float64 run of t
 algorithm: commopt must be at least about as close to it as torch's hook (it is closer:
 torch orthogonalises with QR at rank > 2, commopt with two-pass Gram-Schmidt, and warm
 start plus error feedback carry each step's rounding into the next). Then the optimizer wrapper trains with ``compression="powersgd2"``, overlap and
-double buffering: the ranks stay identical and the codec's state is in the checkpoint.
+double buffering: the ranks stay identical and the codec's state is in the checkpoint; and
+as DDP's comm hook (``CommoptHookState("powersgd2")``).
 """
 
 import pytest
@@ -229,6 +230,21 @@ opt2.load_state_dict(torch.load(buf, weights_only=False))
 train(model2, opt2, range(4, 8))
 opt2.flush()
 assert torch.equal(flat(model), flat(model2)), f"rank {rank}: restored run differs by {(flat(model) - flat(model2)).abs().max()}"
+
+# The same codec inside DDP, as its comm hook (one reducer per DDP bucket).
+from torch.nn.parallel import DistributedDataParallel as DDP
+from commopt.integrations.ddp import CommoptHookState, commopt_hook
+
+net, _ = build()
+ddp = DDP(net, bucket_cap_mb=0.01)
+state = CommoptHookState("powersgd2", model=net, policy=CompressionPolicy(min_compress_numel=64))
+ddp.register_comm_hook(state, commopt_hook)
+train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), range(6))
+both = [torch.empty_like(flat(net)) for _ in range(2)]
+dist.all_gather(both, flat(net))
+assert torch.equal(both[0], both[1]), f"rank {rank}: ranks diverged in the DDP hook"
+saved = state.state_dict()["codecs"]
+assert any(c.get("compressed", {}).get("qs") for c in saved.values()), f"rank {rank}: no Q in the hook's state"
 print("ok", rank, f"{losses[0]:.3f}->{losses[-1]:.3f}")
 """
 
