@@ -10,12 +10,13 @@ algorithm: commopt must be at least about as close to it as torch's hook (it is 
 torch orthogonalises with QR at rank > 2, commopt with two-pass Gram-Schmidt, and warm
 start plus error feedback carry each step's rounding into the next). Then the optimizer wrapper trains with ``compression="powersgd2"``, overlap and
 double buffering: the ranks stay identical and the codec's state is in the checkpoint; and
-as DDP's comm hook (``CommoptHookState("powersgd2")``).
+as DDP's comm hook (``CommoptHookState("powersgd2")``). Under mpirun, the mpi and horovod
+communicators give the bits a two-rank reduction computed in one process gives.
 """
 
 import pytest
 
-from tests.multirank import run_torch
+from tests.multirank import run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
 
@@ -257,4 +258,70 @@ def test_matches_torch_powersgd_hook(rank):
 
 def test_optimizer_double_buffering_and_checkpoint():
     out = run_torch(TRAIN, nprocs=2, timeout=300)
+    assert [line.split()[:2] for line in out] == [["ok", "0"], ["ok", "1"]], out
+
+
+TRANSPORT = r"""
+import sys
+import torch
+import commopt
+from commopt.codecs import CompressionPolicy, PowerSGD
+from commopt.reducer import GradientReducer
+
+comm = commopt.create_communicator(sys.argv[1])
+rank, size = comm.rank, comm.size
+assert size == 2
+shapes = [(24, 16), (16,), (8, 3, 3, 3), (4, 24)]
+params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+names = [f"p{i}" for i in range(len(shapes))]
+policy = CompressionPolicy(min_compress_numel=0, exclude=())
+reducer = GradientReducer(comm, params, names, codec=PowerSGD(2), policy=policy)
+(bucket,) = [b for b in reducer.buckets if b.compressed]
+where = [(s.offset, shapes[s.param]) for s in bucket.slots]
+sims = [PowerSGD(2) for _ in range(size)]  # every rank's codec, here, summing by hand
+
+
+def grads(step, r):
+    g = torch.Generator().manual_seed(1000 * step + r)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+for step in range(3):
+    for p, g in zip(params, grads(step, rank)):
+        p.grad = g.clone()
+    red = reducer.start(step)
+    red.issue_remaining()
+    red.unpack(zero_fill=True)
+    flats = []
+    for r in range(size):
+        flat = torch.zeros(bucket.numel)
+        for s, g in zip(bucket.slots, [grads(step, r)[s.param] for s in bucket.slots]):
+            flat[s.offset : s.offset + s.numel] = g.reshape(-1)
+        flats.append(flat)
+    jobs = [c.start(f, where, key=bucket.key, factor=1 / size, size=size, step=step)
+            for c, f in zip(sims, flats)]
+    total = jobs[0].p + jobs[1].p  # two ranks: a sum in either order, the same bits
+    for j in jobs:
+        j.p.copy_(total)
+    qs = [j.after_p_sum() for j in jobs]
+    q_total = qs[0] + qs[1]
+    for q in qs:
+        q.copy_(q_total)
+    for j in jobs:
+        j.after_q_sum()
+    for s in bucket.slots:
+        got = params[s.param].grad.reshape(-1)
+        want = flats[0][s.offset : s.offset + s.numel]
+        assert torch.equal(got, want), (
+            f"rank {rank} step {step} {names[s.param]}: {(got - want).abs().max()} from the "
+            "reduction computed in one process")
+print("ok", rank)
+"""
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_host_ordered_transports(backend):
+    if backend == "horovod":
+        pytest.importorskip("horovod.torch", reason="run 'make horovod' to build it")
+    out = run_mpi(TRANSPORT, 2, args=[backend], timeout=240)
     assert [line.split()[:2] for line in out] == [["ok", "0"], ["ok", "1"]], out
