@@ -10,7 +10,9 @@ matrix ``Q`` (``cols x r``) kept from the previous step:
 4. the result is ``orth(P) @ Q.T``, the projection of the summed ``M`` on ``orth(P)``'s
    columns; ``e = M - result / size`` is kept for the next step, and so is ``Q``.
 
-A rank-``r`` matrix is reproduced exactly (up to float rounding). What travels per matrix is
+A matrix of rank <= ``r`` is reproduced exactly (up to float rounding) once ``Q`` is
+warm: the first step starts from a random ``Q`` and is as accurate as that ``Q`` is aligned
+with the matrix's rows (one power iteration per step). What travels per matrix is
 ``(rows + cols) * r`` float32 values instead of ``rows * cols``. The tensors the codec does
 not compress (vectors, or matrices too small for ``rank`` to save a factor
 ``min_compression_rate``) travel exactly, in the first allreduce.
