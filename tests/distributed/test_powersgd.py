@@ -9,7 +9,8 @@ both ranks. How far float32 rounding goes is measured against a float64 run of t
 algorithm: commopt must be at least about as close to it as torch's hook (it is closer:
 torch orthogonalises with QR at rank > 2, commopt with two-pass Gram-Schmidt, and warm
 start plus error feedback carry each step's rounding into the next). Then the optimizer wrapper trains with ``compression="powersgd2"``, overlap and
-double buffering: the ranks stay identical and the codec's state is in the checkpoint; and
+double buffering: the ranks stay identical and the codec's state is in the checkpoint; a
+step skipped for NaN leaves no trace in the codec's state; and
 as DDP's comm hook (``CommoptHookState("powersgd2")``). Under mpirun, the mpi and horovod
 communicators give the bits a two-rank reduction computed in one process gives.
 """
@@ -231,6 +232,28 @@ opt2.load_state_dict(torch.load(buf, weights_only=False))
 train(model2, opt2, range(4, 8))
 opt2.flush()
 assert torch.equal(flat(model), flat(model2)), f"rank {rank}: restored run differs by {(flat(model) - flat(model2)).abs().max()}"
+
+# NaN on one rank: every rank skips the step, and the codec's Q and residuals go back to what
+# they were, so the run is bit for bit the run in which that step never happened.
+def run(with_nan):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), comm, compression="powersgd2",
+        model=model, policy=CompressionPolicy(min_compress_numel=64))
+    for step in (0, 1, "nan", 2, 3) if with_nan else (0, 1, 2, 3):
+        g = torch.Generator().manual_seed(100 * (7 if step == "nan" else step) + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        if step == "nan" and rank == 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert opt.skipped_steps == (1 if with_nan else 0), f"rank {rank}: {opt.skipped_steps} skipped"
+    return flat(model)
+
+
+assert torch.equal(run(True), run(False)), f"rank {rank}: a skipped step left a trace"
 
 # The same codec inside DDP, as its comm hook (one reducer per DDP bucket).
 from torch.nn.parallel import DistributedDataParallel as DDP
