@@ -175,6 +175,7 @@ class GradientReducer:
             scale=scale,
             rng=rng,
             key=bucket.key,
+            shapes=[(s.offset, self.params[s.param].shape) for s in bucket.slots],
         )
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
