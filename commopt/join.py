@@ -52,11 +52,12 @@ class Join:
         self.comm = optimizer.comm
         self.shadow_steps = 0  # steps this rank took with zero gradients after its data ended
         self._shadowing = False
+        self._handle = None  # the optimizer's reduction-start callback, inside the block
 
     def __enter__(self) -> Self:
         # The flag goes before each step's first bucket (as DDP's Join does it in forward):
         # a rank that shadows sends its flag, then its zero buckets, in the same order.
-        self.optimizer._before_reduction = self._training
+        self._handle = self.optimizer.on_reduction_start(self._training)
         return self
 
     def _training(self) -> None:
@@ -70,7 +71,7 @@ class Join:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self.optimizer._before_reduction = None
+            self._stop_counting()
             if exc_type is None:
                 self._shadowing = True
                 while self._still_training(False) > 0:
@@ -78,5 +79,10 @@ class Join:
                     self.optimizer.step()  # zeros in, the others' average out
                     self.shadow_steps += 1
         finally:
-            self.optimizer._before_reduction = None
+            self._stop_counting()
             self._shadowing = False
+
+    def _stop_counting(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -95,10 +95,10 @@ def _adam_step(group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool) 
 
 
 def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-    from commopt.optim.layerwise import _skips, trust_ratios
+    from commopt.optim.layerwise import excluded, trust_ratios
 
     lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-    skip = _skips(group, params, optimizer._exclude)
+    skip = excluded(group, params, optimizer.exclude)
     out = []
     for p, g, s in zip(params, grads, skip):
         if s:
