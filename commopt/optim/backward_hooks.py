@@ -97,8 +97,8 @@ def in_nested_backward() -> bool:
 
 def _weak(callback: Callable) -> Callable[[], Callable | None]:
     """A weak reference to a bound method (its object may be collected), or a strong one."""
-    if hasattr(callback, "__self__"):
-        return weakref.WeakMethod(callback)  # type: ignore[arg-type]
+    if isinstance(callback, types.MethodType):
+        return weakref.WeakMethod(callback)
     return lambda: callback
 
 

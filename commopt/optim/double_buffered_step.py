@@ -52,9 +52,7 @@ def inverse_grad_scale(grad_scale: Any) -> float:
     if grad_scale is None:
         return 1.0
     value = (
-        float(grad_scale)
-        if not isinstance(grad_scale, torch.Tensor)
-        else float(grad_scale.item())
+        float(grad_scale) if not isinstance(grad_scale, torch.Tensor) else float(grad_scale.item())
     )
     return 1.0 / value
 
@@ -98,7 +96,8 @@ class DoubleBufferedSchedule:
         self._owned = owned
 
     @property
-    def _params(self) -> BucketedParameters:
+    def bucketed(self) -> BucketedParameters:
+        """The parameters, buckets and hooks this schedule reduces."""
         if self._owned is None:
             raise RuntimeError("internal: a schedule was used before attach()")
         return self._owned
@@ -125,7 +124,7 @@ class DoubleBufferedSchedule:
 
     def applied_params(self) -> list[torch.Tensor]:
         """The parameters whose (stale) averages the step applies (clipped together)."""
-        return self._params.params
+        return self.bucketed.params
 
     # -- events -------------------------------------------------------------------------------
     def grad_ready(self, index: int) -> None:
@@ -133,11 +132,11 @@ class DoubleBufferedSchedule:
 
     def backward_end(self) -> None:
         """Remember the gradients' versions: ``step()`` tells a write (a clip) before sending."""
-        self.guard.record(self._params.params)
+        self.guard.record(self.bucketed.params)
 
     def _exchange(self, scale: float) -> None:
         """Send this step's gradients; put the previous step's averages into ``param.grad``."""
-        owned = self._params
+        owned = self.bucketed
         reducer = owned.reducer
         if self.compensation is not None:
             self.compensation.local = LocalGradients.take(
@@ -185,7 +184,7 @@ class DoubleBufferedSchedule:
         return self._db.take()
 
     def _check_no_local_writes(self) -> None:
-        owned = self._params
+        owned = self.bucketed
         written = self.guard.written(owned.params, owned.reducer.names)
         self.guard.clear()
         if written:
@@ -237,7 +236,7 @@ class DoubleBufferedSchedule:
         return state
 
     def load_state_dict(self, extra: dict[str, Any], rank: int) -> None:
-        self._db.load_state_dict(extra, self._params.reducer)
+        self._db.load_state_dict(extra, self.bucketed.reducer)
         if self.compensation is None:
             from commopt.optim.compensation import refuse_prediction
 

@@ -13,7 +13,7 @@ each differing setting and the ranks on each side.
     >>> opt = commopt.create_multi_node_optimizer(
     ...     torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1), comm, compression="qsgd4"
     ... )
-    >>> wire_settings(opt, opt.buckets)["compression"]
+    >>> wire_settings(opt)["compression"]
     "QSGD(bits=4, bucket_size=128, scale='max')"
     >>> check_same_settings(opt, opt.buckets)  # a world of one always agrees
 """
@@ -34,9 +34,12 @@ def _bucket_layout(buckets) -> list[str]:
     ]
 
 
-def wire_settings(opt, buckets) -> dict[str, str]:
-    """The settings of ``opt`` (a MultiNodeOptimizer) with the bucket layout ``buckets``
-    that every rank must share, as text."""
+def wire_settings(opt, buckets=None) -> dict[str, str]:
+    """The settings of ``opt`` (a MultiNodeOptimizer) that every rank must share, as text.
+
+    ``buckets``: the bucket layout being built (default: ``opt.buckets``).
+    """
+    buckets = opt.buckets if buckets is None else buckets
     return {
         "compression": repr(opt.codec) if opt.codec is not None else "None",
         "allreduce_grad_dtype (uncompressed codec)": repr(opt.plain_codec),

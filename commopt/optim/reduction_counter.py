@@ -21,6 +21,7 @@ reduction's first bucket (``commopt.Join`` counts the ranks that still have data
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -36,7 +37,7 @@ class ReductionCounter:
 
     def __init__(self) -> None:
         self.next = 0  # the number the next reduction asks for
-        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._callbacks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     def on_start(self, callback: Callable[[], None]) -> RemovableHandle:
         """Run ``callback()`` as each reduction starts; ``handle.remove()`` stops it."""
@@ -57,4 +58,3 @@ class ReductionCounter:
     def saved(self, reducer: GradientReducer) -> int:
         """The number to save in a checkpoint (the skipped steps' numbers given back)."""
         return self.next - reducer.pending_discards
-

@@ -84,7 +84,8 @@ class SynchronousSchedule:
         self._owned = owned
 
     @property
-    def _params(self) -> BucketedParameters:
+    def bucketed(self) -> BucketedParameters:
+        """The parameters, buckets and hooks this schedule reduces."""
         if self._owned is None:
             raise RuntimeError("internal: a schedule was used before attach()")
         return self._owned
@@ -123,7 +124,7 @@ class SynchronousSchedule:
 
     def applied_params(self) -> list[torch.Tensor]:
         """The parameters whose averages the step applies (clipped together)."""
-        return self._params.params
+        return self.bucketed.params
 
     # -- events -------------------------------------------------------------------------------
     def grad_ready(self, index: int) -> None:
@@ -132,7 +133,7 @@ class SynchronousSchedule:
         state.wrote()
         if not self.overlap:
             return
-        owned = self._params
+        owned = self.bucketed
         if state.in_flight is None:
             if state.averages is not None and self._adds_to_averages(index):
                 # The averages were not applied (GradScaler skipped the step) and this backward
@@ -156,7 +157,7 @@ class SynchronousSchedule:
     def _adds_to_averages(self, index: int) -> bool:
         """Whether parameter ``index``'s gradient is still the tensor synchronize() left."""
         ref = self._averaged[index] if index < len(self._averaged) else None
-        grad = self._params.params[index].grad
+        grad = self.bucketed.params[index].grad
         return ref is not None and grad is not None and ref() is grad
 
     def backward_end(self) -> None:
@@ -168,7 +169,7 @@ class SynchronousSchedule:
         if self.overlap:
             self.synchronize(explicit=True)
         else:
-            self.guard.record(self._params.params)
+            self.guard.record(self.bucketed.params)
 
     def synchronize(self, explicit: bool = True) -> None:
         """Finish this step's reduction (or send it all now): the averages land in ``param.grad``."""
@@ -178,7 +179,7 @@ class SynchronousSchedule:
         if state.stage is Stage.AVERAGED:
             return  # already averaged since the last backward
         self._ensure_layout()
-        owned = self._params
+        owned = self.bucketed
         red = state.collect()  # the one the hooks are sending, if any
         if red is None:
             red = self.counter.start(owned.reducer)
@@ -204,7 +205,7 @@ class SynchronousSchedule:
         return self._state.take().wait()
 
     def _check_no_local_writes(self) -> None:
-        owned = self._params
+        owned = self.bucketed
         written = self.guard.written(owned.params, owned.reducer.names)
         self.guard.clear()
         if written:
