@@ -34,6 +34,8 @@ from typing import Self
 
 import torch
 
+from commopt.optim.closures import scalar_device
+
 __all__ = ["Join"]
 
 
@@ -65,7 +67,7 @@ class Join:
 
     def _still_training(self, mine: bool) -> int:
         """How many ranks still have data (a collective call, once per step on every rank)."""
-        flag = torch.tensor([1.0 if mine else 0.0])
+        flag = torch.tensor([1.0 if mine else 0.0], device=scalar_device(self.comm))
         self.comm.allreduce(flag)
         return int(flag.item())
 

@@ -21,7 +21,15 @@ import torch
 
 from commopt.comm.base import Communicator
 
-__all__ = ["average_loss", "step_with_closure"]
+__all__ = ["average_loss", "scalar_device", "step_with_closure"]
+
+
+def scalar_device(comm: Communicator) -> torch.device:
+    """Where a small tensor for ``comm``'s collectives lives: the current CUDA device for a
+    stream-ordered communicator (pure_nccl, torch+nccl: GPU tensors only), else the CPU."""
+    if getattr(comm, "stream_ordered", False):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def step_with_closure(
@@ -57,7 +65,9 @@ def average_loss(comm: Communicator, loss: Any) -> Any:
     if loss is None or comm.size == 1:
         return loss
     value = torch.tensor(
-        [float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=torch.float64
+        [float(loss.detach() if isinstance(loss, torch.Tensor) else loss)],
+        dtype=torch.float64,
+        device=scalar_device(comm),
     )
     comm.allreduce(value)
     mean = value.item() / comm.size

@@ -47,14 +47,17 @@ from commopt.reducer import StepResult
 __all__ = ["DoubleBufferedSchedule", "inverse_grad_scale"]
 
 
-def inverse_grad_scale(grad_scale: Any) -> float:
-    """1 / GradScaler's scale when GradScaler drives this step (``grad_scale`` None: 1)."""
+def inverse_grad_scale(grad_scale: Any) -> float | torch.Tensor:
+    """1 / GradScaler's scale when GradScaler drives this step (``grad_scale`` None: 1).
+
+    GradScaler's scale is a tensor on the gradients' device: its inverse stays there (a
+    0-dim float64 tensor the reduction multiplies by on the device; never read on the host).
+    """
     if grad_scale is None:
         return 1.0
-    value = (
-        float(grad_scale) if not isinstance(grad_scale, torch.Tensor) else float(grad_scale.item())
-    )
-    return 1.0 / value
+    if isinstance(grad_scale, torch.Tensor):
+        return torch.reciprocal(grad_scale.detach().to(torch.float64))
+    return 1.0 / float(grad_scale)
 
 
 def _local_nonfinite(reduction) -> bool:
@@ -134,7 +137,7 @@ class DoubleBufferedSchedule:
         """Remember the gradients' versions: ``step()`` tells a write (a clip) before sending."""
         self.guard.record(self.bucketed.params)
 
-    def _exchange(self, scale: float) -> None:
+    def _exchange(self, scale: float | torch.Tensor) -> None:
         """Send this step's gradients; put the previous step's averages into ``param.grad``."""
         owned = self.bucketed
         reducer = owned.reducer
@@ -165,7 +168,6 @@ class DoubleBufferedSchedule:
         ``scale``: GradScaler's scale when it drives this step; ``found_inf``: its flag (set
         when ``unscale_`` ran, which writes the gradients: allowed).
         """
-        inverse = inverse_grad_scale(scale)
         if not self._db.exchanged:
             if skip_synchronize:
                 raise not_synchronized_error()
@@ -173,8 +175,8 @@ class DoubleBufferedSchedule:
                 self._check_no_local_writes()
             self.guard.clear()
             self._ensure_layout()
-            self._exchange(inverse)
-        elif inverse != 1.0:
+            self._exchange(inverse_grad_scale(scale))
+        elif scale is not None and float(scale) != 1.0:  # (a host read only on this error path)
             raise RuntimeError(
                 "with double_buffering and GradScaler, call scaler.unscale_(optimizer) before "
                 "optimizer.synchronize(): the gradients were sent still scaled"
