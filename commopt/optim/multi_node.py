@@ -125,6 +125,21 @@ def create_multi_node_optimizer(
     )
 
 
+_WRAPPER_ONLY = ("compression", "double_buffering")
+
+
+def _refuse_group_plans(param_groups: list[dict]) -> None:
+    """A group that sets the wrapper's reduction options would have them silently ignored."""
+    for i, group in enumerate(param_groups):
+        keys = [k for k in _WRAPPER_ONLY if k in group]
+        if keys:
+            raise ValueError(
+                f"parameter group {i} sets {', '.join(keys)}: these apply to every parameter "
+                "and are arguments of create_multi_node_optimizer, not keys of a parameter "
+                "group; remove them from the group and pass them to the wrapper"
+            )
+
+
 class MultiNodeOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that averages gradients over a communicator.
 
@@ -287,6 +302,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; a collective call (every rank, same group)."""
+        _refuse_group_plans([*self._inner.param_groups, param_group])  # before it is added
         self._drain()
         self._schedule.before_layout_change()  # the next step predicts again, over every group
         self._inner.add_param_group(param_group)
@@ -314,6 +330,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _rebuild(self, broadcast: bool) -> None:
         """(Re)build buckets and hooks; check every rank has the same parameters; broadcast."""
         with self._own_reads():
+            _refuse_group_plans(self._inner.param_groups)
             params = self._all_params()
             model = self._model_ref() if self._model_ref is not None else None
             names = param_names(self._inner.param_groups, model)

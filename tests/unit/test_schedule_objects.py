@@ -166,3 +166,15 @@ def test_reduction_counter_gives_a_skipped_steps_number_back(comm):
     handle.remove()
     counter.start(reducer)
     assert calls == [0, 1]
+
+
+@pytest.mark.parametrize("key", ["compression", "double_buffering"])
+def test_a_group_setting_a_wrapper_option_is_refused_not_ignored(comm, key):
+    a, b = params()
+    inner = torch.optim.SGD([{"params": [a]}, {"params": [b], key: "qsgd4"}], lr=0.1)
+    with pytest.raises(ValueError, match=f"parameter group 1 sets {key}"):
+        commopt.create_multi_node_optimizer(inner, comm)
+    opt = commopt.create_multi_node_optimizer(torch.optim.SGD([a], lr=0.1), comm)
+    with pytest.raises(ValueError, match=f"parameter group 1 sets {key}"):
+        opt.add_param_group({"params": [b], key: True})
+    assert len(opt.param_groups) == 1, "the refused group was not added"
