@@ -38,7 +38,12 @@ import torch
 
 from commopt.optim import clipping
 from commopt.optim.bucketed_params import BucketedParameters
-from commopt.optim.compensation import Compensation, LocalGradients, unpack_replaces_grad
+from commopt.optim.compensation import (
+    COMPENSATED,
+    Compensation,
+    LocalGradients,
+    unpack_replaces_grad,
+)
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.synchronous_step import not_synchronized_error
@@ -90,6 +95,8 @@ class DoubleBufferedSchedule:
         self._ensure_layout = ensure_layout
         self._all_params = all_params
         self.compensation = compensation
+        #: the ``double_buffering=`` value this schedule implements
+        self.mode: bool | str = True if compensation is None else COMPENSATED
         self._owned: BucketedParameters | None = None
         self._db = DoubleBuffer()
         self.guard = clipping.GradWriteGuard()  # .grad writes before the reduction

@@ -47,9 +47,7 @@ def wire_settings(opt, buckets=None) -> dict[str, str]:
         "bucket_cap_mb": repr(opt.bucket_cap_mb),
         "bucket layout": "; ".join(_bucket_layout(buckets)),
         "algorithm": repr(opt.algorithm),
-        "double_buffering": repr(
-            "compensated" if getattr(opt, "compensated", False) else opt.double_buffering
-        ),
+        "double_buffering": repr(opt.schedule.mode),
     }
 
 

@@ -313,7 +313,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         codec = self.codec.name if self.codec is not None else self.plain_codec.name
         return (
             f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
-            f"double_buffering={'compensated' if self.compensated else self.double_buffering}, overlap={self.overlap}, "
+            f"double_buffering={self._schedule.mode}, overlap={self.overlap}, "
             f"zero_fill={self.zero_fill})"
         )
 

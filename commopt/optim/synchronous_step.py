@@ -58,6 +58,8 @@ class SynchronousSchedule:
     """Each step's averages are applied by that step (``double_buffering=False``)."""
 
     double_buffered = False
+    #: the ``double_buffering=`` value this schedule implements
+    mode: bool | str = False
     supports_closures = True
     #: GradScaler unscales ``param.grad`` itself (after the averages landed).
     unscales_locally = False
@@ -223,7 +225,13 @@ class SynchronousSchedule:
         return None  # nothing is ever pending
 
     def before_layout_change(self) -> None:
-        """Nothing to put back."""
+        """A reduction the hooks left in flight belongs to the old buckets: forget it.
+
+        (The optimizer drained it first.) The gradients count as local again, and the next
+        synchronize sends them with the new layout.
+        """
+        if self._state.in_flight is not None:
+            self._state.reset()
 
     @contextlib.contextmanager
     def true_weights(self) -> Iterator[None]:

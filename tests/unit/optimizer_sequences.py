@@ -239,7 +239,8 @@ def main() -> None:
     runs = [run_sequence(seed, args.length) for seed in range(args.sequences)]
     if args.record:
         for run in runs:
-            run["errors"] = sum(" E" in t for t in run["trace"])
+            kinds = [t.split(" E")[1].split(":")[0] for t in run["trace"] if " E" in t]
+            run["errors"] = {k: kinds.count(k) for k in sorted(set(kinds))}
             run["trace"] = " ".join(short(t) for t in run["trace"])
             run["calls"] = short(" ".join(run["calls"]))  # (drawn again from the seed)
         text = ",\n".join(json.dumps(run, separators=(",", ":")) for run in runs)
