@@ -34,7 +34,7 @@ from typing import Self
 
 import torch
 
-from commopt.optim.closures import scalar_device
+from commopt.comm.base import scalar_device
 
 __all__ = ["Join"]
 

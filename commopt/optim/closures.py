@@ -19,17 +19,9 @@ from typing import Any
 
 import torch
 
-from commopt.comm.base import Communicator
+from commopt.comm.base import Communicator, scalar_device
 
-__all__ = ["average_loss", "scalar_device", "step_with_closure"]
-
-
-def scalar_device(comm: Communicator) -> torch.device:
-    """Where a small tensor for ``comm``'s collectives lives: the current CUDA device for a
-    stream-ordered communicator (pure_nccl, torch+nccl: GPU tensors only), else the CPU."""
-    if getattr(comm, "stream_ordered", False):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+__all__ = ["average_loss", "step_with_closure"]
 
 
 def step_with_closure(

@@ -153,12 +153,11 @@ class Compensation:
         """Move the model to the weights this step's local gradients predict (once per step).
 
         ``step_skipped_here``: this rank's NaN/Inf flag of the step sent (no local step then).
-        A device tensor is not read on the host: the predicted step is masked to zero on the
-        device instead (the model keeps the true weights' values).
+        A tensor flag is never read on the host: the predicted step is masked to zero where
+        it is set (the model keeps the true weights' values; the prediction still counts as
+        made, so ``true_weights()`` and the checkpoint hold the true weights aside).
         """
         local, self.local = self.local, None
-        if isinstance(step_skipped_here, torch.Tensor) and step_skipped_here.device.type == "cpu":
-            step_skipped_here = bool(step_skipped_here)  # (free on the CPU)
         if local is None or step_skipped_here is True:
             return  # nothing sent, or NaN/Inf here: no local step either
         skip = step_skipped_here if isinstance(step_skipped_here, torch.Tensor) else None

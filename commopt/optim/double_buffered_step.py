@@ -65,11 +65,6 @@ def inverse_grad_scale(grad_scale: Any) -> float | torch.Tensor:
     return 1.0 / float(grad_scale)
 
 
-def _local_nonfinite(reduction) -> bool:
-    """This rank's NaN/Inf flag of ``reduction`` (whatever the other ranks had)."""
-    return any(bool(b) for b in reduction._bad if b is not None)
-
-
 class DoubleBufferedSchedule:
     """Step t's averages are applied at step t+1 (``double_buffering=True``/``"compensated"``).
 
@@ -203,8 +198,8 @@ class DoubleBufferedSchedule:
         """Compensated: move the model to the weights this step's local gradients predict."""
         if self.compensation is None:
             return
-        pending = self._db.pending  # this step's reduction: its local NaN/Inf flags
-        local_bad = pending is not None and _local_nonfinite(pending)
+        pending = self._db.pending  # this step's reduction: its local NaN/Inf flag
+        local_bad = False if pending is None else pending.local_nonfinite()
         self.compensation.predict(local_bad, max_norm)
 
     def discard(self) -> None:

@@ -51,7 +51,7 @@ class ReductionCounter:
         """Start the next reduction of ``reducer``'s buckets into buffer set ``buffer``."""
         for callback in list(self._callbacks.values()):
             callback()
-        red = reducer.start(step=self.next, buffer=buffer, scale=scale)  # type: ignore[arg-type]
+        red = reducer.start(step=self.next, buffer=buffer, scale=scale)
         self.next = red.step + 1  # a step every rank skipped gave its number back
         return red
 

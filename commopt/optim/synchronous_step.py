@@ -186,7 +186,9 @@ class SynchronousSchedule:
         if red is None:
             red = self.counter.start(owned.reducer)
         red.issue_remaining()
-        red.unpack(self.zero_fill)
+        # zero_fill=True writes the averages without reading anything on the host: the
+        # agreed result (NaN/Inf skip) is read in step(), where it is needed.
+        red.write_averages(self.zero_fill)
         state.averaged(red)
         self._averaged = [  # (the second-backward check)
             None if p.grad is None else weakref.ref(p.grad) for p in owned.params
@@ -204,7 +206,7 @@ class SynchronousSchedule:
                 raise not_synchronized_error()
             self._check_no_local_writes()
             self.synchronize(explicit=True)
-        return self._state.take().wait()
+        return self._state.take().result()
 
     def _check_no_local_writes(self) -> None:
         owned = self.bucketed
