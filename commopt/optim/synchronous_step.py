@@ -120,9 +120,20 @@ class SynchronousSchedule:
 
     def zero_grad_buffer(self) -> int | None:
         """The buffer set ``zero_grad(set_to_none=False)`` may point ``.grad`` at (None: none)."""
-        self._state.drop()  # averages not applied (a skipped step) are discarded
+        self._drop_unapplied()  # averages not applied (a skipped step) are discarded
         self.guard.clear()
         return None if self._state.in_flight is not None else 0
+
+    def _drop_unapplied(self) -> None:
+        """Forget averages ``step()`` did not apply, once their agreed result is read.
+
+        (Reading it is what discards a skipped step's codec state on stream-ordered
+        transports; the averages were written without it.)
+        """
+        unapplied = self._state.averages
+        if unapplied is not None:
+            unapplied.wait()
+        self._state.drop()
 
     def applied_params(self) -> list[torch.Tensor]:
         """The parameters whose averages the step applies (clipped together)."""
@@ -146,7 +157,7 @@ class SynchronousSchedule:
                     "accumulation, run all but the last backward inside `with "
                     "optimizer.no_sync():`."
                 )
-            state.drop()
+            self._drop_unapplied()
             state.send(self.counter.start(owned.reducer))
         red = state.in_flight
         assert red is not None  # (sent just above)
@@ -182,6 +193,8 @@ class SynchronousSchedule:
             return  # already averaged since the last backward
         self._ensure_layout()
         owned = self.bucketed
+        if state.averages is not None:
+            state.averages.wait()  # unapplied averages collect() drops: their result is read
         red = state.collect()  # the one the hooks are sending, if any
         if red is None:
             red = self.counter.start(owned.reducer)
@@ -220,7 +233,7 @@ class SynchronousSchedule:
 
     def discard(self) -> None:
         """The gradients of the evaluation are consumed (``step(closure)``)."""
-        self._state.drop()
+        self._drop_unapplied()
         self.guard.clear()
 
     def flush(self) -> StepResult | None:
