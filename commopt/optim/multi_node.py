@@ -648,5 +648,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._owned.remove_hooks()
 
     def __del__(self):
+        # Only the optimizer that owns the hooks detaches them: an object of a derived class
+        # that forwards attribute reads to an optimizer (Lightning's LightningOptimizer) must
+        # not detach that optimizer's hooks when it is collected.
+        if "_owned" not in self.__dict__:
+            return
         with contextlib.suppress(Exception):  # at interpreter exit torch may be gone
             self.remove_hooks()
