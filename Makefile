@@ -11,11 +11,13 @@ setup:
 demo: setup
 	$(PY) -m commopt demo
 
-# The guardrails: lint, the formatter's check and the type checker (config in pyproject.toml).
+# The guardrails: lint, the formatter's check, the type checker and the import contracts (no
+# import cycles, the optimizer's layering), all configured in pyproject.toml.
 lint: setup
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: setup
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

@@ -118,7 +118,7 @@ for step in range(4):
         assert opt.applied_steps == 0, "the first double-buffered step must not update"
 assert opt.applied_steps == 3
 opt.wait()  # the last step's reduction, still pending, has completed (nothing applied)
-assert opt._db.pending is not None and opt._db.pending.done(), f"rank {r}: wait() left it in flight"
+assert opt.schedule.pending is not None and opt.schedule.pending.done(), f"rank {r}: wait() left it in flight"
 assert opt.applied_steps == 3
 opt.flush()
 with torch.no_grad():
@@ -141,7 +141,7 @@ for overlap, db, compression in ((True, False, None), (False, False, None), (Tru
         for step in range(5):
             opt.zero_grad(set_to_none=set_to_none)
             if not set_to_none and step > 0:
-                red = opt._reducer
+                red = opt.schedule.bucketed.reducer
                 params = list(model.parameters())
                 for b in red.buckets:
                     for sl in b.slots:
