@@ -239,9 +239,9 @@ def _preload() -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
     import commopt
-    import commopt.checkpointing.manager
     import commopt.comm.torch_dist
     import commopt.optim.checkpoint_files
+    import commopt.optim.checkpoint_manager
     from commopt.testbed.torch_dist import free_port  # noqa: F401
 
     build(commopt.create_communicator("local"), seed=0)  # the codecs' and optimizer's modules

@@ -4,7 +4,8 @@
 folder, with a ``latest`` pointer and the last ``keep`` of them; a restarted job (torchrun
 ``--max-restarts``, a scheduler's requeue) calls :meth:`CheckpointManager.load_latest` and
 continues where the last complete checkpoint left it. :mod:`commopt.checkpointing.atomic` is
-the directory layer: staging, fsync, manifest, rename.
+the directory layer (staging, fsync, manifest, rename), below the optimizer, which writes
+through it; the manager lives with the optimizer (:mod:`commopt.optim.checkpoint_manager`).
 
 Names load on first use.
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "CheckpointManager": "commopt.checkpointing.manager",
-    "Restored": "commopt.checkpointing.manager",
+    "CheckpointManager": "commopt.optim.checkpoint_manager",
+    "Restored": "commopt.optim.checkpoint_manager",
     "CheckpointError": "commopt.checkpointing.atomic",
-    "verify_checkpoint": "commopt.checkpointing.manager",
+    "verify_checkpoint": "commopt.optim.checkpoint_manager",
 }
 
 __all__ = sorted(_EXPORTS)
