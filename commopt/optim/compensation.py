@@ -119,7 +119,7 @@ def unpack_replaces_grad(reducer: GradientReducer) -> Callable[[torch.Tensor], b
         return (
             p.grad is not None
             and p.grad.untyped_storage().data_ptr() not in storages
-            and reducer._viewable(p, flat)
+            and reducer.viewable(p, flat)
         )
 
     return replaces

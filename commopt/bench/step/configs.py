@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from commopt.optim.multi_node import MultiNodeOptimizer
+    from commopt.optim import MultiNodeOptimizer
 
 #: DDP bucket size for the PowerSGD hook: larger than any model here, so one bucket. On gloo
 #: PowerSGD over DDP's default 25 MB buckets fails at its first compressed step (the
