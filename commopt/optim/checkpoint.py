@@ -38,7 +38,9 @@ __all__ = [
     "has_codec_state",
     "join_rank_state",
     "load_commopt_state",
+    "load_plans_state",
     "own_codec_state",
+    "plans_state",
     "split_rank_state",
 ]
 
@@ -94,6 +96,12 @@ def load_commopt_state(
 
     Returns the saved seed; the schedule restores its own part afterwards.
     """
+    if "plans" in extra:
+        raise ValueError(
+            f"the checkpoint holds several plans ({'; '.join(sorted(extra['plans']))}) but "
+            "this optimizer has one plan for every parameter: load it into an optimizer "
+            "created with the same per-group compression and double_buffering"
+        )
     rank = comm.rank
     check_compatible(extra, [b.key for b in reducer.buckets], rank=rank, size=comm.size)
     reducer.load_codec_states(own_codec_state(extra, rank))
@@ -102,6 +110,78 @@ def load_commopt_state(
     counter.next = int(extra["iteration"])
     applier.load_state_dict(extra)
     return seed
+
+
+def plans_state(
+    *,
+    comm: Communicator,
+    seed: int,
+    applier: StepApplier,
+    parts: list[tuple[str, ReductionCounter, GradientReducer, dict[str, Any]]],
+) -> dict[str, Any]:
+    """:func:`commopt_state` for an optimizer with several plans: each plan's part keyed by
+    the plan (``"plans"``), this rank's codec state keyed alike (``"codec_state"``).
+
+    ``parts``: per plan, its key, counter, reducer and schedule state (taken first).
+    """
+    state: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "world_size": comm.size,
+        "rank": comm.rank,
+        "seed": seed,
+        **applier.state_dict(),
+        "plans": {},
+        "codec_state": {},
+    }
+    for key, counter, reducer, schedule_state in parts:
+        state["plans"][key] = {
+            "iteration": counter.saved(reducer),
+            "buckets": [b.key for b in reducer.buckets],
+            **{k: v for k, v in schedule_state.items() if k != "predicted"},
+        }
+        state["codec_state"][key] = reducer.codec_states()  # this rank's own only
+        if schedule_state.get("predicted") is not None:  # (one compensated plan at most)
+            state["predicted"] = schedule_state["predicted"]
+    return state
+
+
+def load_plans_state(
+    extra: dict[str, Any],
+    *,
+    comm: Communicator,
+    applier: StepApplier,
+    parts: list[tuple[str, ReductionCounter, GradientReducer]],
+) -> tuple[int, dict[str, dict[str, Any]]]:
+    """Restore :func:`plans_state`'s ``extra`` (every plan checked first).
+
+    Returns the saved seed and, per plan key, the state its schedule restores.
+    """
+    keys = [key for key, _, _ in parts]
+    saved = extra.get("plans")
+    if saved is None or sorted(saved) != sorted(keys):
+        found = "one plan for every parameter" if saved is None else "; ".join(sorted(saved))
+        raise ValueError(
+            f"the checkpoint's plans ({found}) differ from this optimizer's "
+            f"({'; '.join(keys)}): load it into an optimizer created with the same "
+            "per-group compression and double_buffering"
+        )
+    codec_state = extra.get("codec_state", {})  # DCP drops empty dicts
+    per_part = {}
+    for key, _, reducer in parts:
+        per_part[key] = {
+            **{k: extra[k] for k in ("version", "rank", "world_size") if k in extra},
+            **saved[key],
+            "codec_state": codec_state.get(key, {}),
+        }
+        check_compatible(
+            per_part[key], [b.key for b in reducer.buckets], rank=comm.rank, size=comm.size
+        )
+    for key, counter, reducer in parts:
+        reducer.load_codec_states(per_part[key]["codec_state"])
+        counter.next = int(per_part[key]["iteration"])
+        per_part[key]["predicted"] = extra.get("predicted")
+    applier.load_state_dict(extra)
+    return int(extra["seed"]), per_part
 
 
 def has_codec_state(codec_state: dict) -> bool:

@@ -20,7 +20,7 @@ each differing setting and the ranks on each side.
 
 from __future__ import annotations
 
-__all__ = ["SettingsMismatchError", "check_same_settings", "wire_settings"]
+__all__ = ["SettingsMismatchError", "check_same_plans", "check_same_settings", "wire_settings"]
 
 
 class SettingsMismatchError(ValueError):
@@ -34,13 +34,14 @@ def _bucket_layout(buckets) -> list[str]:
     ]
 
 
-def wire_settings(opt, buckets=None) -> dict[str, str]:
+def wire_settings(opt, buckets=None, plans: dict[str, str] | None = None) -> dict[str, str]:
     """The settings of ``opt`` (a MultiNodeOptimizer) that every rank must share, as text.
 
-    ``buckets``: the bucket layout being built (default: ``opt.buckets``).
+    ``buckets``: the bucket layout being built (default: ``opt.buckets``); ``plans``: per
+    parameter group, its plans (:func:`~commopt.optim.plans.group_plans`), when groups differ.
     """
     buckets = opt.buckets if buckets is None else buckets
-    return {
+    return (plans or {}) | {
         "compression": repr(opt.codec) if opt.codec is not None else "None",
         "allreduce_grad_dtype (uncompressed codec)": repr(opt.plain_codec),
         "policy": repr(opt.policy),
@@ -51,7 +52,15 @@ def wire_settings(opt, buckets=None) -> dict[str, str]:
     }
 
 
-def check_same_settings(opt, buckets) -> None:
+def check_same_plans(comm, plans: dict[str, str]) -> None:
+    """Raise :class:`SettingsMismatchError` on every rank unless all ranks chose the same plan
+    for every parameter group (checked before any communicator is created for a plan)."""
+    if comm.size == 1:
+        return
+    _raise_differences(comm, plans)
+
+
+def check_same_settings(opt, buckets, plans: dict[str, str] | None = None) -> None:
     """Raise :class:`SettingsMismatchError` on every rank unless all ranks' settings agree.
 
     A collective call on ``opt.comm`` (one allgather of short strings).
@@ -59,7 +68,10 @@ def check_same_settings(opt, buckets) -> None:
     comm = opt.comm
     if comm.size == 1:
         return
-    mine = wire_settings(opt, buckets)
+    _raise_differences(comm, wire_settings(opt, buckets, plans))
+
+
+def _raise_differences(comm, mine: dict[str, str]) -> None:
     everyone = comm.allgather_obj(mine)
     problems = []
     for name in mine:
@@ -78,7 +90,7 @@ def check_same_settings(opt, buckets) -> None:
             f"settings, so their collectives would not match: "
             + "; ".join(problems)
             + ". Pass the same compression, allreduce_grad_dtype, policy, bucket_cap_mb, "
-            "algorithm and double_buffering on every rank."
+            "algorithm, double_buffering and per-group plans on every rank."
         )
 
 

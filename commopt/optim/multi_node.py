@@ -51,12 +51,18 @@ from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim.apply_step import StepApplier
 from commopt.optim.bucketed_params import BucketedParameters
-from commopt.optim.checkpoint import commopt_state, load_commopt_state
+from commopt.optim.checkpoint import (
+    commopt_state,
+    load_commopt_state,
+    load_plans_state,
+    plans_state,
+)
 from commopt.optim.closures import step_with_closure
 from commopt.optim.compensation import Compensation, parse_mode
-from commopt.optim.double_buffered_step import DoubleBufferedSchedule
-from commopt.optim.fingerprint import check_same_settings
+from commopt.optim.double_buffered_step import DoubleBufferedSchedule, inverse_grad_scale
+from commopt.optim.fingerprint import check_same_plans, check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
+from commopt.optim.plans import PLAN_KEYS, Plan, check_rules, group_plans, param_plans
 from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.replicas import (
     ModelMismatchError,
@@ -65,7 +71,7 @@ from commopt.optim.replicas import (
     param_names,
 )
 from commopt.optim.synchronous_step import SynchronousSchedule
-from commopt.reducer import GradientReducer
+from commopt.reducer import GradientReducer, StepResult
 
 __all__ = ["ModelMismatchError", "MultiNodeOptimizer", "create_multi_node_optimizer"]
 
@@ -85,6 +91,7 @@ def create_multi_node_optimizer(
     seed: int | None = None,
     algorithm: str = "auto",
     clip_grad_norm: float | None = None,
+    plans=None,
 ) -> MultiNodeOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
 
@@ -104,6 +111,12 @@ def create_multi_node_optimizer(
     between steps the model holds the predicted weights: evaluate inside
     ``with opt.true_weights():`` or after ``flush()``; docs/optimizer.md).
 
+    Per-group plans: a parameter group of ``optimizer`` may set its own ``compression`` and
+    ``double_buffering`` (the arguments above are the defaults); ``plans`` (optional), a list
+    of ``(pattern, {"compression": ..., "double_buffering": ...})`` rules matched with
+    ``fnmatch`` against the parameters' names in ``model``, does the same by name (the
+    first matching rule wins; a group's own keys win over the rules).
+
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
     ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
     communication: each rank saves its own).
@@ -122,22 +135,70 @@ def create_multi_node_optimizer(
         seed=seed,
         algorithm=algorithm,
         clip_grad_norm=clip_grad_norm,
+        plans=plans,
     )
 
 
-_WRAPPER_ONLY = ("compression", "double_buffering")
+def _sets_plans(param_groups: list[dict]) -> bool:
+    return any(k in group for group in param_groups for k in PLAN_KEYS)
 
 
-def _refuse_group_plans(param_groups: list[dict]) -> None:
-    """A group that sets the wrapper's reduction options would have them silently ignored."""
+def _refuse_new_group_plans(param_groups: list[dict]) -> None:
+    """An optimizer created with one plan for every parameter keeps one plan."""
     for i, group in enumerate(param_groups):
-        keys = [k for k in _WRAPPER_ONLY if k in group]
+        keys = [k for k in PLAN_KEYS if k in group]
         if keys:
             raise ValueError(
-                f"parameter group {i} sets {', '.join(keys)}: these apply to every parameter "
-                "and are arguments of create_multi_node_optimizer, not keys of a parameter "
-                "group; remove them from the group and pass them to the wrapper"
+                f"parameter group {i} sets {', '.join(keys)}, but this optimizer was created "
+                "with one plan for every parameter: set the per-group options (or plans=) "
+                "in the groups given to create_multi_node_optimizer, or pass them to the wrapper"
             )
+
+
+def _part_seed(seed: int, index: int) -> int:
+    """The random key of plan ``index``'s codecs (plan 0: the optimizer's seed)."""
+    return (seed + index * 0x9E3779B97F4A7C15) & (2**63 - 1)
+
+
+class _PlanPart:
+    """One plan's parameters, buckets, hooks and schedule (see ``MultiNodeOptimizer``)."""
+
+    def __init__(self, owner, plan: Plan, index: int, codecs, schedule, counter, data_comm):
+        self._owner = weakref.ref(owner)
+        self.plan = plan
+        self.key = str(plan)
+        self.index = index
+        self.codec, self.plain_codec, self.policy = codecs
+        self.schedule = schedule
+        self.counter = counter
+        self.data_comm = data_comm
+        self.release: weakref.finalize | None = None  # a communicator this part owns
+        self.owned = BucketedParameters(self.grad_ready, self.backward_end)
+        schedule.attach(self.owned)
+
+    def grad_ready(self, index: int) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._on_grad_ready(self, index)
+
+    def backward_end(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._on_backward_end(self)
+
+
+def _combine(results: list[StepResult | None]) -> StepResult | None:
+    """One agreed result over the parts that apply something this step."""
+    applied = [r for r in results if r is not None]
+    if not applied:
+        return None
+    if len(results) == 1:
+        return applied[0]
+    return StepResult(
+        nonfinite=any(r.nonfinite for r in applied),
+        bad_buckets=[b for r in applied for b in r.bad_buckets],
+        present=[x for r in applied for x in r.present],
+    )
 
 
 class MultiNodeOptimizer(torch.optim.Optimizer):
@@ -163,6 +224,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         seed=None,
         algorithm="auto",
         clip_grad_norm=None,
+        plans=None,
     ):
         if isinstance(optimizer, MultiNodeOptimizer):
             raise TypeError(
@@ -187,25 +249,17 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         )
         self._model_ref = weakref.ref(model) if model is not None else None
         self._counter = ReductionCounter()  # the reductions' numbers, Join's start callback
-        # The schedule, chosen once. Compensated: the prediction of the next weights (raises
-        # TypeError, naming double_buffering=True, for an update rule it cannot predict).
-        if self.double_buffering:
-            self._schedule: SynchronousSchedule | DoubleBufferedSchedule = DoubleBufferedSchedule(
-                self._counter,
-                zero_fill=self.zero_fill,
-                ensure_layout=self._ensure_layout,
-                all_params=self._all_params,
-                compensation=Compensation(optimizer) if self.compensated else None,
-            )
-        else:
-            self._schedule = SynchronousSchedule(
-                self._counter,
-                overlap=self.overlap,
-                zero_fill=self.zero_fill,
-                ensure_layout=self._ensure_layout,
-            )
-        self._owned = BucketedParameters(self._on_grad_ready, self._on_backward_end)
-        self._schedule.attach(self._owned)
+        # Plans: the wrapper's arguments are the default; groups and ``plans=`` rules may
+        # choose others. One (parameters, schedule) part per distinct plan, in the order of
+        # their first parameter; with one plan for everything, one part on ``_counter``.
+        self._default_plan = Plan(compression, double_buffering)
+        self._rules = check_rules(plans)
+        self._mixed = bool(self._rules) or _sets_plans(optimizer.param_groups)
+        self._wire_dtype = allreduce_grad_dtype
+        self._policy_arg = policy
+        self._parts: list[_PlanPart] = []
+        self._parts_made = 0
+        self._start_seen = False  # mixed plans: the start callbacks ran for this step
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
         seed0 = int(torch.initial_seed()) & (2**63 - 1) if seed is None else int(seed)
@@ -262,8 +316,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ reads gradients through param_groups: finish the reduction
         # first so that every rank inspects the same averaged gradients and takes the same
         # skip decision (local gradients would differ, and so would the decisions).
-        if not self._internal and self._schedule.reads_synchronize:
-            self.synchronize()
+        if not self._internal and any(p.schedule.reads_synchronize for p in self._parts):
+            with self._own_reads():
+                for part in self._parts:  # (the double-buffered parts send in step())
+                    if part.schedule.reads_synchronize:
+                        part.schedule.synchronize(explicit=True)
         return self._inner.param_groups
 
     @param_groups.setter
@@ -277,7 +334,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         # With double buffering, GradScaler hands us its scale (``self.grad_scale``) instead
         # of unscaling in place: each rank unscales its own gradients before sending them.
-        return self._schedule.unscales_locally
+        return any(p.schedule.unscales_locally for p in self._parts)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, like ``torch.optim.Optimizer.zero_grad``.
@@ -288,32 +345,31 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``). The fastest choice for large models; ``None`` grads
         (the default) cost one copy per step and a fresh allocation per backward.
         """
-        buffer = self._schedule.zero_grad_buffer()
-        if (
-            not set_to_none
-            and self.zero_fill
-            and self._owned.built
-            and buffer is not None
-            and not self._no_sync
-        ):
-            self._owned.reducer.zero_grads_into(buffer)
-            return
+        buffers = [(part, part.schedule.zero_grad_buffer()) for part in self._parts]
+        if not set_to_none and self.zero_fill and not self._no_sync:
+            views = [(p, b) for p, b in buffers if p.owned.built and b is not None]
+            if len(views) == len(buffers):
+                for part, buffer in views:
+                    part.owned.reducer.zero_grads_into(buffer)
+                return
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; a collective call (every rank, same group)."""
-        _refuse_group_plans([*self._inner.param_groups, param_group])  # before it is added
+        if not self._mixed:
+            _refuse_new_group_plans([*self._inner.param_groups, param_group])  # before adding
         self._drain()
-        self._schedule.before_layout_change()  # the next step predicts again, over every group
+        for part in self._parts:  # the next step predicts again, over every group
+            part.schedule.before_layout_change()
         self._inner.add_param_group(param_group)
-        if self._owned.built:
+        if self._parts and self._parts[0].owned.built:
             self._rebuild(broadcast=True)
 
     def __repr__(self) -> str:
         codec = self.codec.name if self.codec is not None else self.plain_codec.name
         return (
             f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
-            f"double_buffering={self._schedule.mode}, overlap={self.overlap}, "
+            f"double_buffering={self._parts[0].schedule.mode}, overlap={self.overlap}, "
             f"zero_fill={self.zero_fill})"
         )
 
@@ -330,43 +386,132 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _rebuild(self, broadcast: bool) -> None:
         """(Re)build buckets and hooks; check every rank has the same parameters; broadcast."""
         with self._own_reads():
-            _refuse_group_plans(self._inner.param_groups)
+            groups = self._inner.param_groups
             params = self._all_params()
             model = self._model_ref() if self._model_ref is not None else None
-            names = param_names(self._inner.param_groups, model)
+            names = param_names(groups, model)
             check_same_model(self.comm, params, names, model)
             if broadcast:
                 broadcast_from_root(self.comm, params, model)
             trainable = [i for i, p in enumerate(params) if p.requires_grad]
-            self._owned.remove_hooks()
-            reducer = GradientReducer(
-                self._data_comm,
-                [params[i] for i in trainable],
-                [names[i] for i in trainable],
-                codec=self.codec,
-                plain_codec=self.plain_codec,
-                policy=self.policy,
-                bucket_cap_mb=self.bucket_cap_mb,
-                algorithm=self.algorithm,
-                num_buffers=2 if self._schedule.double_buffered else 1,
-                seed=self.seed,
-                grad_views=True,
-            )
+            if self._mixed:
+                plans = param_plans(
+                    groups,
+                    names,
+                    self._default_plan.compression,
+                    self._default_plan.double_buffering,
+                    self._rules,
+                )
+                described = group_plans(groups, plans)
+                check_same_plans(self.comm, described)  # before any plan's communicator
+            else:
+                _refuse_new_group_plans(groups)
+                plans, described = [self._default_plan] * len(params), None
+            order = list(dict.fromkeys(plans[i] for i in trainable)) or [self._default_plan]
+            self._set_parts(order)
+            reducers = []
+            for part in self._parts:
+                part.owned.remove_hooks()
+                mine = [i for i in trainable if plans[i] == part.plan]
+                reducers.append(
+                    GradientReducer(
+                        part.data_comm,
+                        [params[i] for i in mine],
+                        [names[i] for i in mine],
+                        codec=part.codec,
+                        plain_codec=part.plain_codec,
+                        policy=part.policy,
+                        bucket_cap_mb=self.bucket_cap_mb,
+                        algorithm=self.algorithm,
+                        num_buffers=2 if part.schedule.double_buffered else 1,
+                        seed=_part_seed(self.seed, part.index),
+                        grad_views=True,
+                    )
+                )
             # Every rank's wire settings agree, or all raise.
-            check_same_settings(self, reducer.buckets)
-            self._owned.install(reducer, params)
+            check_same_settings(self, [b for r in reducers for b in r.buckets], described)
+            for part, reducer in zip(self._parts, reducers):
+                part.owned.install(reducer, params)
+
+    def _set_parts(self, order: list[Plan]) -> None:
+        """Keep the parts of the plans in ``order`` (in that order), make the missing ones."""
+        compensated = [p for p in order if p.double_buffering == "compensated"]
+        if len(compensated) > 1:
+            raise ValueError(
+                "more than one compensated plan ("
+                + "; ".join(str(p) for p in compensated)
+                + "): give every compensated group the same compression, or make some of "
+                "them double_buffering=True"
+            )
+        existing = {part.plan: part for part in self._parts}
+        for part in self._parts:
+            if part.plan not in order:  # (drained by the caller) its parameters left
+                part.schedule.close()
+                part.owned.remove_hooks()
+                if part.release is not None:
+                    part.release()
+        self._parts = [existing.get(plan) or self._new_part(plan) for plan in order]
+
+    def _new_part(self, plan: Plan) -> _PlanPart:
+        index = self._parts_made
+        self._parts_made += 1
+        if plan == self._default_plan:
+            codecs = (self.codec, self.plain_codec, self.policy)
+        else:
+            codecs = resolve_codecs(self.comm, self._wire_dtype, plan.compression, self._policy_arg)
+        if self._mixed:
+            counter = ReductionCounter()
+            counter.on_start(self._part_starting)
+        else:
+            counter = self._counter
+        release = None
+        if index == 0 or self._data_comm is self.comm:
+            data_comm = self._data_comm
+        else:  # each plan's reductions on a communicator of their own: no order between plans
+            data_comm = self.comm.split(0, self.comm.rank)
+            release = weakref.finalize(self, driver.release_when_idle, data_comm)
+            release.atexit = False
+        on, compensated = parse_mode(plan.double_buffering)
+        # Compensated: the prediction of the next weights (raises TypeError, naming
+        # double_buffering=True, for an update rule it cannot predict).
+        schedule: SynchronousSchedule | DoubleBufferedSchedule
+        if on:
+            schedule = DoubleBufferedSchedule(
+                counter,
+                zero_fill=self.zero_fill,
+                ensure_layout=self._ensure_layout,
+                all_params=self._all_params,
+                compensation=Compensation(self._inner) if compensated else None,
+            )
+        else:
+            schedule = SynchronousSchedule(
+                counter,
+                overlap=self.overlap,
+                zero_fill=self.zero_fill,
+                ensure_layout=self._ensure_layout,
+            )
+        part = _PlanPart(self, plan, index, codecs, schedule, counter, data_comm)
+        part.release = release
+        return part
+
+    def _part_starting(self) -> None:
+        """Mixed plans: the start callbacks run once a step, as the first plan's reduction starts."""
+        if not self._start_seen:
+            self._start_seen = True
+            self._counter.run_start_callbacks()
 
     def _ensure_layout(self) -> None:
         """Rebuild when the set of parameters (or their requires_grad) changed."""
-        if self._owned.changed(self._all_params()):
+        if self._parts[0].owned.changed(self._all_params()):
             self._drain()
-            self._schedule.before_layout_change()  # broadcast sends true weights, not predicted
+            for part in self._parts:  # broadcast sends true weights, not predicted
+                part.schedule.before_layout_change()
             self._rebuild(broadcast=True)
 
     # -- gradient hooks -----------------------------------------------------------------------
-    def _on_grad_ready(self, index: int) -> None:
+    def _on_grad_ready(self, part: _PlanPart, index: int) -> None:
         if self._no_sync:
-            if self._schedule.started:
+            if part.schedule.started:
                 # This step's reduction has started (or finished): these gradients would be
                 # added, un-averaged, to what it sends or has already averaged.
                 raise RuntimeError(
@@ -377,10 +522,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 )
             return
         # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
-        self._owned.hooks.queue_end_of_backward()
-        self._schedule.grad_ready(index)
+        part.owned.hooks.queue_end_of_backward()
+        part.schedule.grad_ready(index)
 
-    def _on_backward_end(self) -> None:
+    def _on_backward_end(self, part: _PlanPart) -> None:
         """End of a backward that reached our hooks (autograd's final callback).
 
         ``overlap=True`` without double buffering: finish the reduction, so ``param.grad``
@@ -388,11 +533,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         GradScaler and logging then see the averages; the wait moves from ``step()`` to
         here). Otherwise the gradients stay local until ``step()``.
         """
-        self._owned.hooks.end_queued = False
+        part.owned.hooks.end_queued = False
         if self._no_sync:
             return
         with self._own_reads():
-            self._schedule.backward_end()
+            part.schedule.backward_end()
 
     def on_reduction_start(self, callback: Callable[[], None]) -> RemovableHandle:
         """Run ``callback()`` as each step's reduction starts, before its first bucket.
@@ -434,7 +579,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         previous step (the ones ``step()`` will apply) into ``param.grad``.
         """
         with self._own_reads():
-            self._schedule.synchronize(explicit=True)
+            for part in self._parts:
+                part.schedule.synchronize(explicit=True)
 
     def wait(self) -> None:
         """Block until every reduction this optimizer has started is complete.
@@ -460,7 +606,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             >>> opt.flush(); opt.applied_steps
             1
         """
-        driver.drain(self._data_comm)
+        for comm in dict.fromkeys([self._data_comm, *(p.data_comm for p in self._parts)]):
+            driver.drain(comm)
 
     _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
 
@@ -496,7 +643,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         loss = None
-        self._owned.hooks.end_queued = False  # (a backward that raised never ran its callback)
+        for part in self._parts:  # (a backward that raised never ran its callback)
+            part.owned.hooks.end_queued = False
         if not self._ddp_checked:  # DDP may have wrapped the model after this optimizer
             self._ddp_checked = True
             with self._own_reads():
@@ -505,20 +653,52 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 loss = self._step_with_closure(closure)
             else:
-                schedule = self._schedule
-                result = schedule.result(
-                    skip_synchronize=self._skip_sync,
-                    scale=getattr(self, "grad_scale", None),
-                    found_inf=getattr(self, "found_inf", None),
-                )
-                self._applier.apply(result, schedule.applied_params())
-                schedule.after_step(result, self.clip_grad_norm)
+                self._apply_step()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
 
+    def _apply_step(self) -> None:
+        """One step over every plan: the synchronous parts' averages of this step and the
+        double-buffered parts' of the previous one, behind one NaN/Inf decision and one clip."""
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        parts = list(self._parts)
+        results = [
+            part.schedule.result(skip_synchronize=self._skip_sync, scale=scale, found_inf=found_inf)
+            for part in parts
+        ]
+        combined = _combine(results)
+        applied: list[torch.Tensor] = []
+        for part, result in zip(parts, results):
+            if result is not None:
+                applied += part.schedule.applied_params()
+                if scale is not None and not part.schedule.unscales_locally:
+                    self._unscale(part, scale, combined)
+            elif combined is not None:  # (mixed plans) nothing of this plan to apply yet
+                for p in part.schedule.applied_params():
+                    p.grad = None
+        self._applier.apply(combined, applied)
+        for part, result in zip(parts, results):
+            part.schedule.after_step(result, self.clip_grad_norm)
+        self._start_seen = False
+
+    @staticmethod
+    def _unscale(part: _PlanPart, scale: Any, combined: StepResult | None) -> None:
+        """GradScaler handed its scale over (another plan is double-buffered): this
+        synchronous plan's averages are still scaled; divide them, on the device."""
+        if combined is None or combined.nonfinite:
+            return
+        grads = [p.grad for p in part.schedule.applied_params() if p.grad is not None]
+        if grads:
+            inverse = inverse_grad_scale(scale)
+            if isinstance(inverse, torch.Tensor):
+                torch._foreach_mul_(grads, inverse.to(grads[0].dtype))
+            else:
+                torch._foreach_mul_(grads, inverse)
+
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
-        if not self._schedule.supports_closures:
+        if not all(p.schedule.supports_closures for p in self._parts):
             raise ValueError(
                 "step(closure) re-evaluates the gradients within the step, which double "
                 "buffering (gradients applied one step late) cannot do: create the optimizer "
@@ -529,16 +709,24 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "step(closure) inside skip_synchronize(): the closure's gradients "
                 "are averaged by step() itself; call step(closure) outside it"
             )
-        schedule = self._schedule
+        parts = list(self._parts)
+
+        def discard() -> None:
+            for part in parts:
+                part.schedule.discard()
+
         loss = step_with_closure(
             self._inner,
             self.comm,
             closure,
-            discard=schedule.discard,
+            discard=discard,
             synchronize=self.synchronize,
-            clip=lambda: self._applier.clip(schedule.applied_params()),
+            clip=lambda: self._applier.clip(
+                [p for x in parts for p in x.schedule.applied_params()]
+            ),
         )
         self._applier.counted_closure_step()
+        self._start_seen = False
         return loss
 
     # -- double buffering -------------------------------------------------------------------
@@ -564,15 +752,27 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             ...     round(before - model.bias.item(), 6)
             -0.1
         """
-        with self._schedule.true_weights():
+        with contextlib.ExitStack() as stack:
+            for part in self._parts:
+                stack.enter_context(part.schedule.true_weights())
             yield
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
         with self._own_reads():
-            result = self._schedule.flush()
-            if result is not None:
-                self._applier.apply(result, self._schedule.applied_params())
+            parts = list(self._parts)
+            results = [part.schedule.flush() for part in parts]
+            combined = _combine(results)
+            if combined is not None:
+                applied: list[torch.Tensor] = []
+                for part, result in zip(parts, results):
+                    if result is not None:
+                        applied += part.schedule.applied_params()
+                    else:  # (mixed plans) a synchronous plan has nothing pending
+                        for p in part.schedule.applied_params():
+                            p.grad = None
+                self._applier.apply(combined, applied)
+            self._start_seen = False
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -585,15 +785,27 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         with self._own_reads():
             self._drain()
-            schedule_state = self._schedule.state_dict()  # completes the pending reduction first
-            extra = commopt_state(
-                comm=self.comm,
-                seed=self.seed,
-                counter=self._counter,
-                applier=self._applier,
-                schedule_state=schedule_state,
-                reducer=self._owned.reducer,
-            )
+            # Each schedule's state first: it completes the pending reduction.
+            states = [part.schedule.state_dict() for part in self._parts]
+            if self._mixed:
+                extra = plans_state(
+                    comm=self.comm,
+                    seed=self.seed,
+                    applier=self._applier,
+                    parts=[
+                        (part.key, part.counter, part.owned.reducer, state)
+                        for part, state in zip(self._parts, states)
+                    ],
+                )
+            else:
+                extra = commopt_state(
+                    comm=self.comm,
+                    seed=self.seed,
+                    counter=self._counter,
+                    applier=self._applier,
+                    schedule_state=states[0],
+                    reducer=self._parts[0].owned.reducer,
+                )
             sd = self._inner.state_dict()
             sd["commopt"] = extra
             return sd
@@ -607,30 +819,54 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
+            if self._mixed:
+                self.seed, per_part = load_plans_state(
+                    extra,
+                    comm=self.comm,
+                    applier=self._applier,
+                    parts=[(p.key, p.counter, p.owned.reducer) for p in self._parts],
+                )
+                for part in self._parts:
+                    part.owned.reducer.seed = _part_seed(self.seed, part.index)
+                    part.schedule.load_state_dict(per_part[part.key], self.comm.rank)
+                return
             self.seed = load_commopt_state(
                 extra,
                 comm=self.comm,
                 counter=self._counter,
                 applier=self._applier,
-                reducer=self._owned.reducer,
+                reducer=self._parts[0].owned.reducer,
             )
-            self._schedule.load_state_dict(extra, self.comm.rank)
+            self._parts[0].schedule.load_state_dict(extra, self.comm.rank)
 
     # -- misc -------------------------------------------------------------------------------------
     @property
     def buckets(self):
         """The gradient buckets (read-only view, for inspection and tests)."""
-        return list(self._owned.reducer.buckets)
+        return [b for part in self._parts for b in part.owned.reducer.buckets]
 
     @property
     def schedule(self) -> SynchronousSchedule | DoubleBufferedSchedule:
-        """The reduction schedule (for inspection and tests)."""
-        return self._schedule
+        """The reduction schedule (for inspection and tests; with several plans, the first's)."""
+        return self._parts[0].schedule
+
+    @property
+    def plans(self) -> dict[str, SynchronousSchedule | DoubleBufferedSchedule]:
+        """Each plan (as text) and its schedule, in bucket order (for inspection and tests)."""
+        return {part.key: part.schedule for part in self._parts}
+
+    def plan_params(self, plan: str) -> list[torch.Tensor]:
+        """The trainable parameters ``plan`` (a key of :attr:`plans`) reduces."""
+        for part in self._parts:
+            if part.key == plan:
+                return list(part.owned.params)
+        raise KeyError(f"no plan {plan!r}; the plans are {list(self.plans)}")
 
     @property
     def reductions_started(self) -> int:
-        """The number the next reduction takes (the codecs' random key; for tests)."""
-        return self._counter.next
+        """The number the next reduction takes (the codecs' random key; for tests; with
+        several plans, the first plan's)."""
+        return self._parts[0].counter.next
 
     def close(self) -> None:
         """Wait for reductions in flight, detach the hooks, release the private communicator.
@@ -639,19 +875,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         self._drain()
         self.remove_hooks()
-        self._schedule.close()
+        for part in self._parts:
+            part.schedule.close()
+            if part.release is not None:
+                part.release()
         if self._release is not None:
             self._release()  # finalizes the private communicator once (drained above)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""
-        self._owned.remove_hooks()
+        for part in self._parts:
+            part.owned.remove_hooks()
 
     def __del__(self):
         # Only the optimizer that owns the hooks detaches them: an object of a derived class
         # that forwards attribute reads to an optimizer (Lightning's LightningOptimizer) must
         # not detach that optimizer's hooks when it is collected.
-        if "_owned" not in self.__dict__:
+        if "_parts" not in self.__dict__:
             return
         with contextlib.suppress(Exception):  # at interpreter exit torch may be gone
             self.remove_hooks()

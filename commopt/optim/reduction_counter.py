@@ -49,11 +49,15 @@ class ReductionCounter:
         self, reducer: GradientReducer, *, scale: float | torch.Tensor = 1.0, buffer: int = 0
     ) -> StepReduction:
         """Start the next reduction of ``reducer``'s buckets into buffer set ``buffer``."""
-        for callback in list(self._callbacks.values()):
-            callback()
+        self.run_start_callbacks()
         red = reducer.start(step=self.next, buffer=buffer, scale=scale)
         self.next = red.step + 1  # a step every rank skipped gave its number back
         return red
+
+    def run_start_callbacks(self) -> None:
+        """Run the :meth:`on_start` callbacks (as a reduction starts)."""
+        for callback in list(self._callbacks.values()):
+            callback()
 
     def saved(self, reducer: GradientReducer) -> int:
         """The number to save in a checkpoint (the skipped steps' numbers given back)."""
