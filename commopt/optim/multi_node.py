@@ -402,11 +402,11 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     self._default_plan.double_buffering,
                     self._rules,
                 )
-                described = group_plans(groups, plans)
-                check_same_plans(self.comm, described)  # before any plan's communicator
             else:
                 _refuse_new_group_plans(groups)
-                plans, described = [self._default_plan] * len(params), None
+                plans = [self._default_plan] * len(params)
+            described = group_plans(groups, plans)
+            check_same_plans(self.comm, described)  # before any plan's communicator
             order = list(dict.fromkeys(plans[i] for i in trainable)) or [self._default_plan]
             self._set_parts(order)
             reducers = []
@@ -429,7 +429,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     )
                 )
             # Every rank's wire settings agree, or all raise.
-            check_same_settings(self, [b for r in reducers for b in r.buckets], described)
+            check_same_settings(
+                self, [b for r in reducers for b in r.buckets], described if self._mixed else None
+            )
             for part, reducer in zip(self._parts, reducers):
                 part.owned.install(reducer, params)
 
