@@ -5,7 +5,10 @@ LR schedulers and users call. It is composed of objects that each own their stat
 
 - :class:`~commopt.optim.bucketed_params.BucketedParameters`: the trainable parameters, their
   buckets (the reducer's layout) and the backward hooks, which call back into the schedule;
-- the schedule, picked once at construction: :class:`~commopt.optim.synchronous_step.SynchronousSchedule`
+- one *part* per plan (:mod:`~commopt.optim.plans`: the ``compression`` and
+  ``double_buffering`` a parameter group or a ``plans=`` rule chooses; the wrapper's
+  arguments are the default), each with its own buckets, hooks and schedule;
+- the schedule of each part, picked once when its plan first appears: :class:`~commopt.optim.synchronous_step.SynchronousSchedule`
   (``overlap`` on or off) or :class:`~commopt.optim.double_buffered_step.DoubleBufferedSchedule`
   (holding a :class:`~commopt.optim.compensation.Compensation` when ``"compensated"``);
 - :class:`~commopt.optim.apply_step.StepApplier`: the collective NaN/Inf skip, clipping and

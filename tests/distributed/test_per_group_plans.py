@@ -5,7 +5,8 @@ double buffering with qsgd4+ef (a ``plans=`` name rule), (b) an fp16 synchronous
 beside a qsgd4 double-buffered group (parameter-group keys). For each: the ranks' true
 weights stay bit-identical, a NaN on one rank is skipped by every rank at the same step,
 a run resumed from a mid-run ``save_checkpoint`` ends bit for bit where the uninterrupted
-run ends, and ranks whose plans differ raise ``SettingsMismatchError`` naming the group.
+run ends, ranks whose plans differ raise ``SettingsMismatchError`` naming the group, and
+``Join`` keeps ranks with uneven data equal.
 Every failure names its rank.
 """
 
@@ -118,6 +119,17 @@ for case in ("a", "b"):
         check("parameter group" in str(e), e)
     else:
         check(False, f"case {case}: ranks with different plans did not raise")
+# Join over mixed plans: rank 0 has one batch more; the others shadow its last step.
+model, opt = build("a", 0)
+with commopt.Join(opt) as join:
+    for step in range(3 if r == 0 else 2):
+        opt.zero_grad()
+        loss_of(model, step, r).backward()
+        opt.step()
+opt.flush()
+ends = comm.allgather_obj(digest(model.parameters()))
+check(len(set(ends)) == 1, "weights differ between ranks after Join")
+check(join.shadow_steps == (0 if r == 0 else 1), f"shadow steps {join.shadow_steps}")
 print(f"plans ok {r}")
 """
 
