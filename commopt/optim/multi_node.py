@@ -41,6 +41,7 @@ applies the last one), ``"compensated"`` at the weights each rank's gradient pre
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +66,14 @@ from commopt.optim.compensation import Compensation, parse_mode
 from commopt.optim.double_buffered_step import DoubleBufferedSchedule, inverse_grad_scale
 from commopt.optim.fingerprint import check_same_plans, check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
-from commopt.optim.plans import PLAN_KEYS, Plan, check_rules, group_plans, param_plans
+from commopt.optim.plans import (
+    PLAN_KEYS,
+    Plan,
+    check_rules,
+    embedding_params,
+    group_plans,
+    param_plans,
+)
 from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.replicas import (
     ModelMismatchError,
@@ -77,6 +85,8 @@ from commopt.optim.synchronous_step import SynchronousSchedule
 from commopt.reducer import GradientReducer, StepResult
 
 __all__ = ["ModelMismatchError", "MultiNodeOptimizer", "create_multi_node_optimizer"]
+
+log = logging.getLogger("commopt")
 
 
 def create_multi_node_optimizer(
@@ -95,6 +105,7 @@ def create_multi_node_optimizer(
     algorithm: str = "auto",
     clip_grad_norm: float | None = None,
     plans=None,
+    synchronous_embeddings: bool = True,
 ) -> MultiNodeOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
 
@@ -119,6 +130,9 @@ def create_multi_node_optimizer(
     of ``(pattern, {"compression": ..., "double_buffering": ...})`` rules matched with
     ``fnmatch`` against the parameters' names in ``model``, does the same by name (the
     first matching rule wins; a group's own keys win over the rules).
+    ``synchronous_embeddings`` (default True): under ``double_buffering="compensated"``,
+    ``model``'s ``nn.Embedding`` weights and the parameters tied to them reduce synchronously
+    (with ``overlap``) unless a rule or their group says otherwise; rank 0 logs it once.
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
     ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
@@ -139,6 +153,7 @@ def create_multi_node_optimizer(
         algorithm=algorithm,
         clip_grad_norm=clip_grad_norm,
         plans=plans,
+        synchronous_embeddings=synchronous_embeddings,
     )
 
 
@@ -228,6 +243,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         algorithm="auto",
         clip_grad_norm=None,
         plans=None,
+        synchronous_embeddings=True,
     ):
         if isinstance(optimizer, MultiNodeOptimizer):
             raise TypeError(
@@ -257,7 +273,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # their first parameter; with one plan for everything, one part on ``_counter``.
         self._default_plan = Plan(compression, double_buffering)
         self._rules = check_rules(plans)
-        self._mixed = bool(self._rules) or _sets_plans(optimizer.param_groups)
+        # The default rule: compensated double buffering reduces embedding tables (and the
+        # parameters tied to them) synchronously; they carry the most per-replica jitter.
+        self._embedding_rule = bool(synchronous_embeddings) and self.compensated
+        self._embedding_logged = False
+        self._mixed = (
+            bool(self._rules)
+            or _sets_plans(optimizer.param_groups)
+            or bool(self._embedding_ids(model) & {id(p) for p in self._all_params()})
+        )
         self._wire_dtype = allreduce_grad_dtype
         self._policy_arg = policy
         self._parts: list[_PlanPart] = []
@@ -398,12 +422,21 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 broadcast_from_root(self.comm, params, model)
             trainable = [i for i, p in enumerate(params) if p.requires_grad]
             if self._mixed:
+                synchronous = self._embedding_ids(model)
                 plans = param_plans(
                     groups,
                     names,
                     self._default_plan.compression,
                     self._default_plan.double_buffering,
                     self._rules,
+                    synchronous,
+                )
+                self._log_embedding_rule(
+                    [
+                        n
+                        for n, p, pl in zip(names, params, plans)
+                        if id(p) in synchronous and not pl.double_buffering
+                    ]
                 )
             else:
                 _refuse_new_group_plans(groups)
@@ -437,6 +470,21 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             )
             for part, reducer in zip(self._parts, reducers):
                 part.owned.install(reducer, params)
+
+    def _embedding_ids(self, model) -> set[int]:
+        """The parameters the embedding rule makes synchronous by default (empty: rule off)."""
+        return embedding_params(model) if self._embedding_rule else set()
+
+    def _log_embedding_rule(self, names: list[str]) -> None:
+        if names and not self._embedding_logged:
+            self._embedding_logged = True
+            if self.comm.rank == 0:
+                log.info(
+                    "commopt: double_buffering='compensated' reduces the embedding "
+                    "parameter(s) %s synchronously (with overlap); pass "
+                    "synchronous_embeddings=False, or a plans= rule, to change it",
+                    ", ".join(names),
+                )
 
     def _set_parts(self, order: list[Plan]) -> None:
         """Keep the parts of the plans in ``order`` (in that order), make the missing ones."""

@@ -7,6 +7,11 @@ rule list sets them by parameter name (``fnmatch`` patterns against the names of
 ``model.named_parameters()``, the first matching rule wins). A group's own keys win over
 the rules, the rules over the wrapper's arguments.
 
+The default rule: under ``double_buffering="compensated"`` the weights of ``nn.Embedding``
+modules, and the parameters tied to them (the same tensor), reduce synchronously, unless a
+rule or the group says otherwise (:func:`embedding_params`; the wrapper's
+``synchronous_embeddings=False`` turns it off).
+
     >>> import torch
     >>> a, b = torch.zeros(2), torch.zeros(3)
     >>> groups = [{"params": [a]}, {"params": [b], "double_buffering": True}]
@@ -18,14 +23,14 @@ the rules, the rules over the wrapper's arguments.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from commopt.codecs.base import Codec
 from commopt.optim.compensation import parse_mode
 
-__all__ = ["PLAN_KEYS", "Plan", "check_rules", "group_plans", "param_plans"]
+__all__ = ["PLAN_KEYS", "Plan", "check_rules", "embedding_params", "group_plans", "param_plans"]
 
 #: The keys of a parameter group (or of a ``plans=`` rule) that choose a plan.
 PLAN_KEYS = ("compression", "double_buffering")
@@ -88,21 +93,42 @@ def check_rules(rules: Sequence | None) -> list[tuple[str, dict[str, Any]]]:
     return checked
 
 
+def embedding_params(model) -> set[int]:
+    """The ids of ``model``'s ``nn.Embedding`` weights (a tied parameter is the same tensor).
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 5))
+    >>> model[1].weight = model[0].weight  # tied output projection
+    >>> embedding_params(model) == {id(model[0].weight)}
+    True
+    """
+    import torch
+
+    if model is None:
+        return set()
+    return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+
+
 def param_plans(
     param_groups: Sequence[dict],
     names: Sequence[str],
     compression: Codec | str | None,
     double_buffering: bool | str,
     rules: Sequence[tuple[str, dict[str, Any]]],
+    synchronous: Collection[int] = frozenset(),
 ) -> list[Plan]:
-    """The plan of every parameter of ``param_groups``, in their order (``names``: theirs)."""
+    """The plan of every parameter of ``param_groups``, in their order (``names``: theirs).
+
+    ``synchronous``: ids of parameters whose default is ``double_buffering=False`` (the
+    embedding rule); a rule or the group's key still wins.
+    """
     plans = []
     position = 0
     for group in param_groups:
-        for _ in group["params"]:
+        for param in group["params"]:
             options: dict[str, Any] = {
                 "compression": compression,
-                "double_buffering": double_buffering,
+                "double_buffering": False if id(param) in synchronous else double_buffering,
             }
             for pattern, chosen in rules:
                 if fnmatch.fnmatchcase(names[position], pattern):

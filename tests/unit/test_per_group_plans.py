@@ -272,3 +272,53 @@ def test_compensation_predicts_only_its_own_plan(comm):
     opt.flush()
     for n, p in model.named_parameters():
         assert torch.isfinite(p).all(), n
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.hidden = torch.nn.Linear(4, 4)
+        self.out = torch.nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight  # tied output projection
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.hidden(self.embed(idx)))).sum()
+
+
+COMP = "compression=None, double_buffering=compensated"
+
+
+def test_compensated_reduces_embeddings_and_tied_weights_synchronously_by_default(comm, caplog):
+    model = Tied()
+    with caplog.at_level("INFO", logger="commopt"):
+        opt = commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            comm,
+            model=model,
+            double_buffering="compensated",
+        )
+        _train(model, opt, range(2))
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert list(opt.plans) == [SYNC, COMP]
+    assert opt.plan_params(SYNC) == [model.embed.weight]  # (the tied out.weight is the same)
+    assert opt.plans[SYNC].overlap
+    logged = [r for r in caplog.records if "embedding" in r.getMessage()]
+    assert len(logged) == 1 and "embed.weight" in logged[0].getMessage()
+
+    def plans_of(**kw):
+        m = Tied()
+        return list(
+            commopt.create_multi_node_optimizer(
+                torch.optim.SGD(m.parameters(), lr=0.1),
+                comm,
+                model=m,
+                double_buffering=kw.pop("db", "compensated"),
+                **kw,
+            ).plans
+        )
+
+    assert plans_of(synchronous_embeddings=False) == [COMP]
+    assert plans_of(plans=[("embed.*", {"double_buffering": "compensated"})]) == [COMP]
+    assert plans_of(db=True) == [DB], "the rule is compensated double buffering's only"
