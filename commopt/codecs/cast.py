@@ -43,7 +43,7 @@ class CastCodec(Codec):
     stochastic = False
 
     def __init__(self, dtype: torch.dtype = torch.float16):
-        if dtype not in _NAMES:
+        if not isinstance(dtype, torch.dtype) or dtype not in _NAMES:
             raise ValueError(f"CastCodec dtype must be one of {list(_NAMES)}, got {dtype}")
         self.dtype = dtype
         self.wire_dtype = dtype

@@ -42,6 +42,7 @@ NaN/Inf agreement makes every rank skip the step even when only the wire was bad
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable
 from typing import Any
 
@@ -53,6 +54,14 @@ from commopt.codecs.base import Codec, RngKey
 
 #: the largest legal ``levels * scale``: float32's largest value, with a slack of 2^-20.
 _TOP = float(torch.finfo(torch.float32).max) * (1 + 2.0**-20)
+
+
+#: the largest bucket the kernels take (their bucket index is a 32-bit int).
+_MAX_BUCKET = 2**31 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class QSGD(Codec):
@@ -71,16 +80,21 @@ class QSGD(Codec):
         levels: int | None = None,
         scale_dtype: torch.dtype = torch.float32,
     ):
-        if bits not in kernels.QSGD_BITS:
-            raise ValueError(f"QSGD bits must be one of {kernels.QSGD_BITS}, got {bits}")
+        if not _is_int(bits) or bits not in kernels.QSGD_BITS:
+            raise ValueError(f"QSGD bits must be one of {kernels.QSGD_BITS}, got {bits!r}")
+        bits = int(bits)
         max_levels = 2 ** (bits - 1) - 1
+        if levels is not None and not _is_int(levels):
+            raise TypeError(f"QSGD levels must be an int or None, got {levels!r}")
         levels = max_levels if levels is None else int(levels)
         if not 1 <= levels <= max_levels:
             raise ValueError(
                 f"QSGD levels must be in [1, {max_levels}] for {bits} bits, got {levels}"
             )
-        if int(bucket_size) < 1:
-            raise ValueError(f"QSGD bucket_size must be >= 1, got {bucket_size}")
+        if not _is_int(bucket_size) or not 1 <= bucket_size <= _MAX_BUCKET:
+            raise ValueError(
+                f"QSGD bucket_size must be an int in [1, {_MAX_BUCKET}], got {bucket_size!r}"
+            )
         if scale not in kernels.NORMS:
             raise ValueError(f"QSGD scale must be one of {kernels.NORMS}, got {scale!r}")
         if scale_dtype not in (torch.float32, torch.float16):
