@@ -28,6 +28,8 @@ run, the outcomes, the failures (hypothesis' smallest failing example) and the c
 
     python benchmarks/fuzz_wire.py --examples 10000 --out benchmarks/results/fuzz-wire.json
     python benchmarks/fuzz_wire.py --examples 50 --targets codec:qsgd4,objects  # quick
+    python benchmarks/fuzz_wire.py --merge a.json b.json --out all.json  # runs side by side
+    python benchmarks/fuzz_wire.py --out benchmarks/results/fuzz-wire.json --doc docs/reliability.md
 
 Exits 1 when any target failed or crashed.
 """
@@ -759,6 +761,84 @@ def _child(target: str, examples: int, timeout: float) -> dict:
     return {**json.loads(lines[-1][5:]), "crashed": False}
 
 
+def merge(paths: list[str]) -> dict:
+    """One record from the records of runs over disjoint targets (run side by side)."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    targets = {t: r for rec in records for t, r in rec["targets"].items()}
+    return {
+        "command": [rec["command"] for rec in records],
+        "date": max(rec["date"] for rec in records),
+        "host": [rec["host"] for rec in records],
+        "examples_per_target": min(rec["examples_per_target"] for rec in records),
+        "triton_examples": min(rec["triton_examples"] for rec in records),
+        "crashes": sum(rec["crashes"] for rec in records),
+        "failed_targets": [t for rec in records for t in rec["failed_targets"]],
+        "silent_corruptions": sum(rec["silent_corruptions"] for rec in records),
+        "wall_s": [rec["wall_s"] for rec in records],
+        "targets": {t: targets[t] for t in TARGETS if t in targets},
+    }
+
+
+BEGIN, END = "<!-- fuzz: begin -->", "<!-- fuzz: end -->"
+
+
+def section(record: dict) -> str:
+    """The fuzz section of docs/reliability.md, from a record alone."""
+    commands = record["command"] if isinstance(record["command"], list) else [record["command"]]
+    hosts = record["host"] if isinstance(record["host"], list) else [record["host"]]
+    loads = [h["load_average_start"] for h in hosts] + [h["load_average_end"] for h in hosts]
+    walls = record["wall_s"] if isinstance(record["wall_s"], list) else [record["wall_s"]]
+    ran = " and, side by side, ".join(f"`{c}`" for c in commands)
+    lines = [
+        BEGIN,
+        "## Fuzz: bytes from the wire are untrusted",
+        "",
+        f"{ran} on {record['date']}, on one host of {hosts[0]['cpus']} cores shared with other "
+        f"work (load average {min(loads)}-{max(loads)}; {max(walls)} s), merged with "
+        "`python benchmarks/fuzz_wire.py --merge ... --out benchmarks/results/fuzz-wire.json`. "
+        f"Hypothesis drew {record['examples_per_target']} examples per target "
+        f"({record['triton_examples']} for the Triton kernels, which run under Triton's "
+        "interpreter here); each target ran in a process of its own, so a crash would be "
+        "counted. Result file: `benchmarks/results/fuzz-wire.json`.",
+        "",
+        f"**Crashes: {record['crashes']}. Silent corruptions: {record['silent_corruptions']}. "
+        f"Failed targets: {', '.join(record['failed_targets']) or 'none'}.**",
+        "",
+        "| target | examples | outcomes | finding |",
+        "|---|---|---|---|",
+    ]
+    for target, r in record["targets"].items():
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(r.get("outcomes", {}).items()))
+        finding = "crash" if r.get("crashed") else (r.get("failure") or "none")
+        finding = finding.replace("|", "\\|").replace("\n", " ")[:200]
+        lines.append(f"| `{target}` | {r.get('examples', 0)} | {outcomes} | {finding} |")
+    lines += [
+        "",
+        "Outcomes: *size rejected*, a truncated or oversized wire refused with a `ValueError` "
+        "naming `encoded_nbytes`; *rejected*, a QSGD scale no encoder writes (negative, or so "
+        "large that the levels overflow float32) refused with a `ValueError` naming the "
+        "bucket; *finite*, decoded, the same bits from the native and the reference kernels, "
+        "nothing written outside the output and nothing read outside the wire (the bytes "
+        "around it changed nothing); *nan/inf, re-checked*, as *finite* but the damaged bytes "
+        "spelled NaN or Inf (a NaN scale, a NaN float): every codec has `can_overflow` set, so "
+        "the reduction re-checks its result and the step's NaN/Inf agreement makes every rank "
+        "skip the step (`tests/unit/test_wire_fuzz.py::"
+        "test_damaged_scale_is_caught_by_the_nan_agreement_on_every_rank` damages one rank's "
+        "scales on 2 gloo ranks: both skip that step, weights untouched; with the re-check off "
+        "a rank's weights become NaN). A *silent corruption* would be a NaN/Inf decoded where "
+        "no re-check follows. `api`: the codec constructors, `get_codec`, "
+        "`create_communicator` and `create_multi_node_optimizer` with random arguments give a "
+        "working object (a codec round-trips, an optimizer trains two steps with finite "
+        "weights) or a `ValueError`/`TypeError`. `objects`: `bcast_obj`/`allgather_obj` "
+        "messages round-trip, and random, damaged or hostile messages (bad JSON, nesting "
+        "200,000 deep, wrong tags, bad offsets, shapes that do not match the bytes, bool bytes "
+        "other than 0/1) decode to plain values or raise `ValueError`; nothing is unpickled "
+        "and no class is looked up by a name from the message.",
+        END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=10000, help="per target")
@@ -766,7 +846,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per target")
     ap.add_argument("--out", help="write the JSON record here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--merge", nargs="+", metavar="RECORD", help="merge records into --out")
+    ap.add_argument("--doc", help="write the fuzz section of this page from the --out record")
     args = ap.parse_args(argv)
+    if args.doc:  # only renders: python benchmarks/fuzz_wire.py --out RECORD --doc PAGE
+        from soak import write_section  # benchmarks/ is this script's directory
+
+        write_section(section(json.loads(Path(args.out).read_text())), Path(args.doc), BEGIN, END)
+        return 0
+    if args.merge:
+        record = merge(args.merge)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        return 1 if record["failed_targets"] else 0
     if args.child:
         torch.set_num_threads(1)
         print("FUZZ " + json.dumps(run_target(args.child, args.examples)), flush=True)

@@ -21,6 +21,7 @@ and collected (``mpi_comms_kept``).
 
     python benchmarks/soak.py --out benchmarks/results/soak.json
     python benchmarks/soak.py --ranks 2 --steps 200 --warmup 100 --modes overlap  # short
+    python benchmarks/soak.py --out benchmarks/results/soak.json --doc docs/reliability.md
 
 Exits 1 when a metric did not stay flat (or a rank failed).
 """
@@ -255,6 +256,70 @@ def launch(args: argparse.Namespace) -> dict:
     }
 
 
+BEGIN, END = "<!-- soak: begin -->", "<!-- soak: end -->"
+_LABELS = {
+    "rss_kib": "RSS (MiB)",
+    "os_threads": "threads (OS)",
+    "py_threads": "threads (Python)",
+    "open_fds": "open fds",
+    "mpi_comms": "MPI communicators",
+}
+
+
+def section(record: dict) -> str:
+    """The soak section of docs/reliability.md, from a record alone."""
+    host = record["host"]
+    lines = [
+        BEGIN,
+        "## Soak: days of running, in minutes",
+        "",
+        f"`{record['command']}` on {record['date']}: {record['ranks']} ranks (mpirun, "
+        f"loopback) sharing the {host['cpus']} cores of one host (load average "
+        f"{host['load_average_start']}-{host['load_average_end']}), {record['steps']} steps of a "
+        f"small MLP per mode, each mode on a communicator of its own. Every {record['every']} "
+        "steps each rank sampled its resident memory, threads, open file descriptors and the "
+        f"MPI communicators commopt holds; after {record['warmup']} steps of warm-up every sample "
+        f"must stay within {record['tolerance']:.0%} of the first one. Each cell: the range over "
+        "all ranks' samples after warm-up, and the largest change of one rank (relative to its "
+        f"first sample). Result file: `benchmarks/results/soak.json`; {record['wall_s']} s in all.",
+        "",
+        "| mode | s per rank | " + " | ".join(_LABELS.values()) + " | flat | MPI comms kept |",
+        "|---" * (len(_LABELS) + 4) + "|",
+    ]
+    for mode, entry in record["modes"].items():
+        cells = []
+        for metric in _LABELS:
+            per = [r["metrics"][metric] for r in entry["ranks"].values() if metric in r["metrics"]]
+            lo, hi = min(m["min"] for m in per), max(m["max"] for m in per)
+            worst = max(m["max_rel_change"] for m in per)
+            if metric == "rss_kib":
+                lo, hi = f"{lo / 1024:.1f}", f"{hi / 1024:.1f}"
+            span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+            cells.append(f"{span} ({worst:.2%})")
+        seconds = max(entry["seconds"])
+        verdict = "yes" if entry["passed"] else "**no**"
+        row = [f"`{mode}`", f"{seconds}", *cells, verdict, str(entry["mpi_comms_kept"])]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "*MPI comms kept*: communicators a rank still held once the mode's optimizer and "
+        "communicator were closed, finalized and garbage collected (0 when nothing leaks).",
+        END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str, page: Path, begin: str, end: str) -> None:
+    """Put ``text`` (from ``begin`` to ``end``) in ``page``: in place of the old one, or last."""
+    old = page.read_text() if page.exists() else ""
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + text.rstrip("\n") + rest.split(end, 1)[1]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    page.write_text(new)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -266,6 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {MODES}")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
     ap.add_argument("--out", help="write the JSON record here")
+    ap.add_argument("--doc", help="write the soak section of this page from the --out record")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -283,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.doc:  # only renders: python benchmarks/soak.py --out RECORD --doc PAGE
+        record = json.loads(Path(args.out).read_text())
+        write_section(section(record), Path(args.doc), BEGIN, END)
         return 0
     record = launch(args)
     if args.out:
