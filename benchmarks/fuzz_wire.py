@@ -833,7 +833,12 @@ def section(record: dict) -> str:
         "messages round-trip, and random, damaged or hostile messages (bad JSON, nesting "
         "200,000 deep, wrong tags, bad offsets, shapes that do not match the bytes, bool bytes "
         "other than 0/1) decode to plain values or raise `ValueError`; nothing is unpickled "
-        "and no class is looked up by a name from the message.",
+        "and no class is looked up by a name from the message. `kernels:*`: "
+        "`commopt.kernels.qsgd_decode`/`cast_decode` on random bytes with any bits, levels, "
+        "bucket size and scale size, at odd offsets and with different bytes around the wire: "
+        "the same values as the reference kernels (the Triton kernels write 0.0 where the "
+        "others write -0.0 for a code no encoder writes, a sign bit on level 0) and no write "
+        "outside the output.",
         END,
     ]
     return "\n".join(lines) + "\n"
