@@ -794,9 +794,14 @@ def section(record: dict) -> str:
         "## Fuzz: bytes from the wire are untrusted",
         "",
         f"{ran} on {record['date']}, on one host of {hosts[0]['cpus']} cores shared with other "
-        f"work (load average {min(loads)}-{max(loads)}; {max(walls)} s), merged with "
-        "`python benchmarks/fuzz_wire.py --merge ... --out benchmarks/results/fuzz-wire.json`. "
-        f"Hypothesis drew {record['examples_per_target']} examples per target "
+        f"work (load average {min(loads)}-{max(loads)}; {max(walls)} s)"
+        + (
+            ", merged with `python benchmarks/fuzz_wire.py --merge ... --out "
+            "benchmarks/results/fuzz-wire.json`. "
+            if len(commands) > 1
+            else ". "
+        )
+        + f"Hypothesis drew {record['examples_per_target']} examples per target "
         f"({record['triton_examples']} for the Triton kernels, which run under Triton's "
         "interpreter here); each target ran in a process of its own, so a crash would be "
         "counted. Result file: `benchmarks/results/fuzz-wire.json`.",
@@ -872,46 +877,49 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown target(s) {unknown}; choose from {', '.join(TARGETS)}")
     start, load0 = time.perf_counter(), os.getloadavg()[0]
-    results = {}
+    results: dict[str, dict] = {}
+
+    def record() -> dict:
+        failed = [t for t, r in results.items() if r.get("failure") or r.get("crashed")]
+        return {
+            "command": "python benchmarks/fuzz_wire.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "host": {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "load_average_start": round(load0, 2),
+                "load_average_end": round(os.getloadavg()[0], 2),
+            },
+            "examples_per_target": args.examples,
+            "triton_examples": max(1, math.ceil(args.examples * TRITON_SHARE)),
+            "crashes": sum(bool(r.get("crashed")) for r in results.values()),
+            "failed_targets": failed,
+            "silent_corruptions": sum(
+                "NaN/Inf decoded by a codec" in (r.get("failure") or "") for r in results.values()
+            ),
+            "wall_s": round(time.perf_counter() - start, 1),
+            "targets": dict(results),
+            "complete": len(results) == len(targets),
+        }
+
     for target in targets:
         count = args.examples
         if target == "kernels:triton":
             count = max(1, math.ceil(args.examples * TRITON_SHARE))
-        results[target] = _child(target, count, args.timeout)
-        r = results[target]
+        results[target] = r = _child(target, count, args.timeout)
         verdict = "CRASHED" if r.get("crashed") else ("FAILED" if r.get("failure") else "ok")
-        print(
-            f"{target}: {r.get('examples', 0)} examples, {verdict} {r.get('outcomes', r.get('skipped', ''))}"
-        )
+        print(f"{target}: {r.get('examples', 0)} examples, {verdict} {r.get('outcomes', '')}")
         if r.get("failure"):
             print("   ", r["failure"][:2000])
-    failed = [t for t, r in results.items() if r.get("failure") or r.get("crashed")]
-    record = {
-        "command": "python benchmarks/fuzz_wire.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": {
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "load_average_start": round(load0, 2),
-            "load_average_end": round(os.getloadavg()[0], 2),
-        },
-        "examples_per_target": args.examples,
-        "triton_examples": max(1, math.ceil(args.examples * TRITON_SHARE)),
-        "crashes": sum(bool(r.get("crashed")) for r in results.values()),
-        "failed_targets": failed,
-        "silent_corruptions": sum(
-            "NaN/Inf decoded by a codec" in (r.get("failure") or "") for r in results.values()
-        ),
-        "wall_s": round(time.perf_counter() - start, 1),
-        "targets": results,
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        if args.out:  # after every target: a run cut short keeps what it did
+            Path(args.out).write_text(json.dumps(record(), indent=1) + "\n")
+    final = record()
+    failed = final["failed_targets"]
     print(
-        f"fuzz {'passed' if not failed else 'FAILED: ' + ', '.join(failed)} in {record['wall_s']} s"
+        f"fuzz {'passed' if not failed else 'FAILED: ' + ', '.join(failed)} in {final['wall_s']} s"
     )
     return 1 if failed else 0
 
