@@ -37,12 +37,14 @@ checked on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from commopt.comm.base import Work
 
-__all__ = ["CudaStreams", "StreamWork", "issue_after_caller"]
+__all__ = ["CudaStreams", "StreamWork", "issue_after_caller", "synchronize_bounded"]
 
 
 class CudaStreams:
@@ -98,6 +100,29 @@ class CudaStreams:
     def is_device_tensor(self, tensor) -> bool:
         return bool(tensor.is_cuda)
 
+    def from_host(self, values, dtype, device):
+        """A device tensor of ``values`` (host numbers), copied without blocking the host.
+
+        A plain ``torch.tensor(values, device=cuda)`` copies from pageable memory and then
+        synchronizes the stream; staging in pinned memory lets the copy run in stream order.
+        """
+        import torch
+
+        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return staged.to(device, non_blocking=True)
+
+    def to_host(self, tensor):
+        """``(host_copy, event)``: ``tensor`` copied to pinned host memory in stream order.
+
+        The copy is enqueued on the current stream and returns at once; the host may read
+        ``host_copy`` only after ``synchronize(event)``.
+        """
+        import torch
+
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host, self.record(torch.cuda.current_stream(tensor.device))
+
 
 class StreamWork(Work):
     """Completion of stream-ordered work: an event on the stream that ran it.
@@ -144,3 +169,26 @@ def issue_after_caller(
         for t in keep:
             streams.keep(t, comm_stream)
     return StreamWork(streams, streams.record(comm_stream), device, comm_stream)
+
+
+def synchronize_bounded(
+    work: StreamWork, limit_s: float, check: Callable[[], None] | None = None
+) -> bool:
+    """``work.synchronize()`` that gives up after ``limit_s`` seconds; False when it did.
+
+    Polls the event (sleeps from 0.1 ms growing to 10 ms) and calls ``check`` between
+    polls, which raises on a transport's asynchronous error (a dead peer): a failed or
+    silent peer cannot keep the host in ``event.synchronize()`` forever. ``inf``: no bound.
+    """
+    if not math.isinf(limit_s):
+        deadline = time.monotonic() + limit_s
+        pause = 1e-4
+        while not work._streams.query(work._event):
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+    work.synchronize()
+    return True

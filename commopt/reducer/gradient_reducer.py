@@ -14,6 +14,7 @@ import torch
 from commopt import collectives, kernels
 from commopt.codecs.base import Codec, RngKey
 from commopt.comm.base import Communicator, Work
+from commopt.profiling import phase
 from commopt.reducer.layout import Bucket, build_buckets, is_view_of, slot_view
 from commopt.reducer.step import StepReduction
 
@@ -76,8 +77,11 @@ class GradientReducer:
     def numel(self) -> int:
         return sum(b.numel for b in self.buckets)
 
-    def start(self, step: int, buffer: int = 0, scale: float = 1.0) -> StepReduction:
+    def start(self, step: int, buffer: int = 0, scale: float | torch.Tensor = 1.0) -> StepReduction:
         """Begin reducing this step's gradients into buffer set ``buffer``.
+
+        ``scale`` multiplies the averages: a number, or a 0-dim tensor on the buckets'
+        device (GradScaler's inverse scale), applied there without a host read.
 
         ``step`` keys the random numbers; each step discarded since the last start gives its
         number back (the returned reduction's ``step`` is ``step - pending_discards``), so
@@ -107,6 +111,10 @@ class GradientReducer:
     # -- per bucket -----------------------------------------------------------------------
     def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         """Copy the bucket's gradients into ``flat`` (zeros for None); local NaN/Inf flag."""
+        with phase("pack"):
+            return self._pack(bucket, flat, present)
+
+    def _pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         pieces: list[tuple[torch.Tensor | None, int, int]] = []
         views: list[torch.Tensor] = []
         for s in bucket.slots:
@@ -135,6 +143,7 @@ class GradientReducer:
         ]
         if (
             flat.device.type == "cpu"
+            and not self.comm.stream_ordered  # (a recorded stream trace: the device path)
             and flat.dtype == torch.float32
             and all(
                 src is None or (src.dtype == torch.float32 and src.is_contiguous())
@@ -168,8 +177,12 @@ class GradientReducer:
             key=bucket.key,
         )
 
-    def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: list[bool]) -> None:
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
         """Write the reduced values into ``param.grad`` (None where ``keep`` is False)."""
+        with phase("unpack"):
+            self._unpack(bucket, flat, keep)
+
+    def _unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
         for s in bucket.slots:
             p = self.params[s.param]
             if not keep[s.param]:
