@@ -803,8 +803,10 @@ def section(record: dict) -> str:
         )
         + f"Hypothesis drew {record['examples_per_target']} examples per target "
         f"({record['triton_examples']} for the Triton kernels, which run under Triton's "
-        "interpreter here); each target ran in a process of its own, so a crash would be "
-        "counted. Result file: `benchmarks/results/fuzz-wire.json`.",
+        "interpreter here), derandomized: the same sequence on every run, so codecs whose wires "
+        "draw alike see the same inputs (`qsgd4+ef` those of `qsgd4`, `exact` those of "
+        "`none`). Each target ran in a process of its own, so a crash would be counted. "
+        "Result file: `benchmarks/results/fuzz-wire.json`.",
         "",
         f"**Crashes: {record['crashes']}. Silent corruptions: {record['silent_corruptions']}. "
         f"Failed targets: {', '.join(record['failed_targets']) or 'none'}.**",
