@@ -128,7 +128,7 @@ def test_object_message_device_names_no_torch_attribute():
 
 
 DAMAGED_PEER = r"""
-import json, sys
+import json
 import torch, commopt
 from commopt.codecs import QSGD
 
@@ -142,34 +142,39 @@ class DamagingQSGD(QSGD):
             out[:4] = torch.tensor([float("nan")]).view(torch.uint8)
 
 comm = commopt.create_communicator("torch")
-codec = DamagingQSGD(bits=4, bucket_size=128)
-if sys.argv[1] == "unchecked":
-    codec.can_overflow = False
-torch.manual_seed(0)
-model = torch.nn.Linear(64, 64, bias=False)
-opt = commopt.create_multi_node_optimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model, compression=codec
-)
-gen = torch.Generator().manual_seed(comm.rank)
 
-def step():
-    opt.zero_grad()
-    model(torch.randn(8, 64, generator=gen)).pow(2).sum().backward()
-    opt.step()
+def run(recheck):
+    codec = DamagingQSGD(bits=4, bucket_size=128)
+    codec.can_overflow = recheck
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model, compression=codec
+    )
+    gen = torch.Generator().manual_seed(comm.rank)
 
-step()
-before = model.weight.detach().clone()
-codec.damage = comm.rank == 1  # only rank 1's wires are damaged; every input is finite
-step()
-codec.damage = False
-after = model.weight.detach().clone()
-step()
-print(json.dumps({
-    "skipped": opt.skipped_steps,
-    "unchanged": torch.equal(before, after),
-    "finite": bool(torch.isfinite(after).all()),
-    "trains_on": bool(torch.isfinite(model.weight).all()) and not torch.equal(after, model.weight),
-}))
+    def step():
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=gen)).pow(2).sum().backward()
+        opt.step()
+
+    step()
+    before = model.weight.detach().clone()
+    codec.damage = comm.rank == 1  # only rank 1's wires are damaged; every input is finite
+    step()
+    codec.damage = False
+    after = model.weight.detach().clone()
+    step()
+    end = model.weight.detach()
+    opt.close()
+    return {
+        "skipped": opt.skipped_steps,
+        "unchanged": torch.equal(before, after),
+        "finite": bool(torch.isfinite(after).all()),
+        "trains_on": bool(torch.isfinite(end).all()) and not torch.equal(after, end),
+    }
+
+print(json.dumps({"checked": run(True), "unchecked": run(False)}))
 """
 
 
@@ -178,16 +183,8 @@ def test_damaged_scale_is_caught_by_the_nan_agreement_on_every_rank():
     flags it, every rank skips that step with its weights untouched, and training goes on.
     The same run with the re-check switched off writes NaN into a rank's weights, which is
     what ``can_overflow=True`` prevents."""
-    checked = [
-        json.loads(o.strip().splitlines()[-1])
-        for o in run_torch(DAMAGED_PEER, 2, timeout=240, args=["checked"])
-    ]
-    for rank, r in enumerate(checked):
-        assert r == {"skipped": 1, "unchanged": True, "finite": True, "trains_on": True}, (
-            f"rank {rank}: {r}"
-        )
-    unchecked = [
-        json.loads(o.strip().splitlines()[-1])
-        for o in run_torch(DAMAGED_PEER, 2, timeout=240, args=["unchecked"])
-    ]
-    assert not all(r["finite"] for r in unchecked), unchecked
+    runs = [json.loads(o.strip().splitlines()[-1]) for o in run_torch(DAMAGED_PEER, 2, timeout=240)]
+    for rank, r in enumerate(runs):
+        want = {"skipped": 1, "unchanged": True, "finite": True, "trains_on": True}
+        assert r["checked"] == want, f"rank {rank}: {r['checked']}"
+    assert not all(r["unchecked"]["finite"] for r in runs), runs
