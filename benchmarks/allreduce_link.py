@@ -1,8 +1,5 @@
 """Allreduce over an emulated link: mpi against torch.distributed (gloo), several rounds.
 
-Over 400 lines on purpose: one benchmark script (run the rounds, summarise, check the targets,
-write markdown and plots); each part is a few small functions over the same result dict.
-
     $ python benchmarks/allreduce_link.py --link 1gbit --rounds 5 --out allreduce-1gbit.json
     $ python benchmarks/allreduce_link.py --from allreduce-1gbit.json --markdown --plots docs/plots
 

@@ -1,9 +1,5 @@
 """Validation table of the scaling simulator: predicted vs published vs measured.
 
-Over 400 lines on purpose: it renders every table of docs/scaling.md (published, effects,
-leave-one-out, testbed, predictions) from one place, so `--write-docs` regenerates the page in
-one run; the arithmetic behind the tables lives in commopt/sim.
-
     $ python benchmarks/sim_validation.py                     # text tables
     $ python benchmarks/sim_validation.py --markdown          # the tables in docs/scaling.md
     $ python benchmarks/sim_validation.py --measured a.json --measured b.json

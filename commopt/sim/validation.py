@@ -1,12 +1,9 @@
 """The simulator against published numbers and against this project's testbed.
 
-Over 400 lines on purpose: the comparison of every published row and every testbed row with the
-model, each row's stated reason where it misses; splitting the rows from their comparison would
-separate a number from its check.
-
-Published rows (shared/reference/published-results.md) are predicted with the presets as they
-are: no parameter is fitted to these rows. A row that the model cannot match within 15% with
-defensible parameters carries ``known_miss``: the reason, stated rather than tuned away.
+Published rows (each with its source, listed in docs/scaling.md) are predicted with the
+presets as they are: no parameter is fitted to these rows. A row that the model cannot match
+within 15% with defensible parameters carries ``known_miss``: the reason, stated rather than
+tuned away.
 
     >>> rows = published_comparison()
     >>> all(abs(r.error) <= 0.15 for r in rows if r.known_miss is None)
