@@ -409,7 +409,10 @@ def predictions_table(markdown: bool) -> str:
         m = PRESETS[name]
         for gpus in (8, 64, 512, 4096):
             cells = [name, m.transport.name if m.transport else "-", gpus]
-            for plan in (software_plan("pytorch-ddp"), software_plan("commopt", compression="qsgd4")):
+            for plan in (
+                software_plan("pytorch-ddp"),
+                software_plan("commopt", compression="qsgd4"),
+            ):
                 p = simulate("resnet50", m, plan, gpus)
                 cells += [f"{p.efficiency:.0%}", p.dominant]
             rows.append(cells)

@@ -37,6 +37,7 @@ def parse_sweep(spec: str) -> tuple[str, list]:
         raise ValueError(f"--sweep: axis {axis!r} is now called {RENAMED[axis]!r}")
     if axis not in AXES:
         raise ValueError(f"cannot sweep {axis!r}; axes: {', '.join(AXES)}")
+    out: list
     if axis in CATEGORICAL:
         out = [v.strip() for v in values.split(",") if v.strip()]
         if axis in ("overlap", "double_buffering"):
