@@ -91,7 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio",
     )
     p.add_argument(
-        "--bucket-cap-mb", type=float, default=None, help="gradient bucket size in MiB (default 25)"
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="gradient bucket size in MiB (default 25)",
     )
     p.add_argument(
         "--no-overlap",
@@ -104,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=True,
         default=None,
         choices=(True, "compensated"),
+        metavar="compensated",
         help="the all-reduce of step t runs during step t+1 (ChainerMN); 'compensated' is timed "
         "as double buffering",
     )
