@@ -131,7 +131,9 @@ def submit(
 
     ``fn`` may call ``comm``'s collectives (synchronously): it runs where the stages of
     the asynchronous allreduces run, so every rank still issues them in the same order.
-    ``device``: the CUDA device ``fn`` works on, made current on the worker thread. A world
+    ``device``: the CUDA device ``fn`` works on, made current on the worker thread; on a
+    CUDA device the job also starts after the caller's current stream reached this point
+    and completes after its own kernels. A world
     of one that has no worker runs ``fn`` at once and returns a completed Work. A
     stream-ordered communicator runs ``fn`` at once, here, on its stream (``keep``: tensors
     that stream uses beyond ``fn``'s own allocations, kept alive until it is done).
@@ -142,8 +144,30 @@ def submit(
         fn()
         return _DONE
     if device is not None:
-        fn = on_device(torch.device(device), fn)
+        dev = torch.device(device)
+        fn = on_device(dev, fn)
+        if dev.type == "cuda":
+            fn = _in_stream_order(dev, fn)
     return driver_for(comm).submit(fn)
+
+
+def _in_stream_order(device: torch.device, fn: Callable[[], None]) -> Callable[[], None]:
+    """A host-ordered transport's job on CUDA buffers, ordered with the caller's stream.
+
+    The worker thread's current stream is not the caller's: the job starts once the
+    caller's current stream reached this point (an event recorded now, waited for on the
+    worker), and it completes (its Work too) only once the kernels it enqueued finished, so
+    the caller may use the results on any stream after ``wait()``.
+    """
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+
+    def run() -> None:
+        ready.synchronize()
+        fn()
+        torch.cuda.current_stream(device).synchronize()
+
+    return run
 
 
 #: ``then(comm, fn)`` reads as what it is at the call sites that follow reductions (the

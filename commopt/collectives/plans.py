@@ -1,7 +1,7 @@
 """The allreduce algorithms as plans: native, scatter-reduce (pipelined), hierarchical.
 
-A plan is built on the caller's thread (the native plan encodes there) and returns the
-callable that runs the reduction, on the communicator's worker (:mod:`commopt.driver`) or,
+A plan is built on the caller's thread (the native plan of a host-ordered transport encodes
+there) and returns the callable that runs the reduction, on the communicator's worker (:mod:`commopt.driver`) or,
 for a world of one, at once. ``PLANS`` maps each algorithm name to its builder; the
 choice among them is :mod:`commopt.collectives.choice`'s.
 """
@@ -66,7 +66,19 @@ def plan_native(
     piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
     if isinstance(codec, CastCodec) and 0 < piece < flat.numel() * flat.element_size():
         return _plan_cast_pieces(comm, flat, codec, factor, piece // flat.element_size())
-    wire = torch.empty(codec.encoded_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
+    nbytes = codec.encoded_nbytes(flat.numel())
+    if comm.stream_ordered:
+        # Encode on the communicator's stream too: the wire buffer is then allocated, used
+        # and freed in one stream's order, and the caching allocator cannot hand its block
+        # to the caller's stream while the transfer or the decode still reads it.
+        def on_stream() -> None:
+            wire = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+            codec.encode(flat, wire, scale=factor, rng=rng, key=key)
+            comm.allreduce(wire.view(wire_dtype))
+            codec.decode(wire, flat, accumulate=False)
+
+        return on_stream
+    wire = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     codec.encode(flat, wire, scale=factor, rng=rng, key=key)
 
     def finish() -> None:

@@ -305,3 +305,18 @@ def _check_contiguous(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_contiguous():
         raise ValueError(f"{what}: the tensor must be contiguous (call .contiguous() first)")
+
+
+def scalar_device(comm: Communicator) -> torch.device:
+    """Where ``comm``'s small tensors (flags, counts, a loss) must live.
+
+    The current CUDA device for stream-ordered transports (NCCL moves device memory only),
+    the CPU for the others.
+
+        >>> import commopt
+        >>> scalar_device(commopt.create_communicator("local"))
+        device(type='cpu')
+    """
+    if comm.stream_ordered:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -9,6 +9,14 @@ this is a test of ordering logic, not a transport (the real transport runs in te
 As in CUDA, the current stream is per host thread and per device: a thread that never
 selected one sees the device's default stream.
 
+It also records *host reads*: inside :meth:`StreamTrace.host_reads`, every ``.item()``,
+``bool()``, ``float()``, ``int()``, ``.tolist()``, ``.cpu()`` and ``.numpy()`` of a tensor is
+logged as ``host-read`` with the line of commopt that made it. Every tensor stands for device
+memory here (as :meth:`StreamTrace.is_device_tensor` says), except the host copies that
+:meth:`StreamTrace.to_host` hands out: on a GPU each logged read would block the host until
+the streams reached that value, so a read logged while a reduction is in flight is a lost
+overlap.
+
     >>> trace = StreamTrace()
     >>> side = trace.new_stream(None)
     >>> trace.current(None).name, side.name
@@ -25,10 +33,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 
-__all__ = ["StreamTrace", "TraceEvent", "TraceStream"]
+import torch
+
+__all__ = ["HOST_READS", "StreamTrace", "TraceEvent", "TraceStream"]
+
+#: The tensor methods that hand a value to the host (on CUDA: wait for the stream first).
+HOST_READS = frozenset(
+    {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"}
+)
+_COMMOPT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,8 @@ class StreamTrace:
         self._events = itertools.count(1)
         self._local = threading.local()
         self._lock = threading.Lock()
+        # to_host's copies (real host memory), by id: a WeakSet would compare tensors by value
+        self._host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def _log(self, *entry) -> None:
         with self._lock:
@@ -124,6 +146,48 @@ class StreamTrace:
     def is_device_tensor(self, tensor) -> bool:
         return True
 
+    def from_host(self, values, dtype, device):
+        self._log("from-host", len(values))
+        return torch.tensor(values, dtype=dtype)
+
+    def to_host(self, tensor):
+        host = tensor.detach().clone()
+        self._host[id(host)] = host
+        event = self.record(self.current(None))
+        self._log("to-host", event.name)
+        return host, event
+
+    # -- host reads -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def host_reads(self):
+        """Log every host read of a (device-standing) tensor made inside, with its commopt line.
+
+        The read methods of ``torch.Tensor`` are wrapped for the duration, for every thread:
+        a torch function mode would not see the reads made in autograd's hooks and callbacks.
+        """
+        trace = self
+        originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+        def wrap(name, method):
+            def read(tensor, *args, **kwargs):
+                if trace._host.get(id(tensor)) is not tensor:
+                    trace._log("host-read", name, _commopt_caller())
+                return method(tensor, *args, **kwargs)
+
+            return read
+
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, wrap(name, method))
+        try:
+            yield
+        finally:
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, method)
+
+    def mark(self, label: str) -> None:
+        """A labelled point in the trace (a test's own phases: "backward", "step", ...)."""
+        self._log("mark", label)
+
     # -- NCCL communicator lifetime (recorded, never created) ----------------------------
     def nccl_init(self, size: int, rank: int, boot) -> str:
         name = f"nccl{next(self._ids)}"
@@ -159,3 +223,15 @@ class StreamTrace:
 
     def threads(self) -> set[str]:
         return {thread for _, thread, *_ in self.ops}
+
+
+def _commopt_caller() -> str:
+    """``file:line`` of the innermost commopt frame on the stack (outside this module)."""
+    frame: FrameType | None = sys._getframe(2)
+    here = os.path.abspath(__file__)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_COMMOPT_DIR) and path != here:
+            return f"{os.path.relpath(path, os.path.dirname(_COMMOPT_DIR))}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "outside commopt"

@@ -98,6 +98,29 @@ class CudaStreams:
     def is_device_tensor(self, tensor) -> bool:
         return bool(tensor.is_cuda)
 
+    def from_host(self, values, dtype, device):
+        """A device tensor of ``values`` (host numbers), copied without blocking the host.
+
+        A plain ``torch.tensor(values, device=cuda)`` copies from pageable memory and then
+        synchronizes the stream; staging in pinned memory lets the copy run in stream order.
+        """
+        import torch
+
+        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return staged.to(device, non_blocking=True)
+
+    def to_host(self, tensor):
+        """``(host_copy, event)``: ``tensor`` copied to pinned host memory in stream order.
+
+        The copy is enqueued on the current stream and returns at once; the host may read
+        ``host_copy`` only after ``synchronize(event)``.
+        """
+        import torch
+
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host, self.record(torch.cuda.current_stream(tensor.device))
+
 
 class StreamWork(Work):
     """Completion of stream-ordered work: an event on the stream that ran it.

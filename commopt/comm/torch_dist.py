@@ -380,6 +380,7 @@ class TorchCommunicator(Communicator):
         self.size = dist.get_world_size(group)
         self.stream_ordered = self.backend == "nccl"
         self._codec_streams: dict = {}
+        self._perms: dict[torch.device, torch.Tensor] = {}  # the alltoall's index, per device
         if self.stream_ordered:
             from commopt.comm.streams import CudaStreams
 
@@ -426,7 +427,7 @@ class TorchCommunicator(Communicator):
             return _TorchWork(dist.all_to_all_single(r, s, group=self.group, async_op=True))
         # Reorder chunks from our rank order to the group's, and back on arrival.
         s_chunks, r_chunks = s.view(self.size, -1), r.view(self.size, -1)
-        perm = torch.tensor(self._group_to_ours())
+        perm = self._permutation(s.device)
         s_group = s_chunks[perm].contiguous().view(-1)
         r_group = torch.empty_like(s_group)
         return _TorchWork(
@@ -470,6 +471,13 @@ class TorchCommunicator(Communicator):
         return TorchCommunicator(
             allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine, _order=order
         )
+
+    def _permutation(self, device: torch.device) -> torch.Tensor:
+        """``_group_to_ours()`` as an index tensor on ``device`` (built once per device)."""
+        perm = self._perms.get(device)
+        if perm is None:
+            perm = self._perms[device] = torch.tensor(self._group_to_ours(), device=device)
+        return perm
 
     def _group_to_ours(self) -> list[int]:
         """Our rank of each group rank."""

@@ -169,7 +169,12 @@ def commopt_hook(
     """DDP comm hook: average ``bucket`` over DDP's group through commopt's codec."""
     reducer = state._reducer(bucket)
     comm = reducer.comm
-    future: torch.futures.Future = torch.futures.Future()
+    # With the bucket's CUDA device named, torch records the current stream when the result
+    # is set and makes every consumer's stream wait for it (without: no synchronisation).
+    device = bucket.buffer().device
+    future: torch.futures.Future = torch.futures.Future(
+        devices=[device] if device.type == "cuda" else None
+    )
     flats = reducer.buffers[0]
     present = [True] * len(reducer.params)
     for b in reducer.buckets:

@@ -76,8 +76,11 @@ class GradientReducer:
     def numel(self) -> int:
         return sum(b.numel for b in self.buckets)
 
-    def start(self, step: int, buffer: int = 0, scale: float = 1.0) -> StepReduction:
+    def start(self, step: int, buffer: int = 0, scale: float | torch.Tensor = 1.0) -> StepReduction:
         """Begin reducing this step's gradients into buffer set ``buffer``.
+
+        ``scale`` multiplies the averages: a number, or a 0-dim tensor on the buckets'
+        device (GradScaler's inverse scale), applied there without a host read.
 
         ``step`` keys the random numbers; each step discarded since the last start gives its
         number back (the returned reduction's ``step`` is ``step - pending_discards``), so
@@ -135,6 +138,7 @@ class GradientReducer:
         ]
         if (
             flat.device.type == "cpu"
+            and not self.comm.stream_ordered  # (a recorded stream trace: the device path)
             and flat.dtype == torch.float32
             and all(
                 src is None or (src.dtype == torch.float32 and src.is_contiguous())
@@ -168,7 +172,7 @@ class GradientReducer:
             key=bucket.key,
         )
 
-    def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: list[bool]) -> None:
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
         """Write the reduced values into ``param.grad`` (None where ``keep`` is False)."""
         for s in bucket.slots:
             p = self.params[s.param]

@@ -4,33 +4,61 @@ Buckets are issued strictly in order (bucket ``i`` after ``0..i-1``), whatever o
 backward hooks report gradients in, so every rank issues the same collectives in the same
 order; ``issue_remaining()`` issues what is left and the agreement trailer
 (:mod:`commopt.reducer.agreement`).
+
+Nothing here reads a device value on the host while issuing. The agreed result is read by
+:meth:`StepReduction.result` (or :meth:`~StepReduction.wait`), where the caller needs it;
+:meth:`~StepReduction.write_averages` hands the averages to ``param.grad`` without reading
+anything when every parameter gets a gradient (``zero_fill=True``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from commopt import driver
+from commopt.comm.base import Communicator, Work
 from commopt.comm.base import CompletedWork as _DoneWork
-from commopt.comm.base import Work
-from commopt.reducer.agreement import StepResult, agree, has_nonfinite
+from commopt.reducer.agreement import Agreement, StepResult, has_nonfinite, issue_agreement
+from commopt.reducer.layout import Bucket
 
-if TYPE_CHECKING:  # the reducer starts steps: it imports this module
-    from commopt.reducer.gradient_reducer import GradientReducer
+__all__ = ["BucketReducer", "StepReduction"]
 
-__all__ = ["StepReduction"]
+
+class BucketReducer(Protocol):
+    """What a step's reduction uses of its reducer (:class:`~commopt.reducer.GradientReducer`)."""
+
+    comm: Communicator
+    params: list[torch.Tensor]
+    names: list[str]
+    buckets: list[Bucket]
+    bucket_of: list[int]
+    buffers: list[list[torch.Tensor]]
+
+    def pack(
+        self, bucket: Bucket, flat: torch.Tensor, present: list[bool]
+    ) -> torch.Tensor | bool: ...
+
+    def reduce(self, bucket: Bucket, flat: torch.Tensor, step: int, scale: float) -> Work: ...
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None: ...
+
+    def discard_step(self) -> None: ...
 
 
 class StepReduction:
     """One step's gradients on their way to the average, bucket by bucket, in order."""
 
-    def __init__(self, reducer: GradientReducer, step: int, buffer: int, scale: float):
+    def __init__(self, reducer: BucketReducer, step: int, buffer: int, scale: float | torch.Tensor):
         self.reducer = reducer
         self.step = step
         self.buffer = buffer
-        self.scale = float(scale)
+        # A tensor scale (GradScaler's, on the device) multiplies each bucket as it is packed,
+        # with no host read; the collective then scales by 1.
+        self._grad_factor = scale if isinstance(scale, torch.Tensor) else None
+        self.scale = 1.0 if self._grad_factor is not None else float(scale)
         self.flats = reducer.buffers[buffer]
         n = len(reducer.buckets)
         self._waiting = [len(b.slots) for b in reducer.buckets]
@@ -40,7 +68,9 @@ class StepReduction:
         self.issued = 0  # buckets 0..issued-1 are on their way
         self.works: list[Work] = []
         self._trailer: Work | None = None
+        self._agreement: Agreement | None = None
         self._result: StepResult | None = None
+        self._written: list[bool] | None = None  # keep-mask of write_averages, once written
         self.all_issued = False
 
     # -- issuing ---------------------------------------------------------------------------
@@ -64,6 +94,8 @@ class StepReduction:
         bucket = self.reducer.buckets[i]
         flat = self.flats[i]
         self._bad[i] = self.reducer.pack(bucket, flat, self.present)
+        if self._grad_factor is not None:
+            flat.mul_(self._grad_factor)
         self.works.append(self.reducer.reduce(bucket, flat, self.step, self.scale))
         self.issued = i + 1
 
@@ -78,12 +110,42 @@ class StepReduction:
         self.all_issued = True
 
     def _agree(self) -> None:
-        """On the worker, after every bucket: agree on NaN/Inf and presence (the trailer)."""
-        self._result = agree(
-            self.reducer.comm, self.reducer.buckets, self.flats, self._bad, self.present, self.scale
+        """After every bucket: agree on NaN/Inf and presence (the trailer).
+
+        On a host-ordered transport this runs on the worker, which reads the result at once;
+        on a stream-ordered one it only enqueues, and :meth:`wait` reads the result.
+        """
+        self._agreement = issue_agreement(
+            self.reducer.comm,
+            self.reducer.buckets,
+            self.flats,
+            self._bad,
+            self.present,
+            None if self._grad_factor is not None else self.scale,
         )
-        if self._result.nonfinite:  # every rank skips it: leave no trace in codec state
-            self.reducer.discard_step()
+        if not getattr(self.reducer.comm, "stream_ordered", False):
+            self._resolve()
+
+    def _resolve(self) -> StepResult:
+        if self._result is None:
+            if self._agreement is None:
+                raise RuntimeError("StepReduction: the trailer finished without an agreed result")
+            self._result = self._agreement.result()
+            if self._result.nonfinite:  # every rank skips it: leave no trace in codec state
+                self.reducer.discard_step()
+        return self._result
+
+    def local_nonfinite(self) -> torch.Tensor | bool:
+        """Whether this rank's packed gradients held NaN/Inf (before any reduction).
+
+        A device tensor where packing ran on the device (no host read), else a bool.
+        """
+        flags = [b for b in self._bad if isinstance(b, torch.Tensor)]
+        host = any(b for b in self._bad if isinstance(b, bool))
+        if not flags:
+            return host
+        found = torch.stack([f.reshape(()) for f in flags]).any()
+        return found | host if host else found
 
     # -- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -128,8 +190,8 @@ class StepReduction:
     def done(self) -> bool:
         return self._trailer is not None and self._trailer.is_completed()
 
-    def wait(self) -> StepResult:
-        """Wait for every bucket and the trailer (call ``issue_remaining`` first)."""
+    def _order_after(self) -> None:
+        """Order the caller after every bucket and the trailer (host-ordered: wait for them)."""
         if not self.all_issued:
             raise RuntimeError("StepReduction.wait() before issue_remaining()")
         for w in self.works:
@@ -137,9 +199,42 @@ class StepReduction:
         if self._trailer is None:
             raise RuntimeError("StepReduction: issue_remaining() queued no trailer")
         self._trailer.wait()
-        if self._result is None:
-            raise RuntimeError("StepReduction: the trailer finished without an agreed result")
-        return self._result
+
+    def wait(self) -> StepResult:
+        """Wait for every bucket and the trailer, and read the agreed result."""
+        self._order_after()
+        return self._resolve()
+
+    def write_averages(self, zero_fill: bool) -> None:
+        """Write the averaged gradients into ``param.grad``.
+
+        ``zero_fill=True``: every parameter gets its average (zeros where no rank had a
+        gradient) and nothing is read on the host: on a stream-ordered transport the
+        caller's stream is ordered after the reduction. ``zero_fill=False`` leaves ``grad``
+        None for parameters no rank had a gradient for, which needs the agreed result.
+        """
+        if zero_fill:
+            self._order_after()
+            keep = [True] * len(self.present)
+        else:
+            keep = self.wait().present
+        for i, bucket in enumerate(self.reducer.buckets):
+            self.reducer.unpack(bucket, self.flats[i], keep)
+        self._written = keep
+
+    def result(self) -> StepResult:
+        """The agreed result, with the averages written (see :meth:`unpack`)."""
+        if self._written is None:
+            raise RuntimeError("StepReduction.result() before write_averages()")
+        result = self.wait()
+        for i in result.bad_buckets:
+            flat = self.flats[i]
+            if not has_nonfinite(flat):
+                bucket = self.reducer.buckets[i]
+                for s in bucket.slots:
+                    flat[s.offset : s.offset + s.numel].fill_(float("nan"))
+                self.reducer.unpack(bucket, flat, self._written)
+        return result
 
     def unpack(self, zero_fill: bool) -> StepResult:
         """Write the averaged gradients into ``param.grad``; returns the agreed result.
@@ -148,12 +243,5 @@ class StepReduction:
         A bucket that held NaN/Inf on any rank is written as NaN on every rank if its
         average came out finite, so anything that inspects gradients (GradScaler) sees it.
         """
-        result = self.wait()
-        keep = [True] * len(self.present) if zero_fill else result.present
-        for i, bucket in enumerate(self.reducer.buckets):
-            flat = self.flats[i]
-            if i in result.bad_buckets and not has_nonfinite(flat):
-                for s in bucket.slots:
-                    flat[s.offset : s.offset + s.numel].fill_(float("nan"))
-            self.reducer.unpack(bucket, flat, keep)
-        return result
+        self.write_averages(zero_fill)
+        return self.result()

@@ -62,6 +62,18 @@ def pipelined(comm, trace):
                           piece_bytes=4096, async_op=True).wait()
     return {}
 
+def native_cast(comm, trace):
+    # which stream is current when the native plan encodes its wire buffer
+    from commopt.codecs import get_codec
+    codec = get_codec("fp16")
+    seen, encode = [], codec.encode
+    def recording(*args, **kwargs):
+        seen.append(trace.current(None).name)
+        return encode(*args, **kwargs)
+    codec.encode = recording
+    collectives.allreduce(comm, torch.randn(1000), codec, algorithm="native", async_op=True).wait()
+    return {"encode_streams": seen}
+
 def training(double_buffering):
     def body(comm, trace):
         torch.manual_seed(0)
@@ -78,7 +90,33 @@ def training(double_buffering):
         return {"same_comm": opt._data_comm is comm, "mark": mark, "buckets": len(opt.buckets)}
     return body
 
+def host_reads(double_buffering):
+    # training steps with the host reads and waits recorded, the phases marked
+    def body(comm, trace):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        opt = commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm, model=model,
+            bucket_cap_mb=0.01, double_buffering=double_buffering, algorithm="native")
+        with trace.host_reads():
+            for _ in range(4):
+                opt.zero_grad()
+                trace.mark("forward")
+                model(torch.ones(2, 64)).sum().backward()
+                trace.mark("backward-end")
+                opt.step()
+                trace.mark("step-end")
+            trace.mark("done")
+        if double_buffering:
+            opt.flush()
+        return {}
+    return body
+
 run("plain", plain)
+run("native_cast", native_cast)
+run("reads_overlap", host_reads(False))
+run("reads_double_buffering", host_reads(True))
+run("reads_compensated", host_reads("compensated"))
 run("pipelined", pipelined)
 run("overlap", training(False))
 run("double_buffering", training(True))
@@ -303,3 +341,66 @@ def test_driver_runs_stream_ordered_jobs_inline():
     assert [op for op, *_ in trace.ops] == ["record", "wait", "use", "end-use", "record"]
     work.wait()
     assert trace.ops[-1][0] == "wait" and trace.ops[-1][2] == "default:0"
+
+
+def host_waits(ops, start, end):
+    """Host reads of device values and host waits on events between marks ``start`` and ``end``."""
+    found, inside = [], False
+    for i, op in enumerate(ops):
+        if op[0] == "mark":
+            inside = {start: True, end: False, "done": False}.get(op[2], inside)
+        elif inside and op[0] in ("host-read", "synchronize"):
+            found.append((i, *op))
+    return found
+
+
+@pytest.mark.parametrize("scenario", ["reads_double_buffering", "reads_compensated"])
+def test_double_buffering_never_waits_on_the_host_while_a_reduction_is_in_flight(traces, scenario):
+    """With double buffering step t's reduction must run during step t+1's forward and
+    backward: no host read of a device value and no host wait from the end of step() to
+    the end of the next backward. Inside step(), the previous step's flags may be waited
+    for (that reduction had a whole forward and backward to finish), but only before the
+    new reduction's first NCCL call: issuing reads nothing."""
+    for rank, t in enumerate(traces):
+        ops = t[scenario]["ops"]
+        between = host_waits(ops, "step-end", "backward-end")
+        assert not between, f"rank {rank}: host waits outside step(): {between}"
+        steps, start = [], 0
+        for i, op in enumerate(ops):
+            if op[0] == "mark" and op[2] == "backward-end":
+                start = i
+            elif op[0] == "mark" and op[2] == "step-end":
+                steps.append((start, i))
+        assert len(steps) == 4, f"rank {rank}"
+        for lo, hi in steps:
+            window = ops[lo:hi]
+            first_enqueue = next(
+                (k for k, op in enumerate(window) if op[0] == "enqueue"), len(window)
+            )
+            late = [op for op in window[first_enqueue:] if op[0] in ("host-read", "synchronize")]
+            assert not late, f"rank {rank}: step() waited on the host while issuing: {late}"
+
+
+def test_overlap_never_waits_on_the_host_inside_backward(traces):
+    """With overlap, buckets go out during backward: nothing inside the backward (the final
+    callback included) reads a device value or waits on the host; the agreed result is read
+    in step(), where it is needed."""
+    for rank, t in enumerate(traces):
+        ops = t["reads_overlap"]["ops"]
+        inside = host_waits(ops, "forward", "backward-end")
+        assert not inside, f"rank {rank}: host waits inside backward: {inside}"
+        assert host_waits(ops, "backward-end", "step-end"), f"rank {rank}: step() read nothing"
+
+
+def test_native_plan_encodes_on_the_communicator_stream(traces):
+    """The native plan of a cast codec allocates and encodes its wire buffer on the
+    communicator's stream, where the transfer and the decode read it: a buffer allocated on
+    the caller's stream and freed there could be handed to the caller's next allocation by
+    the caching allocator while the communicator's stream still reads it."""
+    for rank, t in enumerate(traces):
+        sc = t["native_cast"]
+        enq = enqueues(sc)
+        assert [w for _, w in enq] == ["allReduce"], f"rank {rank}: {enq}"
+        assert sc["encode_streams"] == [enq[0][0]], (
+            f"rank {rank}: encoded on {sc['encode_streams']}"
+        )
