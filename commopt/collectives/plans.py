@@ -9,6 +9,7 @@ choice among them is :mod:`commopt.collectives.choice`'s.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,8 +27,35 @@ from commopt.collectives.layout import (
 )
 from commopt.comm.base import Communicator, Work
 from commopt.comm.topology import hierarchy
+from commopt.profiling import phase
 
 __all__ = ["PLANS", "plan_hierarchical", "plan_native", "plan_scatter_reduce"]
+
+
+# The phases of a plan, as torch.profiler ranges (commopt.profiling).
+def _encode(codec: Codec, src: torch.Tensor, out: torch.Tensor, **kwargs: Any) -> None:
+    with phase("encode"):
+        codec.encode(src, out, **kwargs)
+
+
+def _decode(codec: Codec, wire: torch.Tensor, out: torch.Tensor, **kwargs: Any) -> None:
+    with phase("decode"):
+        codec.decode(wire, out, **kwargs)
+
+
+def _decode_scaled(codec: Codec, wire: torch.Tensor, out: torch.Tensor, **kwargs: Any) -> None:
+    with phase("decode"):
+        codec.decode_scaled(wire, out, **kwargs)
+
+
+def _transport(call: Callable[..., Work | None], *args: Any, **kwargs: Any) -> Work | None:
+    with phase("transport"):
+        return call(*args, **kwargs)
+
+
+def _wait(work: Work) -> None:
+    with phase("wait"):
+        work.wait()
 
 
 def _started(work: Work | None) -> Work:
@@ -60,7 +88,7 @@ def plan_native(
             flat.mul_(factor)
 
         def in_place() -> None:
-            comm.allreduce(flat)
+            _transport(comm.allreduce, flat)
 
         return in_place
     piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
@@ -73,17 +101,17 @@ def plan_native(
         # to the caller's stream while the transfer or the decode still reads it.
         def on_stream() -> None:
             wire = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-            codec.encode(flat, wire, scale=factor, rng=rng, key=key)
-            comm.allreduce(wire.view(wire_dtype))
-            codec.decode(wire, flat, accumulate=False)
+            _encode(codec, flat, wire, scale=factor, rng=rng, key=key)
+            _transport(comm.allreduce, wire.view(wire_dtype))
+            _decode(codec, wire, flat, accumulate=False)
 
         return on_stream
     wire = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    codec.encode(flat, wire, scale=factor, rng=rng, key=key)
+    _encode(codec, flat, wire, scale=factor, rng=rng, key=key)
 
     def finish() -> None:
-        comm.allreduce(wire.view(wire_dtype))
-        codec.decode(wire, flat, accumulate=False)
+        _transport(comm.allreduce, wire.view(wire_dtype))
+        _decode(codec, wire, flat, accumulate=False)
 
     return finish
 
@@ -116,11 +144,11 @@ def _plan_cast_pieces(
         typed = wire.view(codec.wire_dtype)  # type: ignore[arg-type]  # a cast codec has one
         works = []
         for lo, hi in bounds:
-            codec.encode(flat[lo:hi], typed[lo:hi].view(torch.uint8), scale=factor)
-            works.append(_started(comm.allreduce(typed[lo:hi], async_op=True)))
+            _encode(codec, flat[lo:hi], typed[lo:hi].view(torch.uint8), scale=factor)
+            works.append(_started(_transport(comm.allreduce, typed[lo:hi], async_op=True)))
         for (lo, hi), work in zip(bounds, works):
-            work.wait()
-            codec.decode(typed[lo:hi].view(torch.uint8), flat[lo:hi], accumulate=False)
+            _wait(work)
+            _decode(codec, typed[lo:hi].view(torch.uint8), flat[lo:hi], accumulate=False)
 
     return finish
 
@@ -170,7 +198,8 @@ def plan_scatter_reduce(
             for j, (lo, hi) in enumerate(layout[k]):
                 if j != rank and hi > lo:
                     off = k * span + j * slot
-                    codec.encode(
+                    _encode(
+                        codec,
                         flat[lo:hi],
                         send[off : off + nbytes(lo, hi)],
                         scale=factor,
@@ -179,7 +208,9 @@ def plan_scatter_reduce(
                     )
 
         def start_scatter(k: int) -> Work:
-            return _started(comm.alltoall(region(send, k), region(recv, k), async_op=True))
+            return _started(
+                _transport(comm.alltoall, region(send, k), region(recv, k), async_op=True)
+            )
 
         def reduce_own_chunk(k: int) -> None:
             lo, hi = layout[k][rank]
@@ -193,12 +224,13 @@ def plan_scatter_reduce(
             for i in range(size):
                 if i != rank:
                     off = k * span + i * slot
-                    codec.decode_scaled(
-                        recv[off : off + nbytes(lo, hi)], mine, accumulate=True, alpha=undo
+                    _decode_scaled(
+                        codec, recv[off : off + nbytes(lo, hi)], mine, accumulate=True, alpha=undo
                     )
             # recv's own slot never carried data: it becomes the allgather input.
             off = k * span + rank * slot
-            codec.encode(
+            _encode(
+                codec,
                 mine,
                 recv[off : off + nbytes(lo, hi)],
                 scale=factor,
@@ -209,14 +241,16 @@ def plan_scatter_reduce(
         def start_gather(k: int) -> Work:
             # send's piece is free once its alltoall is done: it receives the reduced chunks.
             off = k * span + rank * slot
-            return _started(comm.allgather(recv[off : off + slot], region(send, k), async_op=True))
+            return _started(
+                _transport(comm.allgather, recv[off : off + slot], region(send, k), async_op=True)
+            )
 
         def decode_piece(k: int) -> None:
             # Every rank, the owner included, decodes the same bytes: identical results.
             for j, (lo, hi) in enumerate(layout[k]):
                 if hi > lo:
                     off = k * span + j * slot
-                    codec.decode(send[off : off + nbytes(lo, hi)], flat[lo:hi], accumulate=False)
+                    _decode(codec, send[off : off + nbytes(lo, hi)], flat[lo:hi], accumulate=False)
 
         # Two scatters in flight keep the link busy while piece k is summed and encoded.
         # Every rank issues the transport's collectives in the same order:
@@ -227,16 +261,16 @@ def plan_scatter_reduce(
             encode_peers_chunks(k)
             scatters[k] = start_scatter(k)
         for k in range(pieces):
-            scatters[k].wait()
+            _wait(scatters[k])
             reduce_own_chunk(k)
             gathers[k] = start_gather(k)
             if k + 2 < pieces:
                 encode_peers_chunks(k + 2)
                 scatters[k + 2] = start_scatter(k + 2)
             if k >= 1:
-                gathers[k - 1].wait()
+                _wait(gathers[k - 1])
                 decode_piece(k - 1)
-        gathers[pieces - 1].wait()
+        _wait(gathers[pieces - 1])
         decode_piece(pieces - 1)
 
     return finish
@@ -264,7 +298,7 @@ def plan_hierarchical(
             padded[:n].copy_(flat)
         # 1. reduce-scatter inside the node, uncompressed (fp32, fast links).
         recv = torch.empty_like(padded)
-        intra.alltoall(padded, recv)
+        _transport(intra.alltoall, padded, recv)
         pieces = recv.view(intra.size, shard_len)
         shard = pieces[0].clone()
         for i in range(1, intra.size):
@@ -276,7 +310,7 @@ def plan_hierarchical(
         elif factor != 1.0:
             shard.mul_(factor)
         # 3. allgather inside the node.
-        intra.allgather(shard, padded)
+        _transport(intra.allgather, shard, padded)
         if padded is not flat:
             flat.copy_(padded[:n])
 

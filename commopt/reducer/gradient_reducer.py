@@ -14,6 +14,7 @@ import torch
 from commopt import collectives, kernels
 from commopt.codecs.base import Codec, RngKey
 from commopt.comm.base import Communicator, Work
+from commopt.profiling import phase
 from commopt.reducer.layout import Bucket, build_buckets, is_view_of, slot_view
 from commopt.reducer.step import StepReduction
 
@@ -110,6 +111,10 @@ class GradientReducer:
     # -- per bucket -----------------------------------------------------------------------
     def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         """Copy the bucket's gradients into ``flat`` (zeros for None); local NaN/Inf flag."""
+        with phase("pack"):
+            return self._pack(bucket, flat, present)
+
+    def _pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         pieces: list[tuple[torch.Tensor | None, int, int]] = []
         views: list[torch.Tensor] = []
         for s in bucket.slots:
@@ -174,6 +179,10 @@ class GradientReducer:
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
         """Write the reduced values into ``param.grad`` (None where ``keep`` is False)."""
+        with phase("unpack"):
+            self._unpack(bucket, flat, keep)
+
+    def _unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
         for s in bucket.slots:
             p = self.params[s.param]
             if not keep[s.param]:

@@ -21,6 +21,7 @@ import torch
 from commopt import driver
 from commopt.comm.base import Communicator, Work
 from commopt.comm.base import CompletedWork as _DoneWork
+from commopt.profiling import phase
 from commopt.reducer.agreement import Agreement, StepResult, has_nonfinite, issue_agreement
 from commopt.reducer.layout import Bucket
 
@@ -115,16 +116,17 @@ class StepReduction:
         On a host-ordered transport this runs on the worker, which reads the result at once;
         on a stream-ordered one it only enqueues, and :meth:`wait` reads the result.
         """
-        self._agreement = issue_agreement(
-            self.reducer.comm,
-            self.reducer.buckets,
-            self.flats,
-            self._bad,
-            self.present,
-            None if self._grad_factor is not None else self.scale,
-        )
-        if not getattr(self.reducer.comm, "stream_ordered", False):
-            self._resolve()
+        with phase("agree"):
+            self._agreement = issue_agreement(
+                self.reducer.comm,
+                self.reducer.buckets,
+                self.flats,
+                self._bad,
+                self.present,
+                None if self._grad_factor is not None else self.scale,
+            )
+            if not getattr(self.reducer.comm, "stream_ordered", False):
+                self._resolve()
 
     def _resolve(self) -> StepResult:
         if self._result is None:
@@ -194,16 +196,18 @@ class StepReduction:
         """Order the caller after every bucket and the trailer (host-ordered: wait for them)."""
         if not self.all_issued:
             raise RuntimeError("StepReduction.wait() before issue_remaining()")
-        for w in self.works:
-            w.wait()
         if self._trailer is None:
             raise RuntimeError("StepReduction: issue_remaining() queued no trailer")
-        self._trailer.wait()
+        with phase("wait"):
+            for w in self.works:
+                w.wait()
+            self._trailer.wait()
 
     def wait(self) -> StepResult:
         """Wait for every bucket and the trailer, and read the agreed result."""
         self._order_after()
-        return self._resolve()
+        with phase("wait"):
+            return self._resolve()
 
     def write_averages(self, zero_fill: bool) -> None:
         """Write the averaged gradients into ``param.grad``.
