@@ -84,17 +84,28 @@ def parse_dtype(value):
     return allowed[name]
 
 
-def create_communicator(name: str = "mpi", *, allreduce_grad_dtype=None, **options):
+def create_communicator(
+    name: str = "mpi", *, allreduce_grad_dtype=None, timeout: float | str | None = None, **options
+):
     """Create the communicator called ``name``; ``options`` go to its constructor.
 
     ``allreduce_grad_dtype`` ("float16", "bfloat16", "float32" or a torch dtype) is the
     dtype gradients travel in by default (create_multi_node_optimizer reads it).
+    ``timeout``: seconds a collective may go without progress before the job ends with an
+    error naming the silent peers (default $COMMOPT_COMM_TIMEOUT, else 600; 0 or "off": no
+    bound). See :mod:`commopt.comm.timeout` and docs/reliability.md for what each
+    transport counts as progress.
     """
     key = _ALIASES.get(name, name)
     if key not in _BACKENDS:
         raise ValueError(
             f"unknown communicator {name!r}; valid names: {', '.join(communicator_names())}"
         )
+    from commopt.comm.timeout import comm_timeout
+
+    comm_timeout(timeout)  # a bad value (argument or environment) fails here, for every backend
+    if timeout is not None and key != "local":
+        options["timeout"] = timeout
     module_name, class_name = _BACKENDS[key]
     module = importlib.import_module(module_name)
     cls = getattr(module, class_name)

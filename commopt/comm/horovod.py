@@ -28,8 +28,10 @@ split the top-level communicator (all ranks call it), not a communicator made by
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,14 +39,22 @@ import torch
 
 from commopt.comm import horovod_exit
 from commopt.comm.base import Communicator, CompletedWork, Work
+from commopt.comm.errors import CommError
+from commopt.comm.timeout import COMM_TIMEOUT_ENV, comm_timeout
 
 _DONE = CompletedWork()
 _OWNS_INIT = False  # True when this module called hvd.init() (and so may shut it down)
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}  # ranks -> hvd.ProcessSet, registered once
 
 
-def _hvd():
-    """Import horovod.torch lazily and initialise it; a missing build says how to get one."""
+def _hvd(timeout_s: float = math.inf):
+    """Import horovod.torch lazily and initialise it; a missing build says how to get one.
+
+    Horovod reads its stall settings at init: unless set already, a stall (a rank missing
+    from an operation the others started) is reported after half the communication
+    timeout (at most 60 s) and shuts Horovod down after the timeout
+    (HOROVOD_STALL_CHECK_TIME_SECONDS, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).
+    """
     global _OWNS_INIT
     try:
         import horovod.torch as hvd
@@ -57,6 +67,9 @@ def _hvd():
     if not hvd.is_initialized():
         # Process sets for split() need this before init.
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        if not math.isinf(timeout_s):
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", f"{min(60, timeout_s / 2):g}")
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", f"{timeout_s:g}")
         horovod_exit.prepare_mpi(hvd)
         hvd.init()
         _OWNS_INIT = True
@@ -65,16 +78,48 @@ def _hvd():
 
 
 class HandleWork(Work):
-    """A Work over a Horovod handle; ``finalize`` receives the operation's output."""
+    """A Work over a Horovod handle; ``finalize`` receives the operation's output.
 
-    def __init__(self, hvd, handle, finalize: Callable[[Any], object] | None = None):
+    ``wait`` polls the handle; when it is not done ``limit_s`` seconds after it was issued
+    (``what``, ``peers`` name the operation and its ranks in the error), it raises CommError.
+    """
+
+    def __init__(
+        self,
+        hvd,
+        handle,
+        finalize: Callable[[Any], object] | None = None,
+        *,
+        what: str = "an operation",
+        peers: str = "",
+        limit_s: float = math.inf,
+    ):
         self._hvd, self._handle, self._finalize = hvd, handle, finalize
         self._done = False
+        self._what, self._peers, self._limit_s = what, peers, limit_s
+        self._issued = time.monotonic()
+
+    def _bounded(self) -> None:
+        if math.isinf(self._limit_s):
+            return
+        pause = 1e-4
+        while not self._hvd.poll(self._handle):
+            if time.monotonic() - self._issued > self._limit_s:
+                raise CommError(
+                    f"rank {self._hvd.rank()}: Horovod's {self._what} did not complete within "
+                    f"{self._limit_s:g}s of being issued; its peers are rank(s) {self._peers} "
+                    f"(Horovod does not say which was silent): a link is down, or a peer "
+                    f"stopped or never entered it (${COMM_TIMEOUT_ENV} or "
+                    f"create_communicator(timeout=) sets the limit)."
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
 
     def wait(self) -> None:
         if self._done:
             return
         with horovod_exit.naming_departures():
+            self._bounded()
             output = self._hvd.synchronize(self._handle)
         self._done = True
         if self._finalize is not None:
@@ -99,7 +144,9 @@ class HorovodCommunicator(Communicator):
     """Communicator over Horovod's global process set (or one made by ``split``).
 
     Ranks follow Horovod's; ``intra_*``/``inter_*`` come from node names as for every
-    communicator (``COMMOPT_NODE_NAME`` may fake nodes).
+    communicator (``COMMOPT_NODE_NAME`` may fake nodes). ``timeout`` (see
+    :mod:`commopt.comm.timeout`) bounds every wait for an operation, counted from its issue,
+    and sets Horovod's stall shutdown (:func:`_hvd`).
     """
 
     name = "horovod"
@@ -108,12 +155,14 @@ class HorovodCommunicator(Communicator):
         self,
         *,
         allreduce_grad_dtype: torch.dtype | None = None,
+        timeout: float | str | None = None,
         _process_set=None,
         _order: list[int] | None = None,
         _tag: str = "w",
     ):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
-        hvd = self._hvd = _hvd()
+        self.timeout = comm_timeout(timeout)
+        hvd = self._hvd = _hvd(self.timeout)
         self._ps = hvd.global_process_set if _process_set is None else _process_set
         is_world = self._ps is hvd.global_process_set
         members = list(range(hvd.size())) if is_world else sorted(self._ps.ranks)
@@ -128,6 +177,12 @@ class HorovodCommunicator(Communicator):
         self._init_topology()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _handle_work(self, handle, what: str, finalize=None) -> HandleWork:
+        peers = ", ".join(
+            str(m) for i, m in enumerate(self._members) if i != self._order[self.rank]
+        )
+        return HandleWork(self._hvd, handle, finalize, what=what, peers=peers, limit_s=self.timeout)
+
     def _name(self, op: str) -> str:
         with self._lock:  # one counter value per operation, even with several threads
             self._count += 1
@@ -159,7 +214,7 @@ class HorovodCommunicator(Communicator):
                 name=self._name("allreduce"),
                 process_set=self._ps,
             )
-            return HandleWork(hvd, handle, lambda _out: buf.copy_(wide))
+            return self._handle_work(handle, "allreduce", lambda _out: buf.copy_(wide))
         handle = _submit(
             hvd.allreduce_async_,
             buf,
@@ -167,7 +222,7 @@ class HorovodCommunicator(Communicator):
             name=self._name("allreduce"),
             process_set=self._ps,
         )
-        return HandleWork(hvd, handle)
+        return self._handle_work(handle, "allreduce")
 
     def _nothing_to_send(self, send: torch.Tensor, recv: torch.Tensor) -> bool:
         """True when an exchange has no peer to reach: empty, or one rank (``recv`` gets ``send``)."""
@@ -195,7 +250,7 @@ class HorovodCommunicator(Communicator):
                 got = self._from_set_order(got)
             _movable(recv).view(self.size, -1).copy_(got)
 
-        return HandleWork(hvd, handle, finish)
+        return self._handle_work(handle, "alltoall", finish)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
         hvd = self._hvd
@@ -214,7 +269,7 @@ class HorovodCommunicator(Communicator):
                 got = self._from_set_order(got)
             _movable(recv).view(self.size, -1).copy_(got)
 
-        return HandleWork(hvd, handle, finish)
+        return self._handle_work(handle, "allgather", finish)
 
     def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
         hvd = self._hvd
@@ -227,7 +282,7 @@ class HorovodCommunicator(Communicator):
             name=self._name("broadcast"),
             process_set=self._ps,
         )
-        return HandleWork(hvd, handle)
+        return self._handle_work(handle, "broadcast")
 
     def _barrier(self) -> None:
         with horovod_exit.naming_departures():
@@ -266,6 +321,7 @@ class HorovodCommunicator(Communicator):
         order = [ranks.index(r) for r in by_key]
         return HorovodCommunicator(
             allreduce_grad_dtype=self.allreduce_grad_dtype,
+            timeout=self.timeout,
             _process_set=_PROCESS_SETS[ranks],
             _order=order,
             _tag=f"{self._tag}.s{c}",

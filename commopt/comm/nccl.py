@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from commopt.comm.base import C10D_SUM_DTYPES, Communicator, Work
-from commopt.comm.streams import CudaStreams, issue_after_caller
+from commopt.comm.errors import CommError
+from commopt.comm.streams import CudaStreams, StreamWork, issue_after_caller, synchronize_bounded
+from commopt.comm.timeout import COMM_TIMEOUT_ENV, comm_timeout
 
 # ncclDataType_t values (nccl.h); stable across NCCL 2.x.
 _NCCL_DTYPE = {
@@ -44,15 +46,34 @@ _NCCL_DTYPE = {
 _NCCL_SUM = 0
 
 
-def _cupy_nccl():
+_INSTALL = (
+    "pip install 'commopt[nccl]' (cupy-cuda13x, for CUDA 13 as torch's wheels are) on a "
+    "machine with CUDA"
+)
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Why CuPy's NCCL cannot be used here (what to install), or None when it can."""
     try:
         import cupy  # noqa: F401
         from cupy.cuda import nccl
     except ImportError as exc:
-        raise ImportError(
-            "the 'pure_nccl' communicator needs CuPy with NCCL: pip install 'commopt[nccl]' "
-            "(cupy-cuda12x) on a machine with CUDA"
-        ) from exc
+        return f"the 'pure_nccl' communicator needs CuPy with NCCL: {_INSTALL} ({exc})"
+    if not getattr(nccl, "available", False):
+        return (
+            "CuPy is installed but found no NCCL library (cupy.cuda.nccl.available is False): "
+            "install NCCL for your CUDA (pip install nvidia-nccl-cu13, or the libnccl2 "
+            f"package), or reinstall with {_INSTALL}"
+        )
+    return None
+
+
+def _cupy_nccl():
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        raise ImportError(reason)
+    from cupy.cuda import nccl
+
     return nccl
 
 
@@ -67,6 +88,30 @@ class _NcclStreams(CudaStreams):
 
     def nccl_destroy(self, comm) -> None:
         comm.destroy()
+
+    def nccl_check(self, comm) -> None:
+        """Raise NCCL's asynchronous error of ``comm`` (a peer failed), if it has one."""
+        comm.check_async_error()
+
+    def nccl_abort(self, comm) -> None:
+        """ncclCommAbort: end ``comm``'s operations in flight so no stream waits on them."""
+        comm.abort()
+
+
+class _NcclWork(Work):
+    """A pure_nccl collective: stream-ordered, with a host wait bounded by the timeout."""
+
+    def __init__(self, work: StreamWork, comm: NcclCommunicator, what: str):
+        self._work, self._comm, self._what = work, comm, what
+
+    def wait(self) -> None:
+        self._work.wait()
+
+    def synchronize(self) -> None:
+        self._comm.host_wait(self._work, self._what)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 class _Shared:
@@ -85,7 +130,15 @@ class _Shared:
 
 
 class NcclCommunicator(Communicator):
-    """Communicator over NCCL (CUDA tensors only). Options: ``mpi_comm`` for the bootstrap."""
+    """Communicator over NCCL (CUDA tensors only). Options: ``mpi_comm`` for the bootstrap,
+    ``timeout`` (see :mod:`commopt.comm.timeout`).
+
+    Bounded waits: every host wait (``Work.synchronize``, ``barrier``, ``finalize``) polls
+    the collective's event and NCCL's asynchronous error; an error, or no completion within
+    the timeout, aborts the NCCL communicator (ncclCommAbort) and raises CommError naming the
+    collective, so a dead peer cannot hold the host in ``event.synchronize()`` forever.
+    (NCCL does not say which peer was silent.)
+    """
 
     name = "pure_nccl"
     #: Work is ordered by CUDA streams; the driver issues the collectives inline.
@@ -96,6 +149,7 @@ class NcclCommunicator(Communicator):
         *,
         allreduce_grad_dtype: torch.dtype | None = None,
         mpi_comm=None,
+        timeout: float | str | None = None,
         _streams=None,
         _boot=None,
         _shared: _Shared | None = None,
@@ -109,10 +163,13 @@ class NcclCommunicator(Communicator):
                 )
         from commopt.comm.mpi import MPICommunicator
 
+        self.timeout = comm_timeout(timeout)
         self._shared = _shared if _shared is not None else _Shared(_streams or _NcclStreams())
         self.streams = self._shared.streams
         # The bootstrap: our own duplicate, or (split) the sub-communicator made for us.
-        self._boot = _boot if _boot is not None else MPICommunicator(mpi_comm=mpi_comm)
+        self._boot = (
+            _boot if _boot is not None else MPICommunicator(mpi_comm=mpi_comm, timeout=self.timeout)
+        )
         self.rank, self.size = self._boot.rank, self._boot.size
         self.intra_rank, self.intra_size = self._boot.intra_rank, self._boot.intra_size
         self.inter_rank, self.inter_size = self._boot.inter_rank, self._boot.inter_size
@@ -143,13 +200,52 @@ class NcclCommunicator(Communicator):
                 )
         comm = self._ensure()
         stream = self._shared.stream
-        return issue_after_caller(
+        work = issue_after_caller(
             self.streams,
             stream,
             self._shared.device,
             lambda: self.streams.enqueue(stream, what, lambda s: enqueue(comm, s)),
             keep=tensors,
         )
+        nbytes = sum(t.numel() * t.element_size() for t in tensors[:1])
+        return _NcclWork(work, self, f"{what} of {nbytes} bytes")
+
+    def host_wait(self, work: StreamWork, what: str) -> None:
+        """Block the host until ``work`` is done: bounded by the timeout, NCCL errors raised."""
+        comm = self._nccl_comm
+        try:
+            done = synchronize_bounded(
+                work, self.timeout, None if comm is None else lambda: self.streams.nccl_check(comm)
+            )
+        except Exception as exc:  # NCCL's asynchronous error: a peer failed
+            self._abort()
+            raise CommError(
+                f"rank {self.rank}: NCCL reported an error during {what}: {exc}. The NCCL "
+                f"communicator was aborted; a peer failed or its link is down."
+            ) from exc
+        if not done:
+            self._abort()
+            peers = ", ".join(str(r) for r in range(self.size) if r != self.rank)
+            raise CommError(
+                f"rank {self.rank}: {what} over NCCL did not complete within {self.timeout:g}s "
+                f"while this rank waited for it; its peers are rank(s) {peers} (NCCL does not "
+                f"say which was silent): a link is down, or a peer stopped or never entered "
+                f"this collective. The NCCL communicator was aborted (ncclCommAbort). "
+                f"(${COMM_TIMEOUT_ENV} or create_communicator(timeout=) sets the limit)"
+            )
+
+    def _abort(self) -> None:
+        """ncclCommAbort on this communicator; it cannot be used afterwards."""
+        if self._nccl_comm is not None:
+            comm, self._nccl_comm = self._nccl_comm, None
+            self.streams.nccl_abort(comm)
+        self._finalized = True
+
+    def _stream_done(self, what: str) -> None:
+        """Wait (bounded) for everything enqueued on the communication stream so far."""
+        stream = self._shared.stream
+        event = self.streams.record(stream)
+        self.host_wait(StreamWork(self.streams, event, self._shared.device, stream), what)
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
         return self._launch(
@@ -189,7 +285,7 @@ class NcclCommunicator(Communicator):
 
     def _barrier(self) -> None:
         if self._shared.stream is not None:
-            self.streams.synchronize(self.streams.record(self._shared.stream))
+            self._stream_done("barrier")
         self._boot.barrier()
 
     def _bcast_obj(self, obj: Any, root: int) -> Any:
@@ -203,7 +299,10 @@ class NcclCommunicator(Communicator):
         # duplicate, no orphaned worker); the child enqueues on the parent's stream.
         sub = self._boot.split(color, key)
         child = NcclCommunicator(
-            allreduce_grad_dtype=self.allreduce_grad_dtype, _boot=sub, _shared=self._shared
+            allreduce_grad_dtype=self.allreduce_grad_dtype,
+            timeout=self.timeout,
+            _boot=sub,
+            _shared=self._shared,
         )
         self._children.append(child)
         return child
@@ -221,7 +320,8 @@ class NcclCommunicator(Communicator):
             child.finalize()
         self._children = []
         if self._nccl_comm is not None:
-            self.streams.synchronize(self.streams.record(self._shared.stream))
-            self.streams.nccl_destroy(self._nccl_comm)
-            self._nccl_comm = None
+            self._stream_done("finalize")  # an abort there leaves nothing to destroy
+            if self._nccl_comm is not None:
+                self.streams.nccl_destroy(self._nccl_comm)
+                self._nccl_comm = None
         self._boot.finalize()

@@ -37,12 +37,14 @@ checked on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from commopt.comm.base import Work
 
-__all__ = ["CudaStreams", "StreamWork", "issue_after_caller"]
+__all__ = ["CudaStreams", "StreamWork", "issue_after_caller", "synchronize_bounded"]
 
 
 class CudaStreams:
@@ -167,3 +169,26 @@ def issue_after_caller(
         for t in keep:
             streams.keep(t, comm_stream)
     return StreamWork(streams, streams.record(comm_stream), device, comm_stream)
+
+
+def synchronize_bounded(
+    work: StreamWork, limit_s: float, check: Callable[[], None] | None = None
+) -> bool:
+    """``work.synchronize()`` that gives up after ``limit_s`` seconds; False when it did.
+
+    Polls the event (sleeps from 0.1 ms growing to 10 ms) and calls ``check`` between
+    polls, which raises on a transport's asynchronous error (a dead peer): a failed or
+    silent peer cannot keep the host in ``event.synchronize()`` forever. ``inf``: no bound.
+    """
+    if not math.isinf(limit_s):
+        deadline = time.monotonic() + limit_s
+        pause = 1e-4
+        while not work._streams.query(work._event):
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+    work.synchronize()
+    return True

@@ -25,8 +25,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,14 +40,21 @@ _DONE = CompletedWork()
 
 
 class _TorchWork(Work):
-    def __init__(self, work, after=None):
+    def __init__(self, work, after=None, what: str = "a collective", comm=None):
         self._work = work
         self._after = after
+        self._what = what
+        self._comm = comm
+        self._issued = time.monotonic()
 
     def wait(self) -> None:
         try:
+            if self._comm is not None and self._comm.backend == "gloo":
+                self._comm.bounded_wait(self._work, self._what, self._issued)
             self._work.wait()
         except RuntimeError as exc:  # a peer closed its connection: say which rank left, if known
+            if self._comm is not None and _is_timeout(exc):
+                raise self._comm.timed_out(self._what, exc) from exc
             raise _explain_departure(exc) from exc
         if self._after is not None:
             after, self._after = self._after, None
@@ -59,6 +68,11 @@ class _TorchWork(Work):
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+def _is_timeout(exc: RuntimeError) -> bool:
+    text = str(exc)
+    return "Timed out" in text or "timed out" in text or "Timeout" in text
 
 
 #: Seconds every rank waits for the others to reach the rendezvous (store connect and join).
@@ -79,8 +93,14 @@ def rendezvous_timeout(value: float | None = None) -> float:
     return float(value)
 
 
+#: The process group's timeout when there is no bound (torch needs a finite one): a year.
+_UNBOUNDED = datetime.timedelta(days=365)
+
+
 def init_default_group(
-    backend: str | None = None, timeout_s: float = 600, rendezvous_timeout_s: float | None = None
+    backend: str | None = None,
+    timeout_s: float = 600,
+    rendezvous_timeout_s: float | None = None,
 ) -> None:
     """Create torch.distributed's default group from the launcher's environment.
 
@@ -88,6 +108,10 @@ def init_default_group(
     under torchrun its agent does) and every rank registers there: a rank that is missing
     after ``rendezvous_timeout_s`` (default 30 s) ends the others with its number, instead
     of leaving them in the group's creation for the collective ``timeout_s``.
+
+    ``timeout_s`` becomes the group's timeout (``inf``: none). gloo bounds each wait of its
+    algorithms by it; nccl's watchdog aborts a collective that runs longer, and with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (set here unless already set) ends the process.
     """
     if dist.is_initialized():
         return
@@ -105,6 +129,8 @@ def init_default_group(
                 "launch with torchrun, mpirun or `commopt launch --launcher torch`"
             )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     store = _rendezvous(
         info.rank,
         info.size,
@@ -117,7 +143,7 @@ def init_default_group(
         store=store,
         rank=info.rank,
         world_size=info.size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=_UNBOUNDED if math.isinf(timeout_s) else datetime.timedelta(seconds=timeout_s),
     )
     # A group left alive at interpreter exit can abort the process in torch's destructors
     # ("terminate called without an active exception"): destroy the one we created.
@@ -353,9 +379,14 @@ class TorchCommunicator(Communicator):
 
     Options: ``group`` (a ProcessGroup; default: the default group, created if needed),
     ``backend`` ("gloo" or "nccl", used only when the default group is created here),
-    ``timeout_s`` (collective timeout of a group created here), ``rendezvous_timeout_s``
-    (how long ranks wait for each other when the group is created here; default
-    $COMMOPT_RENDEZVOUS_TIMEOUT or 30 s).
+    ``timeout`` (seconds; default $COMMOPT_COMM_TIMEOUT or 600: the timeout of a group
+    created here, see :func:`init_default_group`; ``timeout_s`` is its older name),
+    ``rendezvous_timeout_s`` (how long ranks wait for each other when the group is created
+    here; default $COMMOPT_RENDEZVOUS_TIMEOUT or 30 s).
+
+    A collective that times out raises :class:`~commopt.comm.errors.CommError` naming the
+    collective and its peers (gloo does not say which peer was silent); uncaught, it ends
+    the rank at once, and its peers' own timeouts end them.
     """
 
     name = "torch"
@@ -366,13 +397,18 @@ class TorchCommunicator(Communicator):
         allreduce_grad_dtype: torch.dtype | None = None,
         group=None,
         backend: str | None = None,
-        timeout_s: float = 600,
+        timeout: float | str | None = None,
+        timeout_s: float | None = None,
         rendezvous_timeout_s: float | None = None,
         _order: list[int] | None = None,
     ):
+        from commopt.comm.timeout import comm_timeout
+
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
+        self.timeout = comm_timeout(timeout if timeout is not None else timeout_s)
+        self._progress = 0.0  # when this communicator last saw a collective complete
         if group is None:
-            init_default_group(backend, timeout_s, rendezvous_timeout_s)
+            init_default_group(backend, self.timeout, rendezvous_timeout_s)
         self.group = group
         self.backend = dist.get_backend(group)
         # Where bcast_obj/allgather_obj stage their bytes: nccl moves CUDA tensors only.
@@ -396,6 +432,41 @@ class TorchCommunicator(Communicator):
         ]
         self._init_topology()
 
+    def timed_out(self, what: str, exc: BaseException) -> Exception:
+        """The error for ``what`` running into the process group's timeout."""
+        from commopt.comm.errors import CommError
+        from commopt.comm.timeout import COMM_TIMEOUT_ENV
+
+        peers = ", ".join(str(g) for i, g in enumerate(self._global) if i != self.rank)
+        return CommError(
+            f"rank {self._global[self.rank]}: {what} over {self.backend} made no progress for "
+            f"{self.timeout:g}s: waiting for rank(s) {peers}"
+            + (f" ({self.backend} does not say which)" if self.size > 2 else "")
+            + ": the link is down, or a peer stopped or never entered this collective "
+            f"(${COMM_TIMEOUT_ENV} or create_communicator(timeout=) sets the limit). "
+            f"[{str(exc).splitlines()[0][:200]}]"
+        )
+
+    def bounded_wait(self, work, what: str, issued: float) -> None:
+        """Poll gloo's ``work`` until done; raise when this communicator saw no collective
+        complete for the timeout (counted from ``issued`` at the earliest).
+
+        gloo's own timeout bounds the waits inside its algorithms, but a peer whose link went
+        down silently can leave it waiting past that; this bound holds regardless.
+        """
+        if math.isinf(self.timeout):
+            return
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() - max(issued, self._progress) > self.timeout:
+                raise self.timed_out(what, TimeoutError("no collective completed"))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        self._progress = time.monotonic()
+
+    def _work(self, work, what: str, nbytes: int, after=None) -> _TorchWork:
+        return _TorchWork(work, after, f"{what} of {nbytes} bytes", self)
+
     def codec_stream(self, device=None):
         """nccl: the side stream commopt's collectives run their codec kernels on (per device)."""
         device = torch.device("cuda") if device is None else torch.device(device)
@@ -411,11 +482,17 @@ class TorchCommunicator(Communicator):
         return dtype in C10D_SUM_DTYPES
 
     def _allreduce(self, buf: torch.Tensor) -> Work:
+        nbytes = buf.numel() * buf.element_size()
         if self.supports_sum(buf.dtype):
-            return _TorchWork(dist.all_reduce(buf, group=self.group, async_op=True))
+            return self._work(
+                dist.all_reduce(buf, group=self.group, async_op=True), "allreduce", nbytes
+            )
         wide = buf.float()
-        return _TorchWork(
-            dist.all_reduce(wide, group=self.group, async_op=True), after=lambda: buf.copy_(wide)
+        return self._work(
+            dist.all_reduce(wide, group=self.group, async_op=True),
+            "allreduce",
+            nbytes,
+            after=lambda: buf.copy_(wide),
         )
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
@@ -424,14 +501,18 @@ class TorchCommunicator(Communicator):
             return _DONE
         s, r = _as_bytes(send), _as_bytes(recv)
         if self._identity:
-            return _TorchWork(dist.all_to_all_single(r, s, group=self.group, async_op=True))
+            return self._work(
+                dist.all_to_all_single(r, s, group=self.group, async_op=True), "alltoall", s.numel()
+            )
         # Reorder chunks from our rank order to the group's, and back on arrival.
         s_chunks, r_chunks = s.view(self.size, -1), r.view(self.size, -1)
         perm = self._permutation(s.device)
         s_group = s_chunks[perm].contiguous().view(-1)
         r_group = torch.empty_like(s_group)
-        return _TorchWork(
+        return self._work(
             dist.all_to_all_single(r_group, s_group, group=self.group, async_op=True),
+            "alltoall",
+            s.numel(),
             after=lambda: r_chunks.index_copy_(0, perm, r_group.view(self.size, -1)),
         )
 
@@ -442,18 +523,27 @@ class TorchCommunicator(Communicator):
         # Views of recv's chunks, in the group's order: all_gather writes straight into them.
         chunks = r.view(self.size, -1).unbind(0)
         outputs = [chunks[ours] for ours in self._group_to_ours()]
-        return _TorchWork(dist.all_gather(outputs, s, group=self.group, async_op=True))
+        return self._work(
+            dist.all_gather(outputs, s, group=self.group, async_op=True), "allgather", r.numel()
+        )
 
     def _broadcast(self, buf: torch.Tensor, root: int) -> Work:
         b = _as_bytes(buf)
         if b.numel() == 0:
             return _DONE
-        return _TorchWork(
-            dist.broadcast(b, src=self._global[root], group=self.group, async_op=True)
+        return self._work(
+            dist.broadcast(b, src=self._global[root], group=self.group, async_op=True),
+            f"broadcast from rank {self._global[root]}",
+            b.numel(),
         )
 
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as exc:
+            if _is_timeout(exc):
+                raise self.timed_out("barrier", exc) from exc
+            raise _explain_departure(exc) from exc
 
     # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
     # (torch's *_object helpers pickle what peers send), on the device the backend moves.
@@ -469,7 +559,10 @@ class TorchCommunicator(Communicator):
                 mine = g
                 order = [sorted(by_key).index(glob) for glob in by_key]
         return TorchCommunicator(
-            allreduce_grad_dtype=self.allreduce_grad_dtype, group=mine, _order=order
+            allreduce_grad_dtype=self.allreduce_grad_dtype,
+            group=mine,
+            timeout=self.timeout,
+            _order=order,
         )
 
     def _permutation(self, device: torch.device) -> torch.Tensor:

@@ -289,7 +289,7 @@ def _libnccl_version() -> str | None:
 def _module_version(name: str) -> str | None:
     from importlib import metadata
 
-    dist = {"cupy": ("cupy", "cupy-cuda12x", "cupy-cuda11x", "cupy-cuda13x")}.get(name, (name,))
+    dist = {"cupy": ("cupy", "cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x")}.get(name, (name,))
     for d in dist:
         try:
             return metadata.version(d)

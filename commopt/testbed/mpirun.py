@@ -67,6 +67,27 @@ def tcp_mca_defaults(environ=None) -> dict[str, str]:
     return {name: str(TCP_EAGER_LIMIT) for name in names}
 
 
+#: Prefixes of the variables mpirun hands every rank as this launcher's environment has them:
+#: commopt's own settings (COMMOPT_COMM_TIMEOUT, ...) and the timeouts of the libraries under it.
+EXPORTED_PREFIXES = ("COMMOPT_", "TORCH_NCCL_", "HOROVOD_", "NCCL_")
+#: Set per node by the launcher itself, never copied from its environment.
+_PER_NODE = ("COMMOPT_NODE_NAME",)
+
+
+def export_flags(environ=None) -> list[str]:
+    """``-x NAME`` for each variable of ``environ`` that every rank must see.
+
+    Ranks that mpirun starts on this machine inherit its environment; ranks on other hosts
+    (ssh, or an emulated host's agent) get only what ``-x`` names, so this names them.
+
+    >>> export_flags({"COMMOPT_COMM_TIMEOUT": "5", "COMMOPT_NODE_NAME": "n0", "HOME": "/"})
+    ['-x', 'COMMOPT_COMM_TIMEOUT']
+    """
+    environ = os.environ if environ is None else environ
+    names = sorted(k for k in environ if k.startswith(EXPORTED_PREFIXES) and k not in _PER_NODE)
+    return [flag for name in names for flag in ("-x", name)]
+
+
 def _mca_flags(settings: dict[str, str]) -> list[str]:
     flags: list[str] = []
     for key, value in settings.items():
@@ -98,6 +119,7 @@ def mpirun_local_argv(
         _common_flags(nprocs, is_root=is_root, ncpus=ncpus)
         + list(LOOPBACK_MCA)
         + _mca_flags(tcp_mca_defaults())
+        + export_flags()
     )
     if ranks_per_node is None or ranks_per_node >= nprocs:
         return ["mpirun", "-n", str(nprocs), *flags, *command]
@@ -151,9 +173,11 @@ def mpirun_cluster_argv(
         *flags,
         *_mca_flags(mca),
     ]
-    for var, value in cluster_env(cluster).items():
+    given = cluster_env(cluster)
+    for var, value in given.items():
         argv += ["-x", f"{var}={value}"]
-    return argv + list(command)
+    exported = export_flags({k: v for k, v in os.environ.items() if k not in given})
+    return argv + exported + list(command)
 
 
 def cluster_env(cluster: EmulatedCluster) -> dict[str, str]:

@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -791,6 +792,194 @@ def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
     import tempfile
 
     assert not list(Path(tempfile.gettempdir()).glob(f"commopt-testbed{slot}-*"))
+
+
+# -- a peer that goes silent -----------------------------------------------------------------------
+
+STOPS = """
+import os, signal, sys, time, torch, commopt
+comm = commopt.create_communicator(sys.argv[1])
+t = torch.ones(1 << 16)
+comm.allreduce(t)
+if comm.rank == 1:
+    if sys.argv[1] == "mpi":
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, connected, silent
+    time.sleep(15)  # (torch: asleep instead, so the test's runner sees it end)
+    sys.exit(3)
+comm.allreduce(t)
+print("unreachable")
+"""
+
+
+@pytest.mark.parametrize("transport", ["mpi", "torch"])
+def test_a_silent_peer_ends_the_job_after_the_comm_timeout(case, transport):
+    c = case(
+        "a rank stops (SIGSTOP; torch: sleeps) before a collective, COMMOPT_COMM_TIMEOUT=3",
+        "rank 0 ends the job after 3 s naming rank 1 and the collective",
+        transport,
+        2,
+    )
+    msg = c.ranks_failed(transport, STOPS, 2, timeout=90, env={"COMMOPT_COMM_TIMEOUT": "3"})
+    assert re.search(r"rank 0: allreduce[^\n]*(nothing from|waiting for) rank\(?s?\)? 1", msg), msg
+
+
+# -- links that fail (emulated testbed) -----------------------------------------------------------
+
+#: Rank 1 trains ``steps`` steps of a ``width``-square linear layer and, before step ``at``,
+#: breaks its own host's data link from inside its namespace. Prints the weights' digest.
+LINK_FAULT = r"""
+import hashlib, os, subprocess, sys, time, torch, commopt
+transport, fault, width, steps, at = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+comm = commopt.create_communicator(transport)
+dev, rate = os.environ["COMMOPT_DATA_IFNAME"], int(os.environ["COMMOPT_LINK_BITS"])
+down, up = f"ip link set {dev} down", f"ip link set {dev} up"
+FAULTS = {
+    "down": down,
+    "blip": f"{down}; sleep 2; {up}",
+    "flap": f"for i in 1 2 3; do {down}; sleep 1; {up}; sleep 1; done",
+    "slow": f"tc qdisc change dev {dev} root tbf rate {rate // 100}bit burst 65536 latency 200ms",
+}
+torch.manual_seed(0)
+model = torch.nn.Linear(width, width)
+opt = commopt.create_multi_node_optimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01), comm, model=model)
+xs = torch.randn(steps, 8, width, generator=torch.Generator().manual_seed(comm.rank))
+fault_t = None
+for step in range(steps):
+    if step == at:
+        fault_t = time.monotonic()
+    if step == at and comm.rank == 1 and fault != "none":
+        print(f"fault {fault} at {time.time():.3f}", file=sys.stderr, flush=True)
+        (subprocess.run if fault in ("down", "slow") else subprocess.Popen)(["sh", "-c", FAULTS[fault]])
+    opt.zero_grad()
+    model(xs[step]).square().mean().backward()
+    opt.step()
+weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print("digest", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+print(f"after the fault {time.monotonic() - fault_t:.1f} s", flush=True)
+"""
+#: Seconds without progress before a job ends, in these rows (the default is 600).
+LINK_TIMEOUT = 5
+#: Training long enough that a 2 s outage, or 3 flaps of 1 s, fall inside it.
+SHORT_RUN = ("256", "120", "10")
+
+
+def _testbed_or_skip(transport: str) -> None:
+    from commopt.testbed import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"emulated cluster: {reason}")
+    if transport == "mpi" and not shutil.which("mpirun"):
+        pytest.skip("mpirun not found: install Open MPI")
+
+
+def _on_testbed(transport: str, fault: str, run: tuple[str, str, str], timeout: float):
+    """(exit code, stdout, stderr, seconds from the fault to the job's end or None)."""
+    launcher = "mpi" if transport == "mpi" else "torch"
+    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"commopt-link-fault-{os.getpid()}.py"
+    script.write_text(LINK_FAULT)
+    env = dict(launcher_free_env(), PYTHONPATH=str(REPO), COMMOPT_COMM_TIMEOUT=str(LINK_TIMEOUT))
+    argv = launch_argv(2, "--link", "1gbit", "--launcher", launcher, "--timeout", str(timeout))
+    r = subprocess.run(
+        [*argv, "--", PY, str(script), transport, fault, *run],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 60,
+    )
+    end = time.time()
+    m = re.search(r"fault \w+ at ([0-9.]+)", r.stderr)
+    return r.returncode, r.stdout, r.stderr, (end - float(m.group(1))) if m else None
+
+
+@functools.cache
+def _reference_digest(transport: str) -> str:
+    code, out, err, _ = _on_testbed(transport, "none", SHORT_RUN, 240)
+    assert code == 0, f"the run without a fault failed:\n{err[-3000:]}"
+    return re.findall(r"digest (\w+)", out)[0]
+
+
+LINK_TRANSPORTS = ["mpi", "torch"]
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("transport", LINK_TRANSPORTS)
+def test_a_link_down_for_good_ends_every_rank_naming_the_peer(case, transport):
+    _testbed_or_skip(transport)
+    c = case(
+        f"host1's data link down for good mid-run (COMMOPT_COMM_TIMEOUT={LINK_TIMEOUT})",
+        "every rank ends within the timeout + 10 s of the fault; each rank's error names its "
+        "silent peer and the collective (time: fault to the job's end)",
+        transport,
+        2,
+    )
+    code, _, err, after = c.run(_on_testbed, transport, "down", SHORT_RUN, 120)
+    c.seconds = after
+    assert code not in (0, 124), f"the job should have failed on its own (exit {code}):\n{err}"
+    assert after is not None and after <= LINK_TIMEOUT + 10, f"ended {after}s after the fault"
+    named = re.findall(
+        r"rank (\d): (\w+)[^\n]*?(?:nothing from|waiting for) rank\(?s?\)? (\d)", err
+    )
+    assert {(me, peer) for me, _, peer in named} == {("0", "1"), ("1", "0")}, (
+        f"not every rank named its peer:\n{err}"
+    )
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["blip", "flap"])
+@pytest.mark.parametrize("transport", LINK_TRANSPORTS)
+def test_a_link_that_comes_back_loses_nothing(case, transport, fault):
+    _testbed_or_skip(transport)
+    what = {
+        "blip": "host1's data link down 2 s, then up",
+        "flap": "host1's data link flapping (3 times down 1 s, up 1 s)",
+    }[fault]
+    c = case(
+        f"{what} (COMMOPT_COMM_TIMEOUT={LINK_TIMEOUT})",
+        "the run finishes; weights equal to a run without the outage (time: the faulty run)",
+        transport,
+        2,
+    )
+    reference = _reference_digest(transport)
+    code, out, err, _ = c.run(_on_testbed, transport, fault, SHORT_RUN, 240)
+    assert code == 0, f"the run should have survived the outage (exit {code}):\n{err[-3000:]}"
+    assert re.findall(r"digest (\w+)", out) == [reference] * 2, (out, reference)
+
+
+SLOW_RUNS = {
+    # 1 MiB of gradients a step, 8 steps at 10 Mbit/s: about 7 s in all, each step under 1 s.
+    "steps": ("512", "10", "2"),
+    # 8 MiB of gradients a step, 2 steps at 10 Mbit/s: each collective alone outlasts the timeout.
+    "collective": ("1448", "3", "1"),
+}
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "transport, longer", [("mpi", "steps"), ("torch", "steps"), ("mpi", "collective")]
+)
+def test_a_slow_link_is_not_a_dead_link(case, transport, longer):
+    _testbed_or_skip(transport)
+    what = {
+        "steps": "the slow steps together",
+        "collective": "each gradient collective alone",
+    }[longer]
+    c = case(
+        f"host1's link rate dropped 100x mid-run, to 10 Mbit/s; {what} longer than "
+        f"COMMOPT_COMM_TIMEOUT={LINK_TIMEOUT}",
+        "the run finishes: bytes still move, so no timeout",
+        transport,
+        2,
+    )
+    code, out, err, _ = c.run(_on_testbed, transport, "slow", SLOW_RUNS[longer], 240)
+    assert code == 0, f"a slow link ended the run (exit {code}):\n{err[-3000:]}"
+    assert len(re.findall(r"digest (\w+)", out)) == 2, out
+    # The slow part really outlasted the timeout (twice for two collectives that each did).
+    slow_s = min(float(x) for x in re.findall(r"after the fault ([0-9.]+) s", out))
+    assert slow_s > LINK_TIMEOUT * (2 if longer == "collective" else 1), (slow_s, out)
 
 
 # -- security ------------------------------------------------------------------------------------

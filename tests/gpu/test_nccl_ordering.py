@@ -44,7 +44,11 @@ print("ok")
 
 
 def _needs_cupy():
-    pytest.importorskip("cupy", reason="pure_nccl needs CuPy: pip install cupy-cuda12x")
+    from commopt.comm.nccl import nccl_unavailable_reason
+
+    reason = nccl_unavailable_reason()  # CuPy missing, or CuPy without libnccl
+    if reason:
+        pytest.skip(reason)
 
 
 @cuda

@@ -14,7 +14,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _needs_cupy():
-    pytest.importorskip("cupy", reason="pure_nccl needs CuPy: pip install cupy-cuda12x")
+    from commopt.comm.nccl import nccl_unavailable_reason
+
+    reason = nccl_unavailable_reason()  # CuPy missing, or CuPy without libnccl
+    if reason:
+        pytest.skip(reason)
 
 
 @cuda

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 
 import numpy as np
 import torch
 
 from commopt.comm.mpi.runtime import numpy_view
 from commopt.comm.mpi.settings import wait_settings
+from commopt.comm.timeout import ProgressWatch
 
 __all__ = ["direct_allgather", "pairwise_alltoall", "ring_allreduce", "wait_polled"]
 
@@ -79,7 +81,11 @@ def _segments(lo: int, hi: int, seg: int):
 
 
 def ring_allreduce(
-    mpi_comm, buf: torch.Tensor, seg_elems: int, scratch: torch.Tensor | None = None
+    mpi_comm,
+    buf: torch.Tensor,
+    seg_elems: int,
+    scratch: torch.Tensor | None = None,
+    watch: ProgressWatch | None = None,
 ) -> None:
     """Sum the contiguous CPU tensor ``buf`` over ``mpi_comm`` in place: segmented ring.
 
@@ -90,7 +96,8 @@ def ring_allreduce(
     overlaps transfer and both directions of every link stay busy. Each block is summed once,
     by its owner, in ring order, and then copied to everyone: the result is bit-identical on
     every rank. ``scratch``: a uint8 CPU tensor of at least numel/n elements' bytes to hold
-    incoming partial sums (allocated here if None).
+    incoming partial sums (allocated here if None). ``watch``: told of every segment that
+    arrives from the left neighbour or leaves for the right one (the clock of that peer).
     """
     n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
     if n == 1 or buf.numel() == 0:
@@ -148,40 +155,65 @@ def ring_allreduce(
             rreq, sreq = pending[t].pop(k)
             if rreq is not None:
                 expect = wait_polled(rreq, expect)
+                if watch is not None:
+                    watch.heard(left)
                 if t < n - 1:
                     lo, hi = recvs[k]
                     buf[lo:hi].add_(tmp[lo - start : hi - start])
             if sreq is not None:
                 # The next step may receive into the memory this segment was sent from.
                 wait_polled(sreq)
+                if watch is not None:
+                    watch.heard(right)
             if t + 1 < steps:
                 post(t + 1, k)
 
 
-def _exchange(mpi_comm, recv: np.ndarray, chunk: int, send_to, tag: int, seg_bytes: int) -> None:
+def _exchange(
+    mpi_comm,
+    recv: np.ndarray,
+    chunk: int,
+    send_to,
+    tag: int,
+    seg_bytes: int,
+    watch: ProgressWatch | None = None,
+) -> None:
     """Receive every peer's ``chunk`` bytes into its slot of ``recv`` and send each peer
-    ``send_to(peer)``, all as segmented Irecv/Isend posted at once, then wait."""
+    ``send_to(peer)``, all as segmented Irecv/Isend posted at once, then wait. ``watch``
+    hears of each peer's completed segments and lets go of a peer once it owes nothing."""
     n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    reqs = []
+    reqs, peers = [], []
     for i in range(1, n):
         src = (r - i) % n
         for lo, hi in _segments(src * chunk, (src + 1) * chunk, seg_bytes):
             reqs.append(mpi_comm.Irecv(recv[lo:hi], src, tag))
+            peers.append(src)
     receives = len(reqs)
     for i in range(1, n):
         dst = (r + i) % n
         data = send_to(dst)
         for lo, hi in _segments(0, data.size, seg_bytes):
             reqs.append(mpi_comm.Isend(data[lo:hi], dst, tag))
+            peers.append(dst)
+    owed = Counter(peers)
     expect = 0.0
     for i, req in enumerate(reqs):  # receives first, in the order they arrive, at a steady pace
         if i < receives:
             expect = wait_polled(req, expect)
         else:  # a send completes once its bytes are in the socket: no pacing
             wait_polled(req)
+        if watch is not None:
+            peer = peers[i]
+            owed[peer] -= 1
+            if owed[peer]:
+                watch.heard(peer)
+            else:
+                watch.settle(peer)
 
 
-def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
+def pairwise_alltoall(
+    mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int, watch: ProgressWatch | None = None
+) -> None:
     """MPI_Alltoall of equal byte chunks as segmented Isend/Irecv to and from every peer."""
     r = mpi_comm.Get_rank()
     chunk = send.size // mpi_comm.Get_size()
@@ -193,12 +225,15 @@ def pairwise_alltoall(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: i
         lambda dst: send[dst * chunk : (dst + 1) * chunk],
         _TAG_ALLTOALL,
         seg_bytes,
+        watch,
     )
 
 
-def direct_allgather(mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int) -> None:
+def direct_allgather(
+    mpi_comm, send: np.ndarray, recv: np.ndarray, seg_bytes: int, watch: ProgressWatch | None = None
+) -> None:
     """MPI_Allgather as segmented Isend/Irecv of this rank's bytes to and from every peer."""
     r = mpi_comm.Get_rank()
     chunk = send.size
     recv[r * chunk : (r + 1) * chunk] = send
-    _exchange(mpi_comm, recv, chunk, lambda dst: send, _TAG_ALLGATHER, seg_bytes)
+    _exchange(mpi_comm, recv, chunk, lambda dst: send, _TAG_ALLGATHER, seg_bytes, watch)

@@ -6,9 +6,12 @@ Every operation runs on the communicator's one worker thread, in issue order; se
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +28,7 @@ from commopt.comm.mpi.settings import (
     transfer_path,
 )
 from commopt.comm.mpi.user_ops import sum16_op
+from commopt.comm.timeout import ProgressWatch, comm_timeout, say, unwatch, watch
 
 __all__ = [
     "MPICommunicator",
@@ -101,6 +105,22 @@ def ready_after_producers(devices, streams=None) -> Callable[[], None]:
     return wait
 
 
+def _end_job(message: str) -> None:
+    """The watchdog's verdict: say why, then abort the whole job (every rank's mpirun kills).
+
+    If MPI_Abort itself cannot reach mpirun (its daemon sits behind the failed link), the
+    process still ends 6 s later.
+    """
+    say(message)
+    ender = threading.Timer(6.0, os._exit, (1,))
+    ender.daemon = True
+    ender.start()
+    # The peers' clocks ran out at about the same moment: a second lets them say so too
+    # before MPI_Abort has mpirun kill them.
+    time.sleep(1.0)
+    _mpi().COMM_WORLD.Abort(1)
+
+
 class MPICommunicator(Communicator):
     """Communicator over an mpi4py communicator (a duplicate of COMM_WORLD by default).
 
@@ -110,9 +130,17 @@ class MPICommunicator(Communicator):
     of at least ``pipeline_min_bytes`` and polled nonblocking MPI collectives below;
     ``"on"``: the same on one node too; ``"off"``: MPI's own blocking collectives, as
     before), ``segment_bytes`` (default: just under the TCP eager limit, see
-    :func:`default_segment_bytes`), ``pipeline_min_bytes`` (default 256 KiB). Environment:
-    COMMOPT_MPI_PIPELINE, COMMOPT_MPI_SEGMENT_BYTES, COMMOPT_MPI_PIPELINE_MIN_BYTES (the
-    options win). Every rank must use the same settings; the constructor checks.
+    :func:`default_segment_bytes`), ``pipeline_min_bytes`` (default 256 KiB), ``timeout``
+    (seconds a collective may go without progress, see :mod:`commopt.comm.timeout`).
+    Environment: COMMOPT_MPI_PIPELINE, COMMOPT_MPI_SEGMENT_BYTES,
+    COMMOPT_MPI_PIPELINE_MIN_BYTES, COMMOPT_COMM_TIMEOUT (the options win). Every rank must
+    use the same pipeline settings; the constructor checks.
+
+    Bounded waits: every collective runs under a per-peer clock. On the pipelined path each
+    segment that arrives from (or leaves for) a peer restarts that peer's clock, so a slow
+    link keeps going; MPI's own collectives (the polled and blocking paths) restart it only
+    when they complete. When a peer's clock passes the timeout, the process's watchdog
+    prints which rank and collective, and aborts the job.
 
         >>> comm = MPICommunicator(pipeline="off")  # doctest: +SKIP
     """
@@ -128,6 +156,7 @@ class MPICommunicator(Communicator):
         pipeline: str | bool | None = None,
         segment_bytes: int | str | None = None,
         pipeline_min_bytes: int | str | None = None,
+        timeout: float | str | None = None,
         _dup: bool = True,
     ):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
@@ -141,6 +170,15 @@ class MPICommunicator(Communicator):
             install_exit_handshake()
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
+        self.timeout = comm_timeout(timeout)
+        mine, world = self.mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self._world_ranks = MPI.Group.Translate_ranks(mine, list(range(self.size)), world)
+        mine.Free()
+        world.Free()
+        self._watch = watch(
+            ProgressWatch(self.timeout, rank=self._world_ranks[self.rank], ranks_of=self._who),
+            _end_job,
+        )
         self.cuda_aware = detect_cuda_aware(MPI) if cuda_aware is None else bool(cuda_aware)
         self.pipeline, self.segment_bytes, self.pipeline_min_bytes = pipeline_settings(
             pipeline, segment_bytes, pipeline_min_bytes
@@ -181,6 +219,24 @@ class MPICommunicator(Communicator):
             min_bytes=self.pipeline_min_bytes,
         )
 
+    def _who(self, peers: Iterable[int]) -> str:
+        """Peers by world rank, with their node where known: ``1 (host1)``."""
+        names = getattr(self, "node_names", None)
+        return ", ".join(
+            f"{self._world_ranks[p]}" + (f" ({names[p]})" if names else "") for p in peers
+        )
+
+    @contextlib.contextmanager
+    def _bounded(self, what: str, nbytes: int, peers: Iterable[int] | None = None):
+        """Run a collective (on the worker) under the peers' clocks: all others by default."""
+        if peers is None:
+            peers = [p for p in range(self.size) if p != self.rank]
+        self._watch.begin(f"{what} of {nbytes} bytes", peers)
+        try:
+            yield self._watch
+        finally:
+            self._watch.end()
+
     # -- running on the worker -------------------------------------------------------
     def _submit(
         self, fn: Callable[[], Any], finalize: Callable[[], None] | None = None
@@ -220,17 +276,25 @@ class MPICommunicator(Communicator):
         path = self._path(buf.numel() * buf.element_size())
         seg_elems = max(1, self.segment_bytes // buf.element_size())
 
+        nbytes = buf.numel() * buf.element_size()
+        ring = {(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank}
+
         def run():
             ready()
             host, back = self._host(buf, fill=True, path=path)
             data = [numpy_view(host), mpi_type(buf.dtype)]
             if path == "pipelined":
                 block = math.ceil(host.numel() / self.size) * host.element_size()
-                ring_allreduce(self.mpi_comm, host.reshape(-1), seg_elems, self._scratch(block))
+                with self._bounded("allreduce (pipelined ring)", nbytes, ring) as w:
+                    ring_allreduce(
+                        self.mpi_comm, host.reshape(-1), seg_elems, self._scratch(block), w
+                    )
             elif path == "polled":
-                wait_polled(self.mpi_comm.Iallreduce(MPI.IN_PLACE, data, op=op))
+                with self._bounded("allreduce (MPI_Iallreduce)", nbytes):
+                    wait_polled(self.mpi_comm.Iallreduce(MPI.IN_PLACE, data, op=op))
             else:
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, data, op=op)
+                with self._bounded("allreduce (MPI_Allreduce)", nbytes):
+                    self.mpi_comm.Allreduce(MPI.IN_PLACE, data, op=op)
             if back:
                 back()
 
@@ -244,6 +308,7 @@ class MPICommunicator(Communicator):
             pairwise_alltoall,
             self.mpi_comm.Ialltoall,
             self.mpi_comm.Alltoall,
+            "alltoall",
         )
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Work:
@@ -254,10 +319,18 @@ class MPICommunicator(Communicator):
             direct_allgather,
             self.mpi_comm.Iallgather,
             self.mpi_comm.Allgather,
+            "allgather",
         )
 
     def _exchange_op(
-        self, send: torch.Tensor, recv: torch.Tensor, nbytes: int, pipelined, nonblocking, blocking
+        self,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        nbytes: int,
+        pipelined,
+        nonblocking,
+        blocking,
+        what: str,
     ) -> Work:
         """An all-to-all style collective on bytes by the path ``nbytes`` calls for: commopt's
         ``pipelined`` point-to-point version, MPI's ``nonblocking`` one polled, or ``blocking``."""
@@ -269,12 +342,13 @@ class MPICommunicator(Communicator):
             s, _ = self._host(send, fill=True, path=path)
             r, back = self._host(recv, fill=False, path=path)
             sv, rv = numpy_view(s, as_bytes=True), numpy_view(r, as_bytes=True)
-            if path == "pipelined":
-                pipelined(self.mpi_comm, sv, rv, self.segment_bytes)
-            elif path == "polled":
-                wait_polled(nonblocking(sv, rv))
-            else:
-                blocking(sv, rv)
+            with self._bounded(f"{what} ({path})", nbytes) as w:
+                if path == "pipelined":
+                    pipelined(self.mpi_comm, sv, rv, self.segment_bytes, w)
+                elif path == "polled":
+                    wait_polled(nonblocking(sv, rv))
+                else:
+                    blocking(sv, rv)
             if back:
                 back()
 
@@ -286,14 +360,22 @@ class MPICommunicator(Communicator):
         def run():
             ready()
             host, back = self._host(buf, fill=self.rank == root)
-            self.mpi_comm.Bcast(numpy_view(host, as_bytes=True), root=root)
+            peers = [root] if self.rank != root else None
+            with self._bounded(
+                f"broadcast from rank {root}", buf.numel() * buf.element_size(), peers
+            ):
+                self.mpi_comm.Bcast(numpy_view(host, as_bytes=True), root=root)
             if back:
                 back()
 
         return self._submit(run)
 
     def _barrier(self) -> None:
-        self._call(self.mpi_comm.Barrier)
+        def run():
+            with self._bounded("barrier", 0):
+                self.mpi_comm.Barrier()
+
+        self._call(run)
 
     # bcast_obj/allgather_obj: the base class's JSON + bytes path over _broadcast/_allgather
     # (mpi4py's lowercase bcast/allgather would unpickle what peers send), on the blocking path.
@@ -305,7 +387,11 @@ class MPICommunicator(Communicator):
             self._objects.active = False
 
     def _split(self, color: int, key: int) -> MPICommunicator:
-        sub = self._call(lambda: self.mpi_comm.Split(color, key))
+        def run():
+            with self._bounded("split", 0):
+                return self.mpi_comm.Split(color, key)
+
+        sub = self._call(run)
         return MPICommunicator(
             allreduce_grad_dtype=self.allreduce_grad_dtype,
             mpi_comm=sub,
@@ -313,6 +399,7 @@ class MPICommunicator(Communicator):
             pipeline=self.pipeline,
             segment_bytes=self.segment_bytes,
             pipeline_min_bytes=self.pipeline_min_bytes,
+            timeout=self.timeout,
             _dup=False,
         )
 
@@ -338,6 +425,7 @@ class MPICommunicator(Communicator):
     def finalize(self) -> None:
         # Not joining from the worker itself (a last reference dropped there).
         self._worker.shutdown(wait=not self._on_worker())
+        unwatch(self._watch)
         MPI = _mpi()
         if not MPI.Is_finalized() and self.mpi_comm != MPI.COMM_WORLD:
             try:
