@@ -138,6 +138,8 @@ def init_default_group(
         int(env.get("MASTER_PORT", "0")),
         rendezvous_timeout(rendezvous_timeout_s),
     )
+    # torchrun's agent keeps its store across restarts: each attempt's group keys apart.
+    store = dist.PrefixStore(f"commopt/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(
         backend,
         store=store,

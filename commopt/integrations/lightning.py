@@ -86,12 +86,6 @@ class _LightningStep(MultiNodeOptimizer):
         super().step()
         return loss
 
-    def __del__(self):
-        # Lightning's LightningOptimizer is an instance of a class derived from this one that
-        # forwards attribute reads here: only the optimizer itself detaches its hooks.
-        if "_hooks" in self.__dict__:
-            super().__del__()
-
 
 def __getattr__(name: str) -> Any:
     # The strategies subclass Lightning's DDPStrategy: they are made when first asked for,

@@ -88,10 +88,9 @@ def sim_measurements(report: dict) -> list[dict]:
             if cfg.wire.startswith("qsgd"):
                 plan["piece_mb"] = PIECE_BYTES / 2**20  # the pipeline's pieces, as they ran
             if cfg.wire == "powersgd":
-                plan.update(
-                    compression=f"powersgd{cfg.powersgd_rank}",
-                    bucket_cap_mb=float(POWERSGD_BUCKET_MB),
-                )
+                plan["compression"] = f"powersgd{cfg.powersgd_rank}"
+                if cfg.kind == "ddp":
+                    plan["bucket_cap_mb"] = float(POWERSGD_BUCKET_MB)
             transport = "torch" if cfg.kind == "ddp" else report.get("commopt_comm", "torch")
             entry = {
                 "what": f"step {model} {row['config']}, {report['nprocs']} hosts x 1 rank, "
