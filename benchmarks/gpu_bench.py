@@ -1,7 +1,7 @@
 """GPU benchmarks: codec kernels against a device copy, NCCL allreduce against torch's.
 
-    python benchmarks/gpu_bench.py --json benchmarks/results/gpu.json --report docs/benchmarks-gpu.md
-    python benchmarks/gpu_bench.py --from benchmarks/results/gpu.json --report docs/benchmarks-gpu.md
+    python benchmarks/gpu_bench.py --json gpu-bench.json --report gpu-bench.md
+    python benchmarks/gpu_bench.py --from gpu-bench.json --report gpu-bench.md
 
 Measured in one run, on one buffer of ``--mib`` MiB of float32 on one device:
 
@@ -13,9 +13,11 @@ Measured in one run, on one buffer of ``--mib`` MiB of float32 on one device:
   (``algorithm="scatter_reduce"``, so the codec runs even in a world of one). In a world of
   one no byte crosses a link: the figures measure each path's overhead only.
 
-Targets (issue 14): codec encode >= 70% of the copy's bandwidth at 64 MiB; ``pure_nccl``
+Targets: codec encode >= 70% of the copy's bandwidth at 64 MiB; ``pure_nccl``
 allreduce no slower than torch.distributed's nccl allreduce of the same buffer. Each time is
-the best of ``--reps`` after a warm-up, timed with CUDA events. ``make gpu-check`` runs it.
+the best of ``--reps`` after a warm-up, timed with CUDA events. The device check
+(``python3 -m commopt.gpu_check``, whose report is docs/benchmarks-gpu.md) runs
+:func:`measure_codecs`.
 """
 
 from __future__ import annotations
@@ -47,9 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--reps", type=int, default=20, help="timed repetitions; the best is kept")
     p.add_argument("--json", type=Path, help="write the measurements here")
-    p.add_argument(
-        "--report", type=Path, help="write the markdown report here (docs/benchmarks-gpu.md)"
-    )
+    p.add_argument("--report", type=Path, help="write the markdown report here")
     p.add_argument(
         "--from",
         dest="from_json",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from commopt.comm import create_communicator
     from commopt.join import Join
     from commopt.memory import reuse_freed_memory
-    from commopt.optim.multi_node import create_multi_node_optimizer
+    from commopt.optim import create_multi_node_optimizer
 
 _SUBMODULES = frozenset(
     {

@@ -34,6 +34,8 @@ from typing import Self
 
 import torch
 
+from commopt.comm.base import scalar_device
+
 __all__ = ["Join"]
 
 
@@ -52,11 +54,12 @@ class Join:
         self.comm = optimizer.comm
         self.shadow_steps = 0  # steps this rank took with zero gradients after its data ended
         self._shadowing = False
+        self._handle = None  # the optimizer's reduction-start callback, inside the block
 
     def __enter__(self) -> Self:
         # The flag goes before each step's first bucket (as DDP's Join does it in forward):
         # a rank that shadows sends its flag, then its zero buckets, in the same order.
-        self.optimizer._before_reduction = self._training
+        self._handle = self.optimizer.on_reduction_start(self._training)
         return self
 
     def _training(self) -> None:
@@ -64,13 +67,13 @@ class Join:
 
     def _still_training(self, mine: bool) -> int:
         """How many ranks still have data (a collective call, once per step on every rank)."""
-        flag = torch.tensor([1.0 if mine else 0.0])
+        flag = torch.tensor([1.0 if mine else 0.0], device=scalar_device(self.comm))
         self.comm.allreduce(flag)
         return int(flag.item())
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self.optimizer._before_reduction = None
+            self._stop_counting()
             if exc_type is None:
                 self._shadowing = True
                 while self._still_training(False) > 0:
@@ -78,5 +81,10 @@ class Join:
                     self.optimizer.step()  # zeros in, the others' average out
                     self.shadow_steps += 1
         finally:
-            self.optimizer._before_reduction = None
+            self._stop_counting()
             self._shadowing = False
+
+    def _stop_counting(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -176,13 +176,20 @@ def state_digest(module: torch.nn.Module) -> str:
 
 
 def atomic_save(obj, path: str | os.PathLike) -> None:
-    """torch.save to a temporary name, then rename: a crash never leaves half a file.
+    """torch.save to a temporary name, fsync, then rename: a crash never leaves half a file.
 
     The folder is created when missing; the temporary name carries the process id, so two
-    processes saving the same path never write into one temporary file.
+    processes saving the same path never write into one temporary file. The file and the
+    rename are synced to disk before this returns (a power loss keeps the old or the new).
     """
+    from commopt.checkpointing.atomic import fsync_dir
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)

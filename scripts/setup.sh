@@ -48,7 +48,7 @@ stamp="$VENV/.commopt-deps"
 editable_mode=compat
 deps_hash=$( (cat pyproject.toml setup.py; echo "$editable_mode") | sha1sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
-  log "installing commopt with its extras (dev, recipes, triton: the GPU kernels, run interpreted in the tests)"
+  log "installing commopt with its extras (dev, recipes, triton: the GPU kernels, run interpreted in the tests; lightning, accelerate: the framework integrations)"
   "${PIP[@]}" setuptools wheel
   # The constraint keeps torch at the pinned build whatever an extra asks for.
   echo "$TORCH_PIN" > "$VENV/constraints.txt"
@@ -56,7 +56,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
   # import at every interpreter start (before any commopt code) turned a Ctrl-C that came
   # then into a RuntimeError that site.py swallows (Python 3.11): `commopt launch` ran on.
   "${PIP[@]}" -c "$VENV/constraints.txt" --no-build-isolation \
-    --config-settings editable_mode="$editable_mode" -e ".[dev,recipes,triton]"
+    --config-settings editable_mode="$editable_mode" -e ".[dev,recipes,triton,lightning,accelerate]"
   echo "$deps_hash" > "$stamp"
 fi
 

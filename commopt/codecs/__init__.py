@@ -12,6 +12,7 @@ See docs/codecs.md for each codec's wire format, error bound and when to pick it
 from commopt.codecs.base import Codec, RngKey
 from commopt.codecs.cast import CastCodec, NoneCodec
 from commopt.codecs.error_feedback import ErrorFeedback
+from commopt.codecs.lowrank import PowerSGD
 from commopt.codecs.policy import CompressionPolicy
 from commopt.codecs.qsgd import QSGD
 from commopt.codecs.registry import codec_names, get_codec
@@ -23,6 +24,7 @@ __all__ = [
     "CompressionPolicy",
     "ErrorFeedback",
     "NoneCodec",
+    "PowerSGD",
     "RngKey",
     "codec_names",
     "get_codec",

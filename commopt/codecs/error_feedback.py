@@ -38,6 +38,7 @@ import torch
 
 from commopt.codecs._wire import check_values
 from commopt.codecs.base import Codec, RngKey
+from commopt.codecs.lowrank import PowerSGD
 
 
 class ErrorFeedback(Codec):
@@ -47,6 +48,11 @@ class ErrorFeedback(Codec):
         if isinstance(inner, ErrorFeedback):
             raise ValueError(
                 "ErrorFeedback(ErrorFeedback(...)) makes no sense; wrap the codec once"
+            )
+        if isinstance(inner, PowerSGD):
+            raise ValueError(
+                f"{inner.name} keeps its own error feedback; use it unwrapped "
+                "(PowerSGD(..., error_feedback=False) turns it off)"
             )
         if not isinstance(inner, Codec):
             raise TypeError(f"ErrorFeedback wraps a Codec, got {type(inner).__name__}")

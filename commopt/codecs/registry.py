@@ -4,6 +4,8 @@
 ErrorFeedback(QSGD(bits=4, bucket_size=128, scale='max'))
 >>> get_codec("fp16").name
 'fp16'
+>>> get_codec("powersgd4")
+PowerSGD(rank=4)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from commopt.codecs.base import Codec
 from commopt.codecs.cast import CastCodec, NoneCodec
 from commopt.codecs.error_feedback import ErrorFeedback
+from commopt.codecs.lowrank import PowerSGD
 from commopt.codecs.qsgd import QSGD
 
 _FACTORIES: dict[str, Callable[[], Codec]] = {
@@ -26,11 +29,21 @@ _FACTORIES: dict[str, Callable[[], Codec]] = {
     "qsgd4": lambda: QSGD(bits=4, bucket_size=128),
     "qsgd8": lambda: QSGD(bits=8, bucket_size=128),
 }
+#: Low-rank ranks registered by name ("powersgd4": rank 4, its own error feedback).
+LOW_RANKS = (1, 2, 4, 8, 16, 32)
+
+
+def _low_rank(rank: int) -> Callable[[], Codec]:
+    return lambda: PowerSGD(rank=rank)
+
+
+_FACTORIES.update({f"powersgd{r}": _low_rank(r) for r in LOW_RANKS})
 EF_SUFFIX = "+ef"
 
 
 def codec_names() -> list[str]:
-    """Every name ``get_codec`` accepts (each also with the ``+ef`` suffix)."""
+    """Every name ``get_codec`` accepts (each also with the ``+ef`` suffix, except the
+    low-rank ``powersgdN``, whose error feedback is built in)."""
     return list(_FACTORIES)
 
 
@@ -54,4 +67,9 @@ def get_codec(spec: str | Codec | None) -> Codec:
             "or pass a Codec instance such as commopt.codecs.QSGD(bits=4, bucket_size=128)"
         )
     codec = factory()
+    if ef and isinstance(codec, PowerSGD):
+        raise ValueError(
+            f"{name!r} keeps its own error feedback: use {name!r} without '+ef' "
+            f"(PowerSGD(rank={codec.rank}, error_feedback=False) turns it off)"
+        )
     return ErrorFeedback(codec) if ef else codec

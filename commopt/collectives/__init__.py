@@ -28,9 +28,14 @@ Algorithms (``algorithm=``; chosen in :mod:`~commopt.collectives.choice`, built 
     with several ranks per node: reduce-scatter inside the node in fp32 (uncompressed),
     the compressed algorithm across nodes on each shard, allgather inside the node.
     The intra/inter communicators are built once per communicator (:mod:`commopt.comm.topology`).
+``lowrank``
+    the low-rank codec's plan (:class:`~commopt.codecs.PowerSGD`, :mod:`~commopt.collectives.lowrank`):
+    two float32 allreduces (P, then Q) with the codec's math between them. It needs
+    ``shapes``, the place and shape of each tensor in ``flat``.
 ``auto`` (default)
-    identity for a world of one, hierarchical when there are several nodes with the same
-    number (> 1) of ranks each, else native when possible, else scatter_reduce.
+    identity for a world of one, lowrank for a low-rank codec, hierarchical when there are
+    several nodes with the same number (> 1) of ranks each, else native when possible, else
+    scatter_reduce.
 
 Averaging (``average=True``) divides by the world size *before* encoding, so a 16-bit sum
 cannot overflow where the mean would not.
@@ -47,6 +52,8 @@ communicator's own collectives while an asynchronous allreduce is in flight: wai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from commopt import driver
@@ -54,6 +61,7 @@ from commopt.codecs.base import Codec, RngKey
 from commopt.codecs.exact import Exact
 from commopt.collectives.choice import ALGORITHMS, check_arguments, choose_algorithm
 from commopt.collectives.layout import PIECE_BYTES, chunk_bounds, scatter_reduce_layout
+from commopt.collectives.lowrank import plan_lowrank
 from commopt.collectives.plans import PLANS
 from commopt.comm.base import Communicator, CompletedWork, Work
 
@@ -81,6 +89,7 @@ def allreduce(
     rng: RngKey | None = None,
     key: str | None = None,
     piece_bytes: int | None = None,
+    shapes: Sequence[tuple[int, Sequence[int]]] | None = None,
 ) -> Work:
     """Reduce ``flat`` over all ranks of ``comm`` through ``codec``, in place.
 
@@ -90,7 +99,9 @@ def allreduce(
     buffer for stateful codecs (error feedback keeps one residual per key and chunk).
     ``piece_bytes``: fp32 bytes per piece of the scatter-reduce pipeline and of a cast
     codec's (fp16, bf16) native plan (default
-    :data:`PIECE_BYTES`; 0 runs the whole buffer as one piece).
+    :data:`PIECE_BYTES`; 0 runs the whole buffer as one piece). ``shapes``: ``(offset,
+    shape)`` of each tensor in ``flat``, for codecs that compress whole matrices (low-rank);
+    the others ignore it.
     Returns a Work; with ``async_op=False`` it is already complete.
     """
     check_arguments(comm, flat, codec, algorithm)
@@ -105,7 +116,12 @@ def allreduce(
         if factor != 1.0:
             flat.mul_(factor)
         return _DONE
-    plan = PLANS[algorithm](comm, flat, codec or Exact(flat.dtype), factor, rng, key, piece_bytes)
+    if algorithm == "lowrank":
+        plan = plan_lowrank(comm, flat, codec, factor, rng, key, shapes)  # type: ignore[arg-type]
+    else:
+        plan = PLANS[algorithm](
+            comm, flat, codec or Exact(flat.dtype), factor, rng, key, piece_bytes
+        )
     # The stages run on the communicator's worker (a world of one: at once, here); on a
     # stream-ordered communicator at once, here, enqueued on its stream.
     work = driver.submit(comm, plan, device=flat.device, keep=(flat,))

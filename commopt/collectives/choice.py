@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 
 from commopt.codecs.base import Codec
+from commopt.codecs.lowrank import PowerSGD
 from commopt.comm.base import Communicator
 from commopt.comm.topology import uniform_nodes
 
 __all__ = ["ALGORITHMS", "check_arguments", "choose_algorithm", "native_ok"]
 
-ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity")
+ALGORITHMS = ("auto", "native", "scatter_reduce", "hierarchical", "identity", "lowrank")
 
 
 def native_ok(comm: Communicator, codec: Codec) -> bool:
@@ -29,6 +30,8 @@ def choose_algorithm(comm: Communicator, codec: Codec | None) -> str:
     """The algorithm ``algorithm="auto"`` picks for this communicator and codec."""
     if comm.size == 1:
         return "identity"
+    if isinstance(codec, PowerSGD):
+        return "lowrank"
     if comm.inter_size > 1 and comm.intra_size > 1 and uniform_nodes(comm):
         return "hierarchical"
     if codec is None or native_ok(comm, codec):
@@ -48,6 +51,17 @@ def check_arguments(
             raise TypeError(f"codec must be a commopt Codec or None, got {type(codec).__name__}")
         if flat.dtype != torch.float32:
             raise TypeError(f"codecs encode float32 buffers; got {flat.dtype} (use codec=None)")
+    low_rank = isinstance(codec, PowerSGD)
+    if isinstance(codec, PowerSGD) and algorithm not in ("auto", "lowrank", "identity"):
+        raise ValueError(
+            f"codec {codec.name} has its own plan: use algorithm='auto' or 'lowrank', "
+            f"not {algorithm!r}"
+        )
+    if algorithm == "lowrank" and not low_rank:
+        raise ValueError(
+            "algorithm='lowrank' is the plan of the low-rank codecs (PowerSGD, 'powersgd4'); "
+            f"codec {getattr(codec, 'name', codec)!r} is not one: use algorithm='auto'"
+        )
     if algorithm == "native" and codec is not None and not native_ok(comm, codec):
         raise ValueError(
             f"algorithm='native' needs a linear codec whose wire dtype the transport sums; "

@@ -1,9 +1,5 @@
 """torch.distributed transport (gloo or nccl process groups).
 
-Over 400 lines on purpose: one communicator class (the Communicator contract over a process
-group: every collective, its Work, split, the launch-time rendezvous) whose methods each stay
-short; the rendezvous helpers are the only other job and belong to creating it.
-
     $ torchrun --nproc-per-node 2 -m commopt.examples.allreduce --comm torch
 
 Wraps the default process group, or the one given as ``group=``. When no default group
@@ -142,6 +138,8 @@ def init_default_group(
         int(env.get("MASTER_PORT", "0")),
         rendezvous_timeout(rendezvous_timeout_s),
     )
+    # torchrun's agent keeps its store across restarts: each attempt's group keys apart.
+    store = dist.PrefixStore(f"commopt/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(
         backend,
         store=store,

@@ -24,6 +24,7 @@ is rebuilt lazily from the process group given at construction (or the default g
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 import copy
+import sys
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -66,6 +67,11 @@ class CommoptHookState:
     patterns (without it, the policy's size and dimension rules still apply).
     ``process_group``: DDP's group (default: the default group). ``algorithm``: as in
     :func:`commopt.collectives.allreduce`. ``seed``: for stochastic rounding.
+
+    With a LightningModule as ``model``, the first forward under ``Trainer.fit`` raises when
+    the Trainer's strategy is one that drops comm hooks (Lightning's DDPStrategy registers
+    them on CUDA only): commopt.integrations.lightning.CommoptHookStrategy registers this
+    hook on every device.
     """
 
     def __init__(
@@ -89,6 +95,39 @@ class CommoptHookState:
         self._comm: TorchCommunicator | None = None
         self._reducers: dict[int, tuple[tuple, GradientReducer]] = {}
         self._pending_codec_state: dict[str, Any] = {}
+        # A LightningModule: Lightning's DDPStrategy registers comm hooks on CUDA only and
+        # drops them silently elsewhere; the first forward under a Trainer checks.
+        lightning = sys.modules.get("lightning.pytorch")
+        self._lightning_check = (
+            model.register_forward_pre_hook(self._check_lightning_registers)
+            if lightning is not None and isinstance(model, lightning.LightningModule)
+            else None
+        )
+
+    def _check_lightning_registers(self, module: torch.nn.Module, args: Any) -> None:
+        """Raise when Lightning's DDPStrategy is training ``module`` on a device where it
+        does not register comm hooks (this state's hook would never run)."""
+        try:
+            trainer: Any = module.trainer  # (a LightningModule: raises while not attached)
+        except RuntimeError:
+            return
+        if trainer is None or trainer.state.fn != "fit":
+            return
+        handle, self._lightning_check = self._lightning_check, None
+        if handle is not None:
+            handle.remove()
+        strategy = trainer.strategy
+        device = getattr(strategy, "root_device", torch.device("cpu"))
+        if getattr(strategy, "hook_state", None) is self or device.type == "cuda":
+            return
+        raise RuntimeError(
+            f"Lightning's {type(strategy).__name__} registers DDP communication hooks only on "
+            f"CUDA devices: on {device.type} commopt_hook would never run and DDP would "
+            "average uncompressed gradients. Use strategy=commopt.integrations.lightning."
+            "CommoptHookStrategy(CommoptHookState(...)) (the same hook, on every device) or "
+            "commopt.integrations.lightning.CommoptStrategy(compression=...) (commopt's "
+            "optimizer: double buffering and compensation too)"
+        )
 
     # -- the communicator, made on first use and never pickled ------------------------
     @property
@@ -107,6 +146,7 @@ class CommoptHookState:
             _reducers={},
             _names={},
             _pending_codec_state=self.state_dict()["codecs"],
+            _lightning_check=None,
         )
         return state
 

@@ -224,3 +224,43 @@ def cast_decode(
 ) -> None:
     """Write (or add) ``alpha * float32(wire)`` into float32 ``out``."""
     _store(out, wire.reshape(-1).to(torch.float32), accumulate, alpha)
+
+
+# ----------------------------------------------------------------------------- comparing outputs
+# How another implementation's output is held against the reference's. One allowance: the
+# bits of a NaN. torch itself does not fix them (its CPU float16 -> float32 conversion gives
+# 0x7FFFFFFF on its scalar path and 0x7FC00000 on its vector path, by tensor size), so a NaN
+# must meet a NaN; every other bit must be equal.
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, on any devices (compared on the CPU unless both share one), except
+    that any NaN matches any NaN.
+
+    >>> nan = float("nan")
+    >>> same_bits(torch.tensor([1.0, nan]), torch.tensor([1.0, -nan]))
+    True
+    >>> same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    False
+    """
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    na, nb = a.float().isnan(), b.float().isnan()
+    view = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return (
+        a.dtype == b.dtype
+        and torch.equal(na, nb)
+        and torch.equal(a[~na].view(view), b[~nb].view(view))
+    )
+
+
+def same_wire(
+    a: torch.Tensor, b: torch.Tensor, numel: int, bucket_size: int, scale_bytes: int
+) -> bool:
+    """Two QSGD wires of ``numel`` elements agree: codes and padding byte for byte, the
+    scales by :func:`same_bits`."""
+    head = -(-numel // bucket_size) * scale_bytes
+    dtype = torch.float32 if scale_bytes == 4 else torch.float16
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return torch.equal(a[head:], b[head:]) and same_bits(a[:head].view(dtype), b[:head].view(dtype))

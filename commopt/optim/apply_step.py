@@ -4,58 +4,87 @@ The reduction's trailer agrees on one :class:`~commopt.reducer.StepResult` on ev
 so every rank takes the same decision here without communicating: a step where some rank
 had NaN/Inf gradients is skipped everywhere (counted in ``skipped_steps``, logged by rank
 0); otherwise ``clip_grad_norm=`` clips the averages and the inner optimizer steps.
+:class:`StepApplier` owns that decision and its counters.
 
-    >>> import torch, commopt
+    >>> import torch
     >>> from commopt.reducer import StepResult
-    >>> model = torch.nn.Linear(2, 1)
-    >>> opt = commopt.create_multi_node_optimizer(
-    ...     torch.optim.SGD(model.parameters(), lr=0.1), commopt.create_communicator("local")
-    ... )
-    >>> apply_result(opt, StepResult(nonfinite=True, bad_buckets=[0], present=[True, True]))
-    >>> opt.skipped_steps, opt.last_step_skipped, opt.applied_steps
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> applier = StepApplier(torch.optim.SGD([w], lr=0.1), rank=0, clip_grad_norm=None)
+    >>> applier.apply(StepResult(nonfinite=True, bad_buckets=[0], present=[True]), [w])
+    >>> applier.skipped_steps, applier.last_step_skipped, applier.applied_steps
     (1, True, 0)
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from commopt.optim import clipping
 
 if TYPE_CHECKING:
-    from commopt.optim.multi_node import MultiNodeOptimizer
     from commopt.reducer import StepResult
 
-__all__ = ["apply_result", "clip"]
+__all__ = ["StepApplier"]
 
 log = logging.getLogger("commopt")
 
 
-def apply_result(opt: MultiNodeOptimizer, result: StepResult | None) -> None:
-    """Run the inner step unless some rank had NaN/Inf (``result``: None, nothing to apply)."""
-    if result is None:
-        opt.last_step_skipped = False
-        return
-    if result.nonfinite:
-        opt.skipped_steps += 1
-        opt.last_step_skipped = True
-        if opt.comm.rank == 0:
-            log.warning(
-                "commopt: skipped step %d on every rank: NaN/Inf gradients on some rank "
-                "(buckets %s); %d step(s) skipped so far",
-                opt.applied_steps + opt.skipped_steps,
-                result.bad_buckets,
-                opt.skipped_steps,
-            )
-        return
-    clip(opt)
-    opt.inner.step()
-    opt.applied_steps += 1
-    opt.last_step_skipped = False
+class StepApplier:
+    """The inner step behind the NaN/Inf skip and clipping, and the step counters."""
 
+    def __init__(
+        self, inner: torch.optim.Optimizer, *, rank: int, clip_grad_norm: float | None
+    ) -> None:
+        self.inner = inner
+        self.rank = rank
+        self.clip_grad_norm = clipping.check_max_norm(clip_grad_norm)
+        self.applied_steps = 0
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.last_grad_norm: float | torch.Tensor | None = None  # before clipping
 
-def clip(opt: MultiNodeOptimizer) -> None:
-    """``clip_grad_norm=``: clip the averaged gradients about to be applied."""
-    if opt.clip_grad_norm is not None:
-        opt.last_grad_norm = clipping.clip_grad_norm(opt._layout.params, opt.clip_grad_norm)
+    def apply(self, result: StepResult | None, params: Sequence[torch.Tensor]) -> None:
+        """Run the inner step unless some rank had NaN/Inf (``result``: None, nothing to apply).
+
+        ``params``: the parameters whose averaged gradients this step applies (clipped together).
+        """
+        if result is None:
+            self.last_step_skipped = False
+            return
+        if result.nonfinite:
+            self.skipped_steps += 1
+            self.last_step_skipped = True
+            if self.rank == 0:
+                log.warning(
+                    "commopt: skipped step %d on every rank: NaN/Inf gradients on some rank "
+                    "(buckets %s); %d step(s) skipped so far",
+                    self.applied_steps + self.skipped_steps,
+                    result.bad_buckets,
+                    self.skipped_steps,
+                )
+            return
+        self.clip(params)
+        self.inner.step()
+        self.applied_steps += 1
+        self.last_step_skipped = False
+
+    def clip(self, params: Sequence[torch.Tensor]) -> None:
+        """``clip_grad_norm=``: clip the averaged gradients about to be applied."""
+        if self.clip_grad_norm is not None:
+            self.last_grad_norm = clipping.clip_grad_norm(params, self.clip_grad_norm)
+
+    def counted_closure_step(self) -> None:
+        """A ``step(closure)`` ran the inner step (closures are never skipped)."""
+        self.applied_steps += 1
+        self.last_step_skipped = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied_steps": self.applied_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.applied_steps = int(state["applied_steps"])
+        self.skipped_steps = int(state["skipped_steps"])

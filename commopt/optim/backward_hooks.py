@@ -1,29 +1,29 @@
-"""The optimizer's hooks into autograd: one per parameter, and one callback per backward.
+"""The hooks into autograd: one per parameter, and one callback per backward.
 
-Each trainable parameter gets a post-accumulate-grad hook that tells the optimizer
-"gradient ``index`` is ready" (``owner._on_grad_ready(index)``); the first of a backward
-queues autograd's final callback (``owner._backward_done()``), which runs once the whole
-backward has produced its gradients: DDP's contract that the averages are in ``.grad``
-when ``backward()`` returns. The hooks hold the optimizer weakly: a dropped optimizer is
-collected even while its hooks stay on the parameters.
+Each trainable parameter gets a post-accumulate-grad hook that reports "gradient ``index``
+is ready" (the ``on_grad_ready(index)`` callback); the first of a backward queues autograd's
+final callback (``on_backward_end()``), which runs once the whole backward has produced its
+gradients: DDP's contract that the averages are in ``.grad`` when ``backward()`` returns.
+Bound methods are held weakly: an optimizer that is dropped is collected even while its
+hooks stay on the parameters.
 
     >>> import torch
+    >>> events = []
     >>> class Owner:
     ...     def __init__(self):
-    ...         self.events = []
-    ...         self.hooks = BackwardHooks(self)
+    ...         self.hooks = BackwardHooks(self.ready, self.done)
     ...
-    ...     def _on_grad_ready(self, index):
-    ...         self.events.append(index)
+    ...     def ready(self, index):
+    ...         events.append(index)
     ...         self.hooks.queue_end_of_backward()
     ...
-    ...     def _backward_done(self):
+    ...     def done(self):
     ...         self.hooks.end_queued = False
-    ...         self.events.append("done")
+    ...         events.append("done")
     >>> w = torch.nn.Parameter(torch.ones(2)); b = torch.nn.Parameter(torch.ones(2))
     >>> owner = Owner(); owner.hooks.attach([w, b])
     >>> (w * b).sum().backward()
-    >>> sorted(owner.events[:2]), owner.events[2:]  # each gradient, then the end (once)
+    >>> sorted(events[:2]), events[2:]  # each gradient, then the end (once)
     ([0, 1], ['done'])
 """
 
@@ -32,8 +32,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,8 +42,11 @@ __all__ = ["BackwardHooks", "in_nested_backward"]
 class BackwardHooks:
     """The per-parameter hooks of one optimizer and its once-per-backward final callback."""
 
-    def __init__(self, owner: Any) -> None:
-        self._owner = weakref.ref(owner)
+    def __init__(
+        self, on_grad_ready: Callable[[int], None], on_backward_end: Callable[[], None]
+    ) -> None:
+        self._ready = _weak(on_grad_ready)
+        self._end = _weak(on_backward_end)
         self._handles: list = []
         self.end_queued = False  # the end-of-backward callback is queued
 
@@ -52,7 +54,7 @@ class BackwardHooks:
         """Hook ``params`` (in place of any earlier hooks): ``params[i]`` reports index ``i``."""
         self.remove()
         self._handles = [
-            p.register_post_accumulate_grad_hook(_GradReady(self._owner, i))
+            p.register_post_accumulate_grad_hook(_GradReady(self._ready, i))
             for i, p in enumerate(params)
         ]
 
@@ -63,17 +65,17 @@ class BackwardHooks:
         self._handles = []
 
     def queue_end_of_backward(self) -> None:
-        """Queue the owner's ``_backward_done`` unless queued, or inside a nested backward."""
+        """Queue ``on_backward_end`` unless queued, or inside a nested backward."""
         if not self.end_queued and not in_nested_backward():
             self.queue_end()
 
     def queue_end(self) -> None:
-        """Queue the owner's ``_backward_done`` at the end of the backward running now."""
-        owner = self._owner()
-        if owner is None:
+        """Queue ``on_backward_end`` at the end of the backward running now."""
+        callback = self._end()
+        if callback is None:
             return
         self.end_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(owner._backward_done)
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def in_nested_backward() -> bool:
@@ -93,14 +95,21 @@ def in_nested_backward() -> bool:
     return False
 
 
-class _GradReady:
-    """Backward hook of one parameter; holds the optimizer weakly."""
+def _weak(callback: Callable) -> Callable[[], Callable | None]:
+    """A weak reference to a bound method (its object may be collected), or a strong one."""
+    if isinstance(callback, types.MethodType):
+        return weakref.WeakMethod(callback)
+    return lambda: callback
 
-    def __init__(self, owner_ref: weakref.ref, index: int):
-        self._owner_ref = owner_ref
+
+class _GradReady:
+    """Backward hook of one parameter; holds its callback weakly."""
+
+    def __init__(self, ready: Callable[[], Callable[[int], None] | None], index: int):
+        self._ready = ready
         self._index = index
 
     def __call__(self, param: torch.Tensor) -> None:
-        owner = self._owner_ref()
-        if owner is not None:
-            owner._on_grad_ready(self._index)
+        callback = self._ready()
+        if callback is not None:
+            callback(self._index)

@@ -25,7 +25,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from commopt.optim.multi_node import MultiNodeOptimizer
+    from commopt.comm.base import Communicator
+    from commopt.optim.apply_step import StepApplier
+    from commopt.optim.reduction_counter import ReductionCounter
+    from commopt.reducer import GradientReducer
 
 __all__ = [
     "STATE_VERSION",
@@ -50,53 +53,55 @@ _RESUME_HINT = (
 )
 
 
-def commopt_state(opt: MultiNodeOptimizer) -> dict[str, Any]:
-    """``opt``'s part of its state dict (no reduction may be in flight: drain first)."""
-    db = opt._db.state_dict()  # completes the pending reduction first
-    layout = opt._layout
+def commopt_state(
+    *,
+    comm: Communicator,
+    seed: int,
+    counter: ReductionCounter,
+    applier: StepApplier,
+    schedule_state: dict[str, Any],
+    reducer: GradientReducer,
+) -> dict[str, Any]:
+    """The optimizer's part of its state dict, combined from its components' state dicts.
+
+    ``schedule_state``: the schedule's ``state_dict()``, taken first (it completes the
+    pending reduction, which may give a skipped step's number back).
+    """
     state = {
         "version": STATE_VERSION,
-        "world_size": opt.comm.size,
-        "rank": opt.comm.rank,
-        "seed": opt.seed,
-        "iteration": opt._iteration - layout.pending_discards,
-        "applied_steps": opt.applied_steps,
-        "skipped_steps": opt.skipped_steps,
-        "double_buffering": opt.double_buffering,
-        "db_buffer": db["db_buffer"],
-        "buckets": [b.key for b in layout.buckets],
-        "codec_state": layout.codec_states(),  # this rank's own only
-        "pending": db["pending"],
+        "world_size": comm.size,
+        "rank": comm.rank,
+        "seed": seed,
+        "iteration": counter.saved(reducer),
+        **applier.state_dict(),
+        **{k: schedule_state[k] for k in ("double_buffering", "db_buffer")},
+        "buckets": [b.key for b in reducer.buckets],
+        "codec_state": reducer.codec_states(),  # this rank's own only
     }
-    if opt._comp is not None:
-        state.update(opt._comp.state())
+    state.update({k: v for k, v in schedule_state.items() if k not in state})
     return state
 
 
-def load_commopt_state(opt: MultiNodeOptimizer, extra: dict[str, Any]) -> None:
-    """Restore :func:`commopt_state`'s ``extra`` into ``opt`` (checked first; drained first)."""
-    layout, rank = opt._layout, opt.comm.rank
-    check_compatible(extra, [b.key for b in layout.buckets], rank=rank, size=opt.comm.size)
-    layout.load_codec_states(own_codec_state(extra, rank))
-    opt.seed = int(extra["seed"])
-    layout.seed = opt.seed
-    opt._iteration = int(extra["iteration"])
-    opt.applied_steps = int(extra["applied_steps"])
-    opt.skipped_steps = int(extra["skipped_steps"])
-    opt._step.reset()
-    if extra.get("pending") is not None and not opt.double_buffering:
-        raise ValueError(
-            "the checkpoint holds pending double-buffered gradients: load it into an "
-            "optimizer with double_buffering=True (or call flush() before saving)"
-        )
-    opt._db.load_state_dict(extra, layout)
-    if opt._comp is None:
-        # (imported here: the state format above, drop_codec_state etc., needs no torch)
-        from commopt.optim.compensation import refuse_prediction
+def load_commopt_state(
+    extra: dict[str, Any],
+    *,
+    comm: Communicator,
+    counter: ReductionCounter,
+    applier: StepApplier,
+    reducer: GradientReducer,
+) -> int:
+    """Restore :func:`commopt_state`'s ``extra`` into the components (checked first).
 
-        refuse_prediction(extra)
-    else:
-        opt._comp.load(extra, rank)
+    Returns the saved seed; the schedule restores its own part afterwards.
+    """
+    rank = comm.rank
+    check_compatible(extra, [b.key for b in reducer.buckets], rank=rank, size=comm.size)
+    reducer.load_codec_states(own_codec_state(extra, rank))
+    seed = int(extra["seed"])
+    reducer.seed = seed
+    counter.next = int(extra["iteration"])
+    applier.load_state_dict(extra)
+    return seed
 
 
 def has_codec_state(codec_state: dict) -> bool:

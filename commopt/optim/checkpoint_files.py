@@ -5,7 +5,13 @@ A checkpoint is a directory of ``torch.distributed.checkpoint`` (DCP) checkpoint
 rank 0) and ``rank{r}/`` (rank r's error-feedback residuals, written by rank r). Its size
 per rank does not grow with the number of ranks and no rank reads a peer's residuals.
 DCP runs with ``no_dist=True``: it needs no torch process group, so this works with
-every commopt communicator (``mpi`` included); the communicator only provides a barrier.
+every commopt communicator (``mpi`` included).
+
+The directory is written under a staging name and renamed into place once every rank's
+part is on disk, with ``MANIFEST.json`` listing each file's size and SHA-256
+(:mod:`commopt.checkpointing.atomic`): a job killed while saving leaves the previous
+checkpoint loadable, and loading checks each file it reads first. For numbered
+checkpoints with a ``latest`` pointer, see :class:`commopt.checkpointing.CheckpointManager`.
 
     >>> import tempfile, torch, commopt
     >>> from commopt.optim import create_multi_node_optimizer, save_checkpoint, load_checkpoint
@@ -29,15 +35,34 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from commopt.optim.checkpoint import drop_codec_state, join_rank_state, split_rank_state
+from commopt.checkpointing.atomic import (
+    MANIFEST,
+    CheckpointError,
+    read_manifest,
+    resolve,
+    save_parts,
+    verify_part,
+)
+from commopt.optim.checkpoint import (
+    drop_codec_state,
+    has_codec_state,
+    join_rank_state,
+    split_rank_state,
+)
 
-__all__ = ["checkpoint_bytes", "load_checkpoint", "save_checkpoint"]
+__all__ = ["RESIDUAL_MODES", "checkpoint_bytes", "load_checkpoint", "save_checkpoint"]
 
 REPLICATED = "replicated"
 
+#: What :func:`load_checkpoint` does with error-feedback residuals saved by another number of
+#: ranks: ``refuse`` (raise, the default) or ``drop`` (restart them at zero). They cannot be
+#: carried over: each rank keeps them per chunk of the reduce-scatter it sent or reduced,
+#: and another number of ranks cuts the buckets into other chunks.
+RESIDUAL_MODES = ("refuse", "drop")
 
-def _rank_dir(path: Path, rank: int) -> Path:
-    return path / f"rank{rank}"
+
+def _part_name(rank: int) -> str:
+    return f"rank{rank}"
 
 
 def save_checkpoint(
@@ -45,68 +70,133 @@ def save_checkpoint(
 ) -> None:
     """Write ``model``, ``optimizer`` (a MultiNodeOptimizer) and ``extra`` under ``path``.
 
-    A collective call: every rank calls it; it returns once every rank's part is written.
-    ``extra`` (epoch, scheduler or GradScaler state...) is saved with the replicated part.
+    A collective call: every rank calls it; it returns once every rank's part is on disk
+    and the checkpoint is renamed into place (a checkpoint already at ``path`` is replaced
+    only then). ``extra`` (epoch, sampler, scheduler or GradScaler state...) is saved with
+    the replicated part, from rank 0. ``path`` must be on a file system every rank shares.
     """
     dcp = _dcp()
-    path = Path(path)
     comm = optimizer.comm
     replicated, own = split_rank_state(optimizer.state_dict())
-    with warnings.catch_warnings():  # "no process group: saving in a single process" is intended
-        warnings.simplefilter("ignore", UserWarning)
-        if comm.rank == 0:
-            # Compensated double buffering: the model is saved at its true weights (each
-            # rank's predicted ones are in its own part), so the file also serves inference.
-            true_weights = getattr(optimizer, "true_weights", contextlib.nullcontext)
-            with true_weights():
-                dcp.save(
-                    {"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
-                    checkpoint_id=str(path / REPLICATED),
-                    no_dist=True,
-                )
-        dcp.save({"commopt_rank": own}, checkpoint_id=str(_rank_dir(path, comm.rank)), no_dist=True)
-    comm.barrier()  # the checkpoint is complete when any rank returns
+
+    def write(staging: Path) -> list[str]:
+        parts = []
+        with warnings.catch_warnings():  # "no process group: saving in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            if comm.rank == 0:
+                # Compensated double buffering: the model is saved at its true weights (each
+                # rank's predicted ones are in its own part), so the file also serves inference.
+                true_weights = getattr(optimizer, "true_weights", contextlib.nullcontext)
+                with true_weights():
+                    dcp.save(
+                        {"model": model.state_dict(), "optim": replicated, "extra": extra or {}},
+                        checkpoint_id=str(staging / REPLICATED),
+                        no_dist=True,
+                    )
+                parts.append(REPLICATED)
+            mine = _part_name(comm.rank)
+            dcp.save({"commopt_rank": own}, checkpoint_id=str(staging / mine), no_dist=True)
+            parts.append(mine)
+        return parts
+
+    save_parts(path, comm, write)
 
 
 def load_checkpoint(
-    path: str | os.PathLike, model, optimizer, *, reset_codec_state: bool = False
+    path: str | os.PathLike,
+    model,
+    optimizer,
+    *,
+    reset_codec_state: bool = False,
+    residuals: str = "refuse",
 ) -> dict:
     """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``; return ``extra``.
 
-    Each rank reads the replicated part and its own ``rank{r}`` part. Resuming error
-    feedback with another number of ranks raises a ValueError that names both counts;
-    ``reset_codec_state=True`` restores everything else and restarts the residuals at zero.
+    Each rank checks the replicated part and its own ``rank{r}`` part against the manifest
+    (a missing, truncated or altered file raises :class:`CheckpointError` naming it), then
+    restores them. Resuming with another number of ranks restores the replicated part;
+    error-feedback residuals, which each rank holds for itself per chunk of the
+    reduce-scatter (chunks that another number of ranks cuts differently), follow
+    ``residuals``: ``"refuse"`` raises a ValueError naming both counts, ``"drop"`` restarts
+    them at zero (the error they carried, one step's quantisation error, is lost). State
+    saved between steps of compensated double buffering (each rank's predicted weights)
+    only resumes with the same number of ranks. ``reset_codec_state=True`` is
+    ``residuals="drop"``, at any count.
     """
+    if residuals not in RESIDUAL_MODES:
+        raise ValueError(f"residuals={residuals!r}: choose one of {', '.join(RESIDUAL_MODES)}")
+    if reset_codec_state:
+        residuals = "drop"
     path = Path(path)
-    rank = optimizer.comm.rank
-    if not (path / REPLICATED).is_dir():
+    comm = optimizer.comm
+    rank, size = comm.rank, comm.size
+    where = resolve(path)
+    if where is None:
         raise FileNotFoundError(
-            f"{path} is not a commopt checkpoint (no {REPLICATED}/ inside); "
+            f"{path} is not a commopt checkpoint (no {MANIFEST} inside); "
             "write one with commopt.optim.save_checkpoint"
         )
-    shared = _read(path / REPLICATED)
+    ckpt = _Checkpoint(where)
+    shared = ckpt.read(REPLICATED)
     optim = shared["optim"]
     # DCP stores dict keys as strings; torch optimizers index their state by int.
     optim["state"] = {int(k): v for k, v in optim.get("state", {}).items()}
-    mine = _rank_dir(path, rank)
-    if mine.is_dir():
-        state = join_rank_state(optim, _read(mine)["commopt_rank"])
-    elif reset_codec_state:
-        state = join_rank_state(
-            optim, {"rank": rank, "world_size": optimizer.comm.size, "codec_state": {}}
-        )
+    if ckpt.world_size == size or (ckpt.manifest is None and ckpt.has(_part_name(rank))):
+        own = ckpt.read(_part_name(rank))["commopt_rank"]
     else:
-        saved = sorted(p.name for p in path.glob("rank*"))
-        raise ValueError(
-            f"rank {rank}: {path} holds no state for this rank (saved by {len(saved)} ranks: "
-            f"{', '.join(saved)}); resume with that many ranks, or pass "
-            "reset_codec_state=True to restart the error-feedback residuals at zero"
-        )
-    if reset_codec_state:
+        own = _reshard(ckpt, rank, size, residuals)
+    state = join_rank_state(optim, own)
+    if residuals == "drop":
         state = drop_codec_state(state)
     model.load_state_dict(shared["model"])
     optimizer.load_state_dict(state)
     return shared.get("extra", {})
+
+
+class _Checkpoint:
+    """A committed checkpoint directory: its manifest (None: written before manifests) and
+    its parts, each checked against the manifest as it is read."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.manifest = read_manifest(directory) if (directory / MANIFEST).is_file() else None
+        if self.manifest is not None:
+            self.world_size = self.manifest["world_size"]
+        else:
+            self.world_size = len(list(directory.glob("rank*")))
+
+    def has(self, part: str) -> bool:
+        return (self.directory / part).is_dir()
+
+    def read(self, part: str) -> dict[str, Any]:
+        if self.manifest is not None:
+            return _read(verify_part(self.directory, self.manifest, part))
+        if not self.has(part):
+            raise CheckpointError(f"{self.directory / part} is missing")
+        return _read(self.directory / part)
+
+
+def _reshard(ckpt: _Checkpoint, rank: int, size: int, residuals: str) -> dict[str, Any]:
+    """This rank's own state from a checkpoint saved by ``ckpt.world_size`` other ranks."""
+    saved = [ckpt.read(_part_name(r))["commopt_rank"] for r in range(ckpt.world_size)]
+    if any(s.get("predicted") is not None for s in saved):
+        raise ValueError(
+            f"rank {rank}: the checkpoint was saved by {ckpt.world_size} ranks between steps "
+            f"of compensated double buffering, but this job has {size}: each rank's predicted "
+            f"weights are its own. Resume with {ckpt.world_size} ranks, or call "
+            "optimizer.flush() before saving"
+        )
+    states = [s.get("codec_state", {}) for s in saved]
+    own: dict[str, Any] = {"rank": rank, "world_size": size, "codec_state": {}}
+    if not any(has_codec_state(s) for s in states) or residuals == "drop":
+        return own
+    raise ValueError(
+        f"rank {rank}: the checkpoint holds codec state (error feedback) of "
+        f"{ckpt.world_size} ranks but this job has {size}: each rank's residuals belong to "
+        f"the chunks {ckpt.world_size} ranks cut the buckets into. Resume with "
+        f"{ckpt.world_size} ranks, or pass residuals='drop' (they restart at zero: one "
+        "step's quantisation error per rank is lost)"
+    )
 
 
 def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:

@@ -11,8 +11,8 @@ in-place operation bumps them; reading one costs nothing), so it fails loudly in
 
     >>> import torch
     >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
-    >>> clip_grad_norm([w], max_norm=1.0)  # returns the norm before clipping
-    5.0
+    >>> clip_grad_norm([w], max_norm=1.0)  # returns the norm before clipping (a tensor)
+    tensor(5.)
     >>> [round(x, 3) for x in w.grad.tolist()]
     [0.6, 0.8]
     >>> guard = GradWriteGuard(); guard.record([w])
@@ -51,18 +51,19 @@ def check_max_norm(max_norm) -> float | None:
     return value
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor | float:
     """Scale the gradients of ``params`` in place so their global L2 norm is at most ``max_norm``.
 
     ``torch.nn.utils.clip_grad_norm_`` over the gradients present; returns the norm before
-    clipping (NaN/Inf when a gradient is not finite; then nothing useful can be clipped).
+    clipping as a 0-dim tensor on the gradients' device, never read on the host (NaN/Inf
+    when a gradient is not finite; then nothing useful can be clipped). 0.0: no gradient.
     Called on averaged gradients, which are identical on every rank, it takes the same
     decision on every rank without any communication.
     """
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return torch.nn.utils.clip_grad_norm_(grads, max_norm)
 
 
 class GradWriteGuard:

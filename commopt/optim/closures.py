@@ -15,46 +15,40 @@ each other forever).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from commopt.comm.base import Communicator
-from commopt.optim.apply_step import clip
-
-if TYPE_CHECKING:
-    from commopt.optim.multi_node import MultiNodeOptimizer
+from commopt.comm.base import Communicator, scalar_device
 
 __all__ = ["average_loss", "step_with_closure"]
 
 
-def step_with_closure(opt: MultiNodeOptimizer, closure: Callable[[], Any]) -> Any:
-    """``opt.inner.step(closure)`` where every closure call returns averaged loss and gradients."""
-    if opt.double_buffering:
-        raise ValueError(
-            "step(closure) re-evaluates the gradients within the step, which double "
-            "buffering (gradients applied one step late) cannot do: create the optimizer "
-            "with double_buffering=False for closure optimizers such as LBFGS"
-        )
-    if opt._skip_sync:
-        raise RuntimeError(
-            "step(closure) inside skip_synchronize(): the closure's gradients "
-            "are averaged by step() itself; call step(closure) outside it"
-        )
+def step_with_closure(
+    inner: torch.optim.Optimizer,
+    comm: Communicator,
+    closure: Callable[[], Any],
+    *,
+    discard: Callable[[], None],
+    synchronize: Callable[[], None],
+    clip: Callable[[], None],
+) -> Any:
+    """``inner.step(closure)`` where every closure call returns averaged loss and gradients.
+
+    Before each evaluation ``discard()`` forgets the previous one's gradients; after it,
+    ``synchronize()`` averages the new ones and ``clip()`` clips them (``clip_grad_norm=``).
+    """
 
     def averaged_closure():
-        opt._step.drop()  # the previous evaluation's gradients are consumed
-        opt._guard.clear()
+        discard()  # the previous evaluation's gradients are consumed
         with torch.enable_grad():
             loss = closure()
-        opt.synchronize()
-        clip(opt)
-        return average_loss(opt.comm, loss)
+        synchronize()
+        clip()
+        return average_loss(comm, loss)
 
-    loss = opt.inner.step(averaged_closure)
-    opt._step.drop()
-    opt.applied_steps += 1
-    opt.last_step_skipped = False
+    loss = inner.step(averaged_closure)
+    discard()
     return loss
 
 
@@ -63,7 +57,9 @@ def average_loss(comm: Communicator, loss: Any) -> Any:
     if loss is None or comm.size == 1:
         return loss
     value = torch.tensor(
-        [float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=torch.float64
+        [float(loss.detach() if isinstance(loss, torch.Tensor) else loss)],
+        dtype=torch.float64,
+        device=scalar_device(comm),
     )
     comm.allreduce(value)
     mean = value.item() / comm.size

@@ -66,7 +66,7 @@ class LocalGradients:
         cls,
         all_params: Sequence[torch.Tensor],
         sent: Sequence[torch.Tensor],
-        scale: float,
+        scale: float | torch.Tensor,
         keep_reference: Callable[[torch.Tensor], bool],
     ) -> LocalGradients:
         """Take the gradients of ``sent`` before the reduction starts.
@@ -74,8 +74,8 @@ class LocalGradients:
         ``keep_reference(p)``: the reduction will *replace* ``p.grad`` (its averages land in
         a bucket view) and never writes into the tensor now there, so holding it is enough;
         otherwise the gradient is copied (it is a bucket view the reduction overwrites, or
-        the averages will be copied into it). ``scale`` != 1 (GradScaler) makes a new,
-        unscaled tensor anyway.
+        the averages will be copied into it). A ``scale`` (GradScaler's inverse scale, a 0-dim
+        tensor, or a number other than 1) makes a new, unscaled tensor anyway.
         """
         ours = {id(p) for p in sent}
         grads: list[torch.Tensor | None] = []
@@ -83,7 +83,7 @@ class LocalGradients:
             g = p.grad if id(p) in ours else None
             if g is None:
                 grads.append(None)
-            elif scale != 1.0:
+            elif isinstance(scale, torch.Tensor) or scale != 1.0:
                 grads.append(g.detach().float() * scale)  # a new tensor: .grad is still to be sent
             elif g.dtype == torch.float32 and keep_reference(p):
                 grads.append(g.detach())
@@ -98,10 +98,9 @@ class LocalGradients:
         present = [g for g in self.grads if g is not None]
         if max_norm is None or not present:
             return self.grads
-        norm = float(torch.nn.utils.get_total_norm(present))
-        coef = max_norm / (norm + 1e-6)
-        if not coef < 1.0:
-            return self.grads
+        # As torch.nn.utils.clip_grad_norm_ computes it, on the device (no host read).
+        norm = torch.nn.utils.get_total_norm(present)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return [None if g is None else g * coef for g in self.grads]
 
 
@@ -120,7 +119,7 @@ def unpack_replaces_grad(reducer: GradientReducer) -> Callable[[torch.Tensor], b
         return (
             p.grad is not None
             and p.grad.untyped_storage().data_ptr() not in storages
-            and reducer._viewable(p, flat)
+            and reducer.viewable(p, flat)
         )
 
     return replaces
@@ -139,7 +138,7 @@ class Compensation:
         self.aside: list[torch.Tensor] | None = None  # predicted weights, inside true_weights()
 
     def _params(self) -> list[torch.Tensor]:
-        return self.prediction._tensors()
+        return self.prediction.tensors()
 
     def restore(self) -> None:
         """Put the true weights back (before an average is applied, a flush, a re-broadcast)."""
@@ -150,12 +149,19 @@ class Compensation:
             )
         self.prediction.restore()
 
-    def predict(self, step_skipped_here: bool, max_norm: float | None) -> None:
-        """Move the model to the weights this step's local gradients predict (once per step)."""
+    def predict(self, step_skipped_here: bool | torch.Tensor, max_norm: float | None) -> None:
+        """Move the model to the weights this step's local gradients predict (once per step).
+
+        ``step_skipped_here``: this rank's NaN/Inf flag of the step sent (no local step then).
+        A tensor flag is never read on the host: the predicted step is masked to zero where
+        it is set (the model keeps the true weights' values; the prediction still counts as
+        made, so ``true_weights()`` and the checkpoint hold the true weights aside).
+        """
         local, self.local = self.local, None
-        if local is None or step_skipped_here:
+        if local is None or step_skipped_here is True:
             return  # nothing sent, or NaN/Inf here: no local step either
-        self.prediction.predict(local.clipped(max_norm))
+        skip = step_skipped_here if isinstance(step_skipped_here, torch.Tensor) else None
+        self.prediction.predict(local.clipped(max_norm), skip=skip)
 
     @contextlib.contextmanager
     def true_weights(self) -> Iterator[None]:
@@ -165,7 +171,7 @@ class Compensation:
         params = self._params()
         with torch.no_grad():
             self.aside = [p.detach().clone() for p in params]
-            weights = self.prediction._weights
+            weights = self.prediction.weights
             assert weights is not None  # predicting: the true weights are kept aside
             torch._foreach_copy_(params, weights)
         try:

@@ -15,7 +15,7 @@ each differing setting and the ranks on each side.
     ... )
     >>> wire_settings(opt)["compression"]
     "QSGD(bits=4, bucket_size=128, scale='max')"
-    >>> check_same_settings(opt)  # a world of one always agrees
+    >>> check_same_settings(opt, opt.buckets)  # a world of one always agrees
 """
 
 from __future__ import annotations
@@ -27,29 +27,31 @@ class SettingsMismatchError(ValueError):
     """The ranks created their optimizers with settings that would not meet on the wire."""
 
 
-def _bucket_layout(reducer) -> list[str]:
+def _bucket_layout(buckets) -> list[str]:
     return [
         f"{b.key} {b.dtype} codec={b.codec!r} slots={[(s.param, s.offset, s.numel) for s in b.slots]}"
-        for b in reducer.buckets
+        for b in buckets
     ]
 
 
-def wire_settings(opt) -> dict[str, str]:
-    """The settings of ``opt`` (a MultiNodeOptimizer) that every rank must share, as text."""
+def wire_settings(opt, buckets=None) -> dict[str, str]:
+    """The settings of ``opt`` (a MultiNodeOptimizer) that every rank must share, as text.
+
+    ``buckets``: the bucket layout being built (default: ``opt.buckets``).
+    """
+    buckets = opt.buckets if buckets is None else buckets
     return {
         "compression": repr(opt.codec) if opt.codec is not None else "None",
         "allreduce_grad_dtype (uncompressed codec)": repr(opt.plain_codec),
         "policy": repr(opt.policy),
         "bucket_cap_mb": repr(opt.bucket_cap_mb),
-        "bucket layout": "; ".join(_bucket_layout(opt._reducer)),
+        "bucket layout": "; ".join(_bucket_layout(buckets)),
         "algorithm": repr(opt.algorithm),
-        "double_buffering": repr(
-            "compensated" if getattr(opt, "compensated", False) else opt.double_buffering
-        ),
+        "double_buffering": repr(opt.schedule.mode),
     }
 
 
-def check_same_settings(opt) -> None:
+def check_same_settings(opt, buckets) -> None:
     """Raise :class:`SettingsMismatchError` on every rank unless all ranks' settings agree.
 
     A collective call on ``opt.comm`` (one allgather of short strings).
@@ -57,7 +59,7 @@ def check_same_settings(opt) -> None:
     comm = opt.comm
     if comm.size == 1:
         return
-    mine = wire_settings(opt)
+    mine = wire_settings(opt, buckets)
     everyone = comm.allgather_obj(mine)
     problems = []
     for name in mine:

@@ -47,7 +47,7 @@ def exclude_bias_and_norm(param: Tensor) -> bool:
     return param.dim() <= 1
 
 
-def _skips(group: dict, params: list[Tensor], exclude: ExcludeFn | None) -> list[bool]:
+def excluded(group: dict, params: list[Tensor], exclude: ExcludeFn | None) -> list[bool]:
     """Which of ``params`` get no adaptation and no weight decay.
 
     A group's ``"lars_skip"`` (True/False) overrides the ``exclude`` rule for the whole group.
@@ -143,7 +143,7 @@ class LARS(Optimizer):
             raise ValueError(f"LARS: eps must be >= 0, got {eps}")
         if exclude is not None and not callable(exclude):
             raise TypeError("LARS: exclude must be a function param -> bool, or None")
-        self._exclude = exclude
+        self.exclude = exclude
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -167,7 +167,7 @@ class LARS(Optimizer):
             grads = [p.grad for p in params]
             _check_dense(grads, "LARS")
             lr, wd = group["lr"], group["weight_decay"]
-            skip = _skips(group, params, self._exclude)
+            skip = excluded(group, params, self.exclude)
             bufs = []
             for p in params:
                 state = self.state[p]
@@ -236,7 +236,7 @@ class LayerwiseAdaptation(Optimizer):
         self.trust_coefficient = float(trust_coefficient)
         self.clip = bool(clip)
         self.eps = float(eps)
-        self._exclude = exclude
+        self.exclude = exclude
         init_hook_tables(self)
 
     param_groups = inner_attribute("param_groups", "optimizer")
@@ -272,7 +272,7 @@ class LayerwiseAdaptation(Optimizer):
         for group in self.param_groups:
             wd = group.get("weight_decay", 0.0)
             params = [p for p in group["params"] if p.grad is not None]
-            skip = _skips(group, params, self._exclude)
+            skip = excluded(group, params, self.exclude)
             pa = [p for p, s in zip(params, skip) if not s]
             if pa:
                 ga = [p.grad for p in pa]

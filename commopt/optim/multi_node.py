@@ -1,29 +1,23 @@
 """``create_multi_node_optimizer``: data-parallel training by wrapping any torch optimizer.
 
 :class:`MultiNodeOptimizer` is the ``torch.optim.Optimizer`` surface that torch, GradScaler,
-LR schedulers and users call; each job behind it lives in a module of its own:
+LR schedulers and users call. It is composed of objects that each own their state:
 
-- :mod:`~commopt.optim.backward_hooks`: the hook on each parameter, the end-of-backward callback;
-- :mod:`~commopt.optim.step_state`: the stage of the step in progress (a small state machine);
-- :mod:`~commopt.optim.synchronous_step` / :mod:`~commopt.optim.double_buffered_step`: what
-  the hooks, ``synchronize()``, ``step()`` and ``flush()`` do in each mode, and
-  :mod:`~commopt.optim.double_buffering` the reduction in flight between steps;
-- :mod:`~commopt.optim.apply_step`: the collective NaN/Inf skip, clipping, the counters;
-- :mod:`~commopt.optim.closures` (``step(closure)``), :mod:`~commopt.optim.compensation`
-  (``double_buffering="compensated"``), :mod:`~commopt.optim.checkpoint` (the state dict's
-  part), :mod:`~commopt.optim.replicas` (same-model check, broadcast from rank 0),
-  :mod:`~commopt.optim.options` (argument checks, codecs), :mod:`~commopt.optim.clipping`.
+- :class:`~commopt.optim.bucketed_params.BucketedParameters`: the trainable parameters, their
+  buckets (the reducer's layout) and the backward hooks, which call back into the schedule;
+- the schedule, picked once at construction: :class:`~commopt.optim.synchronous_step.SynchronousSchedule`
+  (``overlap`` on or off) or :class:`~commopt.optim.double_buffered_step.DoubleBufferedSchedule`
+  (holding a :class:`~commopt.optim.compensation.Compensation` when ``"compensated"``);
+- :class:`~commopt.optim.apply_step.StepApplier`: the collective NaN/Inf skip, clipping and
+  the step counters; :class:`~commopt.optim.reduction_counter.ReductionCounter`: the
+  reductions' numbers (the codecs' random keys) and the start callbacks (``commopt.Join``);
+- :mod:`~commopt.optim.closures` (``step(closure)``), :mod:`~commopt.optim.checkpoint` (the
+  state dict's part, combined from the components'), :mod:`~commopt.optim.replicas`
+  (same-model check, broadcast from rank 0), :mod:`~commopt.optim.options` (argument checks,
+  codecs), :mod:`~commopt.optim.fingerprint` (the settings every rank must share).
 
 The reducer (:mod:`commopt.reducer`) owns the buckets and the codecs; the collectives own the
 algorithms; :mod:`commopt.driver` owns the threads.
-
-Over 400 lines on purpose: about 330 are code, the rest docstrings, doctests and comments.
-What is left is the one class users and torch talk to (the public methods ``param_groups``,
-``zero_grad``, ``step``, ``synchronize``, ``skip_synchronize``, ``no_sync``, ``wait``,
-``flush``, ``true_weights``, ``state_dict``, ``load_state_dict``, ``add_param_group``,
-``close``, ``remove_hooks``, ``buckets``, ``inner``, each with the docstring its users
-read), its constructor (argument checks, the private communicator) and the bucket layout's
-rebuild when the parameters change; every method hands its job to the modules above.
 
     >>> import torch, commopt
     >>> comm = commopt.create_communicator("local")
@@ -49,27 +43,29 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from commopt import driver
 from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
-from commopt.optim import clipping, double_buffered_step, synchronous_step
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
-from commopt.optim.backward_hooks import BackwardHooks
+from commopt.optim.apply_step import StepApplier
+from commopt.optim.bucketed_params import BucketedParameters
 from commopt.optim.checkpoint import commopt_state, load_commopt_state
 from commopt.optim.closures import step_with_closure
 from commopt.optim.compensation import Compensation, parse_mode
-from commopt.optim.double_buffering import DoubleBuffer
+from commopt.optim.double_buffered_step import DoubleBufferedSchedule
 from commopt.optim.fingerprint import check_same_settings
 from commopt.optim.options import check_arguments, refuse_ddp, resolve_codecs
+from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.replicas import (
     ModelMismatchError,
     broadcast_from_root,
     check_same_model,
     param_names,
 )
-from commopt.optim.step_state import StepState
-from commopt.reducer import GradientReducer, StepReduction
+from commopt.optim.synchronous_step import SynchronousSchedule
+from commopt.reducer import GradientReducer
 
 __all__ = ["ModelMismatchError", "MultiNodeOptimizer", "create_multi_node_optimizer"]
 
@@ -129,6 +125,21 @@ def create_multi_node_optimizer(
     )
 
 
+_WRAPPER_ONLY = ("compression", "double_buffering")
+
+
+def _refuse_group_plans(param_groups: list[dict]) -> None:
+    """A group that sets the wrapper's reduction options would have them silently ignored."""
+    for i, group in enumerate(param_groups):
+        keys = [k for k in _WRAPPER_ONLY if k in group]
+        if keys:
+            raise ValueError(
+                f"parameter group {i} sets {', '.join(keys)}: these apply to every parameter "
+                "and are arguments of create_multi_node_optimizer, not keys of a parameter "
+                "group; remove them from the group and pass them to the wrapper"
+            )
+
+
 class MultiNodeOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that averages gradients over a communicator.
 
@@ -160,19 +171,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             )
         check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb)
         refuse_ddp([p for g in optimizer.param_groups for p in g["params"]], model)
-        self.clip_grad_norm = clipping.check_max_norm(clip_grad_norm)
-        self.last_grad_norm: float | None = None  # before clipping, when clip_grad_norm is set
+        self._applier = StepApplier(optimizer, rank=comm.rank, clip_grad_norm=clip_grad_norm)
         self._skip_sync = False  # inside skip_synchronize()
-        self._guard = clipping.GradWriteGuard()  # .grad writes before the reduction
-        self._averaged: list = []  # param.grad as the last synchronize() left them
         self._ddp_checked = False  # the first step looks for DDP again (DDP wrapped later)
         init_hook_tables(self)
         self._inner = optimizer
         self.comm = comm
         self.double_buffering, self.compensated = parse_mode(double_buffering)
-        # Compensated: the prediction of the next weights (raises TypeError, naming
-        # double_buffering=True, for an optimizer whose update rule it cannot predict).
-        self._comp = Compensation(optimizer) if self.compensated else None
         self.zero_fill = bool(zero_fill)
         self.overlap = bool(overlap)
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -181,21 +186,28 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             comm, allreduce_grad_dtype, compression, policy
         )
         self._model_ref = weakref.ref(model) if model is not None else None
-        # Counters (saved in state_dict).
-        self.applied_steps = 0
-        self.skipped_steps = 0
-        self.last_step_skipped = False
-        self._iteration = 0  # reductions started: the "step" of the RNG keys
-        # Reduction state.
-        self._reducer: GradientReducer | None = None
-        #: called as each step's reduction starts (commopt.Join counts the ranks with data)
-        self._before_reduction: Callable[[], None] | None = None
-        self._hooks = BackwardHooks(self)  # per-parameter hooks, the end-of-backward callback
-        self._signature: tuple | None = None
-        self._step = StepState()  # the step in progress (without double buffering)
+        self._counter = ReductionCounter()  # the reductions' numbers, Join's start callback
+        # The schedule, chosen once. Compensated: the prediction of the next weights (raises
+        # TypeError, naming double_buffering=True, for an update rule it cannot predict).
+        if self.double_buffering:
+            self._schedule: SynchronousSchedule | DoubleBufferedSchedule = DoubleBufferedSchedule(
+                self._counter,
+                zero_fill=self.zero_fill,
+                ensure_layout=self._ensure_layout,
+                all_params=self._all_params,
+                compensation=Compensation(optimizer) if self.compensated else None,
+            )
+        else:
+            self._schedule = SynchronousSchedule(
+                self._counter,
+                overlap=self.overlap,
+                zero_fill=self.zero_fill,
+                ensure_layout=self._ensure_layout,
+            )
+        self._owned = BucketedParameters(self._on_grad_ready, self._on_backward_end)
+        self._schedule.attach(self._owned)
         self._no_sync = False
         self._internal = 0  # >0 while our own code reads param_groups
-        self._db = DoubleBuffer()  # double buffering: the reduction in flight between steps
         seed0 = int(torch.initial_seed()) & (2**63 - 1) if seed is None else int(seed)
         self.seed = int(comm.bcast_obj(seed0, root=0))
         # Gradients travel on a private duplicate of ``comm``: reductions in flight (double
@@ -214,6 +226,31 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._release.atexit = False
         self._rebuild(broadcast=True)
 
+    # -- counters (StepApplier's) --------------------------------------------------------------
+    @property
+    def applied_steps(self) -> int:
+        """Steps the inner optimizer applied."""
+        return self._applier.applied_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps every rank skipped (NaN/Inf gradients on some rank)."""
+        return self._applier.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self._applier.last_step_skipped
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """The ``clip_grad_norm=`` setting (None: no clipping)."""
+        return self._applier.clip_grad_norm
+
+    @property
+    def last_grad_norm(self):
+        """The global norm of the last clipped step's averaged gradients, before clipping."""
+        return self._applier.last_grad_norm
+
     # -- torch.optim.Optimizer surface ------------------------------------------------------
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -225,7 +262,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ reads gradients through param_groups: finish the reduction
         # first so that every rank inspects the same averaged gradients and takes the same
         # skip decision (local gradients would differ, and so would the decisions).
-        if not self.double_buffering and not self._internal and self._step.has_local:
+        if not self._internal and self._schedule.reads_synchronize:
             self.synchronize()
         return self._inner.param_groups
 
@@ -240,7 +277,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         # With double buffering, GradScaler hands us its scale (``self.grad_scale``) instead
         # of unscaling in place: each rank unscales its own gradients before sending them.
-        return self.double_buffering
+        return self._schedule.unscales_locally
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, like ``torch.optim.Optimizer.zero_grad``.
@@ -251,36 +288,32 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``). The fastest choice for large models; ``None`` grads
         (the default) cost one copy per step and a fresh allocation per backward.
         """
-        if not self.double_buffering:
-            self._step.drop()  # averages not applied (a skipped step) are discarded
-        self._guard.clear()
-        buffer = self._db.buffer if self.double_buffering else 0
-        in_flight = self._step.in_flight is not None and not self.double_buffering
+        buffer = self._schedule.zero_grad_buffer()
         if (
             not set_to_none
             and self.zero_fill
-            and self._reducer is not None
-            and not in_flight
+            and self._owned.built
+            and buffer is not None
             and not self._no_sync
         ):
-            self._reducer.zero_grads_into(buffer)
+            self._owned.reducer.zero_grads_into(buffer)
             return
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; a collective call (every rank, same group)."""
+        _refuse_group_plans([*self._inner.param_groups, param_group])  # before it is added
         self._drain()
-        if self._comp is not None:
-            self._comp.restore()  # the next step predicts again, over every group
+        self._schedule.before_layout_change()  # the next step predicts again, over every group
         self._inner.add_param_group(param_group)
-        if self._reducer is not None:
+        if self._owned.built:
             self._rebuild(broadcast=True)
 
     def __repr__(self) -> str:
         codec = self.codec.name if self.codec is not None else self.plain_codec.name
         return (
             f"MultiNodeOptimizer({type(self._inner).__name__}, comm={self.comm!r}, codec={codec}, "
-            f"double_buffering={'compensated' if self.compensated else self.double_buffering}, overlap={self.overlap}, "
+            f"double_buffering={self._schedule.mode}, overlap={self.overlap}, "
             f"zero_fill={self.zero_fill})"
         )
 
@@ -294,12 +327,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self._inner.param_groups for p in g["params"]]
 
-    def _current_signature(self) -> tuple:
-        return tuple((id(p), p.requires_grad) for p in self._all_params())
-
     def _rebuild(self, broadcast: bool) -> None:
         """(Re)build buckets and hooks; check every rank has the same parameters; broadcast."""
         with self._own_reads():
+            _refuse_group_plans(self._inner.param_groups)
             params = self._all_params()
             model = self._model_ref() if self._model_ref is not None else None
             names = param_names(self._inner.param_groups, model)
@@ -307,8 +338,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             if broadcast:
                 broadcast_from_root(self.comm, params, model)
             trainable = [i for i, p in enumerate(params) if p.requires_grad]
-            self._hooks.remove()
-            self._reducer = GradientReducer(
+            self._owned.remove_hooks()
+            reducer = GradientReducer(
                 self._data_comm,
                 [params[i] for i in trainable],
                 [names[i] for i in trainable],
@@ -317,33 +348,25 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 policy=self.policy,
                 bucket_cap_mb=self.bucket_cap_mb,
                 algorithm=self.algorithm,
-                num_buffers=2 if self.double_buffering else 1,
+                num_buffers=2 if self._schedule.double_buffered else 1,
                 seed=self.seed,
                 grad_views=True,
             )
-            check_same_settings(self)  # every rank's wire settings agree, or all raise
-            self._hooks.attach(self._reducer.params)
-            self._signature = self._current_signature()
+            # Every rank's wire settings agree, or all raise.
+            check_same_settings(self, reducer.buckets)
+            self._owned.install(reducer, params)
 
     def _ensure_layout(self) -> None:
         """Rebuild when the set of parameters (or their requires_grad) changed."""
-        if self._current_signature() != self._signature:
+        if self._owned.changed(self._all_params()):
             self._drain()
-            if self._comp is not None:
-                self._comp.restore()  # broadcast_from_root sends true weights, not predicted
+            self._schedule.before_layout_change()  # broadcast sends true weights, not predicted
             self._rebuild(broadcast=True)
-
-    @property
-    def _layout(self) -> GradientReducer:
-        """The reducer of the bucket layout (built by ``_ensure_layout`` before any use)."""
-        if self._reducer is None:
-            raise RuntimeError("internal: the bucket layout was used before it was built")
-        return self._reducer
 
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if self._no_sync:
-            if self._step.started:
+            if self._schedule.started:
                 # This step's reduction has started (or finished): these gradients would be
                 # added, un-averaged, to what it sends or has already averaged.
                 raise RuntimeError(
@@ -354,16 +377,30 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 )
             return
         # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
-        self._hooks.queue_end_of_backward()
-        if not self.double_buffering:
-            synchronous_step.grad_ready(self, index)
+        self._owned.hooks.queue_end_of_backward()
+        self._schedule.grad_ready(index)
 
-    def _start(self, scale: float = 1.0, buffer: int = 0) -> StepReduction:
-        if self._before_reduction is not None:
-            self._before_reduction()  # commopt.Join's flag: before this step's first bucket
-        red = self._layout.start(step=self._iteration, buffer=buffer, scale=scale)
-        self._iteration = red.step + 1  # a step every rank skipped gave its number back
-        return red
+    def _on_backward_end(self) -> None:
+        """End of a backward that reached our hooks (autograd's final callback).
+
+        ``overlap=True`` without double buffering: finish the reduction, so ``param.grad``
+        holds the averaged gradients when ``backward()`` returns, as under DDP (clipping,
+        GradScaler and logging then see the averages; the wait moves from ``step()`` to
+        here). Otherwise the gradients stay local until ``step()``.
+        """
+        self._owned.hooks.end_queued = False
+        if self._no_sync:
+            return
+        with self._own_reads():
+            self._schedule.backward_end()
+
+    def on_reduction_start(self, callback: Callable[[], None]) -> RemovableHandle:
+        """Run ``callback()`` as each step's reduction starts, before its first bucket.
+
+        Every rank must register the same callbacks (they may communicate: ``commopt.Join``
+        counts the ranks that still have data there). ``handle.remove()`` unregisters it.
+        """
+        return self._counter.on_start(callback)
 
     @contextlib.contextmanager
     def _own_reads(self):
@@ -396,12 +433,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``synchronize()`` sends this step's gradients and puts the averaged gradients of the
         previous step (the ones ``step()`` will apply) into ``param.grad``.
         """
-        self._guard.clear()  # an explicit call: the gradients in .grad now are the ones to send
         with self._own_reads():
-            if self.double_buffering:
-                double_buffered_step.synchronize(self)
-            else:
-                synchronous_step.synchronize(self)
+            self._schedule.synchronize(explicit=True)
 
     def wait(self) -> None:
         """Block until every reduction this optimizer has started is complete.
@@ -431,33 +464,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     _drain = wait  # internal call sites: "nothing of ours in flight" before a layout change
 
-    # -- end of backward, skip_synchronize ----------------------------------------------------
-    def _backward_done(self) -> None:
-        """End of a backward that reached our hooks (autograd's final callback).
-
-        ``overlap=True`` without double buffering: finish the reduction, so ``param.grad``
-        holds the averaged gradients when ``backward()`` returns, as under DDP (clipping,
-        GradScaler and logging then see the averages; the wait moves from ``step()`` to
-        here). Otherwise the gradients stay local until ``step()``: remember their version
-        counters, so that ``step()`` can tell a write (a clip) before the reduction.
-        """
-        self._hooks.end_queued = False
-        if self._no_sync:
-            return
-        if self.overlap and not self.double_buffering:
-            self.synchronize()
-        else:
-            self._guard.record(self._layout.params)
-
-    def _check_no_local_writes(self) -> None:
-        """Raise if ``.grad`` was written between backward and this implicit reduction."""
-        reducer = self._layout
-        written = self._guard.written(reducer.params, reducer.names)
-        self._guard.clear()
-        if written:
-            mode = "double_buffering=True" if self.double_buffering else "overlap=False"
-            raise clipping.write_before_reduction_error(written, mode)
-
     @contextlib.contextmanager
     def skip_synchronize(self):
         """``step()`` inside this block applies the gradients ``synchronize()`` averaged, as is.
@@ -479,12 +485,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_sync = previous
 
-    def _not_synchronized_error(self) -> RuntimeError:
-        return RuntimeError(
-            "step() inside optimizer.skip_synchronize() but the gradients of this step were not "
-            "averaged yet: call optimizer.synchronize() after backward() and before step()"
-        )
-
     # -- step -----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
         """Average the gradients over all ranks and apply them with the inner optimizer.
@@ -496,23 +496,52 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         loss = None
-        self._hooks.end_queued = False  # (a backward that raised never ran its callback)
+        self._owned.hooks.end_queued = False  # (a backward that raised never ran its callback)
         if not self._ddp_checked:  # DDP may have wrapped the model after this optimizer
             self._ddp_checked = True
             with self._own_reads():
                 refuse_ddp(self._all_params(), self._model_ref() if self._model_ref else None)
         with self._own_reads():
             if closure is not None:
-                loss = step_with_closure(self, closure)
-            elif self.double_buffering:
-                double_buffered_step.step(self)
+                loss = self._step_with_closure(closure)
             else:
-                synchronous_step.step(self)
+                schedule = self._schedule
+                result = schedule.result(
+                    skip_synchronize=self._skip_sync,
+                    scale=getattr(self, "grad_scale", None),
+                    found_inf=getattr(self, "found_inf", None),
+                )
+                self._applier.apply(result, schedule.applied_params())
+                schedule.after_step(result, self.clip_grad_norm)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
 
-    # -- double buffering (optim/double_buffered_step.py) ------------------------------------
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        if not self._schedule.supports_closures:
+            raise ValueError(
+                "step(closure) re-evaluates the gradients within the step, which double "
+                "buffering (gradients applied one step late) cannot do: create the optimizer "
+                "with double_buffering=False for closure optimizers such as LBFGS"
+            )
+        if self._skip_sync:
+            raise RuntimeError(
+                "step(closure) inside skip_synchronize(): the closure's gradients "
+                "are averaged by step() itself; call step(closure) outside it"
+            )
+        schedule = self._schedule
+        loss = step_with_closure(
+            self._inner,
+            self.comm,
+            closure,
+            discard=schedule.discard,
+            synchronize=self.synchronize,
+            clip=lambda: self._applier.clip(schedule.applied_params()),
+        )
+        self._applier.counted_closure_step()
+        return loss
+
+    # -- double buffering -------------------------------------------------------------------
     @contextlib.contextmanager
     def true_weights(self):
         """Inside the block the model holds the true (replicated) weights; after it, as before.
@@ -535,16 +564,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             ...     round(before - model.bias.item(), 6)
             -0.1
         """
-        if self._comp is None:
-            yield
-            return
-        with self._comp.true_weights():
+        with self._schedule.true_weights():
             yield
 
     def flush(self) -> None:
         """Apply the last pending gradients (double buffering): call once after training."""
-        if self.double_buffering:  # (nothing is ever pending without double buffering)
-            double_buffered_step.flush(self)
+        with self._own_reads():
+            result = self._schedule.flush()
+            if result is not None:
+                self._applier.apply(result, self._schedule.applied_params())
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -557,7 +585,15 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         with self._own_reads():
             self._drain()
-            extra = commopt_state(self)  # completes the pending reduction first
+            schedule_state = self._schedule.state_dict()  # completes the pending reduction first
+            extra = commopt_state(
+                comm=self.comm,
+                seed=self.seed,
+                counter=self._counter,
+                applier=self._applier,
+                schedule_state=schedule_state,
+                reducer=self._owned.reducer,
+            )
             sd = self._inner.state_dict()
             sd["commopt"] = extra
             return sd
@@ -571,13 +607,30 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
-            load_commopt_state(self, extra)
+            self.seed = load_commopt_state(
+                extra,
+                comm=self.comm,
+                counter=self._counter,
+                applier=self._applier,
+                reducer=self._owned.reducer,
+            )
+            self._schedule.load_state_dict(extra, self.comm.rank)
 
     # -- misc -------------------------------------------------------------------------------------
     @property
     def buckets(self):
         """The gradient buckets (read-only view, for inspection and tests)."""
-        return list(self._layout.buckets)
+        return list(self._owned.reducer.buckets)
+
+    @property
+    def schedule(self) -> SynchronousSchedule | DoubleBufferedSchedule:
+        """The reduction schedule (for inspection and tests)."""
+        return self._schedule
+
+    @property
+    def reductions_started(self) -> int:
+        """The number the next reduction takes (the codecs' random key; for tests)."""
+        return self._counter.next
 
     def close(self) -> None:
         """Wait for reductions in flight, detach the hooks, release the private communicator.
@@ -586,17 +639,19 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         self._drain()
         self.remove_hooks()
-        self._db.drop()
-        if self._comp is not None:
-            self._comp.restore()
-        self._step.reset()
+        self._schedule.close()
         if self._release is not None:
             self._release()  # finalizes the private communicator once (drained above)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""
-        self._hooks.remove()
+        self._owned.remove_hooks()
 
     def __del__(self):
+        # Only the optimizer that owns the hooks detaches them: an object of a derived class
+        # that forwards attribute reads to an optimizer (Lightning's LightningOptimizer) must
+        # not detach that optimizer's hooks when it is collected.
+        if "_owned" not in self.__dict__:
+            return
         with contextlib.suppress(Exception):  # at interpreter exit torch may be gone
             self.remove_hooks()

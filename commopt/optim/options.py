@@ -67,43 +67,31 @@ def resolve_codecs(comm, allreduce_grad_dtype, compression, policy):
 
 
 def refuse_ddp(params, model=None) -> None:
-    """Raise a ValueError when ``model`` is, or ``params`` belong to, a DistributedDataParallel.
+    """Raise a ValueError when ``model`` is, or contains, a DistributedDataParallel.
 
     DDP averages every gradient during backward and commopt averages them again: twice the
-    traffic, and the compression applied to gradients that are already averaged. DDP marks
-    nothing on the parameters it hooks, so this looks for the DDP objects themselves: the
-    ``model`` argument, else (only while torch.distributed is initialised, as DDP needs) the
-    live ``DistributedDataParallel`` instances, whose parameters are compared by identity.
+    traffic, and the compression applied to gradients that are already averaged. The check
+    looks at the ``model`` argument only (the DDP wrapper itself, or a module holding one).
+    Its limit: DDP leaves no mark on the module it wraps nor on its parameters, and
+    torch keeps no registry of DDP instances, so a DDP wrapper that commopt is not shown
+    (``model=`` the inner module, or no ``model=``) cannot be found without walking every
+    object of the process, which this check does not do. ``params`` is accepted for the
+    wrapper's call and not inspected.
 
         >>> import torch
-        >>> refuse_ddp(list(torch.nn.Linear(2, 1).parameters()))
+        >>> refuse_ddp(list(torch.nn.Linear(2, 1).parameters()), torch.nn.Linear(2, 1))
     """
+    del params  # DDP's parameters carry no mark to look for (see above)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    fix = (
-        "commopt's optimizer replaces DDP: pass the plain module (ddp_model.module) and its "
-        "parameters, without DistributedDataParallel; or keep DDP and use commopt's DDP "
-        "communication hook instead (from commopt.integrations.ddp import "
-        "CommoptHookState, commopt_hook; ddp_model.register_comm_hook(CommoptHookState(...), "
-        "commopt_hook)); see docs/porting.md"
-    )
-    if model is not None and any(isinstance(m, DDP) for m in model.modules()):
-        raise ValueError(
-            "model is wrapped in torch.nn.parallel.DistributedDataParallel, which "
-            "averages the gradients already, and commopt would average them a second "
-            "time. " + fix
-        )
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if model is None or not any(isinstance(m, DDP) for m in model.modules()):
         return
-    import gc
-
-    ours = {id(p) for p in params}
-    # One pass over the heap, at construction and at the first step (about 0.1 s for 170k
-    # objects on a busy 2-core machine): DDP leaves no mark on the parameters it hooks.
-    for obj in gc.get_objects():
-        if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
-            raise ValueError(
-                "these parameters belong to a torch.nn.parallel.DistributedDataParallel "
-                "model, which averages their gradients during backward, and commopt "
-                "would average them a second time. " + fix
-            )
+    raise ValueError(
+        "model is wrapped in torch.nn.parallel.DistributedDataParallel, which averages the "
+        "gradients already, and commopt would average them a second time. commopt's "
+        "optimizer replaces DDP: pass the plain module (ddp_model.module) and its parameters, "
+        "without DistributedDataParallel; or keep DDP and use commopt's DDP communication "
+        "hook instead (from commopt.integrations.ddp import CommoptHookState, commopt_hook; "
+        "ddp_model.register_comm_hook(CommoptHookState(...), commopt_hook)); see "
+        "docs/porting.md"
+    )

@@ -95,10 +95,10 @@ def _adam_step(group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool) 
 
 
 def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-    from commopt.optim.layerwise import _skips, trust_ratios
+    from commopt.optim.layerwise import excluded, trust_ratios
 
     lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-    skip = _skips(group, params, optimizer._exclude)
+    skip = excluded(group, params, optimizer.exclude)
     out = []
     for p, g, s in zip(params, grads, skip):
         if s:
@@ -225,30 +225,41 @@ class LocalStepPrediction:
         """True while the parameters hold predicted weights (the true ones are kept aside)."""
         return self._weights is not None
 
-    def _tensors(self) -> list[Tensor]:
+    @property
+    def weights(self) -> list[Tensor] | None:
+        """The true weights while the parameters hold predicted ones (else None)."""
+        return self._weights
+
+    def tensors(self) -> list[Tensor]:
+        """The parameters, in ``param_groups`` order."""
         return [p for _, p in _params(self.optimizer)]
 
     @torch.no_grad()
     def restore(self) -> None:
         """Put the true weights back into the parameters (exact copy). Idempotent."""
         if self._weights is not None:
-            torch._foreach_copy_(self._tensors(), self._weights)
+            torch._foreach_copy_(self.tensors(), self._weights)
             self._weights = None
 
     @torch.no_grad()
-    def predict(self, local_grads: Sequence[Tensor | None]) -> None:
-        """Keep the true weights and move the parameters by the step ``local_grads`` predicts."""
+    def predict(self, local_grads: Sequence[Tensor | None], skip: Tensor | None = None) -> None:
+        """Keep the true weights and move the parameters by the step ``local_grads`` predicts.
+
+        ``skip``: a 0-dim bool tensor; where True the step is zero (decided on the device).
+        """
         if self._weights is not None:
             raise RuntimeError(
                 "LocalStepPrediction.predict() twice without restore(): call restore() "
                 "before the optimizer applies the averaged gradients"
             )
-        params = self._tensors()
+        params = self.tensors()
         steps = predicted_step(
             self.optimizer, local_grads, next_lrs(self.optimizer, self._last_lrs)
         )
         self._last_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._weights = [p.detach().clone() for p in params]
+        if skip is not None:
+            steps = [None if s is None else torch.where(skip, 0.0, s) for s in steps]
         moved = [(p, s) for p, s in zip(params, steps) if s is not None]
         if moved:
             torch._foreach_sub_([p for p, _ in moved], [s.to(p.dtype) for p, s in moved])
@@ -259,7 +270,7 @@ class LocalStepPrediction:
         if self._weights is None:
             yield
             return
-        params = self._tensors()
+        params = self.tensors()
         predicted = [p.detach().clone() for p in params]
         with torch.no_grad():
             torch._foreach_copy_(params, self._weights)
@@ -289,7 +300,7 @@ class LocalStepPrediction:
         if weights is None:
             self._weights = None
             return
-        params = self._tensors()
+        params = self.tensors()
         if len(weights) != len(params) or any(w.shape != p.shape for w, p in zip(weights, params)):
             raise ValueError(
                 "LocalStepPrediction.load_state_dict: the saved weights do not match the "

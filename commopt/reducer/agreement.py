@@ -71,12 +71,22 @@ class Agreement:
     valid on the host only after it (stream-ordered transports); None: valid now.
     """
 
-    def __init__(self, flags: torch.Tensor, n_buckets: int, event=None, streams=None):
+    def __init__(
+        self,
+        flags: torch.Tensor,
+        n_buckets: int,
+        event=None,
+        streams=None,
+        marks: torch.Tensor | None = None,
+    ):
         self._flags = flags
         self._n = n_buckets
         self._event = event
         self._streams = streams
         self._result: StepResult | None = None
+        #: Per bucket on the device (stream-ordered transports): NaN where the bucket held
+        #: NaN/Inf on some rank, -0.0 (adding it changes no bit) elsewhere; else None.
+        self.marks = marks
 
     def result(self) -> StepResult:
         """The agreed result (waits for the flags' copy to the host the first time)."""
@@ -127,8 +137,9 @@ def issue_agreement(
         if _check_after(buckets[i], scale):
             flags[i : i + 1].add_((~torch.isfinite(flat).all()).reshape(1).to(torch.float32))
     comm.allreduce(flags)
+    marks = torch.where(flags[:n] > 0, float("nan"), -0.0)
     host, event = streams.to_host(flags)
-    return Agreement(host, n, event, streams)
+    return Agreement(host, n, event, streams, marks)
 
 
 def _check_after(bucket: Bucket, scale: float | None) -> bool:

@@ -175,6 +175,7 @@ class GradientReducer:
             scale=scale,
             rng=rng,
             key=bucket.key,
+            shapes=[(s.offset, self.params[s.param].shape) for s in bucket.slots],
         )
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
@@ -190,7 +191,7 @@ class GradientReducer:
                 continue
             src = slot_view(flat, s, p)
             g = p.grad
-            if self._viewable(p, flat):
+            if self.viewable(p, flat):
                 # The averages stay in the bucket; param.grad looks at them (no copy).
                 if not is_view_of(g, src):
                     p.grad = src
@@ -212,12 +213,14 @@ class GradientReducer:
             flat.zero_()
             for s in b.slots:
                 p = self.params[s.param]
-                if self._viewable(p, flat):
+                if self.viewable(p, flat):
                     p.grad = slot_view(flat, s, p)
                 else:
                     p.grad = None
 
-    def _viewable(self, p: torch.Tensor, flat: torch.Tensor) -> bool:
+    def viewable(self, p: torch.Tensor, flat: torch.Tensor) -> bool:
+        """Whether ``p.grad`` can be a view of its slot in ``flat`` (``grad_views`` on, same dtype
+        and device, strided)."""
         return (
             self.grad_views
             and p.dtype == flat.dtype

@@ -222,23 +222,37 @@ class StepReduction:
             keep = [True] * len(self.present)
         else:
             keep = self.wait().present
+        self._mark_bad_buckets()
         for i, bucket in enumerate(self.reducer.buckets):
             self.reducer.unpack(bucket, self.flats[i], keep)
         self._written = keep
+
+    def _mark_bad_buckets(self) -> None:
+        """A bucket that held NaN/Inf on some rank becomes NaN on every rank if its average
+        came out finite, so whatever inspects the gradients (GradScaler) sees it.
+
+        With the result known on the host (host-ordered transports: the worker read it) the
+        bad buckets are filled; else each bucket adds its device mark (NaN if bad, -0.0,
+        the exact identity, if not) in stream order, with no host read.
+        """
+        marks = self._agreement.marks if self._agreement is not None else None
+        if self._result is not None or marks is None:
+            for i in self._resolve().bad_buckets:
+                flat = self.flats[i]
+                if not has_nonfinite(flat):
+                    for s in self.reducer.buckets[i].slots:
+                        flat[s.offset : s.offset + s.numel].fill_(float("nan"))
+            return
+        streams = self.reducer.comm.streams  # type: ignore[attr-defined]  # stream-ordered
+        streams.keep(marks, streams.current(marks.device))
+        for i, flat in enumerate(self.flats):
+            flat.add_(marks[i])
 
     def result(self) -> StepResult:
         """The agreed result, with the averages written (see :meth:`unpack`)."""
         if self._written is None:
             raise RuntimeError("StepReduction.result() before write_averages()")
-        result = self.wait()
-        for i in result.bad_buckets:
-            flat = self.flats[i]
-            if not has_nonfinite(flat):
-                bucket = self.reducer.buckets[i]
-                for s in bucket.slots:
-                    flat[s.offset : s.offset + s.numel].fill_(float("nan"))
-                self.reducer.unpack(bucket, flat, self._written)
-        return result
+        return self.wait()
 
     def unpack(self, zero_fill: bool) -> StepResult:
         """Write the averaged gradients into ``param.grad``; returns the agreed result.

@@ -1,8 +1,8 @@
 """Checkpoints: 2N steps == N steps, save, restore in new processes, N steps.
 
 Bit-identical for the fp32 path, for double buffering (the pending averaged gradients are
-in the checkpoint) and for QSGD with error feedback (each rank's residuals and the RNG
-seed/step restore exactly). Two ways to save: each rank ``torch.save``s its own
+in the checkpoint), for QSGD with error feedback (each rank's residuals and the RNG
+seed/step restore exactly) and for the low-rank codec (its warm-start Q and residuals). Two ways to save: each rank ``torch.save``s its own
 ``opt.state_dict()`` (the model on rank 0), and ``commopt.optim.save_checkpoint`` (DCP).
 """
 
@@ -28,6 +28,7 @@ CONFIGS = {
     "adam-fp32-double-buffering": dict(opt="adam", double_buffering=True),
     "sgd-qsgd4-ef": dict(opt="sgd", compression="qsgd4+ef"),
     "adam-qsgd4-ef-double-buffering": dict(opt="adam", compression="qsgd4+ef", double_buffering=True),
+    "sgd-powersgd2-double-buffering": dict(opt="sgd", compression="powersgd2", double_buffering=True),
 }
 
 

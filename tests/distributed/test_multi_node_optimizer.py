@@ -118,7 +118,7 @@ for step in range(4):
         assert opt.applied_steps == 0, "the first double-buffered step must not update"
 assert opt.applied_steps == 3
 opt.wait()  # the last step's reduction, still pending, has completed (nothing applied)
-assert opt._db.pending is not None and opt._db.pending.done(), f"rank {r}: wait() left it in flight"
+assert opt.schedule.pending is not None and opt.schedule.pending.done(), f"rank {r}: wait() left it in flight"
 assert opt.applied_steps == 3
 opt.flush()
 with torch.no_grad():
@@ -141,7 +141,7 @@ for overlap, db, compression in ((True, False, None), (False, False, None), (Tru
         for step in range(5):
             opt.zero_grad(set_to_none=set_to_none)
             if not set_to_none and step > 0:
-                red = opt._reducer
+                red = opt.schedule.bucketed.reducer
                 params = list(model.parameters())
                 for b in red.buckets:
                     for sl in b.slots:
@@ -313,7 +313,7 @@ assert rel_err(runs[1], runs[0]) <= 1e-6, "double buffering with GradScaler"
 checks.append("db-gradscaler")
 
 # -- compression: ranks stay bit-identical; QSGD training follows fp32 closely ---------------------------
-for compression in ("qsgd4", "qsgd4+ef", "fp16"):
+for compression in ("qsgd4", "qsgd4+ef", "fp16", "powersgd2"):
     torch.manual_seed(8)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm,
@@ -375,7 +375,7 @@ for step in range(4):
     opt.zero_grad(); loss_fn(model, *batch(step, r)).backward(); opt.step()
     ref_opt.zero_grad(); loss_fn(ref, *full_batch(step)).backward(); ref_opt.step()
 assert rel_err(model, ref) <= 1e-6, f"flat native on 4 ranks: {rel_err(model, ref)}"
-for compression in ("qsgd4+ef", "bf16"):
+for compression in ("qsgd4+ef", "bf16", "powersgd2"):
     model = make_model()
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
                                       compression=compression, model=model,

@@ -64,7 +64,7 @@ for cfg in [dict(), dict(compression="qsgd4+ef"), dict(double_buffering=True),
         got = train(model, opt, use_no_sync=True, set_to_none=set_to_none)
         for i, (a, b) in enumerate(zip(ref, got)):
             assert torch.equal(a, b), f"{cfg} set_to_none={set_to_none}: parameter {i} differs by {(a - b).abs().max()}"
-        assert opt._iteration == 3, f"{cfg}: {opt._iteration} reductions for 3 steps"
+        assert opt.reductions_started == 3, f"{cfg}: {opt.reductions_started} reductions for 3 steps"
 
 # Wrong order: the synchronising backward (or synchronize()) first, then one inside no_sync.
 for overlap, sync in [(True, False), (False, True)]:
@@ -104,8 +104,8 @@ def train(compiled, use_no_sync, steps=3):
                 torch.nn.functional.mse_loss(forward(x), y).backward()
         # The post-accumulate-grad hooks fired in the compiled backward: backward() returned
         # with every bucket reduced (DDP's contract), nothing is left for step() to send.
-        red = opt._step.averages
-        issued.append(red.issued if red is not None and opt._step.in_flight is None else 0)
+        red = opt.schedule.averages
+        issued.append(red.issued if red is not None and opt.schedule.in_flight is None else 0)
         opt.step()
     return [p.detach().clone() for p in model.parameters()], issued, len(opt.buckets)
 

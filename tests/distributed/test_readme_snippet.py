@@ -10,9 +10,12 @@ import re
 
 import pytest
 
-from tests.multirank import REPO, run_mpi
+from tests.multirank import REPO, run_mpi, run_torch
 
 pytestmark = pytest.mark.distributed
+
+#: Python's -W flags, for every module: a FutureWarning or DeprecationWarning is an error.
+WARNINGS_AS_ERRORS = {"PYTHONWARNINGS": "error::FutureWarning,error::DeprecationWarning"}
 
 
 def use_snippet(readme: str) -> str:
@@ -33,7 +36,7 @@ def test_use_snippet_is_extracted_whole():
 
 def test_use_snippet_trains_on_two_ranks_with_identical_weights():
     code = use_snippet((REPO / "README.md").read_text())
-    outs = run_mpi(code, 2, timeout=180)
+    outs = run_mpi(code, 2, timeout=180, env=WARNINGS_AS_ERRORS)  # and warns nothing
     pattern = re.compile(r"rank (\d): loss ([\d.]+) -> ([\d.]+), weights sum (-?[\d.]+)")
     rows = []
     for rank, out in enumerate(outs):
@@ -44,3 +47,15 @@ def test_use_snippet_trains_on_two_ranks_with_identical_weights():
         assert last < first / 4, f"rank {rank}: loss {first} -> {last} did not fall 4x"
         rows.append(m.group(4))
     assert rows[0] == rows[1], f"ranks ended with different weights: {rows}"
+
+
+def test_use_snippet_on_the_torch_communicator_warns_nothing():
+    """The README's program with ``-W error::FutureWarning -W error::DeprecationWarning``
+    (the mpi run above has them too): no warning reaches a user who did nothing wrong (the
+    torch communicator once looked for DDP models past torch's deprecated ``reduce_op``)."""
+    code = use_snippet((REPO / "README.md").read_text())
+    code = code.replace('create_communicator("mpi")', 'create_communicator("torch")')
+    assert 'create_communicator("torch")' in code, "the README's Use program changed"
+    outs = run_torch(code, 2, timeout=180, env=WARNINGS_AS_ERRORS)
+    for rank, out in enumerate(outs):
+        assert f"rank {rank}: loss" in out, f"rank {rank} printed no result line: {out!r}"

@@ -2,9 +2,7 @@
 
 Without a GPU they run under Triton's interpreter on CPU tensors (commopt.kernels sets
 TRITON_INTERPRET=1 before it loads them); on a GPU machine the same tests run compiled, on
-CUDA tensors. One allowance: the bits of a NaN. torch itself does not fix them (its CPU
-float16 -> float32 conversion gives 0x7FFFFFFF on its scalar path and 0x7FC00000 on its
-vector path, by tensor size), so a NaN must meet a NaN; every other bit must be equal.
+CUDA tensors. One allowance: the bits of a NaN (commopt.kernels.reference.same_bits says why).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from hypothesis import strategies as st
 
 from commopt import kernels
 from commopt.codecs import QSGD, CastCodec, ErrorFeedback, RngKey
+from commopt.kernels.reference import same_bits, same_wire
 from tests.unit.codec_helpers import float_tensors
 
 if importlib.util.find_spec("triton") is None:
@@ -52,27 +51,6 @@ def inputs(draw, max_size: int = 2500):
         x = x.clone()
         x[where] = specials[torch.randint(0, len(specials), (count,), generator=gen)]
     return x
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns, except that any NaN matches any NaN (see the module docstring)."""
-    a, b = a.cpu(), b.cpu()
-    na, nb = a.float().isnan(), b.float().isnan()
-    view = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    return (
-        a.dtype == b.dtype
-        and torch.equal(na, nb)
-        and torch.equal(a[~na].view(view), b[~nb].view(view))
-    )
-
-
-def same_wire(
-    a: torch.Tensor, b: torch.Tensor, numel: int, bucket_size: int, scale_bytes: int
-) -> bool:
-    head = -(-numel // bucket_size) * scale_bytes
-    dtype = torch.float32 if scale_bytes == 4 else torch.float16
-    a, b = a.cpu(), b.cpu()
-    return torch.equal(a[head:], b[head:]) and same_bits(a[:head].view(dtype), b[:head].view(dtype))
 
 
 qsgd_configs = st.fixed_dictionaries(

@@ -131,7 +131,7 @@ def test_buckets_are_homogeneous_capped_and_aligned(comm):
     seen = sorted(s.param for b in buckets for s in b.slots)
     assert seen == list(range(6))
     for b in buckets:
-        names = [opt._reducer.names[s.param] for s in b.slots]
+        names = [opt.schedule.bucketed.reducer.names[s.param] for s in b.slots]
         if b.compressed:
             assert b.codec.name == "qsgd4" and all("weight" in n for n in names)
             assert all(s.offset % 128 == 0 and s.padded % 128 == 0 for s in b.slots)
@@ -153,17 +153,17 @@ def test_overlap_sends_buckets_during_backward(comm):
     )
     seen = []  # buckets on their way when the last gradient (the first layer's) arrives
     model[0].weight.register_post_accumulate_grad_hook(
-        lambda p: seen.append(opt._step.in_flight.issued)
+        lambda p: seen.append(opt.schedule.in_flight.issued)
     )
     loss(model, 0).backward()
     assert seen and seen[0] > 0 and len(opt.buckets) > 1, "buckets were sent during backward"
     # backward() returns with the averages in .grad (DDP's contract): nothing left in flight
-    assert opt._step.in_flight is None and opt._step.averages.issued == len(opt.buckets)
+    assert opt.schedule.in_flight is None and opt.schedule.averages.issued == len(opt.buckets)
     opt.step()
     off = create_multi_node_optimizer(
         torch.optim.SGD(mlp().parameters(), lr=0.1), comm, overlap=False
     )
-    assert off._step.in_flight is None
+    assert off.schedule.in_flight is None
 
 
 def test_unused_parameters_with_and_without_zero_fill(comm):
@@ -212,7 +212,7 @@ def test_add_param_group_adds_hooks_and_buckets(comm):
     opt.add_param_group({"params": head.parameters(), "lr": 0.01})
     assert sum(len(b.slots) for b in opt.buckets) == 6
     head(model(data(0)[0])).sum().backward()
-    assert opt._step.in_flight is None and opt._step.averages.issued == len(opt.buckets)
+    assert opt.schedule.in_flight is None and opt.schedule.averages.issued == len(opt.buckets)
     opt.step()
 
 
@@ -421,7 +421,7 @@ def test_second_backward_needs_no_sync(comm):
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
     with opt.no_sync():
         loss(model, 0).backward()
-    assert opt._step.in_flight is None, "no_sync sends nothing"
+    assert opt.schedule.in_flight is None, "no_sync sends nothing"
     loss(model, 1).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         loss(model, 2).backward()

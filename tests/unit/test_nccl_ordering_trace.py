@@ -90,20 +90,25 @@ def training(double_buffering):
         return {"same_comm": opt._data_comm is comm, "mark": mark, "buckets": len(opt.buckets)}
     return body
 
-def host_reads(double_buffering):
+def host_reads(double_buffering, scaled_and_clipped=False):
     # training steps with the host reads and waits recorded, the phases marked
+    # (scaled_and_clipped: clip_grad_norm= and GradScaler's tensor scale, as GradScaler
+    # hands it to a double-buffered step)
     def body(comm, trace):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
         opt = commopt.create_multi_node_optimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm, model=model,
-            bucket_cap_mb=0.01, double_buffering=double_buffering, algorithm="native")
+            bucket_cap_mb=0.01, double_buffering=double_buffering, algorithm="native",
+            clip_grad_norm=0.5 if scaled_and_clipped else None)
         with trace.host_reads():
             for _ in range(4):
                 opt.zero_grad()
                 trace.mark("forward")
                 model(torch.ones(2, 64)).sum().backward()
                 trace.mark("backward-end")
+                if scaled_and_clipped:
+                    opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
                 opt.step()
                 trace.mark("step-end")
             trace.mark("done")
@@ -117,6 +122,7 @@ run("native_cast", native_cast)
 run("reads_overlap", host_reads(False))
 run("reads_double_buffering", host_reads(True))
 run("reads_compensated", host_reads("compensated"))
+run("reads_compensated_scaled_clipped", host_reads("compensated", scaled_and_clipped=True))
 run("pipelined", pipelined)
 run("overlap", training(False))
 run("double_buffering", training(True))
@@ -354,7 +360,10 @@ def host_waits(ops, start, end):
     return found
 
 
-@pytest.mark.parametrize("scenario", ["reads_double_buffering", "reads_compensated"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["reads_double_buffering", "reads_compensated", "reads_compensated_scaled_clipped"],
+)
 def test_double_buffering_never_waits_on_the_host_while_a_reduction_is_in_flight(traces, scenario):
     """With double buffering step t's reduction must run during step t+1's forward and
     backward: no host read of a device value and no host wait from the end of step() to

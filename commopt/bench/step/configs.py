@@ -2,9 +2,11 @@
 
 Every configuration is one column of the comparison: PyTorch DDP in fp32 (gloo), DDP with
 ``fp16_compress_hook``, DDP with the PowerSGD hook at rank 1 and 4 (one bucket: see
-``POWERSGD_BUCKET_MB``); commopt with fp32, fp16, qsgd4 and qsgd4 + error feedback, each with
-overlap (reduction during backward) and with double buffering (``-db``: reduction during the
-next step). ``wrap`` builds one on a rank.
+``POWERSGD_BUCKET_MB``); commopt with fp32, fp16, qsgd4, qsgd4 + error feedback and its own
+low-rank codec (``powersgd1``, ``powersgd4``: rank 1 and 4, error feedback and warm start, the
+matrices torch's hook would compress, the rest in fp32), each with overlap (reduction during
+backward) and with double buffering (``-db``: reduction during the next step). ``wrap``
+builds one on a rank.
 
     >>> CONFIGS["commopt-qsgd4+ef-db"].label
     'commopt qsgd4+EF, double buffering'
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from commopt.optim.multi_node import MultiNodeOptimizer
+    from commopt.optim import MultiNodeOptimizer
 
 #: DDP bucket size for the PowerSGD hook: larger than any model here, so one bucket. On gloo
 #: PowerSGD over DDP's default 25 MB buckets fails at its first compressed step (the
@@ -39,7 +41,7 @@ class StepConfig:
 
     name: str
     kind: str  # "ddp" or "commopt"
-    wire: str  # "fp32", "fp16", "powersgd", "qsgd4", "qsgd4+ef"
+    wire: str  # "fp32", "fp16", "powersgd" (rank: powersgd_rank), "qsgd4", "qsgd4+ef"
     label: str
     powersgd_rank: int = 0
     double_buffering: bool = False
@@ -66,6 +68,18 @@ def _configs() -> dict[str, StepConfig]:
                     "commopt",
                     wire,
                     f"commopt {label}, {mode}",
+                    double_buffering=db,
+                )
+            )
+        for rank in (1, 4):
+            mode = "double buffering" if db else "overlap"
+            out.append(
+                StepConfig(
+                    f"commopt-powersgd{rank}{'-db' if db else ''}",
+                    "commopt",
+                    "powersgd",
+                    f"commopt PowerSGD rank {rank}, {mode}",
+                    powersgd_rank=rank,
                     double_buffering=db,
                 )
             )
@@ -163,16 +177,29 @@ def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
         kwargs["allreduce_grad_dtype"] = "float16"  # every gradient in 16 bits, as DDP's hook
     elif cfg.wire.startswith("qsgd"):
         kwargs["compression"] = cfg.wire
+    elif cfg.wire == "powersgd":
+        kwargs["compression"] = f"powersgd{cfg.powersgd_rank}"
     return commopt.create_multi_node_optimizer(
         inner, comm, double_buffering=cfg.double_buffering, overlap=True, model=model, **kwargs
     )
 
 
 def commopt_wire_bytes(opt) -> int:
-    """Bytes one step of commopt's optimizer ``opt`` puts on the wire, from its buckets' codecs."""
-    return int(
-        sum(
-            b.codec.encoded_nbytes(b.numel) if b.codec is not None else 4 * b.numel
-            for b in opt.buckets
-        )
-    )
+    """Bytes one step of commopt's optimizer ``opt`` puts on the wire, from its buckets' codecs.
+
+    A low-rank bucket's wire depends on its tensors' shapes (the parameters in
+    ``param_groups`` order, which the buckets' slots index).
+    """
+    from commopt.codecs import PowerSGD
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    total = 0
+    for b in opt.buckets:
+        if isinstance(b.codec, PowerSGD):
+            shapes = [(s.offset, tuple(params[s.param].shape)) for s in b.slots]
+            total += 4 * b.codec.wire_numel(b.numel, shapes)
+        elif b.codec is not None:
+            total += b.codec.encoded_nbytes(b.numel)
+        else:
+            total += 4 * b.numel
+    return int(total)

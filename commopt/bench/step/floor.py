@@ -102,7 +102,9 @@ def codec_seconds(cfg, shapes, n: int, repeats: int = 3) -> float:
     import math
 
     numel = sum(math.prod(s) for s in shapes)
-    work = _ddp_work(cfg, shapes, n) if cfg.kind == "ddp" else _commopt_work(cfg, numel, n)
+    # PowerSGD's arithmetic is the same in DDP's hook and in commopt's low-rank codec.
+    own = cfg.kind == "ddp" or cfg.wire == "powersgd"
+    work = _ddp_work(cfg, shapes, n) if own else _commopt_work(cfg, numel, n)
     work()  # warm-up: page in, first-call costs
     times = []
     for _ in range(repeats):

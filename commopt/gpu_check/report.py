@@ -1,0 +1,245 @@
+"""The device check's markdown report, rendered from its result file (or from none yet).
+
+docs/benchmarks-gpu.md is this page for the recorded result, benchmarks/results/gpu-check.json
+(``python3 -m commopt.gpu_check --docs`` writes it).
+
+    >>> "No GPU run has been recorded" in render(None)
+    True
+"""
+
+from __future__ import annotations
+
+COMMAND = "bash scripts/gpu_check.sh"
+RECORDED = "benchmarks/results/gpu-check.json"
+
+SCOPE = """\
+## What one GPU proves, and what needs several
+
+The check runs on one machine with one GPU, as it comes (the image's `python3`, no network).
+It proves:
+
+- the Triton codec kernels, compiled for that GPU, write the reference's bits (every bit
+  width and rounding mode, both encode paths, the casts, ragged sizes, and one buffer above
+  2^31 bytes when the memory allows), and how fast they run against a device copy;
+- `pure_nccl` and `torch` with the nccl backend run every codec through the collectives on
+  CUDA tensors, in a world of one (one rank: NCCL runs, but no byte crosses a link);
+- CUDA tensors reduce correctly between two ranks over gloo (and MPI where `mpirun` exists),
+  both ranks sharing the one GPU, including a buffer filled late on a side stream;
+- the double-buffered and the overlapped training steps make no host synchronisation (torch's
+  `set_sync_debug_mode`), and torch's stream sanitizer finds no race in them (world of one);
+- the Transformer recipe's fp16 (dynamic loss scaling) and bf16 steps train on the GPU.
+
+Only a machine with several GPUs can show:
+
+- NCCL between two or more ranks (`pure_nccl` or torch's nccl backend): NCCL refuses two
+  ranks on one device, so every NCCL transfer between ranks, its stream ordering across ranks
+  and the hierarchical (intra-node, inter-node) plans need one GPU per rank
+  (tests/gpu/test_pure_nccl.py: `test_pure_nccl_two_gpus`, `test_pure_nccl_hierarchical_four_gpus`);
+- overlap of communication with computation across real links, and the time per step, since a
+  world of one moves no byte;
+- a dead or slow peer during an NCCL collective.
+"""
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render(result: dict | None) -> str:
+    """The report of one result file's contents; with None, the page before any GPU run."""
+    lines = ["# GPU check", ""]
+    if result is None:
+        lines += [
+            "No GPU run has been recorded yet. On a machine with a CUDA GPU, from the "
+            "repository's root:",
+            "",
+            "    OUT=/tmp/gpu-check " + COMMAND,
+            "",
+            "It uses the `python3` found on the PATH (or `$GPU_CHECK_PYTHON`) with this tree on "
+            "`PYTHONPATH`, needs no network, finishes within 8 minutes and writes "
+            "`gpu-check.json`, `gpu-check.md` and `gpu-check-logs.txt` into `$OUT`. Copy "
+            f"`gpu-check.json` to `{RECORDED}` and render this page from it:",
+            "",
+            "    python3 -m commopt.gpu_check --docs",
+            "",
+            "Without a GPU, `python3 -m commopt.gpu_check --rehearse` runs the same stages with "
+            "CPU stand-ins (CI does).",
+            "",
+            SCOPE,
+        ]
+        return "\n".join(lines)
+    env = result.get("environment") or {}
+    where = env.get("device") or "no GPU"
+    if result.get("rehearse"):
+        lines += ["A rehearsal on a machine without a GPU: CPU stand-ins, no GPU figures.", ""]
+    lines += [
+        f"Device: {where}; torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda') or '-'}), "
+        f"triton {env.get('triton') or '-'}, CuPy {env.get('cupy') or '-'}, NCCL "
+        f"{env.get('nccl') or '-'}, python {env.get('python', '?')}; mpirun "
+        f"{'found' if env.get('mpirun') else 'not found'}; host {env.get('host', '?')}.",
+        "",
+        f"Command: `{result['command']}`, {result['started']}; {result['wall_s']:.0f} s of a "
+        f"{result['budget_s']:.0f} s budget. Result: {result['verdict']}.",
+        "",
+        "| stage | status | s | notes |",
+        "|---|---|---|---|",
+    ]
+    for stage in result["stages"]:
+        lines.append(
+            f"| {stage['title']} | {stage['status']} | {stage['wall_s']:.1f} | {_note(stage)} |"
+        )
+    for stage in result["stages"]:
+        body = _SECTIONS.get(stage["name"], _generic)(stage)
+        if body:
+            lines += ["", f"## {stage['title']}", "", *body]
+    lines += ["", SCOPE]
+    return "\n".join(lines)
+
+
+def _note(stage: dict) -> str:
+    note = stage.get("reason") or ""
+    standin = stage.get("standin")
+    if standin:
+        note += f"; stand-in {standin['status']}"
+        if standin.get("reason"):
+            note += f" ({standin['reason']})"
+    return note.replace("|", "/").replace("\n", " ")[:300]
+
+
+def _details(stage: dict) -> dict:
+    if stage.get("standin"):
+        return stage["standin"].get("details") or {}
+    return stage.get("details") or {}
+
+
+def _generic(stage: dict) -> list[str]:
+    out = []
+    if stage.get("traceback"):
+        out += ["```", stage["traceback"].strip()[-1500:], "```"]
+    return out
+
+
+def _triton(stage: dict) -> list[str]:
+    d = _details(stage)
+    cases = d.get("cases") or []
+    if not cases:
+        return _generic(stage)
+    ok = sum(1 for c in cases if c.get("ok"))
+    out = [
+        f"{ok} of {len(cases)} cases bit-exact ({d.get('planned', '?')} planned); "
+        f"{_fmt(d.get('compiled_variants'))} kernel specialisations compiled.",
+        "",
+        "| case | result | s |",
+        "|---|---|---|",
+    ]
+    for c in cases:
+        verdict = "exact" if c.get("ok") else (c.get("skipped") or c.get("error") or "differs")
+        out.append(f"| {c['case']} | {verdict} | {_fmt(c.get('s'), 2)} |")
+    if d.get("first_traceback"):
+        out += ["", "The first error:", "", "```", d["first_traceback"].strip()[-1500:], "```"]
+    return out + _generic(stage)
+
+
+def _throughput(stage: dict) -> list[str]:
+    d = _details(stage)
+    sizes = d.get("sizes") or []
+    if not sizes:
+        return _generic(stage)
+    target = d.get("target", 0.7)
+    out = [
+        f"GB/s of float32 input; the copy is `dst.copy_(src)` of the same buffer, measured in "
+        f"the same run (benchmarks/gpu_bench.py's measurement). Target: encode >= {target:.0%} "
+        "of the copy at 64 MiB and above (reported, not a failure of the check).",
+        "",
+        "| MiB | codec | encode GB/s | encode / copy | decode+accumulate GB/s | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size in sizes:
+        out.append(f"| {size['mib']:g} | copy | {size['copy_gbs']:.1f} | 100% | - | - |")
+        for r in size["rows"]:
+            share = r["encode_gbs"] / size["copy_gbs"]
+            out.append(
+                f"| {size['mib']:g} | {r['codec']} | {r['encode_gbs']:.1f} | {share:.0%} | "
+                f"{r['decode_gbs']:.1f} | {'met' if share >= target else 'missed'} |"
+            )
+    return out + _generic(stage)
+
+
+def _runs(stage: dict) -> list[str]:
+    d = _details(stage)
+    runs = d.get("runs") or {}
+    out = [f"Not run: {d['not_run']}.", ""] if d.get("not_run") else []
+    for label, run in runs.items():
+        out.append(
+            f"- {label} ({run['launcher']} launcher, {run['wall_s']:.1f} s): "
+            + ("; ".join(run.get("failures", [])) or "passed")
+        )
+        if "sanitizer_reports" in run:
+            out.append(f"  - sanitizer reports: {run['sanitizer_reports']}")
+        if "printed_host_syncs" in run:
+            out.append(
+                f"  - host syncs torch printed (outside Python calls): {run['printed_host_syncs']}"
+            )
+        out += [
+            f"  - rank {rank}: {line}"
+            for rank, details in enumerate(run.get("ranks") or [])
+            for line in _rank_lines(details or {})
+        ]
+        for tb in run.get("tracebacks") or []:
+            out += ["", "```", tb.strip()[-1500:], "```"]
+    return out + _generic(stage)
+
+
+def _rank_lines(d: dict) -> list[str]:
+    lines = []
+    bad = [f"{c['codec']}/{c['algorithm']}" for c in d.get("codecs", []) if not c.get("ok")]
+    if d.get("codecs"):
+        worst = max((c["rel_error"] for c in d["codecs"] if c["rel_error"] is not None), default=0)
+        lines.append(
+            f"{len(d['codecs'])} codec reductions, largest relative error {worst:.3g}"
+            + (f", out of bounds: {', '.join(bad)}" if bad else ", all within bounds")
+        )
+    lines += [d[key] for key in ("side_stream", "double_buffered_loop") if key in d]
+    for loop in d.get("loops", []):
+        if "error" in loop:
+            lines.append(f"{loop['loop']}: {loop['error']}")
+            continue
+        em = loop.get("error_mode")
+        mode = ""
+        if em is not None:
+            mode = f"; error mode: {'raised at step ' + str(em['at_step']) if em['raised'] else 'no error'}"
+        sites = ", ".join(f"{k} x{v}" for k, v in loop.get("sync_sites", {}).items())
+        if loop.get("counted") is False:
+            lines.append(
+                f"{loop['loop']}: {loop['steps_counted']} steps (host syncs not counted: no CUDA)"
+            )
+            continue
+        lines.append(
+            f"{loop['loop']}: {loop['host_syncs_total']} host syncs in {loop['steps_counted']} "
+            f"steps {loop.get('host_syncs') or ''}{mode}" + (f"; at {sites}" if sites else "")
+        )
+    lines += [
+        f"{run['precision']} {run['options']}: {run['updates']} updates on {run['device']}, "
+        f"valid loss {run['valid_loss']:.3f}, loss scale {_fmt(run['loss_scale'])}"
+        for run in d.get("runs", [])
+    ]
+    return lines
+
+
+def _recipe(stage: dict) -> list[str]:
+    return [f"- {line}" for line in _rank_lines(_details(stage))] + _generic(stage)
+
+
+_SECTIONS = {
+    "triton_exact": _triton,
+    "throughput": _throughput,
+    "world_of_one": _runs,
+    "two_ranks": _runs,
+    "host_syncs": _runs,
+    "sanitizer": _runs,
+    "recipe_amp": _recipe,
+}

@@ -1,0 +1,60 @@
+"""The reduction counter: numbers each step's reduction and runs the start callbacks.
+
+A *reduction* is one step's gradients on their way to the average; its number keys the
+codecs' random numbers (stochastic rounding), so every rank must count alike. A reduction
+that every rank skipped (NaN/Inf somewhere) gives its number back, and the counter goes on
+from the number the reducer used. Callbacks registered with :meth:`on_start` run before each
+reduction's first bucket (``commopt.Join`` counts the ranks that still have data there).
+
+    >>> import torch, commopt
+    >>> from commopt.reducer import GradientReducer
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.ones(2)
+    >>> reducer = GradientReducer(commopt.create_communicator("local"), [w], ["w"])
+    >>> counter = ReductionCounter()
+    >>> handle = counter.on_start(lambda: print("starting"))
+    >>> counter.start(reducer).step, counter.next
+    starting
+    (0, 1)
+    >>> handle.remove(); counter.start(reducer).step
+    1
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from commopt.reducer import GradientReducer, StepReduction
+
+__all__ = ["ReductionCounter"]
+
+
+class ReductionCounter:
+    """The number of the next reduction, and the callbacks run as each one starts."""
+
+    def __init__(self) -> None:
+        self.next = 0  # the number the next reduction asks for
+        self._callbacks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+    def on_start(self, callback: Callable[[], None]) -> RemovableHandle:
+        """Run ``callback()`` as each reduction starts; ``handle.remove()`` stops it."""
+        handle = RemovableHandle(self._callbacks)
+        self._callbacks[handle.id] = callback
+        return handle
+
+    def start(
+        self, reducer: GradientReducer, *, scale: float | torch.Tensor = 1.0, buffer: int = 0
+    ) -> StepReduction:
+        """Start the next reduction of ``reducer``'s buckets into buffer set ``buffer``."""
+        for callback in list(self._callbacks.values()):
+            callback()
+        red = reducer.start(step=self.next, buffer=buffer, scale=scale)
+        self.next = red.step + 1  # a step every rank skipped gave its number back
+        return red
+
+    def saved(self, reducer: GradientReducer) -> int:
+        """The number to save in a checkpoint (the skipped steps' numbers given back)."""
+        return self.next - reducer.pending_discards

@@ -1,0 +1,159 @@
+"""A real ``lightning.Trainer`` on 2 CPU processes (gloo) with commopt's strategies.
+
+One rank script (Lightning's import is the slow part) trains a small regression model:
+
+- plain DDP, then ``CommoptStrategy(qsgd4+ef, double buffering)``: the losses differ from
+  DDP's (the compression is active) and both ranks end with bit-identical parameters;
+- a checkpoint written by Lightning's ModelCheckpoint after the first epoch resumes
+  (``ckpt_path=``, fresh model, each rank its own error-feedback residuals) to exactly the
+  parameters of the uninterrupted run;
+- ``accumulate_grad_batches=2`` with ``gradient_clip_val``: CommoptStrategy without
+  compression ends where DDP ends (within float rounding), and clipping changed the result;
+- compensated double buffering trains with the ranks identical; value clipping, which would
+  clip each rank's local gradients under double buffering, is refused with the fix;
+- ``CommoptHookStrategy`` runs commopt's DDP hook on CPU (the losses differ from DDP's), and
+  Lightning's own DDPStrategy given the hook on CPU (which would drop it) raises, naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multirank import run_torch
+
+pytest.importorskip("lightning", reason="pip install 'lightning==2.6.6' (scripts/setup.sh does)")
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = r"""
+import glob, os, sys, warnings
+import torch
+import torch.distributed as dist
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from commopt.integrations.ddp import CommoptHookState, commopt_hook
+from commopt.integrations.lightning import CommoptHookStrategy, CommoptStrategy, rank_state_path
+
+warnings.filterwarnings("ignore", module="lightning")  # its hints about workers, logging
+tmp = sys.argv[1]
+
+
+class Net(L.LightningModule):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+        )
+        self.losses = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 32, generator=g)
+    y = torch.tanh(x[:, :4]).sum(1, keepdim=True)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def fit(strategy, model=None, epochs=2, callbacks=(), ckpt_path=None, **kw):
+    model = model or Net()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_checkpointing=bool(callbacks), callbacks=list(callbacks), **kw,
+    )
+    trainer.fit(model, data(), ckpt_path=ckpt_path)
+    model.optimizer = trainer.optimizers[0]
+    return model
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def same_on_ranks(model, what):
+    mine = flat(model)
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    assert torch.equal(both[0], both[1]), f"rank {r}: {what}: the ranks' parameters differ"
+
+
+# 1. compression is active, the ranks stay identical, a checkpoint resumes exactly
+ddp = fit("ddp")
+r = dist.get_rank()
+ckpts = ModelCheckpoint(dirpath=tmp, save_top_k=-1, every_n_epochs=1)
+run = fit(CommoptStrategy("qsgd4+ef", double_buffering=True), callbacks=[ckpts])
+same_on_ranks(run, "qsgd4+ef")
+assert run.losses != ddp.losses, f"rank {r}: qsgd4+ef gave DDP's losses: no compression"
+gap = abs(sum(run.losses) - sum(ddp.losses))
+assert gap > 1e-4, f"rank {r}: qsgd4+ef's losses are within {gap} of DDP's"
+first = os.path.join(tmp, "epoch=0-step=4.ckpt")
+assert os.path.exists(rank_state_path(first, r)), f"rank {r}: no per-rank state: {os.listdir(tmp)}"
+resumed = fit(
+    CommoptStrategy("qsgd4+ef", double_buffering=True), model=Net(seed=5), ckpt_path=first
+)
+assert torch.equal(flat(resumed), flat(run)), (
+    f"rank {r}: resumed from {first}: {(flat(resumed) - flat(run)).abs().max()} from the run"
+)
+
+# 2. accumulation and clipping keep their meaning (no compression: DDP's result)
+acc = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
+ddp_acc = fit("ddp", **acc)
+ours = fit(CommoptStrategy(), gradient_clip_algorithm="norm", **acc)
+same_on_ranks(ours, "accumulation + clipping")
+assert ours.optimizer.last_grad_norm is not None, f"rank {r}: commopt did not clip"
+assert torch.allclose(flat(ours), flat(ddp_acc), rtol=1e-5, atol=1e-6), (
+    f"rank {r}: accumulation + clipping: {(flat(ours) - flat(ddp_acc)).abs().max()} from DDP"
+)
+unclipped = fit("ddp", accumulate_grad_batches=2)
+assert not torch.allclose(flat(unclipped), flat(ddp_acc)), f"rank {r}: the clip changed nothing"
+
+# 3. compensated double buffering
+comp = fit(CommoptStrategy("qsgd4+ef", double_buffering="compensated"))
+same_on_ranks(comp, "compensated")
+
+# value clipping where the gradients are still local when Lightning clips: refused
+try:
+    fit(
+        CommoptStrategy(double_buffering=True), epochs=1,
+        gradient_clip_val=0.1, gradient_clip_algorithm="value",
+    )
+    raise AssertionError(f"rank {r}: value clipping of local gradients was accepted")
+except ValueError as e:
+    assert "gradient_clip_algorithm='norm'" in str(e), e
+
+# 4. the DDP hook path: on CPU through CommoptHookStrategy; refused through DDPStrategy
+net = Net()
+hook_ckpts = ModelCheckpoint(dirpath=os.path.join(tmp, "hook"), save_top_k=-1)
+hooked = fit(
+    CommoptHookStrategy(CommoptHookState("qsgd4+ef", model=net)), model=net, epochs=1,
+    callbacks=[hook_ckpts],
+)
+same_on_ranks(hooked, "CommoptHookStrategy")
+assert hooked.losses != ddp.losses[: len(hooked.losses)], f"rank {r}: the hook did not run"
+saved = torch.load(rank_state_path(hook_ckpts.best_model_path, r), weights_only=True)["hook"]
+assert saved["codecs"], f"rank {r}: the hook's checkpoint part holds no residuals: {saved}"
+net = Net()
+dropped = DDPStrategy(ddp_comm_hook=commopt_hook, ddp_comm_state=CommoptHookState(model=net))
+try:
+    fit(dropped, model=net)
+    raise AssertionError(f"rank {r}: DDPStrategy dropped commopt's hook on CPU silently")
+except RuntimeError as e:
+    assert "CommoptHookStrategy" in str(e), e
+print("ok", r)
+"""
+
+
+def test_lightning_trainer_on_two_cpu_ranks(tmp_path):
+    out = run_torch(SCRIPT, 2, timeout=420, args=[str(tmp_path)])
+    assert out == ["ok 0\n", "ok 1\n"], out
