@@ -179,10 +179,26 @@ def _part_seed(seed: int, index: int) -> int:
 
 
 class _PlanPart:
-    """One plan's parameters, buckets, hooks and schedule (see ``MultiNodeOptimizer``)."""
+    """One plan's parameters, buckets, hooks and schedule (see ``MultiNodeOptimizer``).
 
-    def __init__(self, owner, plan: Plan, index: int, codecs, schedule, counter, data_comm):
-        self._owner = weakref.ref(owner)
+    ``on_grad_ready(part, index)`` and ``on_backward_end(part)``: the optimizer's handlers of
+    this part's hooks (bound methods, held weakly: the hooks stay on the parameters).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        index: int,
+        codecs,
+        schedule,
+        counter,
+        data_comm,
+        *,
+        on_grad_ready: Callable[[_PlanPart, int], None],
+        on_backward_end: Callable[[_PlanPart], None],
+    ):
+        self._ready = weakref.WeakMethod(on_grad_ready)
+        self._end = weakref.WeakMethod(on_backward_end)
         self.plan = plan
         self.key = str(plan)
         self.index = index
@@ -195,14 +211,14 @@ class _PlanPart:
         schedule.attach(self.owned)
 
     def grad_ready(self, index: int) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner._on_grad_ready(self, index)
+        handler = self._ready()
+        if handler is not None:
+            handler(self, index)
 
     def backward_end(self) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner._on_backward_end(self)
+        handler = self._end()
+        if handler is not None:
+            handler(self)
 
 
 def _combine(results: list[StepResult | None]) -> StepResult | None:
@@ -543,7 +559,16 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 zero_fill=self.zero_fill,
                 ensure_layout=self._ensure_layout,
             )
-        part = _PlanPart(self, plan, index, codecs, schedule, counter, data_comm)
+        part = _PlanPart(
+            plan,
+            index,
+            codecs,
+            schedule,
+            counter,
+            data_comm,
+            on_grad_ready=self._on_grad_ready,
+            on_backward_end=self._on_backward_end,
+        )
         part.release = release
         return part
 

@@ -48,7 +48,8 @@ def build(case, seed, rules=True):
         opt = create_multi_node_optimizer(
             torch.optim.AdamW(model.parameters(), lr=0.02), comm, model=model,
             double_buffering="compensated", compression="qsgd4+ef", policy=policy,
-            clip_grad_norm=5.0, plans=[("embed.*", {"double_buffering": False})] if rules else None)
+            clip_grad_norm=5.0, plans=[("embed.*", {"double_buffering": False})] if rules else None,
+            synchronous_embeddings=rules)   # (the default rule would choose the same plan)
     else:
         groups = [{"params": list(model.embed.parameters()), "compression": "fp16"},
                   {"params": list(model.body.parameters())}]
