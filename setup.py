@@ -1,7 +1,10 @@
 """Build the native CPU kernels (commopt_ext/_cpu) as part of the normal install.
 
-The library is plain C++ with a C ABI, loaded with ctypes by commopt/kernels.py, so it
-compiles in seconds and does not depend on torch headers.
+The library is plain C++ with a C ABI, loaded with ctypes by commopt/kernels/native.py, so it
+compiles in seconds and does not depend on torch headers. Without a C++ compiler the install
+still succeeds: the build skips the library and commopt runs its torch reference kernels
+(slower; one warning says so at the first encode). COMMOPT_REQUIRE_NATIVE=1 makes a failed
+build an error instead.
 """
 
 import os
@@ -20,6 +23,7 @@ setup(
             extra_compile_args=extra,
             extra_link_args=["-fopenmp"],
             language="c++",
+            optional=not os.environ.get("COMMOPT_REQUIRE_NATIVE"),
         )
     ]
 )

@@ -1,8 +1,5 @@
 """Allreduce over an emulated link: mpi against torch.distributed (gloo), several rounds.
 
-Over 400 lines on purpose: one benchmark script (run the rounds, summarise, check the targets,
-write markdown and plots); each part is a few small functions over the same result dict.
-
     $ python benchmarks/allreduce_link.py --link 1gbit --rounds 5 --out allreduce-1gbit.json
     $ python benchmarks/allreduce_link.py --from allreduce-1gbit.json --markdown --plots docs/plots
 
@@ -283,7 +280,7 @@ def sim_measurements(data, summary, sizes: list[int] | None = None) -> list[dict
     An allreduce alone is a "step" with no compute (1 us, the simulator needs > 0) and one
     bucket of the whole buffer. The plan names what ran: fp32, fp16 and bf16 are summed by the
     transport (a ring: gloo's, the mpi communicator's pipelined one between hosts, or Open
-    MPI's own for mpi-native); qsgd runs commopt's scatter-reduce/allgather ("sra"). Beside
+    MPI's own for mpi-native); qsgd runs commopt's scatter-reduce/allgather (``scatter_reduce``). Beside
     the median: the transport (the config), the link rate, the fastest and slowest round and
     the 1-minute load average of the machine at each round (``per_round``: seconds and load).
     """
@@ -307,10 +304,10 @@ def sim_measurements(data, summary, sizes: list[int] | None = None) -> list[dict
             "grad_bytes": r["size"],
             "measured_step_s": r["time_s"],
             "plan": {
-                "algorithm": "ring" if native else "sra",
-                "codec": "none" if r["codec"] == "fp32" else r["codec"],
-                "overlap": "none",
-                "bucket_mb": r["size"] / 2**20,
+                "algorithm": "ring" if native else "scatter_reduce",
+                "compression": "none" if r["codec"] == "fp32" else r["codec"],
+                "overlap": False,
+                "bucket_cap_mb": r["size"] / 2**20,
             },
             "transport": r["config"],
             "link_bits_per_s": summary["link_bits_per_s"],

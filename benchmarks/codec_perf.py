@@ -10,7 +10,7 @@ device-to-device copy of the same buffer.
     python benchmarks/codec_perf.py                 # 64 MiB buffer, one core
     python benchmarks/codec_perf.py --mib 16 --threads 2 --json out.json
 
-Targets (issue 3): QSGD 4-bit/128 wire <= 0.14 of fp32; native QSGD encode and decode each
+Targets: QSGD 4-bit/128 wire <= 0.14 of fp32; native QSGD encode and decode each
 >= 10x the reference and >= 15% of memcpy on one core; CUDA encode >= 60% of device memory
 bandwidth.
 """

@@ -13,7 +13,7 @@ Measured in one run, on one buffer of ``--mib`` MiB of float32 on one device:
   (``algorithm="scatter_reduce"``, so the codec runs even in a world of one). In a world of
   one no byte crosses a link: the figures measure each path's overhead only.
 
-Targets (issue 14): codec encode >= 70% of the copy's bandwidth at 64 MiB; ``pure_nccl``
+Targets: codec encode >= 70% of the copy's bandwidth at 64 MiB; ``pure_nccl``
 allreduce no slower than torch.distributed's nccl allreduce of the same buffer. Each time is
 the best of ``--reps`` after a warm-up, timed with CUDA events. The device check
 (``python3 -m commopt.gpu_check``, whose report is docs/benchmarks-gpu.md) runs

@@ -11,7 +11,7 @@ test BLEU over the seeds with fp32's:
     qsgd4+ef   --compression qsgd4+ef (the same with error feedback)
     db         --double-buffering (updates use one-step-old averaged gradients)
 
-Target (issue 6): every configuration's mean BLEU within 1 point of fp32's. The preset's
+Target: every configuration's mean BLEU within 1 point of fp32's. The preset's
 gentle schedule is what double buffering needs: with the earlier lr 3e-3, 100 warm-up
 updates and 300 updates, the one-step-stale Adam updates reached only 14 BLEU (fp32 99);
 the results of both settings are in docs/recipes.md and the latest full run in

@@ -1,9 +1,5 @@
 """Validation table of the scaling simulator: predicted vs published vs measured.
 
-Over 400 lines on purpose: it renders every table of docs/scaling.md (published, effects,
-leave-one-out, testbed, predictions) from one place, so `--write-docs` regenerates the page in
-one run; the arithmetic behind the tables lives in commopt/sim.
-
     $ python benchmarks/sim_validation.py                     # text tables
     $ python benchmarks/sim_validation.py --markdown          # the tables in docs/scaling.md
     $ python benchmarks/sim_validation.py --measured a.json --measured b.json
@@ -413,7 +409,10 @@ def predictions_table(markdown: bool) -> str:
         m = PRESETS[name]
         for gpus in (8, 64, 512, 4096):
             cells = [name, m.transport.name if m.transport else "-", gpus]
-            for plan in (software_plan("pytorch-ddp"), software_plan("commopt", codec="qsgd4")):
+            for plan in (
+                software_plan("pytorch-ddp"),
+                software_plan("commopt", compression="qsgd4"),
+            ):
                 p = simulate("resnet50", m, plan, gpus)
                 cells += [f"{p.efficiency:.0%}", p.dominant]
             rows.append(cells)

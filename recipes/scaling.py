@@ -1,9 +1,5 @@
 """Scaling runs: a recipe at 1, 2 and 4 ranks for each communication configuration.
 
-Over 400 lines on purpose: one command's whole job (build each run's command line, run it, read
-its log, write the efficiency table and plot), kept together so the table's columns can be
-checked against the runs that fill them.
-
 For every (ranks, configuration) pair this runs a recipe (``--recipe resnet50``, the default,
 or ``transformer``, the translation Transformer) for a fixed number of steps with a fixed batch
 per rank (weak scaling, as ChainerMN measured), then writes:

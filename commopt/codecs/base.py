@@ -60,9 +60,12 @@ class Codec(ABC):
     alignment: int = 1
     #: True when ``encode`` draws random numbers (needs an ``rng`` key to be reproducible).
     stochastic: bool = False
-    #: True when finite inputs can decode as NaN/Inf (a narrow wire dtype, or scales that
-    #: can overflow): reductions through such a codec re-check their result.
-    can_overflow: bool = False
+    #: True when a decoded result can hold NaN/Inf although every rank's input was finite:
+    #: reductions through such a codec re-check their result, so the step's NaN/Inf agreement
+    #: sees it. A narrow wire dtype or scales that overflow do that; so does a wire damaged on
+    #: the way or sent by a faulty peer (wire bytes are untrusted: a few bytes of a scale or a
+    #: float turn into NaN), hence True unless a codec's decode can never write NaN/Inf.
+    can_overflow: bool = True
 
     @abstractmethod
     def encoded_nbytes(self, numel: int) -> int:

@@ -17,7 +17,9 @@ bits, never the accumulator.
     [1.5, 2.5]
 
 Values beyond the float16 range (65504 after scaling) become +-Inf and NaN stays NaN: the
-non-finite value reaches the decoded gradient, where the optimizer's check catches it.
+non-finite value reaches the decoded gradient, where the optimizer's check catches it. The
+same holds for a damaged wire whose bytes spell NaN or Inf: ``can_overflow`` is True for
+every cast, so a reduction through one re-checks its result.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ class CastCodec(Codec):
     stochastic = False
 
     def __init__(self, dtype: torch.dtype = torch.float16):
-        if dtype not in _NAMES:
+        if not isinstance(dtype, torch.dtype) or dtype not in _NAMES:
             raise ValueError(f"CastCodec dtype must be one of {list(_NAMES)}, got {dtype}")
         self.dtype = dtype
         self.wire_dtype = dtype
         self.name = _NAMES[dtype]
-        self.can_overflow = dtype == torch.float16  # max 65504
+        # float16 overflows at 65504; and any damaged wire can hold NaN/Inf bit patterns
+        self.can_overflow = True
         self._itemsize = torch.empty((), dtype=dtype).element_size()
 
     def encoded_nbytes(self, numel: int) -> int:

@@ -6,7 +6,7 @@ cast dtype (``uncompressed="fp16"``). Defaults and their sources:
 
 * ``min_compress_numel=1024`` and ``compress_1d=False``: the released torch_cgx (CGX, IST
   Austria) leaves tensors with ``dim <= 1`` or fewer than 1024 elements uncompressed
-  (published; see /work/shared/reference/published-results.md).
+  (published, in torch_cgx's source).
 * ``exclude``: regular expressions (``re.search`` on the parameter name); by default biases
   and normalisation layers, mirroring the LARS rule that skips bias and batch-norm
   parameters (published MLPerf reference). These are 1-D in common models, so the pattern

@@ -25,18 +25,43 @@ docs/codecs.md for the error bound and the random numbers.
 
 NaN or Inf in a bucket makes its scale non-finite, so every value decoded from that bucket
 is NaN: a non-finite gradient is never hidden, and the optimizer's check reports it.
+
+The wire is untrusted. ``decode`` of a CPU wire reads its scales first (one per bucket) and
+raises ``ValueError`` naming the bucket for a scale no encoder writes: negative, or finite but
+so large that ``levels`` steps overflow float32 (codec settings that differ between ranks, or
+bytes damaged on the way). A NaN or Inf scale is how a NaN gradient travels, so it decodes as
+NaN; ``can_overflow`` is True, so a reduction through QSGD re-checks its result and the step's
+NaN/Inf agreement makes every rank skip the step even when only the wire was bad.
+
+    >>> wire[:4] = torch.tensor([-1.0]).view(torch.uint8)  # bucket 0's scale, negative
+    >>> codec.decode(wire, out)
+    Traceback (most recent call last):
+    ...
+    ValueError: qsgd4: corrupted wire: bucket 0 has scale -1.0, which no encoder writes ...
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from commopt import kernels
-from commopt.codecs._wire import check_values, check_wire
+from commopt.codecs._wire import check_values, check_wire, typed_view
 from commopt.codecs.base import Codec, RngKey
+
+#: the largest legal ``levels * scale``: float32's largest value, with a slack of 2^-20.
+_TOP = float(torch.finfo(torch.float32).max) * (1 + 2.0**-20)
+
+
+#: the largest bucket the kernels take (their bucket index is a 32-bit int).
+_MAX_BUCKET = 2**31 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class QSGD(Codec):
@@ -55,16 +80,21 @@ class QSGD(Codec):
         levels: int | None = None,
         scale_dtype: torch.dtype = torch.float32,
     ):
-        if bits not in kernels.QSGD_BITS:
-            raise ValueError(f"QSGD bits must be one of {kernels.QSGD_BITS}, got {bits}")
+        if not _is_int(bits) or bits not in kernels.QSGD_BITS:
+            raise ValueError(f"QSGD bits must be one of {kernels.QSGD_BITS}, got {bits!r}")
+        bits = int(bits)
         max_levels = 2 ** (bits - 1) - 1
+        if levels is not None and not _is_int(levels):
+            raise TypeError(f"QSGD levels must be an int or None, got {levels!r}")
         levels = max_levels if levels is None else int(levels)
         if not 1 <= levels <= max_levels:
             raise ValueError(
                 f"QSGD levels must be in [1, {max_levels}] for {bits} bits, got {levels}"
             )
-        if int(bucket_size) < 1:
-            raise ValueError(f"QSGD bucket_size must be >= 1, got {bucket_size}")
+        if not _is_int(bucket_size) or not 1 <= bucket_size <= _MAX_BUCKET:
+            raise ValueError(
+                f"QSGD bucket_size must be an int in [1, {_MAX_BUCKET}], got {bucket_size!r}"
+            )
         if scale not in kernels.NORMS:
             raise ValueError(f"QSGD scale must be one of {kernels.NORMS}, got {scale!r}")
         if scale_dtype not in (torch.float32, torch.float16):
@@ -77,8 +107,9 @@ class QSGD(Codec):
         self.norm = scale
         self.stochastic = bool(stochastic)
         self.scale_dtype = scale_dtype
-        # an l2 norm can exceed the float32 range; float16 scales stop at 65504
-        self.can_overflow = scale == "l2" or scale_dtype == torch.float16
+        # An l2 norm can exceed the float32 range and float16 scales stop at 65504; and a
+        # damaged wire's scale can be NaN/Inf whatever the settings (see the module's doc).
+        self.can_overflow = True
         self.alignment = self.bucket_size
         self._scale_bytes = 4 if scale_dtype == torch.float32 else 2
         self.name = f"qsgd{bits}"
@@ -132,7 +163,34 @@ class QSGD(Codec):
         """``decode`` writing ``alpha * decoded`` (error feedback uses ``alpha=-1``)."""
         flat = check_values(self, out, "out")
         check_wire(self, wire, flat.numel(), "wire")
+        if wire.device.type == "cpu":  # on a GPU the check would wait for the device
+            self._check_scales(wire, flat.numel())
         kernels.qsgd_decode(wire, flat, accumulate=accumulate, alpha=alpha, **self._params())
+
+    def _check_scales(self, wire: torch.Tensor, numel: int) -> None:
+        """Raise for a scale no encoder writes (one read of the ``numel / bucket_size`` scales).
+
+        An encoder's scale is ``norm / levels`` rounded up: never negative, and ``levels``
+        times it stays within float32 (NaN and +Inf come from a non-finite bucket). A slack of
+        2^-20 keeps the rounding up of a norm at the very top of the range legal.
+        """
+        nbuckets = -(-numel // self.bucket_size)
+        if nbuckets == 0:
+            return
+        head = wire[: nbuckets * self._scale_bytes]
+        scales = typed_view(head, self.scale_dtype)
+        if scales is None:
+            scales = head.clone().view(self.scale_dtype)
+        steps = scales.to(torch.float64)
+        bad = (steps < 0) | (torch.isfinite(steps) & (steps * self.levels > _TOP))
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{self.name}: corrupted wire: bucket {b} has scale {float(steps[b])!r}, which no "
+                f"encoder writes (negative, or {self.levels} levels of it overflow float32). The "
+                "sender's codec settings (bits, bucket_size, scale_dtype, levels) differ from "
+                "this rank's, or the bytes were damaged on the way."
+            )
 
     def __repr__(self) -> str:
         extra = "" if self.stochastic else ", stochastic=False"

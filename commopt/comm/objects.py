@@ -159,6 +159,13 @@ def decode(message: bytes | memoryview, like: Any = None) -> Any:
 
     A dataclass instance comes back as an instance of the class found at the same place in
     ``like`` (the receiver's own value: the message never names a class), else as a dict.
+    The message is a peer's bytes, so it is checked as it is read: anything ``encode`` could
+    not have written raises ``ValueError`` saying what is wrong, never another error.
+
+        >>> decode(b"\\x04\\0\\0\\0\\0\\0\\0\\0[1,2")
+        Traceback (most recent call last):
+        ...
+        ValueError: malformed object message from a peer: its header is not JSON (...)...
     """
     message = memoryview(message)
     if len(message) < _HEADER.size:
@@ -167,30 +174,69 @@ def decode(message: bytes | memoryview, like: Any = None) -> Any:
     start = _HEADER.size + n
     if start > len(message):
         raise ValueError(f"object message header says {n} bytes but only {len(message)} arrived")
-    tree = json.loads(bytes(message[_HEADER.size : start]).decode())
-    return _Decoder(message[start:]).value(tree, like)
+    try:
+        tree = json.loads(bytes(message[_HEADER.size : start]).decode())
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueError
+        raise _malformed(f"its header is not JSON ({type(err).__name__}: {err})") from None
+    try:
+        return _Decoder(message[start:]).value(tree, like)
+    except RecursionError:
+        raise _malformed("its value is nested too deeply") from None
+
+
+def _malformed(what: str) -> ValueError:
+    return ValueError(
+        f"malformed object message from a peer: {what}. bcast_obj/allgather_obj read only what "
+        "commopt's encode writes: every rank must run the same commopt version, and nothing "
+        "else may use the communicator for its own messages."
+    )
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise _malformed(f"{what} must be a non-negative integer, got {value!r:.60}")
+    return value
+
+
+def _fields(body: Any, count: int, tag: str) -> list:
+    if not isinstance(body, list) or len(body) != count:
+        raise _malformed(f"{tag} needs a list of {count} fields, got {body!r:.60}")
+    return body
 
 
 class _Decoder:
     def __init__(self, blob: memoryview):
         self.blob = blob
 
-    def _bytes(self, ref) -> bytes:
-        off, n = int(ref[0]), int(ref[1])
-        if off < 0 or n < 0 or off + n > len(self.blob):
+    def _bytes(self, off: Any, n: Any) -> bytes:
+        off, n = _int(off, "a byte offset"), _int(n, "a byte count")
+        if off + n > len(self.blob):
             raise ValueError(f"object message refers to bytes {off}..{off + n} beyond its end")
         return bytes(self.blob[off : off + n])
 
-    def _tensor(self, dtype: str, shape, ref) -> torch.Tensor:
-        if dtype not in _DTYPES:
-            raise ValueError(f"object message names unknown dtype {dtype!r}")
-        raw = self._bytes(ref)
+    def _tensor(self, dtype: Any, shape: Any, off: Any, n: Any) -> torch.Tensor:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise ValueError(f"object message names unknown dtype {dtype!r:.60}")
+        if not isinstance(shape, list):
+            raise _malformed(f"a tensor's shape must be a list, got {shape!r:.60}")
+        dims = [_int(s, "a tensor dimension") for s in shape]
+        itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+        numel = 1
+        for d in dims:
+            numel *= d
+        if numel * itemsize != _int(n, "a byte count"):
+            raise _malformed(
+                f"a {dtype} tensor of shape {dims} needs {numel * itemsize} bytes, not {n}"
+            )
+        raw = self._bytes(off, n)
         flat = (
             torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             if raw
             else torch.empty(0, dtype=torch.uint8)
         )
-        return flat.view(_DTYPES[dtype]).reshape([int(s) for s in shape])
+        if _DTYPES[dtype] == torch.bool and bool((flat > 1).any()):
+            raise _malformed("a bool tensor holds bytes other than 0 and 1")
+        return flat.view(_DTYPES[dtype]).reshape(dims)
 
     def value(self, node: Any, like: Any = None) -> Any:
         if isinstance(node, list):
@@ -200,14 +246,21 @@ class _Decoder:
         if len(node) == 1:
             ((tag, body),) = node.items()
             if tag == "$tuple":
+                if not isinstance(body, list):
+                    raise _malformed(f"$tuple needs a list, got {body!r:.60}")
                 return tuple(self.value(v, _item(like, i)) for i, v in enumerate(body))
             if tag == "$dict":
+                if not isinstance(body, list):
+                    raise _malformed(f"$dict needs a list of pairs, got {body!r:.60}")
                 out = {}
-                for k, v in body:
+                for pair in body:
+                    k, v = _fields(pair, 2, "a $dict item")
                     key = _hashable(self.value(k))
                     out[key] = self.value(v, like.get(key) if isinstance(like, dict) else None)
                 return out
             if tag == "$dataclass":
+                if not isinstance(body, dict):
+                    raise _malformed(f"$dataclass needs an object of fields, got {body!r:.60}")
                 fields = {k: self.value(v, getattr(like, k, None)) for k, v in body.items()}
                 if (
                     dataclasses.is_dataclass(like)
@@ -217,18 +270,24 @@ class _Decoder:
                     return type(like)(**fields)  # the receiver's class, never one the peer names
                 return fields
             if tag == "$bytes":
-                return self._bytes(body)
+                return self._bytes(*_fields(body, 2, "$bytes"))
             if tag == "$dtype":
-                if body not in _DTYPES:
-                    raise ValueError(f"object message names unknown dtype {body!r}")
+                if not isinstance(body, str) or body not in _DTYPES:
+                    raise ValueError(f"object message names unknown dtype {body!r:.60}")
                 return _DTYPES[body]
             if tag == "$tensor":
-                dtype, shape, device, off, n = body
-                t = self._tensor(dtype, shape, (off, n))
+                dtype, shape, device, off, n = _fields(body, 5, "$tensor")
+                if not isinstance(device, str):
+                    raise _malformed(f"a tensor's device must be a str, got {device!r:.60}")
+                t = self._tensor(dtype, shape, off, n)
                 return t.to(device) if device != "cpu" and _device_usable(device) else t
             if tag == "$ndarray":
-                dtype, shape, off, n = body
-                return self._tensor(dtype, shape, (off, n)).numpy()
+                dtype, shape, off, n = _fields(body, 4, "$ndarray")
+                t = self._tensor(dtype, shape, off, n)
+                try:
+                    return t.numpy()
+                except TypeError:  # a dtype NumPy lacks (bfloat16): encode never writes one
+                    raise _malformed(f"NumPy has no dtype {dtype}") from None
         return {
             k: self.value(v, like.get(k) if isinstance(like, dict) else None)
             for k, v in node.items()
@@ -240,12 +299,20 @@ def _item(like: Any, i: int) -> Any:
 
 
 def _hashable(key: Any) -> Any:
-    if isinstance(key, list):
-        raise ValueError("object message has a list as a dict key")
+    try:
+        hash(key)
+    except TypeError:
+        raise _malformed(f"a dict key is a {type(key).__name__}, which cannot be a key") from None
     return key
 
 
+#: device types a tensor may come back on (a peer's string names no other torch attribute).
+_DEVICE_TYPES = ("cuda", "xpu", "mps")
+
+
 def _device_usable(device: str) -> bool:
+    if device not in _DEVICE_TYPES:
+        return False
     mod = getattr(torch, device, None)
     return bool(mod is not None and getattr(mod, "is_available", lambda: False)())
 

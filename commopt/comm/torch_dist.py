@@ -1,9 +1,5 @@
 """torch.distributed transport (gloo or nccl process groups).
 
-Over 400 lines on purpose: one communicator class (the Communicator contract over a process
-group: every collective, its Work, split, the launch-time rendezvous) whose methods each stay
-short; the rendezvous helpers are the only other job and belong to creating it.
-
     $ torchrun --nproc-per-node 2 -m commopt.examples.allreduce --comm torch
 
 Wraps the default process group, or the one given as ``group=``. When no default group

@@ -1,11 +1,16 @@
 """`commopt simulate`: predict step time, throughput and parallel efficiency.
 
-$ commopt simulate --machine v100-nvlink-25g --model resnet50 --gpus 32 --codec fp16 --overlap double-buffering
+$ commopt simulate --machine v100-nvlink-25g --model resnet50 --gpus 32 --compression fp16 --double-buffering
+$ commopt simulate --config optimizer.json --gpus 64
 $ commopt simulate --model bert-large --sweep gpus=8..1024 --plot scaling.png
 $ commopt simulate --profile-model resnet50 --machine testbed-1gbit --gpus 2
 $ commopt simulate --machine testbed-1gbit --gpus 2 --compute-time 0.8 --grad-bytes 102760448 --measured-step 1.7
 $ commopt simulate --machine v100-nvlink-25g --gpus 16 --nccl-env "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4"
-$ commopt simulate --machine p100-10gbe --gpus 32 --software chainermn-1.3-pure_nccl-db --codec fp16
+$ commopt simulate --machine p100-10gbe --gpus 32 --software chainermn-1.3-pure_nccl-db --compression fp16
+
+The plan's options carry create_multi_node_optimizer's names, and ``--config FILE`` reads the
+JSON object of its keywords that the optimizer takes as ``create_multi_node_optimizer(opt,
+comm, **json.load(open(FILE)))``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import json
 import sys
 
 HELP = "predict step time, throughput and parallel efficiency for 1 to 4096 workers"
+
+#: Options renamed to the optimizer's names: the old spelling and the new.
+_RENAMED_OPTIONS = {"codec": "--compression", "bucket_mb": "--bucket-cap-mb"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep",
         default=None,
         metavar="AXIS=VALUES",
-        help="sweep one axis: gpus=8..1024 (doubling), inter_gbps=25,100,400, bucket_mb=..., "
-        "batch=..., intra_GBps=..., codec=none,fp16,qsgd4, overlap=..., algorithm=...",
+        help="sweep one axis: gpus=8..1024 (doubling), inter_gbps=25,100,400, bucket_cap_mb=..., "
+        "batch=..., intra_GBps=..., compression=none,fp16,qsgd4, overlap=true,false, "
+        "double_buffering=false,true, algorithm=...",
     )
-    p = parser.add_argument_group("communication plan")
+    p = parser.add_argument_group(
+        "communication plan (create_multi_node_optimizer's options, under their names)"
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help="a JSON object of create_multi_node_optimizer keywords (algorithm, compression, "
+        "allreduce_grad_dtype, bucket_cap_mb, overlap, double_buffering; zero_fill, seed and "
+        "clip_grad_norm are accepted and do not change the step time); the options below "
+        "override it",
+    )
     p.add_argument(
         "--software",
         default=None,
@@ -47,14 +67,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--algorithm",
         default=None,
-        choices=("auto", "nccl", "ring", "tree", "hierarchical", "sra"),
-        help="auto (default): the fastest suitable algorithm for each bucket; nccl: NCCL's own "
-        "(ring or tree)",
+        help="auto (default): the fastest suitable algorithm for each bucket; native: the "
+        "transport's own sum (NCCL's ring or tree); scatter_reduce; hierarchical; ring or tree: "
+        "native pinned to one of NCCL's algorithms",
     )
     p.add_argument(
-        "--codec",
+        "--compression",
         default=None,
-        help="none (default), fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>",
+        metavar="CODEC",
+        help="none (default), fp16, bf16, qsgd2, qsgd4, qsgd8, qsgd<bits>b<bucket>; +ef (error "
+        "feedback) is predicted as the codec",
+    )
+    p.add_argument(
+        "--allreduce-grad-dtype",
+        default=None,
+        choices=("float32", "float16", "bfloat16"),
+        help="the wire dtype without --compression (as the optimizer's allreduce_grad_dtype)",
     )
     p.add_argument(
         "--codec-bench",
@@ -63,15 +91,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="codec benchmark results (JSON) giving the codec's measured speeds and bytes ratio",
     )
     p.add_argument(
-        "--bucket-mb", type=float, default=None, help="gradient bucket size in MiB (default 25)"
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="gradient bucket size in MiB (default 25)",
     )
     p.add_argument(
-        "--overlap",
-        default=None,
-        choices=("none", "backward", "double-buffering"),
-        help="when the all-reduce runs: none (after the backward pass), backward (default; DDP "
-        "buckets during it), double-buffering (during the next step; ChainerMN)",
+        "--no-overlap",
+        action="store_true",
+        help="the all-reduce starts after the backward pass (default: bucket by bucket during it)",
     )
+    p.add_argument(
+        "--double-buffering",
+        nargs="?",
+        const=True,
+        default=None,
+        choices=(True, "compensated"),
+        metavar="compensated",
+        help="the all-reduce of step t runs during step t+1 (ChainerMN); 'compensated' is timed "
+        "as double buffering",
+    )
+    for old in _RENAMED_OPTIONS:  # earlier spellings: an error that names the new one
+        p.add_argument(f"--{old.replace('_', '-')}", dest=f"renamed_{old}", help=argparse.SUPPRESS)
+    p.add_argument("--overlap", dest="renamed_overlap", help=argparse.SUPPRESS)
     p.add_argument(
         "--piece-mb",
         type=float,
@@ -233,6 +276,51 @@ def _profile(args, machine):
     return prof
 
 
+def _renamed(args) -> str | None:
+    """The error for an option given in an earlier spelling, or None."""
+    for old, new in _RENAMED_OPTIONS.items():
+        if getattr(args, f"renamed_{old}") is not None:
+            return f"--{old.replace('_', '-')} is now {new} (create_multi_node_optimizer's name)"
+    if args.renamed_overlap is not None:
+        new = {"none": "--no-overlap", "double-buffering": "--double-buffering"}.get(
+            args.renamed_overlap, "nothing (overlap with the backward pass is the default)"
+        )
+        return f"--overlap {args.renamed_overlap} is now {new}"
+    return None
+
+
+def _plan_fields(args) -> dict:
+    """The plan's fields from --config and the options that override it."""
+    from commopt.sim.plan import config_fields
+
+    config: dict = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--config {args.config}: not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--config {args.config}: expected a JSON object of keywords")
+    flags = {
+        "algorithm": args.algorithm,
+        "compression": args.compression,
+        "allreduce_grad_dtype": args.allreduce_grad_dtype,
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "overlap": False if args.no_overlap else None,
+        "double_buffering": args.double_buffering,
+    }
+    if args.compression is not None:
+        config.pop("allreduce_grad_dtype", None)
+    elif args.allreduce_grad_dtype is not None:
+        config.pop("compression", None)
+    config.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return config_fields(config)
+    except ValueError as exc:
+        raise ValueError(f"--config {args.config}: {exc}" if args.config else str(exc)) from None
+
+
 def run(args) -> int:
     from commopt.sim import Plan, from_benchmark, get_machine, load_profile, parse_sweep, run_sweep
     from commopt.sim.report import format_table, to_json
@@ -240,6 +328,10 @@ def run(args) -> int:
 
     if args.list:
         return _list()
+    renamed = _renamed(args)
+    if renamed:
+        print(f"commopt simulate: error: {renamed}", file=sys.stderr)
+        return 2
     try:
         from commopt.sim.transport import parse_nccl_env
 
@@ -267,32 +359,28 @@ def run(args) -> int:
             step_time=args.step_time,
             grad_bytes_per_param={"fp32": 4, "fp16": 2, None: None}[args.grad_dtype],
         )
-        codec = args.codec
+        fields = _plan_fields(args)
         if args.codec_bench:
-            codec = from_benchmark(args.codec_bench, codec or "none")
-        algorithm = args.algorithm
-        if args.nccl_env and algorithm is None and not args.software:
+            fields["compression"] = from_benchmark(
+                args.codec_bench, fields.get("compression", "none")
+            )
+        if args.nccl_env and "algorithm" not in fields and not args.software:
             # NCCL's variables tune NCCL's own algorithms; commopt's hierarchical ring and
             # scatter-reduce run on commopt's communicator, which does not read them.
-            algorithm = "nccl"
+            fields["algorithm"] = "native"
             print(
-                "commopt simulate: --nccl-env tunes NCCL: algorithm nccl (ring or tree) unless --algorithm "
-                "is given",
+                "commopt simulate: --nccl-env tunes NCCL: algorithm native (NCCL's ring or tree) "
+                "unless --algorithm is given",
                 file=sys.stderr,
             )
-        fields = {
-            "algorithm": algorithm,
-            "codec": codec,
-            "bucket_mb": args.bucket_mb,
-            "overlap": args.overlap,
-            "piece_mb": args.piece_mb,
-        }
+        if args.piece_mb is not None:
+            fields["piece_mb"] = args.piece_mb
         if args.software:
             from commopt.sim.software import software_plan
 
             plan = software_plan(args.software, **fields)
         else:
-            plan = Plan(**{k: v for k, v in fields.items() if v is not None})
+            plan = Plan(**fields)
         if args.sweep:
             axis, values = parse_sweep(args.sweep)
         else:

@@ -3,7 +3,7 @@
 A stage marked ``gpu`` proves something on a CUDA device. Without one (or with
 ``--rehearse``) the same stage runs its CPU stand-in where the library supports the CPU (the
 same job code, CPU tensors, gloo or MPI), so the launching, the result files and the
-reporting are exercised before a GPU is ever lent; the stage is then reported skipped, with
+reporting are exercised before any GPU run; the stage is then reported skipped, with
 the reason, and the stand-in's outcome beside it.
 """
 

@@ -1,9 +1,5 @@
 """Codec kernels as pure functions, and the choice of implementation per tensor.
 
-Over 400 lines on purpose: the public kernel API: argument checks and the choice of
-implementation for each codec function (QSGD encode/decode, casts, pack); each function is
-short and they share one dispatch.
-
 Three implementations produce bit-identical wires for the same inputs and key:
 
 * ``"native"``: C++ in ``commopt_ext/cpu_kernels.cpp`` (built by ``pip install``), for CPU

@@ -1,10 +1,5 @@
 """Triton kernels of the codecs: the one GPU implementation (NVIDIA and AMD from one source).
 
-Over 400 lines on purpose: the Triton kernels of every codec (QSGD encode/decode in each
-rounding and scale mode, the 16-bit casts) and their launchers; they share block sizes, the
-key's random stream and the exactness rules stated here, and they are compiled and tested
-together.
-
 Called through :mod:`commopt.kernels` (which validates arguments); these functions trust
 their inputs. Every float operation is one the reference performs, in the same order and
 rounding: precise division (``tl.div_rn``), no multiply-add contraction (launched with

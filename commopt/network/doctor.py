@@ -1,9 +1,5 @@
 """Findings about a machine's network set-up, from a snapshot (see ``probe.py``).
 
-Over 400 lines on purpose: one check per finding (pure functions of the same snapshot),
-each short, with the report that lists them; a finding and its advice stay next to
-each other.
-
 Each check is a pure function of the snapshot dict, so any machine can be described in a
 test. The checks follow the published cloud practices for NCCL and MPI (see
 docs/network-tuning.md for the numbers behind them).

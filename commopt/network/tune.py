@@ -1,8 +1,5 @@
 """`commopt tune`: sweep environment settings, measure each with `commopt bench allreduce`.
 
-Over 400 lines on purpose: one command (parse the grid, run each point, rank them, write the
-env file atomically) whose parts share the point and result types.
-
 A grid is a list of ``NAME=v1,v2,...`` specs; the points are their cartesian product.
 Lower-case names are Open MPI MCA parameters (``btl_tcp_links`` -> ``OMPI_MCA_btl_tcp_links``);
 ``A+B=...`` gives two variables the same value; sizes take K/M/G suffixes (binary):

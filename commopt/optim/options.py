@@ -36,8 +36,10 @@ def check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if algorithm not in collectives.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; one of {collectives.ALGORITHMS}")
-    if float(bucket_cap_mb) <= 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if not 0 < float(bucket_cap_mb) <= 2**30:  # NaN fails too; 2**30 MiB keeps int() finite
+        raise ValueError(
+            f"bucket_cap_mb must be a number of MiB in (0, 2**30], got {bucket_cap_mb}"
+        )
 
 
 def resolve_codecs(comm, allreduce_grad_dtype, compression, policy):

@@ -151,10 +151,11 @@ def may_overflow(codec: Codec | None, scale: float) -> bool:
 
     An average of finite fp32 (or bf16: the same range) terms, each divided by the
     world size before the sum, stays within the largest input, and so does QSGD with
-    max-abs float32 scales; codecs that can overflow (``Codec.can_overflow``: an fp16
-    wire, QSGD with l2 norms or float16 scales) or a scale above 1 pay a second pass.
+    max-abs float32 scales; but the bytes peers sent are untrusted: a damaged wire can spell
+    NaN or Inf in any codec (``Codec.can_overflow``, True for every codec commopt ships) and
+    in exact float32 (``codec`` None). Those buckets, and a scale above 1, pay a second pass.
     """
-    return scale > 1.0 or (codec is not None and codec.can_overflow)
+    return scale > 1.0 or codec is None or codec.can_overflow
 
 
 def has_nonfinite(flat: torch.Tensor) -> bool:

@@ -1,7 +1,8 @@
 """Scaling simulator: step time, throughput and parallel efficiency from 1 to 4096 workers.
 
 Inputs are a model profile (per-layer gradient sizes and backward timings), a machine (links
-per level, GPUs per node) and a communication plan (algorithm, codec, buckets, overlap).
+per level, GPUs per node) and a communication plan in the optimizer's names (algorithm,
+compression, bucket_cap_mb, overlap, double_buffering).
 
     >>> from commopt.sim import simulate, Plan
     >>> p = simulate("transformer-xl-base", "v100-nvlink-25g", Plan(), gpus=8)

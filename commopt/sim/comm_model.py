@@ -16,7 +16,7 @@ of one piece with the transfers of its neighbours: see :func:`sra_pipelined`.
     >>> t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="ring", codec="none")
     >>> round(t.total_s, 3)  # 64 MiB over 1 Gbit/s at 0.956 efficiency: 0.537 s / 0.956
     0.562
-    >>> q = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
+    >>> q = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="scatter_reduce", codec="qsgd4")
     >>> round(q.total_s * 1e3, 1), round(q.hidden_s / q.codec_s, 2)  # ms; codec work hidden
     (77.4, 0.94)
 """
@@ -184,8 +184,10 @@ def on_transport(
     if t is None or nodes == 1:
         return machine
     n = nodes * per_node
-    if algorithm in ("sra", "hierarchical") and not codec_linear:
-        connections = per_node * (n - per_node) if algorithm == "sra" else per_node * (nodes - 1)
+    if algorithm in ("scatter_reduce", "hierarchical") and not codec_linear:
+        connections = (
+            per_node * (n - per_node) if algorithm == "scatter_reduce" else per_node * (nodes - 1)
+        )
     elif algorithm == "hierarchical":
         connections = per_node
     else:
@@ -332,17 +334,19 @@ def allreduce_time(
     if piece_bytes < 0:
         raise ValueError(f"piece size must be >= 0 bytes (0: no pipeline), got {piece_bytes}")
     if algorithm == "auto":
-        algorithm = "hierarchical" if nodes > 1 else ("ring" if codec.linear else "sra")
+        algorithm = "hierarchical" if nodes > 1 else ("ring" if codec.linear else "scatter_reduce")
     if algorithm in ("ring", "tree") and not codec.linear:
-        raise ValueError(f"codec {codec.name} is not linear; use sra or hierarchical with it")
+        raise ValueError(
+            f"codec {codec.name} is not linear; use scatter_reduce or hierarchical with it"
+        )
     if gpus == 1:
         return CommTime(0.0, 0.0, 0.0)
-    if algorithm not in ("ring", "tree", "sra", "hierarchical"):
+    if algorithm not in ("ring", "tree", "scatter_reduce", "hierarchical"):
         raise ValueError(f"unknown algorithm {algorithm!r}")
     machine = on_transport(
         machine, nodes, per_node, codec.wire_bytes(numel, grad_bytes), algorithm, codec.linear
     )
-    if algorithm == "sra":
+    if algorithm == "scatter_reduce":
         return sra_pipelined(machine, nodes, per_node, numel, grad_bytes, codec, piece_bytes)
     if algorithm == "hierarchical" and not codec.linear:
         return hierarchical_pipelined(

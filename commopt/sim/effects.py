@@ -156,7 +156,7 @@ class NetworkComparison:
 
 def chainermn_network_comparison(gpus: int = 32) -> NetworkComparison:
     plain = software_plan("chainermn-1.3-pure_nccl")
-    feats = software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+    feats = software_plan("chainermn-1.3-pure_nccl-db", compression="fp16")
     prof = chainermn_profile("p100-10gbe")
     return NetworkComparison(
         simulate(prof, "p100-ib-fdr", plain, gpus).step_s,

@@ -1,8 +1,5 @@
 """Machines: GPUs per node, the links between them, and presets with their public sources.
 
-Over 400 lines on purpose: most of it is data: each machine preset with the public source of
-every number; the code is a few small dataclasses and the lookup.
-
 A machine has two levels. Inside a node every GPU has its own link (``intra``: NVLink or its
 PCIe slot); without peer-to-peer access (GeForce cards) every transfer is staged through host
 memory, so the GPUs behind one PCIe switch share its uplink (``uplink``, per direction), and

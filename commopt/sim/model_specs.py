@@ -4,8 +4,8 @@ Layer sizes come from the architectures (torchvision's resnet50 for ResNet-50; t
 hyper-parameters for the Transformers, counted here layer by layer). Backward weights are
 multiply-accumulates of the forward pass (the backward pass costs about twice the forward one,
 layer by layer); memory-bound layers (normalisation) count ``NORM_MACS_PER_ELEMENT`` per
-output element. Single-GPU throughputs are the published ones (shared/reference); where none is
-published the profile says how its figure was derived.
+output element. Single-GPU throughputs are the published ones (each profile cites its source); where none
+is published the profile says how its figure was derived.
 
     $ python -m commopt.sim.model_specs          # rewrites commopt/sim/profiles/*.json
 """

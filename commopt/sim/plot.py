@@ -30,7 +30,7 @@ def plot_sweep(rows, axis: str, path: str, *, title: str = "") -> str:
         raise ValueError("nothing to plot: the sweep has no rows")
     plt = _pyplot()
     values = [v for v, _ in rows]
-    numeric = all(isinstance(v, (int, float)) for v in values)
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     xs = values if numeric else list(range(len(values)))
     thr = [p.throughput for _, p in rows]
     eff = [100 * p.efficiency for _, p in rows]
@@ -43,7 +43,7 @@ def plot_sweep(rows, axis: str, path: str, *, title: str = "") -> str:
             if numeric:
                 ax.plot(xs, ys, marker="o")
                 if (
-                    axis in ("gpus", "inter_gbps", "bucket_mb")
+                    axis in ("gpus", "inter_gbps", "bucket_cap_mb")
                     and min(xs) > 0
                     and max(xs) / min(xs) >= 8
                 ):

@@ -2,15 +2,15 @@
 
 A :class:`Software` preset turns into a :class:`~commopt.sim.plan.Plan`: when its all-reduce
 starts (after the backward pass, during it bucket by bucket, or one step later with double
-buffering), how the gradients are grouped (``bucket_mb``; ``math.inf``: one buffer of all of
+buffering), how the gradients are grouped (``bucket_cap_mb``; ``math.inf``: one buffer of all of
 them), how many gradient-sized copies it makes on the compute stream per step (packing into a
 contiguous buffer and unpacking; none where they run on the all-reduce's own stream), and the
 all-reduce's dtype. Every field carries its source.
 
     >>> p = software_plan("chainermn-1.3-pure_nccl")
-    >>> p.overlap, p.bucket_mb, p.copy_passes, p.codec.name
-    ('none', inf, 2.0, 'none')
-    >>> software_plan("chainermn-1.3-pure_nccl-db", codec="fp16").overlap
+    >>> p.overlap, p.bucket_cap_mb, p.copy_passes, p.compression.name
+    (False, inf, 2.0, 'none')
+    >>> software_plan("chainermn-1.3-pure_nccl-db", compression="fp16").schedule
     'double-buffering'
 """
 
@@ -53,19 +53,21 @@ _CHAINERMN_DB_COPIES = (
 class Software:
     name: str
     description: str
-    overlap: str
-    bucket_mb: float
+    overlap: bool
+    bucket_cap_mb: float
     copy_passes: float
-    codec: str = "none"
+    double_buffering: bool = False
+    compression: str = "none"
     algorithm: str = "auto"
     sources: dict = field(default_factory=dict, compare=False)
 
     def plan(self, **overrides) -> Plan:
         fields: dict[str, Any] = {
             "overlap": self.overlap,
-            "bucket_mb": self.bucket_mb,
+            "double_buffering": self.double_buffering,
+            "bucket_cap_mb": self.bucket_cap_mb,
             "copy_passes": self.copy_passes,
-            "codec": self.codec,
+            "compression": self.compression,
             "algorithm": self.algorithm,
         }
         fields.update({k: v for k, v in overrides.items() if v is not None})
@@ -78,41 +80,42 @@ SOFTWARE: dict[str, Software] = {
         Software(
             "chainermn-1.3-pure_nccl",
             "ChainerMN 1.3, pure_nccl communicator, multi-node optimizer (2018)",
-            overlap="none",
-            bucket_mb=math.inf,
+            overlap=False,
+            bucket_cap_mb=math.inf,
             copy_passes=2,
             algorithm="ring",
             sources={
                 "overlap": _CHAINERMN_AFTER,
                 "algorithm": _NCCL22_RING,
-                "bucket_mb": _CHAINERMN_PACK,
+                "bucket_cap_mb": _CHAINERMN_PACK,
                 "copy_passes": _CHAINERMN_PACK,
             },
         ),
         Software(
             "chainermn-1.3-pure_nccl-db",
             "ChainerMN 1.3, pure_nccl, double_buffering=True (2018)",
-            overlap="double-buffering",
-            bucket_mb=math.inf,
+            overlap=False,
+            double_buffering=True,
+            bucket_cap_mb=math.inf,
             copy_passes=0,
             algorithm="ring",
             sources={
                 "algorithm": _NCCL22_RING,
-                "overlap": _CHAINERMN_DB,
-                "bucket_mb": _CHAINERMN_PACK,
+                "double_buffering": _CHAINERMN_DB,
+                "bucket_cap_mb": _CHAINERMN_PACK,
                 "copy_passes": _CHAINERMN_DB_COPIES,
             },
         ),
         Software(
             "pytorch-ddp",
             "PyTorch DistributedDataParallel, 25 MB buckets, overlap with backward",
-            overlap="backward",
-            bucket_mb=25.0,
+            overlap=True,
+            bucket_cap_mb=25.0,
             copy_passes=2,
-            algorithm="nccl",
+            algorithm="native",
             sources={
                 "algorithm": "NCCL's own choice between ring and tree (NCCL >= 2.4)",
-                "bucket_mb": "bucket_cap_mb=25 (PyTorch DDP default)",
+                "bucket_cap_mb": "bucket_cap_mb=25 (PyTorch DDP default)",
                 "overlap": "a bucket's all-reduce starts when its gradients are ready (PyTorch DDP)",
                 "copy_passes": (
                     "gradient_as_bucket_view=False (default): gradients are copied into "
@@ -123,8 +126,8 @@ SOFTWARE: dict[str, Software] = {
         Software(
             "commopt",
             "commopt's communicator: 25 MB buckets, overlap with backward",
-            overlap="backward",
-            bucket_mb=25.0,
+            overlap=True,
+            bucket_cap_mb=25.0,
             copy_passes=1,
             sources={
                 "copy_passes": (

@@ -1,11 +1,11 @@
 """One training step: compute, buckets of gradients, their all-reduces, and the overlap.
 
-Overlap modes:
-- ``none``: backward, then every bucket's all-reduce, then the update.
-- ``backward`` (DDP-style buckets): a bucket's all-reduce starts once the backward pass has
+Schedules (:attr:`Plan.schedule`, from the optimizer's ``overlap`` and ``double_buffering``):
+- ``none`` (``overlap=False``): backward, then every bucket's all-reduce, then the update.
+- ``backward`` (``overlap=True``, the default; DDP-style buckets): a bucket's all-reduce starts once the backward pass has
   produced all its gradients and the previous bucket's all-reduce is done; the step ends
   when the last one finishes.
-- ``double-buffering`` (ChainerMN): the all-reduce of step t runs during the forward and
+- ``double-buffering`` (``double_buffering=True``; ChainerMN): the all-reduce of step t runs during the forward and
   backward of step t+1 and the update uses the previous step's gradients, so the steady-state
   step is the longer of compute and communication.
 
@@ -20,7 +20,7 @@ before it ends; with ``double-buffering`` the step is the longer of compute + al
 
     >>> from commopt.sim import simulate, Plan
     >>> p = simulate(
-    ...     "resnet50", "v100-nvlink-25g", Plan(codec="fp16", overlap="double-buffering"), gpus=32
+    ...     "resnet50", "v100-nvlink-25g", Plan(compression="fp16", double_buffering=True), gpus=32
     ... )
     >>> p.nodes, p.efficiency > 0.9
     (4, True)
@@ -135,7 +135,7 @@ def simulate(
     compute = step1 + copy
 
     buckets, used = [], []
-    for numel, ready in make_buckets(profile, plan.bucket_mb * 2**20, forward, backward):
+    for numel, ready in make_buckets(profile, plan.bucket_cap_mb * 2**20, forward, backward):
         algorithm, c = min(
             (
                 (
@@ -146,7 +146,7 @@ def simulate(
                         numel=numel,
                         grad_bytes=profile.grad_bytes_per_param,
                         algorithm=a,
-                        codec=plan.codec,
+                        codec=plan.compression,
                         piece_bytes=plan.piece_mb * 2**20,
                     ),
                 )
@@ -161,7 +161,7 @@ def simulate(
             numel=1,
             grad_bytes=profile.grad_bytes_per_param,
             algorithm=algorithm,
-            codec=plan.codec,
+            codec=plan.compression,
             piece_bytes=plan.piece_mb * 2**20,
         ).transfer_s
         buckets.append(Bucket(numel, ready, c.total_s, c.wire_bytes, c.codec_s, fixed))
@@ -170,9 +170,9 @@ def simulate(
 
     if gpus == 1:
         step = compute
-    elif plan.overlap == "none":
+    elif plan.schedule == "none":
         step = compute + comm
-    elif plan.overlap == "backward":
+    elif plan.schedule == "backward":
         shared = machine.codec_shares_compute_core
         t, delay = 0.0, 0.0  # delay: codec work that ran on the core during backward
         for b in buckets:

@@ -1,26 +1,30 @@
-"""Sweeping one axis: ``gpus=8..1024`` (doubling), ``inter_gbps=25,100,400``, ``codec=none,fp16``.
+"""Sweeping one axis: ``gpus=8..1024`` (doubling), ``inter_gbps=25,100,400``,
+``compression=none,fp16``; the plan's axes carry the optimizer's names.
 
 >>> parse_sweep("gpus=8..64")
 ('gpus', [8, 16, 32, 64])
->>> parse_sweep("codec=none,qsgd4")
-('codec', ['none', 'qsgd4'])
+>>> parse_sweep("compression=none,qsgd4")
+('compression', ['none', 'qsgd4'])
+>>> parse_sweep("double_buffering=false,true,compensated")
+('double_buffering', [False, True, 'compensated'])
 """
 
 from __future__ import annotations
 
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.model_profiles import ModelProfile, load_profile
-from commopt.sim.plan import Plan
+from commopt.sim.plan import RENAMED, Plan
 from commopt.sim.step import Prediction, simulate
 
 NUMERIC = {
     "gpus": int,
     "inter_gbps": float,
     "intra_GBps": float,
-    "bucket_mb": float,
+    "bucket_cap_mb": float,
     "batch": float,
 }
-CATEGORICAL = ("codec", "overlap", "algorithm")
+CATEGORICAL = ("compression", "overlap", "double_buffering", "algorithm")
+_BOOLEANS = {"true": True, "false": False}
 AXES = tuple(NUMERIC) + CATEGORICAL
 
 
@@ -29,10 +33,15 @@ def parse_sweep(spec: str) -> tuple[str, list]:
     if "=" not in spec:
         raise ValueError(f"--sweep wants AXIS=VALUES (e.g. gpus=8..1024), got {spec!r}")
     axis, values = (s.strip() for s in spec.split("=", 1))
+    if axis in RENAMED:
+        raise ValueError(f"--sweep: axis {axis!r} is now called {RENAMED[axis]!r}")
     if axis not in AXES:
         raise ValueError(f"cannot sweep {axis!r}; axes: {', '.join(AXES)}")
+    out: list
     if axis in CATEGORICAL:
         out = [v.strip() for v in values.split(",") if v.strip()]
+        if axis in ("overlap", "double_buffering"):
+            out = [_BOOLEANS.get(v.lower(), v) for v in out]
     else:
         kind = NUMERIC[axis]
         try:
@@ -84,4 +93,4 @@ def run_sweep(
 
 # The axes that are a field of the machine or of the plan, by the field's own name.
 _MACHINE_AXES = frozenset({"inter_gbps", "intra_GBps"})
-_PLAN_AXES = frozenset({"bucket_mb", "codec", "overlap", "algorithm"})
+_PLAN_AXES = frozenset({"bucket_cap_mb", "compression", "overlap", "double_buffering", "algorithm"})

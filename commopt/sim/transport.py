@@ -1,8 +1,5 @@
 """How bytes cross between nodes: NCCL's transport, as flows and threads, not a pipe.
 
-Over 400 lines on purpose: one model (NCCL's transport as flows, threads and chunks) and the
-formulas for each transport kind, each a few lines next to the fact it encodes.
-
 A :class:`Transport` caps what the inter-node link of a machine delivers to one collective:
 
 - **sockets** (NCCL's socket transport, plain TCP): a peer connection is

@@ -1,12 +1,9 @@
 """The simulator against published numbers and against this project's testbed.
 
-Over 400 lines on purpose: the comparison of every published row and every testbed row with the
-model, each row's stated reason where it misses; splitting the rows from their comparison would
-separate a number from its check.
-
-Published rows (shared/reference/published-results.md) are predicted with the presets as they
-are: no parameter is fitted to these rows. A row that the model cannot match within 15% with
-defensible parameters carries ``known_miss``: the reason, stated rather than tuned away.
+Published rows (each with its source, listed in docs/scaling.md) are predicted with the
+presets as they are: no parameter is fitted to these rows. A row that the model cannot match
+within 15% with defensible parameters carries ``known_miss``: the reason, stated rather than
+tuned away.
 
     >>> rows = published_comparison()
     >>> all(abs(r.error) <= 0.15 for r in rows if r.known_miss is None)
@@ -217,7 +214,7 @@ def chainermn_db_fp16_effect(
     """ChainerMN 1.3's double buffering + FP16 all-reduce against its plain pure_nccl, 8 -> 32
     ``gpus`` on ``machine``."""
     with_features = chainermn_efficiency(
-        machine, software_plan("chainermn-1.3-pure_nccl-db", codec="fp16")
+        machine, software_plan("chainermn-1.3-pure_nccl-db", compression="fp16")
     )
     without = chainermn_efficiency(machine, software_plan("chainermn-1.3-pure_nccl"))
     return Effect(
@@ -241,7 +238,9 @@ def cgx_effect(model: str = "transformer-xl-base") -> Effect:
     8-GPU scaling."""
     v100 = {"transformer-xl-base": (259e3, 37e3), "bert-large": (27915, 3830)}[model]
     v100_eff = v100[0] / (8 * v100[1])
-    compressed = simulate(model, "rtx3090-pcie", Plan(codec=CGX_BENCHMARK_CODEC), 8).efficiency
+    compressed = simulate(
+        model, "rtx3090-pcie", Plan(compression=CGX_BENCHMARK_CODEC), 8
+    ).efficiency
     plain = simulate(model, "rtx3090-pcie", DDP, 8).efficiency
     return Effect(
         f"CGX: 4-bit QSGD (bucket 1024, as CGX's runs) on 8x RTX 3090, {model}",
@@ -288,7 +287,7 @@ def predict_testbed_allreduce(
         hosts,
         numel=nbytes / 4,
         grad_bytes=4,
-        algorithm="ring" if c.linear else "sra",
+        algorithm="ring" if c.linear else "scatter_reduce",
         codec=c,
     ).total_s
 
@@ -333,7 +332,7 @@ def compare_measured(
     machine: str | Machine = "testbed-1gbit",
 ) -> dict:
     """Predicted vs measured step time for a testbed run."""
-    plan = plan or Plan("ring", "none", 25, "none")
+    plan = plan or Plan("ring", "none", 25, overlap=False)
     machine = get_machine(machine)
     pred = simulate(
         synthetic_profile(compute_s, grad_bytes, device=machine.gpu), machine, plan, gpus
@@ -360,8 +359,10 @@ class Measurement:
     line rate, the fastest and slowest round, each round's time with the machine's load, and
     ``not_modelled``: the reason, for a configuration the simulator cannot predict (its row is
     shown, not counted), and ``measured_cpu_s``: the processor time one rank used per step (all
-    its threads), shown beside a miss. A plan codec ``<codec>+ef`` (error feedback) is predicted as
-    ``<codec>``: the residual's passes over the gradient are not modelled."""
+    its threads), shown beside a miss. The plan is a ``create_multi_node_optimizer``
+    configuration (:meth:`Plan.from_config`) with the simulator's ``piece_mb`` where it
+    differs; a codec ``<codec>+ef`` (error feedback) is predicted as ``<codec>``: the
+    residual's passes over the gradient are not modelled."""
 
     what: str
     command: str
@@ -370,7 +371,7 @@ class Measurement:
     grad_bytes: float
     measured_step_s: float
     plan: dict = field(
-        default_factory=lambda: {"algorithm": "ring", "codec": "none", "overlap": "none"}
+        default_factory=lambda: {"algorithm": "ring", "compression": "none", "overlap": False}
     )
     transport: str | None = None
     machine: str | None = None
@@ -437,19 +438,15 @@ def testbed_machine(m: Measurement, codec_speeds: tuple = ()) -> Machine:
 
 def _plan_codec(m: Measurement) -> str:
     """The simulator's codec of a measurement's plan (error feedback, ``+ef``, not modelled)."""
-    return m.plan.get("codec", "none").removesuffix("+ef")
+    return (m.plan.get("compression") or "none").removesuffix("+ef")
 
 
 def compare_measurement(m: Measurement, machine: Machine) -> dict:
     """:func:`compare_measured` on a measurement's step, with its plan (the job's defaults
     where it names none) on ``machine``."""
-    plan = Plan(
-        m.plan.get("algorithm", "ring"),
-        _plan_codec(m),
-        m.plan.get("bucket_mb", 25),
-        m.plan.get("overlap", "none"),
-        m.plan.get("piece_mb", DEFAULT_PIECE_MB),
-    )
+    config = {"algorithm": "ring", "overlap": False, **m.plan}
+    piece_mb = config.pop("piece_mb", DEFAULT_PIECE_MB)
+    plan = Plan.from_config(config, piece_mb=piece_mb)
     return compare_measured(
         measured_step_s=m.measured_step_s,
         compute_s=m.compute_s,
@@ -536,7 +533,7 @@ def compare_testbed_measurements(
                 comm_s=None,
                 status="not modelled",
                 reason=m.not_modelled,
-                label=m.plan.get("codec", m.what),
+                label=m.plan.get("compression", m.what),
             )
             out.append(row)
             continue

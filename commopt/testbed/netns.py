@@ -1,9 +1,5 @@
 """An emulated cluster on one machine: one Linux network namespace per host.
 
-Over 400 lines on purpose: one job, the emulated cluster's namespaces: create, address, shape,
-name hosts and remove, with the locking that lets runs share the machine; each step is a short
-function and they are only correct together.
-
 Layout of one run (slot ``s``, picked under a lock so concurrent runs never share names)::
 
     commopt<s>-sw   the switch and head: bridge ``brdata`` (no address) joins every host's

@@ -1,8 +1,8 @@
 """Train ResNet-50 data-parallel with commopt: ImageNet from a folder, or synthetic images.
 
-Over 400 lines on purpose: one runnable training script, read top to bottom as the PyTorch
-examples it mirrors are (arguments, data, model, loop, evaluation, checkpoints); what both
-recipes share lives in recipes/common.py, recipes/run_log.py and recipes/precision.py.
+One runnable script, top to bottom as the PyTorch examples it mirrors (arguments, data, model,
+loop, evaluation, checkpoints); what both recipes share lives in recipes/common.py,
+recipes/run_log.py and recipes/precision.py.
 
     python -m recipes.resnet50.train --preset smoke                      # one process, CPU
     mpirun -np 2 python -m recipes.resnet50.train --preset smoke --compression qsgd4

@@ -1,9 +1,8 @@
 """Train a fairseq-style Transformer for translation with commopt data parallelism.
 
-Over 400 lines on purpose: one runnable training script, read top to bottom (tokenizer, data,
-the Trainer's loop, evaluation, checkpoints); the model, data and launch pieces live beside it
-in recipes/transformer/, and what both recipes share in recipes/common.py and
-recipes/run_log.py.
+One runnable script, top to bottom (tokenizer, data, the Trainer's loop, evaluation,
+checkpoints); the model, data and launch pieces live beside it in recipes/transformer/, and
+what both recipes share in recipes/common.py and recipes/run_log.py.
 
     # one process, the synthetic smoke corpus (generated on first use), a few minutes on a CPU
     python -m recipes.transformer.train --preset smoke

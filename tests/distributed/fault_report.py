@@ -311,6 +311,17 @@ def checkpoint_section(path: Path = KILL_JSON) -> list[str]:
     return lines
 
 
+def kept_sections(path: Path) -> str:
+    """The sections other generators own (``<!-- name: begin -->`` ... ``<!-- name: end -->``:
+    the soak and fuzz benchmarks'), kept as they are in ``path`` when the matrix rewrites it."""
+    if not path.exists():
+        return ""
+    found = re.findall(
+        r"(<!-- (\w+): begin -->.*?<!-- \2: end -->\n?)", path.read_text(), flags=re.S
+    )
+    return "".join("\n" + block for block, _ in found)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from-json", type=Path, help="render this record file; run nothing")
@@ -344,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = run_matrix(args.json, args.pytest_args)
-    args.out.write_text(render(doc))
+    args.out.write_text(render(doc) + kept_sections(args.out))
     print(f"wrote {args.out} ({len(doc['cases'])} cases)")
     failed = [c for c in doc["cases"] if c["outcome"] == "failed"]
     codes = [

@@ -63,4 +63,6 @@ def test_slower_mpi_misses_and_simulator_entries_name_the_plan():
     fp32 = [e for e in entries if e["what"].startswith("allreduce fp32")]
     assert {e["plan"]["algorithm"] for e in fp32} == {"ring"} and len(fp32) == 2  # mpi, gloo
     assert all(e["compute_s"] > 0 and e["grad_bytes"] == SIZE for e in entries)
-    assert {e["plan"]["algorithm"] for e in entries if e["plan"]["codec"] == "qsgd4"} == {"sra"}
+    assert {e["plan"]["algorithm"] for e in entries if e["plan"]["compression"] == "qsgd4"} == {
+        "scatter_reduce"
+    }

@@ -32,10 +32,9 @@ def test_the_issue_example_prints_a_table():
         "resnet50",
         "--gpus",
         "32",
-        "--codec",
+        "--compression",
         "fp16",
-        "--overlap",
-        "double-buffering",
+        "--double-buffering",
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -91,8 +90,7 @@ def test_in_process_paths(tmp_path, capsys):
                 "1.1",
                 "--algorithm",
                 "ring",
-                "--overlap",
-                "none",
+                "--no-overlap",
             ]
         )
         == 0
@@ -112,7 +110,7 @@ def test_in_process_paths(tmp_path, capsys):
                 "1024",
                 "--sweep",
                 "inter_gbps=25,100,400",
-                "--codec",
+                "--compression",
                 "qsgd4",
                 "--codec-bench",
                 str(bench),
@@ -124,7 +122,7 @@ def test_in_process_paths(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["inter_gbps"] for r in rows] == [25.0, 100.0, 400.0]
     assert rows[0]["efficiency"] <= rows[-1]["efficiency"]
-    assert main(["simulate", "--codec", "zip"]) == 2
+    assert main(["simulate", "--compression", "zip"]) == 2
     assert "unknown codec" in capsys.readouterr().err
     assert main(["simulate", "--gpus", "12"]) == 2
     assert "multiple of 8" in capsys.readouterr().err
@@ -169,18 +167,17 @@ def test_piece_size_of_the_scatter_reduce_pipeline(capsys):
         "simulate",
         "--machine",
         "testbed-1gbit",
-        "--codec",
+        "--compression",
         "qsgd4",
         "--algorithm",
-        "sra",
+        "scatter_reduce",
         "--gpus",
         "2",
         "--compute-time",
         "1e-6",
         "--grad-bytes",
         str(64 << 20),
-        "--overlap",
-        "none",
+        "--no-overlap",
         "--json",
     ]
     steps = {}

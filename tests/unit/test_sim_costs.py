@@ -161,7 +161,7 @@ def test_codecs_shrink_the_wire_and_nonlinear_ones_need_sra():
     with pytest.raises(ValueError, match="not linear"):
         allreduce_time(m, 64, numel=1e8, grad_bytes=4, algorithm="ring", codec="qsgd4")
     with pytest.raises(ValueError, match="not linear"):
-        Plan(algorithm="tree", codec="qsgd8")
+        Plan(algorithm="tree", compression="qsgd8")
 
 
 def test_fp16_cast_of_fp16_gradients_costs_nothing():
@@ -201,11 +201,12 @@ def test_overlap_is_never_faster_than_the_larger_of_compute_and_communication(
     if m.gpu not in profile.throughput:
         profile = profile.with_overrides(gpu=m.gpu, step_time=0.2)
     steps = {}
-    for overlap in ("none", "backward", "double-buffering"):
-        p = simulate(profile, m, Plan("auto", codec, bucket, overlap), gpus)
+    for overlap, db in ((False, False), (True, False), (True, True)):
+        plan = Plan("auto", codec, bucket, overlap, db)
+        p = simulate(profile, m, plan, gpus)
         assert p.step_s >= max(p.compute_s, p.comm_s) * (1 - 1e-12)
         assert 0 < p.efficiency <= 1 + 1e-12
-        steps[overlap] = p
+        steps[plan.schedule] = p
     assert steps["none"].step_s == pytest.approx(steps["none"].compute_s + steps["none"].comm_s)
     assert steps["double-buffering"].step_s == pytest.approx(
         max(steps["double-buffering"].compute_s, steps["double-buffering"].comm_s)
@@ -216,8 +217,8 @@ def test_overlap_is_never_faster_than_the_larger_of_compute_and_communication(
 def test_backward_overlap_hides_early_buckets_but_not_the_last():
     profile = load_profile("resnet50")
     m = get_machine("v100-nvlink-25g")
-    p = simulate(profile, m, Plan("ring", "none", 25.0, "backward"), 8)
-    none = simulate(profile, m, Plan("ring", "none", 25.0, "none"), 8)
+    p = simulate(profile, m, Plan("ring", "none", 25.0, True), 8)
+    none = simulate(profile, m, Plan("ring", "none", 25.0, False), 8)
     assert 0 < p.exposed_comm_s < none.exposed_comm_s
     assert p.buckets >= 4
 
@@ -292,7 +293,7 @@ def test_one_piece_is_the_unpipelined_sum_and_many_approach_the_larger_of_the_tw
 def test_the_simulated_piece_size_is_commopts():
     collectives = pytest.importorskip("commopt.collectives")
     assert SRA_PIECE_BYTES == collectives.PIECE_BYTES
-    assert Plan(codec="qsgd4").piece_mb * 2**20 == collectives.PIECE_BYTES
+    assert Plan(compression="qsgd4").piece_mb * 2**20 == collectives.PIECE_BYTES
 
 
 def test_scatter_reduce_codec_work_is_what_commopt_does():
@@ -309,11 +310,15 @@ def test_testbed_codec_speeds_come_from_the_codec_benchmark():
     m = get_machine("testbed-1gbit")
     assert m.codec_speed("qsgd4") == (6.74, 11.3) and m.codec_speed("fp16") is None
     assert "codec_perf.py" in m.sources["codec_GBps"]
-    t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
+    t = allreduce_time(
+        m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="scatter_reduce", codec="qsgd4"
+    )
     assert t.codec_s == pytest.approx(64 * 2**20 / 6.74e9 + 1.5 * 64 * 2**20 / 11.3e9)
     # A codec with its own measured speeds keeps them.
     own = replace(get_codec_cost("qsgd4"), encode_elems_per_s=1e8, decode_elems_per_s=1e8)
-    t_own = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec=own)
+    t_own = allreduce_time(
+        m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="scatter_reduce", codec=own
+    )
     assert t_own.codec_s == pytest.approx(2.5 * 16 * 2**20 / 1e8)
 
 
@@ -336,7 +341,7 @@ def test_pipelined_sra_is_bounded_by_its_wire_and_codec_time(mib, codec, machine
         gpus,
         numel=numel,
         grad_bytes=4,
-        algorithm="sra",
+        algorithm="scatter_reduce",
         codec=codec,
         piece_bytes=piece_mib * 2**20,
     )
@@ -363,7 +368,9 @@ def test_pipelined_sra_is_bounded_by_its_wire_and_codec_time(mib, codec, machine
 
 def test_pipelined_testbed_qsgd4_is_wire_bound_plus_one_piece_of_codec_work():
     m = get_machine("testbed-1gbit")
-    t = allreduce_time(m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
+    t = allreduce_time(
+        m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="scatter_reduce", codec="qsgd4"
+    )
     assert t.pieces == 16
     wire = 2 * (1 / 2) * t.wire_bytes / m.inter.bandwidth_Bps  # two phases, half the bytes each
     latencies = 16 * 2 * (m.inter.latency_s + m.message_overhead_s)
@@ -371,7 +378,13 @@ def test_pipelined_testbed_qsgd4_is_wire_bound_plus_one_piece_of_codec_work():
     # The wire time at the line rate is the physical limit the issue states: 71 ms.
     assert 2 * (1 / 2) * t.wire_bytes / 125e6 == pytest.approx(0.0713, abs=1e-4)
     unpipelined = allreduce_time(
-        m, 2, numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4", piece_bytes=0
+        m,
+        2,
+        numel=16 * 2**20,
+        grad_bytes=4,
+        algorithm="scatter_reduce",
+        codec="qsgd4",
+        piece_bytes=0,
     )
     assert unpipelined.total_s - t.total_s > 0.8 * t.codec_s  # most codec work is hidden
 
@@ -385,7 +398,7 @@ def test_pieces_follow_the_piece_size_and_growing_pieces_expose_codec_work():
             2,
             numel=16 * 2**20,
             grad_bytes=4,
-            algorithm="sra",
+            algorithm="scatter_reduce",
             codec="qsgd8",
             piece_bytes=piece_mib * 2**20,
         )
@@ -422,12 +435,12 @@ def test_transports_of_the_testbed_differ_in_collective_latency_only():
     mpi, gloo = get_machine("testbed-1gbit"), get_machine("testbed-1gbit-gloo")
     assert gloo.inter.bandwidth_Bps == mpi.inter.bandwidth_Bps and gloo.codec_GBps == mpi.codec_GBps
     assert gloo.inter.latency_s > mpi.inter.latency_s
-    q = dict(numel=16 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4")
+    q = dict(numel=16 * 2**20, grad_bytes=4, algorithm="scatter_reduce", codec="qsgd4")
     diff = allreduce_time(gloo, 2, **q).total_s - allreduce_time(mpi, 2, **q).total_s
     assert diff == pytest.approx(32 * (gloo.inter.latency_s - mpi.inter.latency_s))  # 16 pieces x 2
     # The gloo figure reproduces the quiet 96 MiB row it was read from (122 ms).
     t96 = allreduce_time(
-        gloo, 2, numel=24 * 2**20, grad_bytes=4, algorithm="sra", codec="qsgd4"
+        gloo, 2, numel=24 * 2**20, grad_bytes=4, algorithm="scatter_reduce", codec="qsgd4"
     ).total_s
     assert t96 == pytest.approx(0.122, rel=0.01)
 
@@ -437,10 +450,10 @@ def test_plan_piece_size_reaches_the_step_and_is_validated():
     from commopt.sim.validation import synthetic_profile
 
     prof = synthetic_profile(0.1, 64 * 2**20)
-    piped = simulate(prof, m, Plan("sra", "qsgd4", 64, "none"), 2)
-    flat = simulate(prof, m, Plan("sra", "qsgd4", 64, "none", piece_mb=0), 2)
+    piped = simulate(prof, m, Plan("scatter_reduce", "qsgd4", 64, False), 2)
+    flat = simulate(prof, m, Plan("scatter_reduce", "qsgd4", 64, False, piece_mb=0), 2)
     assert piped.comm_s < flat.comm_s
-    assert Plan(codec="qsgd4").with_(piece_mb=0).piece_mb == 0.0
+    assert Plan(compression="qsgd4").with_(piece_mb=0).piece_mb == 0.0
     with pytest.raises(ValueError, match="piece size"):
         Plan(piece_mb=-1)
     with pytest.raises(TypeError, match="no field"):

@@ -133,8 +133,8 @@ def test_codec_speeds_from_the_codec_benchmark(tmp_path):
     assert c.wire_bytes(1000, grad_bytes=4) == pytest.approx(560)
     assert c.encode_s(5e8, memory_GBps=1, grad_bytes=4) == pytest.approx(1.0)  # 2 GB at 2 GB/s
     # Measured 2-4 GB/s is far slower than the memory-bound default on a V100: more comm time.
-    measured = simulate("resnet50", "v100-nvlink-25g", Plan(codec=c), 64)
-    modelled = simulate("resnet50", "v100-nvlink-25g", Plan(codec="qsgd4"), 64)
+    measured = simulate("resnet50", "v100-nvlink-25g", Plan(compression=c), 64)
+    modelled = simulate("resnet50", "v100-nvlink-25g", Plan(compression="qsgd4"), 64)
     assert measured.comm_s > modelled.comm_s > 0
     with pytest.raises(ValueError, match="no entry for codec 'qsgd8'"):
         from_benchmark(str(path), "qsgd8")

@@ -123,15 +123,19 @@ def test_software_presets_cite_what_they_set():
     for sw in SOFTWARE.values():
         p = sw.plan()
         assert p.overlap == sw.overlap and p.copy_passes == sw.copy_passes
+        assert p.double_buffering == sw.double_buffering
         for f in (
-            ("overlap", "bucket_mb", "copy_passes")
+            ("bucket_cap_mb", "copy_passes")
             if sw.name.startswith("chainermn")
             else ("copy_passes",)
         ):
             assert f in sw.sources, (sw.name, f)
+        if sw.name.startswith("chainermn"):
+            assert ("double_buffering" if sw.double_buffering else "overlap") in sw.sources
     cm = software_plan("chainermn-1.3-pure_nccl")
-    assert cm.algorithm == "ring" and math.isinf(cm.bucket_mb) and cm.overlap == "none"
-    assert software_plan("chainermn-1.3-pure_nccl-db", codec="fp16").codec.name == "fp16"
+    assert cm.algorithm == "ring" and math.isinf(cm.bucket_cap_mb) and cm.schedule == "none"
+    db = software_plan("chainermn-1.3-pure_nccl-db", compression="fp16")
+    assert db.compression.name == "fp16" and db.schedule == "double-buffering"
     with pytest.raises(ValueError, match="unknown software"):
         software_plan("horovod-0.1")
 
@@ -141,15 +145,17 @@ def test_copies_cost_compute_time_and_one_buffer_waits_for_the_backward_pass():
     without = simulate("resnet50", "p100-10gbe", Plan(), 16)
     assert with_copies.compute_s > without.compute_s and with_copies.copy_s > 0
     assert simulate("resnet50", "p100-10gbe", Plan(copy_passes=3), 1).copy_s == 0
-    one = simulate("resnet50", "p100-10gbe", Plan(bucket_mb=math.inf), 16)
+    one = simulate("resnet50", "p100-10gbe", Plan(bucket_cap_mb=math.inf), 16)
     assert one.buckets == 1
     with pytest.raises(ValueError, match="copy passes"):
         Plan(copy_passes=-1)
 
 
-def test_nccl_algorithm_choice_excludes_the_hierarchical_ring():
-    assert Plan(algorithm="nccl").candidates() == ("ring", "tree")
-    assert simulate("resnet50", "v100-nvlink-25g", Plan(algorithm="nccl"), 64).algorithm in (
+def test_native_algorithm_choice_excludes_the_hierarchical_ring():
+    assert Plan(algorithm="native").candidates() == ("ring", "tree")
+    with pytest.raises(ValueError, match="not linear"):
+        Plan(algorithm="native", compression="qsgd4")  # as the optimizer: the transport sums
+    assert simulate("resnet50", "v100-nvlink-25g", Plan(algorithm="native"), 64).algorithm in (
         "ring",
         "tree",
         "ring+tree",
@@ -166,14 +172,15 @@ def test_the_dominant_term_of_each_kind():
     tiny = synthetic_profile(0.01, 4e5, device="v100")
     assert (
         simulate(
-            tiny, "v100-nvlink-25g", Plan("ring", bucket_mb=0.001, overlap="none"), 4096
+            tiny, "v100-nvlink-25g", Plan("ring", bucket_cap_mb=0.001, overlap=False), 4096
         ).dominant
         == "latency"
     )
     big = synthetic_profile(0.001, 4e8, device="cpu")
     fast = get_machine("testbed-1gbit").with_overrides(inter_gbps=1000)
     assert (
-        simulate(big, fast, Plan("sra", "qsgd4", overlap="none", piece_mb=0), 2).dominant == "codec"
+        simulate(big, fast, Plan("scatter_reduce", "qsgd4", overlap=False, piece_mb=0), 2).dominant
+        == "codec"
     )
 
 
@@ -200,7 +207,7 @@ def test_cli_nccl_env_and_software(capsys):
         return json.loads(capsys.readouterr().out)
 
     bert_on_16 = ("--machine", "v100-nvlink-25g", "--gpus", "16", "--model", "bert-large")
-    base = run(*bert_on_16, "--algorithm", "nccl")
+    base = run(*bert_on_16, "--algorithm", "native")
     tuned = run(*bert_on_16, "--nccl-env", "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4")
     assert tuned["rows"][0]["throughput"] > 1.5 * base["rows"][0]["throughput"]
     cm = run(
@@ -210,11 +217,11 @@ def test_cli_nccl_env_and_software(capsys):
         "32",
         "--software",
         "chainermn-1.3-pure_nccl-db",
-        "--codec",
+        "--compression",
         "fp16",
     )
     assert (
-        cm["plan"]["overlap"] == "double-buffering" and cm["plan"]["copy_passes"] == 0
+        cm["plan"]["double_buffering"] is True and cm["plan"]["copy_passes"] == 0
     )  # swaps gradient arrays (ChainerMN 1.3 code)
     assert cmd.run(_parser().parse_args(["--nccl-env", "NCCL_NSOCK_PERTHREAD=2"])) == 2
     assert "did you mean NCCL_NSOCKS_PERTHREAD" in capsys.readouterr().err

@@ -164,7 +164,7 @@ def test_transformer_xl_as_nvidias_script_runs_ddp_misses_the_3090_rows_further(
     beyond 15% too), while the V100 rows stay within 15%."""
     rows = [r for r in PUBLISHED_ROWS if r.model == "transformer-xl-base" and r.gpus > 1]
     no_overlap = {
-        (r.machine, r.source, r.gpus): _predict(replace(r, plan=Plan(overlap="none"))).throughput
+        (r.machine, r.source, r.gpus): _predict(replace(r, plan=Plan(overlap=False))).throughput
         / r.published
         - 1
         for r in rows
@@ -188,7 +188,12 @@ def _measurement(**kw):
         compute_s=1e-6,
         grad_bytes=64 * 2**20,
         measured_step_s=0.080,
-        plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "none", "bucket_mb": 64},
+        plan={
+            "algorithm": "scatter_reduce",
+            "compression": "qsgd4",
+            "overlap": False,
+            "bucket_cap_mb": 64,
+        },
     )
     return Measurement(**{**base, **kw})
 
@@ -235,10 +240,10 @@ def test_measurements_pick_their_transports_preset():
 
 def test_a_measurement_at_another_link_rate_uses_that_rate():
     fast = compare_testbed_measurements(
-        [_measurement(plan={"algorithm": "ring", "codec": "none"}, link_bits_per_s=10e9)]
+        [_measurement(plan={"algorithm": "ring", "compression": "none"}, link_bits_per_s=10e9)]
     )[0]
     slow = compare_testbed_measurements(
-        [_measurement(plan={"algorithm": "ring", "codec": "none"})]
+        [_measurement(plan={"algorithm": "ring", "compression": "none"})]
     )[0]
     assert fast["machine"].endswith("@10G")
     assert fast["predicted_step_s"] < slow["predicted_step_s"] / 5
@@ -292,12 +297,17 @@ def test_the_validation_script_takes_every_testbed_row_from_its_files(tmp_path):
             compute_s=1e-6,
             grad_bytes=64 * 2**20,
             measured_step_s=step_s,
-            plan={"algorithm": algorithm, "codec": codec, "overlap": "none", "bucket_mb": 64},
+            plan={
+                "algorithm": algorithm,
+                "compression": codec,
+                "overlap": False,
+                "bucket_cap_mb": 64,
+            },
         )
 
     entries = [
         entry("allreduce fp32 64 MiB, mpi", "mpi", 0.57, "ring", "none"),
-        entry("allreduce qsgd4 64 MiB, gloo", "torch", 0.2, "sra", "qsgd4"),
+        entry("allreduce qsgd4 64 MiB, gloo", "torch", 0.2, "scatter_reduce", "qsgd4"),
     ]
     path.write_text(json.dumps(entries))
     r = subprocess.run(

@@ -90,29 +90,40 @@ def test_writer_maps_each_configuration_to_the_plan_that_ran():
         for e in sim_export.sim_measurements(_report(comm="mpi"))
     }
     assert plans["ddp-fp32"] == (
-        {"algorithm": "ring", "codec": "none", "overlap": "backward", "bucket_mb": 25.0},
+        {
+            "algorithm": "ring",
+            "compression": "none",
+            "overlap": True,
+            "double_buffering": False,
+            "bucket_cap_mb": 25.0,
+        },
         "torch",
         None,
     )  # DDP is always gloo, even beside --comm mpi
-    assert plans["ddp-fp16"][0]["codec"] == "fp16" and plans["ddp-fp16"][0]["algorithm"] == "ring"
+    assert (
+        plans["ddp-fp16"][0]["compression"] == "fp16"
+        and plans["ddp-fp16"][0]["algorithm"] == "ring"
+    )
     assert plans["commopt-fp32"][1] == "mpi"
     assert plans["commopt-fp16-db"][0] == {
         "algorithm": "ring",
-        "codec": "fp16",
-        "overlap": "double-buffering",
-        "bucket_mb": 25.0,
+        "compression": "fp16",
+        "overlap": True,
+        "double_buffering": True,
+        "bucket_cap_mb": 25.0,
     }
     assert plans["commopt-qsgd4"][0] == {
-        "algorithm": "sra",
-        "codec": "qsgd4",
-        "overlap": "backward",
-        "bucket_mb": 25.0,
+        "algorithm": "scatter_reduce",
+        "compression": "qsgd4",
+        "overlap": True,
+        "double_buffering": False,
+        "bucket_cap_mb": 25.0,
         "piece_mb": 4.0,
     }
-    assert plans["commopt-qsgd4+ef-db"][0]["codec"] == "qsgd4+ef"
-    assert plans["commopt-qsgd4+ef-db"][0]["overlap"] == "double-buffering"
+    assert plans["commopt-qsgd4+ef-db"][0]["compression"] == "qsgd4+ef"
+    assert plans["commopt-qsgd4+ef-db"][0]["double_buffering"] is True
     psgd, _, reason = plans["ddp-powersgd1"]
-    assert psgd["codec"] == "powersgd1" and "low-rank" in reason
+    assert psgd["compression"] == "powersgd1" and "low-rank" in reason
 
 
 def test_writer_refuses_a_loopback_run_with_the_fix():
@@ -149,13 +160,13 @@ def test_link_bound_step_is_compute_plus_exposed_communication():
     back to back: exposed communication = the whole all-reduce."""
     grad, compute = 100_765_760, 0.075
     comm = 8 * ALPHA + grad / BW
-    db = _step(compute, grad, Plan("ring", "none", 25, "double-buffering"))
+    db = _step(compute, grad, Plan("ring", "none", 25, True, True))
     assert db.buckets == 4 and db.step_s == pytest.approx(comm, rel=1e-4)
-    overlap = _step(compute, grad, Plan("ring", "none", 25, "backward"))
+    overlap = _step(compute, grad, Plan("ring", "none", 25, True))
     first_ready = compute / 3 + (compute * 2 / 3) * 5 / 16
     assert overlap.step_s == pytest.approx(first_ready + comm, rel=1e-4)
     assert overlap.exposed_comm_s == pytest.approx(first_ready + comm - compute, rel=1e-4)
-    none = _step(compute, grad, Plan("ring", "none", 25, "none"))
+    none = _step(compute, grad, Plan("ring", "none", 25, False))
     assert none.step_s == pytest.approx(compute + comm, rel=1e-4)
 
 
@@ -165,7 +176,7 @@ def test_the_testbed_core_runs_compute_and_codec_one_after_the_other():
     assert GLOO.codec_shares_compute_core and get_machine("testbed-1gbit").codec_shares_compute_core
     assert not get_machine("v100-nvlink-25g").codec_shares_compute_core
     assert "share the machine's 2 cores" in GLOO.sources["codec_shares_compute_core"]
-    plan = Plan("sra", "qsgd4", 25, "double-buffering")
+    plan = Plan("scatter_reduce", "qsgd4", 25, True, True)
     grad, compute = 100_765_760, 0.300
     shared = _step(compute, grad, plan)
     separate = _step(
@@ -181,11 +192,11 @@ def test_the_testbed_core_runs_compute_and_codec_one_after_the_other():
     assert shared.step_s == pytest.approx(compute + shared.codec_s, rel=1e-6)
     assert separate.step_s == pytest.approx(compute, rel=1e-6)
     # Overlap with backward: the buckets sent during backward take their codec work from it.
-    back = _step(compute, grad, plan.with_(overlap="backward"))
+    back = _step(compute, grad, plan.with_(double_buffering=False))
     back_separate = _step(
         compute,
         grad,
-        plan.with_(overlap="backward"),
+        plan.with_(double_buffering=False),
         machine=Machine.from_dict({**GLOO.to_dict(), "codec_shares_compute_core": False}),
     )
     assert back.step_s > back_separate.step_s
@@ -200,7 +211,12 @@ def _m(**kw):
         grad_bytes=100_765_760,
         measured_step_s=0.17,
         transport="torch",
-        plan={"algorithm": "sra", "codec": "qsgd4", "overlap": "double-buffering", "bucket_mb": 25},
+        plan={
+            "algorithm": "scatter_reduce",
+            "compression": "qsgd4",
+            "double_buffering": True,
+            "bucket_cap_mb": 25,
+        },
     )
     return Measurement(**{**base, **kw})
 
@@ -211,18 +227,18 @@ def test_step_rows_not_modelled_and_error_feedback():
             _m(),
             _m(
                 plan={
-                    "algorithm": "sra",
-                    "codec": "qsgd4+ef",
-                    "overlap": "double-buffering",
-                    "bucket_mb": 25,
+                    "algorithm": "scatter_reduce",
+                    "compression": "qsgd4+ef",
+                    "double_buffering": True,
+                    "bucket_cap_mb": 25,
                 }
             ),
             _m(
                 plan={
                     "algorithm": "ring",
-                    "codec": "powersgd1",
-                    "overlap": "backward",
-                    "bucket_mb": 4096,
+                    "compression": "powersgd1",
+                    "overlap": True,
+                    "bucket_cap_mb": 4096,
                 },
                 not_modelled="no low-rank codec",
             ),

@@ -23,11 +23,11 @@ def sim_measurements(report: dict) -> list[dict]:
 
     Compute is the twin's median step (no communication, same moment and cores), gradient
     bytes the fp32 gradient, the measured step the median over rounds of each round's median.
-    The plan is what ran: DDP sums with gloo's ring in 25 MiB buckets (torch counts
+    The plan is what ran, in the optimizer's names: DDP sums with gloo's ring in 25 MiB buckets (torch counts
     ``bucket_cap_mb`` in MiB), fp16 through ``fp16_compress_hook``; commopt's fp32/fp16 buckets
     (25 MiB) go through its transport's ring, qsgd4 through its pipelined scatter-reduce/
-    allgather ("sra"); overlap is "backward" (buckets sent during backward) or, for ``-db``,
-    "double-buffering". PowerSGD rows carry ``not_modelled`` (the reason).
+    allgather (``scatter_reduce``); ``overlap`` is True (buckets sent during backward) and
+    ``double_buffering`` True for ``-db``. PowerSGD rows carry ``not_modelled`` (the reason).
 
         >>> r = {
         ...     "command": "c",
@@ -52,12 +52,12 @@ def sim_measurements(report: dict) -> list[dict]:
         >>> e = sim_measurements(r)[0]
         >>> (
         ...     e["plan"]["algorithm"],
-        ...     e["plan"]["codec"],
-        ...     e["plan"]["overlap"],
+        ...     e["plan"]["compression"],
+        ...     e["plan"]["double_buffering"],
         ...     e["grad_bytes"],
         ...     e["transport"],
         ... )
-        ('sra', 'qsgd4', 'double-buffering', 40, 'torch')
+        ('scatter_reduce', 'qsgd4', True, 40, 'torch')
     """
     from commopt.collectives import PIECE_BYTES
 
@@ -79,17 +79,18 @@ def sim_measurements(report: dict) -> list[dict]:
             cfg = CONFIGS[row["config"]]
             rounds = row.get("step_rounds") or [row["step_s"]]
             plan = {
-                "algorithm": "sra" if cfg.wire.startswith("qsgd") else "ring",
-                "codec": "none" if cfg.wire == "fp32" else cfg.wire,
-                "overlap": "double-buffering" if cfg.double_buffering else "backward",
-                "bucket_mb": 25.0,
+                "algorithm": "scatter_reduce" if cfg.wire.startswith("qsgd") else "ring",
+                "compression": "none" if cfg.wire == "fp32" else cfg.wire,
+                "overlap": True,
+                "double_buffering": bool(cfg.double_buffering),
+                "bucket_cap_mb": 25.0,
             }
             if cfg.wire.startswith("qsgd"):
                 plan["piece_mb"] = PIECE_BYTES / 2**20  # the pipeline's pieces, as they ran
             if cfg.wire == "powersgd":
-                plan["codec"] = f"powersgd{cfg.powersgd_rank}"
+                plan["compression"] = f"powersgd{cfg.powersgd_rank}"
                 if cfg.kind == "ddp":
-                    plan["bucket_mb"] = float(POWERSGD_BUCKET_MB)
+                    plan["bucket_cap_mb"] = float(POWERSGD_BUCKET_MB)
             transport = "torch" if cfg.kind == "ddp" else report.get("commopt_comm", "torch")
             entry = {
                 "what": f"step {model} {row['config']}, {report['nprocs']} hosts x 1 rank, "
