@@ -160,6 +160,12 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
                 f", the same steps without the profiler {plain:.0f} ms "
                 f"({100 * (profiled / plain - 1):+.0f}%)"
             )
+        if prof.get("plain_cpu_s"):
+            note[0] += (
+                f"; process CPU {1e3 * prof['cpu_s'] / prof['steps']:.0f} ms per step "
+                f"against {1e3 * prof['plain_cpu_s'] / prof['steps']:.0f} "
+                f"({100 * (prof['cpu_s'] / prof['plain_cpu_s'] - 1):+.0f}%)"
+            )
         if fig.get("step_s"):
             note.append(f"timed step {fig['step_s'] * 1e3:.0f} ms")
             if fig.get("floor_s"):

@@ -249,6 +249,8 @@ def test_step_bench_profile_traces_every_rank(tmp_path):
     driver = next(t for t in prof["threads"].values() if t["role"] == "collectives driver")
     assert {"encode", "transport", "decode"} <= set(driver["phase_s"]), driver
     assert len(prof["plain_step_times"]) == len(prof["step_times"]) == 3
+    assert prof["cpu_s"] > 0 and prof["plain_cpu_s"] > 0
+    assert "the same steps without the profiler" in proc.stdout
     assert (Path(tmp_path) / "work" / prof["trace"]).stat().st_size > 0  # kept for Perfetto
     assert "profile of rank 0" in proc.stdout and (tmp_path / "p.png").stat().st_size > 0
     assert raw["rounds"][0]["codec_s"] > 0

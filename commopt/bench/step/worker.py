@@ -238,12 +238,15 @@ def _profile_steps(cfg: StepConfig, args, rank: int, train_step, marked_step, gl
     train_step(timed=False)  # double buffering: restart the pipeline flushed after the blocks
     gloo.allgather_obj(None)
     # The same steps without the profiler, right before: what profiling them costs.
+    plain_cpu = time.process_time()
     plain = [train_step(timed=False) for _ in range(args.profile_steps)]
+    plain_cpu = time.process_time() - plain_cpu
     gloo.allgather_obj(None)  # both ranks profiled from here on
     with profiling.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        before, wall = thread_cpu(), time.perf_counter()
+        before, wall, cpu = thread_cpu(), time.perf_counter(), time.process_time()
         times = [marked_step() for _ in range(args.profile_steps)]
         after, wall = thread_cpu(), time.perf_counter() - wall
+        cpu = time.process_time() - cpu
     trace = Path(f"{args.result}.{cfg.name}.rank{rank}.trace.json")
     prof.export_chrome_trace(str(trace))
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
@@ -253,6 +256,8 @@ def _profile_steps(cfg: StepConfig, args, rank: int, train_step, marked_step, gl
         "wall_s": wall,
         "step_times": times,
         "plain_step_times": plain,
+        "cpu_s": cpu,  # the process's CPU (every thread) over the profiled steps
+        "plain_cpu_s": plain_cpu,  # and over the same steps without the profiler
         "trace": trace.name,
         "threads": {str(tid): t for tid, t in threads.items()},
     }
