@@ -17,69 +17,99 @@ from commopt.bench.profile_step import PHASES
 if TYPE_CHECKING:  # matplotlib is optional and imported where a plot is drawn
     from matplotlib.artist import Artist
 
-#: Columns of the profile table: the phases, the CPU py-spy could not attribute (native
-#: threads it does not sample), the thread's CPU and its time asleep.
-COLUMNS = (*PHASES, "native")
+#: Columns of the profile table: the phases ("other": the rest, see :func:`thread_rows`).
+COLUMNS = PHASES
+
+#: Profiles recorded by sampling stacks (their threads hold "samples", not "phase_s") name
+#: some phases differently; they render in the current columns.
+LEGACY_PHASES = {
+    "NaN check": "pack",
+    "send/receive": "transport",
+    "wait/poll": "wait",
+    "commopt Python": "other",
+}
+
+#: The order of the rows.
+ROLE_ORDER = (
+    "training",
+    "collectives driver",
+    "MPI worker",
+    "gloo transport",
+    "autograd",
+    "other threads",
+)
+
+
+def _thread_phases(t: dict, steps: int) -> dict[str, float]:
+    """One thread's ms per step by phase, before "other"."""
+    if "phase_s" in t:
+        return {p: 1e3 * s / steps for p, s in t["phase_s"].items()}
+    # a sampled profile: the thread's CPU split by its running samples
+    running = sum(t.get("samples", {}).values())
+    out: dict[str, float] = {}
+    for phase, n in t.get("samples", {}).items():
+        key = LEGACY_PHASES.get(phase, phase)
+        out[key] = out.get(key, 0.0) + 1e3 * t["cpu_s"] / steps * n / running
+    return out
 
 
 def thread_rows(profile: dict) -> dict[str, dict[str, float]]:
-    """One rank's profile -> role -> {phase or "native": CPU ms per step, "cpu", "blocked",
-    "switches", "preempted" per step}; roles sorted training first.
+    """One rank's profile -> role -> {phase: ms per step, "cpu", "not running", "switches",
+    "preempted" per step}; roles sorted training first.
 
-    A thread's CPU (its clock) is split over phases by its running samples; a thread py-spy
-    did not sample (gloo's, OpenMP's, autograd's native threads) counts as "native". Blocked
-    ms: the thread's samples asleep in a wait, at the sampling's actual spacing (the window
-    over the training thread's sample count).
+    A phase is the thread's time in that phase's ranges (their self-time). "other" is the
+    rest: for the training thread, the profiled step's wall time outside every range (so its
+    row adds up to the step); for any other thread, its CPU beyond its ranges' time (all of
+    it for a thread that opens no range: gloo's transport loop, OpenMP's threads). "not
+    running": the training thread's wall time without CPU (asleep in a wait, or runnable
+    with no core free).
     """
     steps = profile["steps"]
-    threads = list(profile["threads"].values())
-    main = [t for t in threads if t["role"] == "training"]
-    main_samples = sum(sum(t["samples"].values()) + sum(t["blocked"].values()) for t in main)
-    spacing_ms = 1e3 * profile["wall_s"] / main_samples if main_samples else 1e3 / profile["rate"]
+    step_ms = 1e3 * profile["wall_s"] / steps
     rows: dict[str, dict[str, float]] = {}
-    for t in threads:
+    traced = False
+    for t in profile["threads"].values():
         row = rows.setdefault(t["role"], {})
         cpu_ms = 1e3 * t["cpu_s"] / steps
-        running = sum(t["samples"].values())
-        if running:
-            for phase, n in t["samples"].items():
-                row[phase] = row.get(phase, 0.0) + cpu_ms * n / running
-        else:
-            row["native"] = row.get("native", 0.0) + cpu_ms
+        phases = _thread_phases(t, steps)
+        if "phase_s" in t:
+            traced = True
+            if t["role"] != "training":  # the training thread's rest: below, from its wall
+                phases["other"] = max(0.0, cpu_ms - sum(phases.values()))
+        elif not phases:  # a sampled profile's thread the sampler could not see
+            phases["other"] = cpu_ms
+        for phase, ms in phases.items():
+            row[phase] = row.get(phase, 0.0) + ms
         row["cpu"] = row.get("cpu", 0.0) + cpu_ms
-        row["blocked"] = row.get("blocked", 0.0) + spacing_ms * sum(t["blocked"].values()) / steps
         row["switches"] = row.get("switches", 0.0) + t.get("switches", 0) / steps
         row["preempted"] = row.get("preempted", 0.0) + t.get("preempted", 0) / steps
-    if "training" in rows:  # the rest of its wall time: runnable without a core, or paused
+    if "training" in rows:
         row = rows["training"]
-        row["queued"] = max(0.0, 1e3 * profile["wall_s"] / steps - row["cpu"] - row["blocked"])
-    order = [
-        "training",
-        "collectives driver",
-        "MPI worker",
-        "gloo transport",
-        "autograd",
-        "other threads",
-    ]
-    return {k: rows[k] for k in sorted(rows, key=lambda r: order.index(r) if r in order else 99)}
+        if traced:
+            row["other"] = max(0.0, step_ms - sum(row.get(p, 0.0) for p in PHASES if p != "other"))
+        row["not running"] = max(0.0, step_ms - row["cpu"])
+    return {
+        k: rows[k]
+        for k in sorted(rows, key=lambda r: ROLE_ORDER.index(r) if r in ROLE_ORDER else 99)
+    }
 
 
 def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False) -> str:
     """A table of ms per step: for each (label, rank's profile, row figures) its threads by
-    phase and all threads together; under it, each step beside its floor. The training
-    thread's CPU, time asleep and time without a core (runnable but not running, or paused
-    by py-spy) add up to the profiled step.
+    phase and all threads together; under it, each profiled step beside the same steps
+    without the profiler, the timed step and its floor. The training thread's phases and
+    "other" add up to its profiled step.
 
         >>> prof = {
         ...     "steps": 2,
-        ...     "rate": 100,
         ...     "wall_s": 0.2,
+        ...     "step_times": [0.1, 0.1],
+        ...     "plain_step_times": [0.08, 0.08],
         ...     "threads": {
         ...         "1": {
         ...             "role": "training",
         ...             "cpu_s": 0.1,
-        ...             "samples": {"backward": 3, "pack": 1},
-        ...             "blocked": {"wait/poll": 16},
+        ...             "phase_s": {"backward": 0.06, "pack": 0.02, "wait": 0.1},
         ...             "switches": 4,
         ...             "preempted": 2,
         ...         }
@@ -87,13 +117,13 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
         ... }
         >>> text = profile_table([("x", prof, {"step_s": 0.1, "floor_s": 0.05})], markdown=True)
         >>> [c.strip() for c in text.splitlines()[2].split("|")[1:5]]
-        ['x: training', '-', '38', '12']
+        ['x: training', '-', '30', '10']
         >>> text.splitlines()[-1]
-        'x: profiled steps 100 ms on average; timed step 100 ms; floor 50 ms (timed step / floor 2.00x)'
+        'x: profiled steps 100 ms on average, the same steps without the profiler 80 ms (+25%); timed step 100 ms; floor 50 ms (timed step / floor 2.00x)'
     """
     from commopt._tables import table
 
-    head = ("thread", *COLUMNS, "CPU", "asleep", "no core", "switches", "preempted")
+    head = ("thread", *COLUMNS, "CPU", "not running", "switches", "preempted")
     lines, notes = [], []
     fmt = lambda v: "-" if not v else f"{v:.1f}" if v < 10 else f"{v:.0f}"  # noqa: E731
     for label, prof, fig in entries:
@@ -105,8 +135,7 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
                     f"{label}: {role}",
                     *(fmt(row.get(c)) for c in COLUMNS),
                     fmt(row["cpu"]),
-                    fmt(row["blocked"]),
-                    fmt(row.get("queued")) if role == "training" else "",
+                    fmt(row.get("not running")) if role == "training" else "",
                     fmt(row["switches"]),
                     fmt(row["preempted"]),
                 ]
@@ -119,12 +148,24 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
                 *(fmt(total.get(c)) for c in COLUMNS),
                 fmt(total.get("cpu")),
                 "",
-                "",
                 fmt(total.get("switches")),
                 fmt(total.get("preempted")),
             ]
         )
-        note = [f"profiled steps {1e3 * prof['wall_s'] / prof['steps']:.0f} ms on average"]
+        profiled = 1e3 * prof["wall_s"] / prof["steps"]
+        note = [f"profiled steps {profiled:.0f} ms on average"]
+        if prof.get("plain_step_times"):
+            plain = 1e3 * sum(prof["plain_step_times"]) / len(prof["plain_step_times"])
+            note[0] += (
+                f", the same steps without the profiler {plain:.0f} ms "
+                f"({100 * (profiled / plain - 1):+.0f}%)"
+            )
+        if prof.get("plain_cpu_s"):
+            note[0] += (
+                f"; process CPU {1e3 * prof['cpu_s'] / prof['steps']:.0f} ms per step "
+                f"against {1e3 * prof['plain_cpu_s'] / prof['steps']:.0f} "
+                f"({100 * (prof['cpu_s'] / prof['plain_cpu_s'] - 1):+.0f}%)"
+            )
         if fig.get("step_s"):
             note.append(f"timed step {fig['step_s'] * 1e3:.0f} ms")
             if fig.get("floor_s"):
@@ -136,21 +177,19 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
     return "\n".join([table(head, lines, markdown=markdown), "", *notes])
 
 
-#: One colour per phase (and for the time asleep) in the stacked bars.
+#: One colour per phase in the stacked bars.
 _COLOURS = {
     "forward": "#a6cee3",
     "backward": "#1f78b4",
     "pack": "#b2df8a",
-    "NaN check": "#33a02c",
     "encode": "#fb9a99",
-    "send/receive": "#e31a1c",
-    "wait/poll": "#fdbf6f",
+    "transport": "#e31a1c",
+    "wait": "#fdbf6f",
     "decode": "#ff7f00",
+    "agree": "#33a02c",
     "unpack": "#cab2d6",
     "apply": "#6a3d9a",
-    "commopt Python": "#ffff99",
-    "other": "#b15928",
-    "native": "#999999",
+    "other": "#bbbbbb",
 }
 
 
@@ -171,38 +210,10 @@ def report_entries(
     return out
 
 
-def reattribute(report: dict, workdir: str) -> int:
-    """Classify again the raw py-spy samples a run kept in its ``--workdir`` (after a change of
-    :data:`~commopt.bench.profile_step.PHASE_RULES`), keeping each thread's measured CPU.
-    Returns how many profiles were redone."""
-    from commopt.bench.profile_step import attribute, parse_raw
-
-    done = 0
-    for model, info in report["models"].items():
-        for config, raw in info.get("raw", {}).items():
-            for rank, prof in (raw.get("profile") or {}).items():
-                found = sorted(Path(workdir).glob(f"{model}-*.json.{config}.rank{rank}.pyspy.txt"))
-                if not found:
-                    continue
-                cpu = {
-                    int(tid): (
-                        t["os_name"],
-                        t["cpu_s"],
-                        t.get("switches", 0),
-                        t.get("preempted", 0),
-                    )
-                    for tid, t in prof["threads"].items()
-                    if t["os_name"]
-                }
-                threads = attribute(parse_raw(found[-1].read_text(errors="replace")), cpu)
-                prof["threads"] = {str(tid): t for tid, t in threads.items()}
-                done += 1
-    return done
-
-
 def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = "") -> None:
-    """Stacked bars: each thread's CPU ms per step by phase and its time asleep, per profiled
-    configuration, with the timed step and its floor marked."""
+    """Stacked bars: each thread's ms per step by phase and its CPU, per profiled
+    configuration, with the profiled step, the same steps without the profiler, the timed
+    step and its floor marked."""
     try:
         import matplotlib
     except ImportError:
@@ -237,23 +248,13 @@ def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = 
                         lw=0.3,
                     )
                     left += v
-            if role == "training":  # the rest of the profiled step's wall time
-                for key, hatch, lab in (
-                    ("blocked", "///", "asleep (waiting)"),
-                    ("queued", "...", "runnable, no core free (or paused by py-spy)"),
-                ):
-                    if rows[role].get(key):
-                        ax.barh(
-                            y,
-                            rows[role][key],
-                            left=left,
-                            color="white",
-                            edgecolor="#777777",
-                            hatch=hatch,
-                            lw=0.5,
-                            label=lab,
-                        )
-                        left += rows[role][key]
+            ax.plot(
+                [rows[role]["cpu"]] * 2,
+                [y - 0.4, y + 0.4],
+                color="k",
+                lw=2,
+                label="thread's CPU (its clock)",
+            )
             right = max(right, left)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         step = figs.get("step_s")
@@ -274,15 +275,18 @@ def plot_profile(entries: list[tuple[str, dict, dict]], path: str, title: str = 
             color="#777777",
             ls=":",
             lw=1.2,
-            label="profiled step (wall; py-spy pauses the process per sample)",
+            label="profiled step (wall)",
         )
         right = max(right, profiled)
+        if prof.get("plain_step_times"):
+            plain = 1e3 * sum(prof["plain_step_times"]) / len(prof["plain_step_times"])
+            ax.axvline(plain, color="#777777", ls="-.", lw=1.2, label="the same steps, no profiler")
         ax.set_title(label, fontsize=9, loc="left")
     for ax in axes[:, 0]:
         ax.set_xlim(0, right * 1.05)
     axes[-1, 0].set_xlabel(
-        "ms per step, one rank: each thread's CPU by phase (solid); the training "
-        "thread's time asleep and runnable without a core (hatched)"
+        "ms per step, one rank: each thread's time in each phase's ranges; other: the "
+        "training thread's rest of the step, another thread's CPU outside its ranges"
     )
     legend: dict[str, Artist] = {}
     for ax in axes[:, 0]:
@@ -317,23 +321,10 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write the stacked-bar PNG")
     parser.add_argument("--only", help="comma-separated configurations (config or model/config)")
-    parser.add_argument(
-        "--samples",
-        metavar="WORKDIR",
-        nargs="+",
-        help="one --workdir per report: classify its kept py-spy samples again "
-        "and write the report back (its measured times stay as they were)",
-    )
     args = parser.parse_args(argv)
-    if args.samples and len(args.samples) != len(args.reports):
-        parser.error("give one --samples folder per report, in the same order")
     entries = []
-    for k, path in enumerate(args.reports):
+    for path in args.reports:
         report = json.loads(Path(path).read_text())
-        if args.samples:
-            redone = reattribute(report, args.samples[k])
-            Path(path).write_text(json.dumps(report, indent=1))
-            print(f"{path}: {redone} profile(s) classified again from {args.samples[k]}")
         entries += report_entries(
             report,
             args.rank,

@@ -1,161 +1,78 @@
-"""Where one training step's processor time goes: per thread, per phase, from py-spy and /proc.
+"""Where one training step's time goes: per thread, per phase, from torch.profiler and /proc.
 
 Two sources, each doing what it does best:
 
-* ``/proc/<pid>/task/<tid>/stat``: the CPU time (user + system) of every thread of the
-  process, Python or not (gloo's transport threads, the autograd and OpenMP threads), read
-  before and after the profiled steps. This is the truth for "how much".
-* ``py-spy record --native --format raw --threads`` (sampling, outside the process): the
-  Python and native stacks of the Python threads. Each sample is attributed to a phase by
-  the names of its frames (:data:`PHASE_RULES`, innermost frame first) and to a thread by
-  its thread id, which py-spy prints as the OS thread id. This is the truth for "on what".
+* each thread's CPU-time clock (``/proc/<pid>/task/<tid>/stat`` where that is unavailable):
+  the CPU time of every thread of the process, Python or not (gloo's transport threads, the
+  autograd and OpenMP threads), read before and after the profiled steps, with its context
+  switches. This is the truth for "how much CPU".
+* a ``torch.profiler`` trace of the same steps (:func:`commopt.profiling.profile`, which
+  records every thread), exported as a Chrome trace: each range and operator with its OS
+  thread id, start and duration. This is the truth for "on what".
 
-A thread's CPU time is split over the phases in proportion to its samples (py-spy counts a
-runnable thread waiting for a core as active: on a shared machine its raw counts overstate
-the CPU). No instrumentation in the code being measured: phases come from function names.
-The table and the plot: :mod:`commopt.bench.profile_report`.
+A range names its phase (:func:`phase_of`): commopt's own ``commopt.<phase>`` ranges, the
+ranges the benchmark opens around the model's forward, backward and optimizer step
+(:data:`STEP_RANGES`, :func:`step_range`), and the few ranges torch opens for DDP's reducer,
+its collectives and its optimizers (:data:`TORCH_RANGES`). A thread's time in a phase is the
+self-time of that phase's ranges on the thread: a range nested in another phase's range counts
+for its own phase only, never twice (:func:`attribute`). Operators without a range of their
+own belong to the range around them. The table and the plot:
+:mod:`commopt.bench.profile_report`.
 
-    >>> classify(
-    ...     [
-    ...         "<module> (x.py:1)",
-    ...         "step (commopt/optim/multi_node.py:400)",
-    ...         "unpack (commopt/reducer.py:410)",
-    ...         "at::native::copy_ (libtorch_cpu.so)",
-    ...     ]
-    ... )
-    'unpack'
-    >>> classify(
-    ...     [
-    ...         "_issue (commopt/reducer.py:335)",
-    ...         "pack (commopt/reducer.py:223)",
-    ...         "torch::autograd::THPVariable_isfinite (libtorch_python.so)",
-    ...     ]
-    ... )
-    'NaN check'
-    >>> classify(
-    ...     [
-    ...         "pack (commopt/reducer.py:223)",
-    ...         "torch::autograd::THPVariable_sum (libtorch_python.so)",
-    ...     ]
-    ... )
-    'NaN check'
+    >>> phase_of("commopt.encode"), phase_of("Optimizer.step#SGD.step"), phase_of("aten::mm")
+    ('encode', 'apply', None)
     >>> thread_role("commopt-collectives_0"), thread_role("MainThread")
     ('collectives driver', 'training')
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
-#: The phases, in the order the table and the plot show them.
+from commopt.profiling import PHASES as COMMOPT_PHASES
+
+#: The phases, in the order the table and the plot show them; "other" is a thread's time
+#: outside every range that names a phase.
 PHASES = (
     "forward",
     "backward",
     "pack",
-    "NaN check",
     "encode",
-    "send/receive",
-    "wait/poll",
+    "transport",
+    "wait",
     "decode",
+    "agree",
     "unpack",
     "apply",
-    "commopt Python",
     "other",
 )
 
-#: (phase, substrings): a frame belongs to the first phase one of whose substrings it
-#: contains; a sample to the phase of its innermost frame that belongs to one. Frames read
-#: ``function (path/file.py:line)`` for Python and ``symbol (library.so)`` for native code.
-PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("NaN check", ("isfinite", "nonfinite", "_may_overflow (commopt/")),
-    (
-        "wait/poll",
-        (
-            "MPI_Test",
-            "MPI_Wait",
-            "opal_progress",
-            "PMPI_Test",
-            "PMPI_Wait",
-            "Work::wait",
-            "is_completed",
-            "Work.wait",
-            "wait (commopt/",
-            "done (commopt/",
-            "result (concurrent/",
-            "_poll",
-        ),
-    ),
-    (
-        "decode",
-        (
-            "commopt_qsgd_decode",
-            "commopt_cast_decode",
-            "decode (commopt/",
-            "decode_scaled (commopt/",
-            "decompress (torch/distributed/algorithms",
-        ),
-    ),
-    # DDP's hooks: what is not decompress is compression (PowerSGD's P, Q and error feedback)
-    (
-        "encode",
-        (
-            "commopt_qsgd_encode",
-            "commopt_cast_encode",
-            "encode (commopt/",
-            "/ddp_comm_hooks/",
-            "_orthogonalize",
-        ),
-    ),
-    # unpack before pack: "unpack (" contains "pack ("
-    ("unpack", ("unpack (commopt/", "Reducer::finalize_backward", "Reducer::finalize_bucket")),
-    (
-        "pack",
-        (
-            "pack_nonfinite",
-            "pack (commopt/",
-            "zero_grads_into (commopt/",
-            "Reducer::mark_variable_ready",
-            "Reducer::copy_grad_to_bucket",
-            "Reducer::autograd_hook",
-        ),
-    ),
-    (
-        "send/receive",
-        (
-            "gloo::",
-            "ProcessGroupGloo",
-            "c10d::",
-            "mpi4py",
-            "MPI_",
-            "ompi_",
-            "mca_",
-            "(commopt/comm/",
-            "all_reduce (torch/distributed",
-            "allreduce (torch/distributed",
-        ),
-    ),
-    ("apply", ("(torch/optim/", "_single_tensor_sgd", "_multi_tensor_sgd")),
-    # not "autograd::" alone: torch's Python bindings of every op are torch::autograd::THPVariable_*
-    (
-        "backward",
-        (
-            "autograd::Engine",
-            "autograd::generated",
-            "Backward",
-            "AccumulateGrad",
-            "backward (torch/",
-            "_engine_run_backward",
-        ),
-    ),
-    ("forward", ("(torch/nn/modules/", "forward (", "_call_impl (torch/")),
-    ("commopt Python", ("(commopt/",)),
+#: The ranges the benchmark's worker opens around one step's parts (:func:`step_range`).
+STEP_RANGES = {
+    "bench.forward": "forward",
+    "bench.backward": "backward",
+    "bench.apply": "apply",
+}
+
+#: Ranges torch opens itself, by exact name: DDP's reducer copying gradients into its
+#: buckets and the averages back, and its collectives, issued (``c10d::``) and run by gloo's
+#: thread (``gloo:``). DDP's communication hooks open none: their compression runs inside
+#: backward on the training thread, their decompression inside gloo's collective.
+TORCH_RANGES = {
+    "torch::distributed::reducer::copy_": "pack",
+    "torch.distributed.ddp.reducer::copy_bucket_to_grad": "unpack",
+}
+
+#: Range name prefixes torch uses for whole families: every optimizer's step, every c10d
+#: collective as issued, gloo's collectives as they run.
+TORCH_PREFIXES = (
+    ("Optimizer.step#", "apply"),
+    ("c10d::", "transport"),
+    ("gloo:", "transport"),
 )
 
 #: How thread names map to the rows of the table (anything else: "other threads").
@@ -169,25 +86,29 @@ THREAD_ROLES = (
 )
 
 
-#: The reducer sums a bucket only to check it (``isfinite(flat.sum())``): a native sum called
-#: straight from its Python is the NaN check, whatever line it sits on.
-_CHECK_SUM = (("(commopt/reducer.py",), ("THPVariable_sum", "at::_ops::sum", "sum_kernel"))
+def phase_of(name: str) -> str | None:
+    """The phase a range called ``name`` marks, or None (an operator, or a range of no phase)."""
+    if name.startswith("commopt."):
+        phase = name[len("commopt.") :]
+        return phase if phase in COMMOPT_PHASES else None
+    if name in STEP_RANGES:
+        return STEP_RANGES[name]
+    if name in TORCH_RANGES:
+        return TORCH_RANGES[name]
+    for prefix, phase in TORCH_PREFIXES:
+        if name.startswith(prefix):
+            return phase
+    return None
 
 
-def classify(frames: list[str]) -> str:
-    """The phase of one sample whose stack is ``frames`` (outermost first)."""
-    python = [i for i, f in enumerate(frames) if ".py:" in f]
-    if (
-        python
-        and any(n in frames[python[-1]] for n in _CHECK_SUM[0])
-        and any(n in f for f in frames[python[-1] + 1 :] for n in _CHECK_SUM[1])
-    ):
-        return "NaN check"
-    for frame in reversed(frames):
-        for phase, needles in PHASE_RULES:
-            if any(n in frame for n in needles):
-                return phase
-    return "other"
+def step_range(phase: str) -> contextlib.AbstractContextManager[Any]:
+    """The benchmark's range around one part of a step (``forward``, ``backward``, ``apply``)."""
+    import torch
+
+    name = f"bench.{phase}"
+    if name not in STEP_RANGES:
+        raise ValueError(f"no step range for {phase!r}: one of {sorted(STEP_RANGES)}")
+    return torch.profiler.record_function(name)
 
 
 def thread_role(name: str) -> str:
@@ -259,156 +180,87 @@ def cpu_delta(before: dict, after: dict) -> dict[int, tuple[str, float, int, int
     return out
 
 
-# ----------------------------------------------------------------------------- py-spy
+# ----------------------------------------------------------------------------- the trace
 
 
-def pyspy_path() -> str:
-    """The py-spy executable (next to this interpreter, else on PATH), or a clear error."""
-    here = Path(sys.executable).with_name("py-spy")
-    found = str(here) if here.exists() else shutil.which("py-spy")
-    if not found:
-        raise RuntimeError(
-            "the step profile needs py-spy: pip install py-spy (or pip install 'commopt[dev]')"
-        )
-    return found
+def trace_events(path: str | Path) -> list[dict]:
+    """The host-side ranges and operators of a Chrome trace ``torch.profiler`` exported:
+    dicts with ``name``, ``tid`` (the OS thread id), ``ts`` and ``dur`` (microseconds)."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    return [
+        {"name": e["name"], "tid": e["tid"], "ts": float(e["ts"]), "dur": float(e["dur"])}
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cpu_op", "user_annotation")
+        and isinstance(e.get("tid"), int)
+    ]
 
 
-class PySpy:
-    """``py-spy record`` of this process from ``start()`` to ``stop()`` (raw collapsed stacks).
+def phase_seconds(events: list[dict]) -> dict[int, dict[str, float]]:
+    """Per OS thread: seconds of self-time in each phase's ranges.
 
-    ``--idle`` keeps every sample: which ones are a thread asleep is decided here
-    (:func:`is_blocked`), so the samples of a thread cover the whole window.
+    On each thread, events nest by time; a range's phase gets the range's duration less the
+    durations of the outermost phase ranges inside it (each counted for its own phase), so
+    nested ranges are never counted twice. Operators and ranges of no phase only pass their
+    time on to the phase range around them.
 
-    Native stacks make py-spy pause the process for each sample (a few tens of microseconds);
-    ``rate`` samples per second bound that cost.
+        >>> ev = [
+        ...     {"name": "bench.backward", "tid": 7, "ts": 0, "dur": 100},
+        ...     {"name": "aten::mm", "tid": 7, "ts": 5, "dur": 20},
+        ...     {"name": "commopt.pack", "tid": 7, "ts": 30, "dur": 30},
+        ...     {"name": "commopt.encode", "tid": 7, "ts": 40, "dur": 10},
+        ... ]
+        >>> {k: round(v * 1e6) for k, v in phase_seconds(ev)[7].items()}
+        {'backward': 70, 'pack': 20, 'encode': 10}
     """
-
-    def __init__(self, out: Path, rate: int = 100, native: bool = True):
-        self.out, self.rate, self.native = Path(out), rate, native
-        self.proc: subprocess.Popen | None = None
-        self.log = self.out.with_suffix(".log")
-
-    def start(self, settle_s: float = 1.0) -> None:
-        argv = [
-            pyspy_path(),
-            "record",
-            "--pid",
-            str(os.getpid()),
-            "--format",
-            "raw",
-            "--threads",
-            "--idle",
-            "--rate",
-            str(self.rate),
-            "--output",
-            str(self.out),
-        ]
-        if self.native:
-            argv.append("--native")
-        self.proc = subprocess.Popen(argv, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-        time.sleep(settle_s)  # attaching takes a moment; samples before the steps are few
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"py-spy stopped at once: {self.log.read_text()[-500:]}")
-
-    def stop(self, timeout_s: float = 60) -> str:
-        """Stop sampling; the raw output's text."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise RuntimeError(f"py-spy did not stop within {timeout_s} s") from None
-        if not self.out.exists():
-            raise RuntimeError(f"py-spy wrote no output: {self.log.read_text()[-500:]}")
-        return self.out.read_text(errors="replace")
-
-
-def parse_raw(text: str) -> list[tuple[int, str, list[str], int]]:
-    """py-spy's raw output with ``--threads``: (tid, thread name, frames outermost first, count).
-
-    >>> parse_raw("thread (42): MainThread;f (a.py:1);g (a.py:2) 7\\n")
-    [(42, 'MainThread', ['f (a.py:1)', 'g (a.py:2)'], 7)]
-    """
-    out = []
-    for line in text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack.startswith("thread (") or not count.isdigit():
-            continue
-        head, _, rest = stack.partition(";")
-        tid = int(head[len("thread (") : head.index(")")])
-        name = head.split(": ", 1)[1] if ": " in head else ""
-        out.append((tid, name, rest.split(";") if rest else [], int(count)))
+    out: dict[int, dict[str, float]] = {}
+    by_thread: dict[int, list[dict]] = {}
+    for e in events:
+        by_thread.setdefault(int(e["tid"]), []).append(e)
+    for tid, evs in by_thread.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        phases: dict[str, float] = {}
+        # open phase ranges: (end, phase); an event inside one is nested in it
+        stack: list[tuple[float, str]] = []
+        for e in evs:
+            start, end = e["ts"], e["ts"] + e["dur"]
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            phase = phase_of(e["name"])
+            if phase is None:
+                continue
+            end = min(end, stack[-1][0]) if stack else end  # a range cut by its parent's end
+            phases[phase] = phases.get(phase, 0.0) + (end - start) * 1e-6
+            if stack:  # the enclosing phase loses this range's time
+                parent = stack[-1][1]
+                phases[parent] = phases.get(parent, 0.0) - (end - start) * 1e-6
+            stack.append((end, phase))
+        out[tid] = {p: s for p, s in phases.items() if s > 0}
     return out
 
 
-#: Native functions a thread sleeps in: a sample inside one is a blocked thread, not CPU
-#: (py-spy's own idle test misses them when libc has no symbols: it counts them active).
-BLOCKING = (
-    "pthread_cond_wait",
-    "pthread_cond_timedwait",
-    "PyThread_acquire_lock_timed",
-    "sem_wait",
-    "sem_timedwait",
-    "sem_clockwait",
-    "epoll_wait",
-    "__poll",
-    "poll (libc",
-    "select (libc",
-    "nanosleep",
-    "time_sleep",
-    "condition_variable::wait",
-    "condition_variable::__wait",
-    "__futex",
-    "futex_wait",
-    "accept (libc",
-    "recv (libc",
-    "__libc_recv",
-    "read (libc",
-    "__libc_read",
-)
+def attribute(
+    events: list[dict], cpu: dict[int, tuple[str, float, int, int]], names: dict[int, str]
+) -> dict:
+    """Per thread: its CPU seconds (its clock) and its seconds in each phase (the trace).
 
-
-def is_blocked(frames: list[str]) -> bool:
-    """Whether the sample's innermost named native frames are a sleeping call."""
-    named = [f for f in frames if not f.startswith("0x")]
-    return any(b in f for f in named[-3:] for b in BLOCKING)
-
-
-def attribute(samples, cpu: dict[int, tuple[str, float, int, int]]) -> dict:
-    """Per thread: its CPU seconds (from /proc) and its samples per phase (from py-spy).
-
-    Returns {tid: {"name", "os_name", "role", "cpu_s", "switches", "preempted", "samples": {phase: n},
-    "blocked": {phase: n}, "unclassified": {innermost frame: n}}} for every thread that used
-    CPU or was sampled. ``samples`` count the thread running (or runnable), ``blocked`` the
-    thread asleep in a wait (:data:`BLOCKING`), by the phase it waits in.
+    ``cpu``: :func:`cpu_delta` over the profiled steps; ``names``: Python's names of the
+    threads that have one (OS thread id -> name). Returns {tid: {"name", "os_name", "role",
+    "cpu_s", "switches", "preempted", "phase_s": {phase: seconds}}} for every thread that
+    used CPU or opened a phase range.
     """
+    spent = phase_seconds(events)
     threads: dict[int, dict] = {}
-
-    def new(name, os_name, cpu_s, voluntary=0, involuntary=0):
-        return {
+    for tid in {*cpu, *spent}:
+        os_name, cpu_s, voluntary, involuntary = cpu.get(tid, ("", 0.0, 0, 0))
+        name = names.get(tid) or os_name
+        threads[tid] = {
             "name": name,
             "os_name": os_name,
+            "role": thread_role(name),
             "cpu_s": cpu_s,
             "switches": voluntary,
             "preempted": involuntary,
-            "samples": Counter(),
-            "blocked": Counter(),
-            "unclassified": Counter(),
+            "phase_s": spent.get(tid, {}),
         }
-
-    for tid, (os_name, *counts) in cpu.items():
-        threads[tid] = new(os_name, os_name, *counts)
-    for tid, name, frames, count in samples:
-        t = threads.setdefault(tid, new(name, "", 0.0))
-        t["name"] = name or t["name"]
-        phase = classify(frames)
-        (t["blocked"] if is_blocked(frames) else t["samples"])[phase] += count
-        if phase == "other" and frames and not is_blocked(frames):
-            t["unclassified"][" <- ".join(f.split(" (")[0] for f in frames[-3:][::-1])] += count
-    for t in threads.values():
-        t["role"] = thread_role(t["name"])
-        for key in ("samples", "blocked"):
-            t[key] = dict(t[key])
-        t["unclassified"] = dict(t["unclassified"].most_common(8))
-    return {tid: t for tid, t in threads.items() if t["cpu_s"] > 0 or t["samples"]}
+    return {tid: t for tid, t in threads.items() if t["cpu_s"] > 0 or t["phase_s"]}

@@ -105,9 +105,11 @@ class HandleWork(Work):
         pause = 1e-4
         while not self._hvd.poll(self._handle):
             if time.monotonic() - self._issued > self._limit_s:
+                # Horovod's own shutdown would wait on the dead operation: the job ends at exit.
+                horovod_exit.abort_at_exit()
                 raise CommError(
                     f"rank {self._hvd.rank()}: Horovod's {self._what} did not complete within "
-                    f"{self._limit_s:g}s of being issued; its peers are rank(s) {self._peers} "
+                    f"{self._limit_s:g}s of being issued, waiting for rank(s) {self._peers} "
                     f"(Horovod does not say which was silent): a link is down, or a peer "
                     f"stopped or never entered it (${COMM_TIMEOUT_ENV} or "
                     f"create_communicator(timeout=) sets the limit)."

@@ -43,7 +43,7 @@ _REASONS = {
 _comm: Any = None  # the private COMM_WORLD duplicate (mpi4py's Intracomm)
 _hvd_mod: Any = None  # horovod.torch
 _received: dict[int, int] = {}  # source rank -> code of the notices read so far
-_state = {"uncaught": False}
+_state = {"uncaught": False, "abort": False}
 _lock = threading.Lock()  # one reader of the notices at a time (worker threads may fail together)
 
 
@@ -158,12 +158,29 @@ def naming_departures():
         raise err from exc
 
 
+def abort_at_exit() -> None:
+    """A Horovod operation timed out: at exit, abort the job instead of shutting Horovod down.
+
+    Horovod's shutdown joins its background thread, which still waits in the operation that
+    made no progress (a dead link): it would never return. ``MPI_Abort`` ends every rank.
+    """
+    _state["abort"] = True
+
+
 def _leave() -> None:
     import numpy as np
 
     MPI = sys.modules.get("mpi4py.MPI")
     if _comm is None or MPI is None or MPI.Is_finalized():
         return
+    if _state["abort"]:
+        sys.stderr.write(
+            f"commopt: rank {_comm.Get_rank()}: a Horovod operation made no progress within "
+            "the communication timeout; aborting the job (Horovod's shutdown would wait on it)\n"
+        )
+        sys.stderr.flush()
+        time.sleep(1.0)  # peers timing out at the same moment print their own error too
+        MPI.COMM_WORLD.Abort(1)
     me, size = _comm.Get_rank(), _comm.Get_size()
     code = np.array([_UNCAUGHT if _state["uncaught"] else _NO_ERROR], dtype=np.int32)
     sends = [_comm.Isend([code, MPI.INT32_T], dest=r, tag=_TAG) for r in range(size) if r != me]

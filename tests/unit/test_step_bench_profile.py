@@ -1,5 +1,6 @@
-"""The step profile (commopt.bench.profile_step): phases from frame names, threads' CPU from
-their clocks, and one real profiled run of the step benchmark under py-spy."""
+"""The step profile (commopt.bench.profile_step): phases from the ranges of a torch.profiler
+trace (self-time, nesting, threads), threads' CPU from their clocks, the table and plot, and
+one real profiled run of the step benchmark."""
 
 import json
 import os
@@ -16,144 +17,164 @@ from commopt.bench import profile_step as ps
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Stacks as py-spy writes them (outermost first), trimmed from real profiles of the benchmark.
-_STEP = [
-    "_run_config (commopt/bench/step/worker.py:165)",
-    "train_step (commopt/bench/step/worker.py:117)",
+
+def ev(name, tid, ts, dur):
+    return {"name": name, "tid": tid, "ts": ts, "dur": dur}
+
+
+# One double-buffered commopt step as its trace records it (microseconds), trimmed: the
+# training thread (11) and commopt's collectives thread (12); gloo's loop (13) opens nothing.
+STEP = [
+    ev("Optimizer.zero_grad#SGD.zero_grad", 11, 0, 10),
+    ev("bench.forward", 11, 10, 100),
+    ev("aten::linear", 11, 12, 90),
+    ev("bench.backward", 11, 110, 400),
+    ev("autograd::engine::evaluate_function: AddmmBackward0", 11, 120, 200),
+    ev("commopt.pack", 11, 330, 50),
+    ev("aten::copy_", 11, 335, 40),
+    ev("bench.apply", 11, 520, 300),
+    ev("commopt.wait", 11, 525, 150),
+    ev("commopt.unpack", 11, 680, 40),
+    ev("Optimizer.step#SGD.step", 11, 730, 80),
+    ev("commopt.encode", 12, 400, 60),
+    ev("commopt.transport", 12, 470, 200),
+    ev("gloo:all_reduce", 12, 480, 150),
+    ev("commopt.decode", 12, 680, 30),
+    ev("commopt.agree", 12, 720, 20),
 ]
-_LIBC = "0x7f5cb0ca3f16 (libc.so.6)"
 
 
-@pytest.mark.parametrize(
-    "frames,phase",
-    [
-        (
-            _STEP
-            + [
-                "MultiNodeOptimizer.step (commopt/optim/multi_node.py:400)",
-                "StepReduction.unpack (commopt/reducer.py:410)",
-                "at::native::copy_ (libtorch_cpu.so)",
-            ],
-            "unpack",
-        ),
-        (
-            _STEP
-            + [
-                "StepReduction._issue (commopt/reducer.py:335)",
-                "GradientReducer.pack (commopt/reducer.py:218)",
-                "at::native::copy_ (libtorch_cpu.so)",
-                "memcpy (libc.so.6)",
-            ],
-            "pack",
-        ),
-        (
-            _STEP
-            + [
-                "GradientReducer.pack (commopt/reducer.py:223)",
-                "torch::autograd::THPVariable_sum (libtorch_python.so)",
-                "at::native::sum_kernel (libtorch_cpu.so)",
-            ],
-            "NaN check",
-        ),
-        (
-            [
-                "Thread.run (threading.py:982)",
-                "allreduce (commopt/collectives.py:300)",
-                "QSGD.encode (commopt/codecs/qsgd.py:90)",
-                "commopt_qsgd_encode (_cpu.cpython-311-x86_64-linux-gnu.so)",
-            ],
-            "encode",
-        ),
-        (
-            [
-                "Thread.run (threading.py:982)",
-                "allreduce (commopt/collectives.py:300)",
-                "QSGD.decode (commopt/codecs/qsgd.py:120)",
-                "commopt_qsgd_decode (_cpu.so)",
-            ],
-            "decode",
-        ),
-        (
-            [
-                "Thread.run (threading.py:982)",
-                "_TorchWork.wait (commopt/comm/torch_dist.py:60)",
-                "c10d::Work::wait (libtorch_cpu.so)",
-            ],
-            "wait/poll",
-        ),
-        (
-            [
-                "Thread.run (threading.py:982)",
-                "send (commopt/comm/torch_dist.py:80)",
-                "gloo::transport::tcp::Pair::send (libtorch_cpu.so)",
-            ],
-            "send/receive",
-        ),
-        (
-            _STEP
-            + ["SGD.step (torch/optim/sgd.py:120)", "_single_tensor_sgd (torch/optim/sgd.py:300)"],
-            "apply",
-        ),
-        (
-            _STEP
-            + [
-                "Tensor.backward (torch/_tensor.py:623)",
-                "torch::autograd::Engine::thread_main (libtorch_cpu.so)",
-                "mkl_sgemm (libtorch_cpu.so)",
-            ],
-            "backward",
-        ),
-        (
-            _STEP
-            + [
-                "_call_impl (torch/nn/modules/module.py:1750)",
-                "forward (torch/nn/modules/linear.py:125)",
-            ],
-            "forward",
-        ),
-        (
-            [
-                "powerSGD_hook (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py:600)",
-                "at::native::linalg_qr (libtorch_cpu.so)",
-            ],
-            "encode",
-        ),
-        (
-            [
-                "decompress (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py:700)",
-                "at::native::mm (libtorch_cpu.so)",
-            ],
-            "decode",
-        ),
-        (["<module> (x.py:1)", "somewhere (elsewhere.py:3)"], "other"),
-    ],
-)
-def test_samples_go_to_the_phase_their_frames_name(frames, phase):
-    assert ps.classify(frames) == phase
+def test_a_phase_is_the_self_time_of_its_ranges_per_thread():
+    spent = ps.phase_seconds(STEP)
+    us = {tid: {k: round(v * 1e6) for k, v in d.items()} for tid, d in spent.items()}
+    # backward's 400 less the 50 of pack nested in it; operators stay with their range
+    assert us[11] == {
+        "forward": 100,
+        "backward": 350,
+        "pack": 50,
+        # 300 less wait and unpack; torch's Optimizer.step# range inside is apply too: once
+        "apply": 110,
+        "wait": 150,
+        "unpack": 40,
+    }
+    # gloo's collective nested in commopt's transport: transport either way, never twice
+    assert us[12] == {"encode": 60, "transport": 200, "decode": 30, "agree": 20}
+    assert 13 not in us
 
 
-def test_a_thread_asleep_in_a_wait_is_told_from_one_running():
-    asleep = _STEP + [
-        "FutureWork.wait (commopt/collectives.py:90)",
-        "Condition.wait (threading.py:320)",
-        "PyThread_acquire_lock_timed (libpython3.11.so.1.0)",
-        "0x7f5cb0caed90 (libc.so.6)",
-        _LIBC,
+def test_nested_ranges_never_count_twice_and_a_child_is_cut_at_its_parents_end():
+    events = [
+        ev("commopt.wait", 1, 0, 100),
+        ev("commopt.transport", 1, 10, 30),
+        ev("commopt.decode", 1, 15, 10),  # three deep
+        ev("commopt.unpack", 1, 90, 50),  # ends after its parent: cut at 100
+        ev("commopt.pack", 1, 200, 5),  # after the wait, at the top again
     ]
-    running = _STEP + [
-        "GradientReducer.pack (commopt/reducer.py:218)",
-        "at::native::copy_ (libtorch_cpu.so)",
-        _LIBC,
-    ]
-    assert ps.is_blocked(asleep) and not ps.is_blocked(running)
-    # an asleep sample counts as time blocked in its phase, never as CPU
-    threads = ps.attribute(
-        [(7, "MainThread", asleep, 3), (7, "MainThread", running, 1)], {7: ("python", 0.04, 5, 1)}
-    )
-    assert threads[7]["samples"] == {"pack": 1} and threads[7]["blocked"] == {"wait/poll": 3}
-    rows = pr.thread_rows({"steps": 2, "rate": 100, "wall_s": 0.04, "threads": {"7": threads[7]}})
-    assert rows["training"]["pack"] == pytest.approx(20.0)  # 40 ms of CPU over 2 steps
-    assert rows["training"]["blocked"] == pytest.approx(15.0)  # 3 of 4 samples of a 20 ms step
+    us = {k: round(v * 1e6) for k, v in ps.phase_seconds(events)[1].items()}
+    assert us == {"wait": 60, "transport": 20, "decode": 10, "unpack": 10, "pack": 5}
+    assert sum(us.values()) == 105  # the thread's covered time, each microsecond once
+
+
+def test_ranges_on_different_threads_do_not_nest():
+    events = [ev("bench.backward", 1, 0, 100), ev("commopt.encode", 2, 10, 20)]
+    us = {t: {k: round(v * 1e6) for k, v in d.items()} for t, d in ps.phase_seconds(events).items()}
+    assert us == {1: {"backward": 100}, 2: {"encode": 20}}
+
+
+def test_torch_ranges_of_ddp_name_their_phases_and_operators_name_none():
+    assert ps.phase_of("torch::distributed::reducer::copy_") == "pack"
+    assert ps.phase_of("torch.distributed.ddp.reducer::copy_bucket_to_grad") == "unpack"
+    assert ps.phase_of("c10d::allreduce_") == ps.phase_of("gloo:all_reduce") == "transport"
+    assert ps.phase_of("Optimizer.step#Adam.step") == "apply"
+    assert ps.phase_of("DistributedDataParallel.forward") is None  # inside bench.forward
+    assert ps.phase_of("aten::mm") is None and ps.phase_of("commopt.nonsense") is None
+    with pytest.raises(ValueError, match="no step range"):
+        ps.step_range("encode")
+
+
+def test_attribute_joins_the_trace_to_each_threads_cpu_and_the_table_adds_up():
+    cpu = {
+        11: ("python", 0.0012, 6, 2),
+        12: ("python", 0.0003, 4, 0),
+        13: ("gloo_tcp_loop", 0.0001, 40, 1),
+        14: ("python", 0.0, 0, 0),  # idle all along: left out
+    }
+    names = {11: "MainThread", 12: "commopt-collectives_0"}
+    threads = ps.attribute(STEP, cpu, names)
+    assert sorted(threads) == [11, 12, 13]
+    assert threads[11]["role"] == "training" and threads[12]["role"] == "collectives driver"
+    assert threads[13]["role"] == "gloo transport" and threads[13]["phase_s"] == {}
+    prof = {"steps": 1, "wall_s": 0.001, "threads": {str(k): v for k, v in threads.items()}}
+    rows = pr.thread_rows(prof)
+    assert list(rows) == ["training", "collectives driver", "gloo transport"]
+    train = rows["training"]
+    # the training thread's phases and its other add up to the profiled step: 1 ms
+    assert sum(train.get(p, 0.0) for p in pr.COLUMNS) == pytest.approx(1.0)
+    assert train["other"] == pytest.approx(0.2)  # zero_grad and the 0.18 ms after the apply
+    assert train["cpu"] == pytest.approx(1.2) and train["not running"] == 0.0
+    # another thread: its ranges, then its CPU beyond them (all of it: no ranges)
+    assert rows["collectives driver"]["other"] == 0.0  # 0.3 ms of CPU inside 0.31 of ranges
+    assert rows["gloo transport"]["other"] == pytest.approx(0.1)
+    text = pr.profile_table([("x", prof, {})])
+    assert "x: all threads" in text and "not running" in text
+
+
+def test_a_sampled_profile_still_renders_in_the_current_columns():
+    old = {
+        "steps": 2,
+        "rate": 100,
+        "wall_s": 0.2,
+        "threads": {
+            "1": {
+                "role": "training",
+                "cpu_s": 0.1,
+                "samples": {"backward": 3, "NaN check": 1},
+                "blocked": {"wait/poll": 16},
+            },
+            "2": {"role": "gloo transport", "cpu_s": 0.02, "samples": {}, "blocked": {}},
+        },
+    }
+    rows = pr.thread_rows(old)
+    assert rows["training"]["backward"] == pytest.approx(37.5)
+    assert rows["training"]["pack"] == pytest.approx(12.5)  # the NaN check is in pack now
+    assert rows["training"]["not running"] == pytest.approx(50.0)
+    assert rows["gloo transport"]["other"] == pytest.approx(10.0)
+
+
+def test_the_plot_draws_a_traced_and_a_sampled_profile(tmp_path):
+    pytest.importorskip("matplotlib")
+    cpu = {11: ("python", 0.0012, 6, 2), 12: ("python", 0.0003, 4, 0)}
+    traced = ps.attribute(STEP, cpu, {11: "MainThread", 12: "commopt-collectives_0"})
+    prof = {
+        "steps": 1,
+        "wall_s": 0.001,
+        "plain_step_times": [0.0009],
+        "threads": {str(k): v for k, v in traced.items()},
+    }
+    old = {
+        "steps": 1,
+        "wall_s": 0.001,
+        "threads": {"1": {"role": "training", "cpu_s": 0.001, "samples": {"backward": 1}}},
+    }
+    pr.plot_profile([("a", prof, {"step_s": 0.0008}), ("b", old, {})], str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_trace_events_reads_a_chrome_trace_torch_profiler_wrote(tmp_path):
+    import torch
+
+    from commopt import profiling
+
+    cpu_only = [torch.profiler.ProfilerActivity.CPU]
+    prof = profiling.profile(activities=cpu_only)
+    with prof, ps.step_range("forward"), profiling.phase("pack"):
+        torch.ones(64).sum()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = ps.trace_events(tmp_path / "t.json")
+    mine = [e for e in events if e["tid"] == threading.get_native_id()]
+    assert {"bench.forward", "commopt.pack", "aten::sum"} <= {e["name"] for e in mine}
+    spent = ps.phase_seconds(events)[threading.get_native_id()]
+    assert set(spent) == {"forward", "pack"} and spent["pack"] > 0
 
 
 def test_thread_cpu_reads_each_threads_own_clock():
@@ -178,11 +199,7 @@ def test_thread_cpu_reads_each_threads_own_clock():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_step_bench_profile_runs_py_spy_on_every_rank(tmp_path):
-    try:
-        ps.pyspy_path()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+def test_step_bench_profile_traces_every_rank(tmp_path):
     out = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
@@ -208,6 +225,8 @@ def test_step_bench_profile_runs_py_spy_on_every_rank(tmp_path):
             "3",
             "--json",
             str(out),
+            "--workdir",
+            str(tmp_path / "work"),
             "--profile-plot",
             str(tmp_path / "p.png"),
         ],
@@ -224,59 +243,14 @@ def test_step_bench_profile_runs_py_spy_on_every_rank(tmp_path):
     roles = {t["role"] for t in prof["threads"].values()}
     assert {"training", "collectives driver"} <= roles, roles
     main = next(t for t in prof["threads"].values() if t["role"] == "training")
-    assert main["cpu_s"] > 0 and sum(main["samples"].values()) + sum(main["blocked"].values()) > 0
+    assert main["cpu_s"] > 0
+    # the step's parts from the benchmark's ranges, commopt's from its own
+    assert {"forward", "backward", "apply", "pack", "unpack"} <= set(main["phase_s"]), main
+    driver = next(t for t in prof["threads"].values() if t["role"] == "collectives driver")
+    assert {"encode", "transport", "decode"} <= set(driver["phase_s"]), driver
+    assert len(prof["plain_step_times"]) == len(prof["step_times"]) == 3
+    assert prof["cpu_s"] > 0 and prof["plain_cpu_s"] > 0
+    assert "the same steps without the profiler" in proc.stdout
+    assert (Path(tmp_path) / "work" / prof["trace"]).stat().st_size > 0  # kept for Perfetto
     assert "profile of rank 0" in proc.stdout and (tmp_path / "p.png").stat().st_size > 0
     assert raw["rounds"][0]["codec_s"] > 0
-
-
-def test_a_torch_op_called_from_python_is_not_backward():
-    # torch binds every op as torch::autograd::THPVariable_*: that names no phase by itself
-    frames = _STEP + [
-        "GradientReducer.pack (commopt/reducer.py:218)",
-        "torch::autograd::THPVariable_copy_ (libtorch_python.so)",
-        "at::native::copy_ (libtorch_cpu.so)",
-    ]
-    assert ps.classify(frames) == "pack"
-    gloo_callback = [
-        "0x7f4a0bf278ec (libc.so.6)",
-        "c10d::ProcessGroupGloo::runLoop (libtorch_cpu.so)",
-        "powerSGD_hook.<locals>.compute_qs (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py:640)",
-        "torch::autograd::THPVariable_matmul (libtorch_python.so)",
-        "mkl_blas_def_xsgemm (libtorch_cpu.so)",
-    ]
-    assert ps.classify(gloo_callback) == "encode"
-
-
-def test_kept_samples_can_be_classified_again_keeping_the_measured_cpu(tmp_path):
-    stack = (
-        "thread (11): MainThread;train_step (commopt/bench/step/worker.py:117);"
-        "GradientReducer.pack (commopt/reducer.py:218);at::native::copy_ (libtorch_cpu.so) 9\n"
-    )
-    (tmp_path / "mlp-0.json.commopt-qsgd4.rank0.pyspy.txt").write_text(stack)
-    old = {
-        "name": "MainThread",
-        "os_name": "python",
-        "role": "training",
-        "cpu_s": 0.5,
-        "switches": 3,
-        "preempted": 1,
-        "samples": {"other": 9},
-        "blocked": {},
-        "unclassified": {},
-    }
-    report = {
-        "models": {
-            "mlp": {
-                "raw": {
-                    "commopt-qsgd4": {
-                        "profile": {
-                            "0": {"steps": 5, "rate": 100, "wall_s": 1.0, "threads": {"11": old}}
-                        }
-                    }
-                }
-            }
-        }
-    }
-    assert pr.reattribute(report, str(tmp_path)) == 1
-    new = report["models"]["mlp"]["raw"]["commopt-qsgd4"]["profile"]["0"]["threads"]["11"]
-    assert new["samples"] == {"pack": 9} and new["cpu_s"] == 0.5 and new["switches"] == 3

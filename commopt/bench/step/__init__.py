@@ -47,8 +47,9 @@ Columns of the table (one per model):
   network and the CPU work of sending (copies, codecs);
 - final loss: cross-entropy on a fixed held-out batch after the last step (first round).
 
-``--profile`` runs a few more steps of each configuration under py-spy and reports each
-thread's CPU per phase (``commopt.bench.profile_step``, ``commopt.bench.profile_report``).
+``--profile`` runs a few more steps of each configuration under ``torch.profiler`` and
+reports each thread's time per phase and its CPU (``commopt.bench.profile_step``,
+``commopt.bench.profile_report``).
 
 The JSON (``--json``) also holds every step time, the time to the end of backward (DDP waits
 for its last buckets inside backward, and so does commopt with overlap; with double buffering nothing waits), each rank's medians and losses.

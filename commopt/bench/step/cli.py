@@ -110,20 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="after each configuration's first round, run --profile-steps more "
-        "steps under py-spy (pip install py-spy) and report each thread's CPU "
-        "per phase (pack, NaN check, encode, send/receive, decode, unpack, "
-        "apply ...) beside the floor",
+        "steps as timed and as many under torch.profiler, and report each thread's "
+        "time per phase (forward, backward, pack, encode, transport, wait, decode, "
+        "agree, unpack, apply) and CPU beside the floor",
     )
     parser.add_argument(
         "--profile-steps", type=int, default=5, help="steps profiled per configuration (default 5)"
     )
     parser.add_argument(
-        "--profile-rate", type=int, default=100, help="py-spy samples per second (default 100)"
-    )
-    parser.add_argument(
         "--profile-plot",
         metavar="PATH",
-        help="with --profile: write a stacked-bar PNG of CPU per thread and phase",
+        help="with --profile: write a stacked-bar PNG of time per thread and phase",
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure and raw timing as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as markdown")

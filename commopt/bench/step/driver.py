@@ -102,8 +102,6 @@ def _job_argv(
             "--profile",
             "--profile-steps",
             str(args.profile_steps),
-            "--profile-rate",
-            str(args.profile_rate),
         ]
     argv = launch_argv(args.nprocs, "--launcher", args.launcher, "--timeout", str(args.timeout))
     if plan.link_arg:

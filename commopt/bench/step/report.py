@@ -103,7 +103,7 @@ def print_model(
     if profiled:
         from commopt.bench.profile_report import profile_table
 
-        print("\nprofile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):")
+        print("\nprofile of rank 0, ms per step (time in each phase's ranges; CPU: each thread's):")
         print(profile_table(profiled))
     print(flush=True)
 
@@ -150,7 +150,7 @@ def markdown_report(report: dict) -> str:
             from commopt.bench.profile_report import profile_table
 
             out += [
-                "Profile of rank 0, ms per step (CPU by phase; asleep: time blocked in a wait):",
+                "Profile of rank 0, ms per step (time in each phase's ranges; CPU: each thread's):",
                 "",
                 profile_table(profiled, markdown=True),
                 "",

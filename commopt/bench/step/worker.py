@@ -119,7 +119,8 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     # Double buffering restarts its pipeline after each pause: one untimed step per block,
     # for every configuration so that all train the same number of steps.
     restarts = n_blocks - 1
-    profile_steps = (1 + args.profile_steps) if profile else 0  # one to restart, then profiled
+    # one to restart, then the same steps without and with the profiler
+    profile_steps = (1 + 2 * args.profile_steps) if profile else 0
     batches = [
         spec.batch(step=i, rank=rank, size=batch)
         for i in range(args.warmup + steps + restarts + profile_steps)
@@ -137,11 +138,32 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
         after_backward = time.perf_counter()
         opt.step()
         end = time.perf_counter()
+        _record(loss, start, after_backward, end, timed)
+        return end - start
+
+    def marked_step() -> float:
+        """train_step's work inside the profile's ranges (only the profiled steps open them)."""
+        from commopt.bench.profile_step import step_range
+
+        x, y = next(feed)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with step_range("forward"):
+            loss = F.cross_entropy(net(x), y)
+        with step_range("backward"):
+            loss.backward()
+        after_backward = time.perf_counter()
+        with step_range("apply"):
+            opt.step()
+        end = time.perf_counter()
+        _record(loss, start, after_backward, end, False)
+        return end - start
+
+    def _record(loss, start: float, after_backward: float, end: float, timed: bool) -> None:
         losses.append(float(loss.detach()))
         if timed:
             step_times.append(end - start)
             backward_times.append(after_backward - start)
-        return end - start
 
     def twin_step(j: int) -> float:
         x, y = batches[args.warmup + j % steps]
@@ -181,7 +203,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
         checksum = float(sum(p.double().sum() for p in model.parameters()))
     prof = None
     if profile:  # after the figures above: the profiler's pauses cannot touch them
-        prof = _profile_steps(cfg, args, rank, train_step, gloo)
+        prof = _profile_steps(cfg, args, rank, train_step, marked_step, gloo)
         if commopt_opt is not None:
             commopt_opt.flush()
     if commopt_opt is not None:
@@ -203,23 +225,39 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     }
 
 
-def _profile_steps(cfg: StepConfig, args, rank: int, train_step, gloo) -> dict:
-    """``args.profile_steps`` more steps under py-spy, with every thread's CPU from /proc."""
-    from commopt.bench.profile_step import PySpy, attribute, cpu_delta, parse_raw, thread_cpu
+def _profile_steps(cfg: StepConfig, args, rank: int, train_step, marked_step, gloo) -> dict:
+    """``args.profile_steps`` steps as timed, then as many under ``torch.profiler`` with every
+    thread's CPU from its clock; the trace is kept beside the rank's results."""
+    import threading
+
+    import torch
+
+    from commopt import profiling
+    from commopt.bench.profile_step import attribute, cpu_delta, thread_cpu, trace_events
 
     train_step(timed=False)  # double buffering: restart the pipeline flushed after the blocks
-    spy = PySpy(Path(f"{args.result}.{cfg.name}.rank{rank}.pyspy.txt"), rate=args.profile_rate)
-    spy.start()
-    gloo.allgather_obj(None)  # both ranks sampled from here on
-    before, wall = thread_cpu(), time.perf_counter()
-    times = [train_step(timed=False) for _ in range(args.profile_steps)]
-    after, wall = thread_cpu(), time.perf_counter() - wall
-    text = spy.stop()
-    threads = attribute(parse_raw(text), cpu_delta(before, after))
+    gloo.allgather_obj(None)
+    # The same steps without the profiler, right before: what profiling them costs.
+    plain_cpu = time.process_time()
+    plain = [train_step(timed=False) for _ in range(args.profile_steps)]
+    plain_cpu = time.process_time() - plain_cpu
+    gloo.allgather_obj(None)  # both ranks profiled from here on
+    with profiling.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        before, wall, cpu = thread_cpu(), time.perf_counter(), time.process_time()
+        times = [marked_step() for _ in range(args.profile_steps)]
+        after, wall = thread_cpu(), time.perf_counter() - wall
+        cpu = time.process_time() - cpu
+    trace = Path(f"{args.result}.{cfg.name}.rank{rank}.trace.json")
+    prof.export_chrome_trace(str(trace))
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    threads = attribute(trace_events(trace), cpu_delta(before, after), names)
     return {
         "steps": args.profile_steps,
-        "rate": args.profile_rate,
         "wall_s": wall,
         "step_times": times,
+        "plain_step_times": plain,
+        "cpu_s": cpu,  # the process's CPU (every thread) over the profiled steps
+        "plain_cpu_s": plain_cpu,  # and over the same steps without the profiler
+        "trace": trace.name,
         "threads": {str(tid): t for tid, t in threads.items()},
     }
