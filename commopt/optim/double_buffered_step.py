@@ -36,8 +36,6 @@ from typing import Any
 
 import torch
 
-from commopt.optim import clipping
-from commopt.optim.bucketed_params import BucketedParameters
 from commopt.optim.compensation import (
     COMPENSATED,
     Compensation,
@@ -46,6 +44,7 @@ from commopt.optim.compensation import (
 )
 from commopt.optim.double_buffering import DoubleBuffer
 from commopt.optim.reduction_counter import ReductionCounter
+from commopt.optim.schedule_base import ScheduleBase
 from commopt.optim.synchronous_step import not_synchronized_error
 from commopt.reducer import StepResult
 
@@ -65,13 +64,14 @@ def inverse_grad_scale(grad_scale: Any) -> float | torch.Tensor:
     return 1.0 / float(grad_scale)
 
 
-class DoubleBufferedSchedule:
+class DoubleBufferedSchedule(ScheduleBase):
     """Step t's averages are applied at step t+1 (``double_buffering=True``/``"compensated"``).
 
     ``compensation``: the prediction of ``double_buffering="compensated"`` (None: plain).
     """
 
     double_buffered = True
+    refused_under = "double_buffering=True"
     supports_closures = False
     #: GradScaler hands over its scale: each rank unscales its own gradients as it sends them.
     unscales_locally = True
@@ -92,20 +92,8 @@ class DoubleBufferedSchedule:
         self.compensation = compensation
         #: the ``double_buffering=`` value this schedule implements
         self.mode: bool | str = True if compensation is None else COMPENSATED
-        self._owned: BucketedParameters | None = None
+        super().__init__()
         self._db = DoubleBuffer()
-        self.guard = clipping.GradWriteGuard()  # .grad writes before the reduction
-
-    def attach(self, owned: BucketedParameters) -> None:
-        """The parameters, buckets and hooks this schedule reduces."""
-        self._owned = owned
-
-    @property
-    def bucketed(self) -> BucketedParameters:
-        """The parameters, buckets and hooks this schedule reduces."""
-        if self._owned is None:
-            raise RuntimeError("internal: a schedule was used before attach()")
-        return self._owned
 
     # -- inspection ---------------------------------------------------------------------------
     @property
@@ -186,13 +174,6 @@ class DoubleBufferedSchedule:
         if self.compensation is not None:
             self.compensation.restore()  # the stale average is applied at the true weights
         return self._db.take()
-
-    def _check_no_local_writes(self) -> None:
-        owned = self.bucketed
-        written = self.guard.written(owned.params, owned.reducer.names)
-        self.guard.clear()
-        if written:
-            raise clipping.write_before_reduction_error(written, "double_buffering=True")
 
     def after_step(self, result: StepResult | None, max_norm: float | None) -> None:
         """Compensated: move the model to the weights this step's local gradients predict."""

@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
-from commopt.optim import clipping
-from commopt.optim.bucketed_params import BucketedParameters
 from commopt.optim.reduction_counter import ReductionCounter
+from commopt.optim.schedule_base import ScheduleBase
 from commopt.optim.step_state import Stage, StepState
 from commopt.reducer import StepReduction, StepResult
 
@@ -54,10 +53,11 @@ def not_synchronized_error() -> RuntimeError:
     )
 
 
-class SynchronousSchedule:
+class SynchronousSchedule(ScheduleBase):
     """Each step's averages are applied by that step (``double_buffering=False``)."""
 
     double_buffered = False
+    refused_under = "overlap=False"
     #: the ``double_buffering=`` value this schedule implements
     mode: bool | str = False
     supports_closures = True
@@ -76,21 +76,9 @@ class SynchronousSchedule:
         self.overlap = bool(overlap)
         self.zero_fill = bool(zero_fill)
         self._ensure_layout = ensure_layout
-        self._owned: BucketedParameters | None = None
+        super().__init__()
         self._state = StepState()
-        self.guard = clipping.GradWriteGuard()  # .grad writes before the reduction
         self._averaged: list = []  # param.grad as the last synchronize() left them
-
-    def attach(self, owned: BucketedParameters) -> None:
-        """The parameters, buckets and hooks this schedule reduces."""
-        self._owned = owned
-
-    @property
-    def bucketed(self) -> BucketedParameters:
-        """The parameters, buckets and hooks this schedule reduces."""
-        if self._owned is None:
-            raise RuntimeError("internal: a schedule was used before attach()")
-        return self._owned
 
     # -- inspection ---------------------------------------------------------------------------
     @property
@@ -220,13 +208,6 @@ class SynchronousSchedule:
             self._check_no_local_writes()
             self.synchronize(explicit=True)
         return self._state.take().result()
-
-    def _check_no_local_writes(self) -> None:
-        owned = self.bucketed
-        written = self.guard.written(owned.params, owned.reducer.names)
-        self.guard.clear()
-        if written:
-            raise clipping.write_before_reduction_error(written, "overlap=False")
 
     def after_step(self, result: StepResult | None, max_norm: float | None) -> None:
         """Nothing to do after the inner step."""
