@@ -7,12 +7,22 @@ import json
 from tests.multirank import run_mpi
 
 SCRIPT = r"""
-import gc, json, threading, torch, commopt
+import gc, json, threading, time, torch, commopt
 from commopt.comm.mpi.transport import live_mpi_communicators as live
 
 def census():
+    # A dropped communicator's worker thread is told to stop when the communicator is
+    # collected and exits a moment later: count once the count has settled (a thread that
+    # never stops is still counted).
     gc.collect()
-    return [threading.active_count(), live()]
+    count = threading.active_count()
+    for _ in range(50):
+        time.sleep(0.05)
+        gc.collect()
+        if threading.active_count() == count:
+            break
+        count = threading.active_count()
+    return [count, live()]
 
 comm = commopt.create_communicator("mpi")
 

@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -175,8 +176,13 @@ class MPICommunicator(Communicator):
         self._world_ranks = MPI.Group.Translate_ranks(mine, list(range(self.size)), world)
         mine.Free()
         world.Free()
+        # The watchdog's registry must not keep this communicator alive: a weak reference.
         self._watch = watch(
-            ProgressWatch(self.timeout, rank=self._world_ranks[self.rank], ranks_of=self._who),
+            ProgressWatch(
+                self.timeout,
+                rank=self._world_ranks[self.rank],
+                ranks_of=_peer_names(weakref.ref(self), self._world_ranks),
+            ),
             _end_job,
         )
         self.cuda_aware = detect_cuda_aware(MPI) if cuda_aware is None else bool(cuda_aware)
@@ -217,13 +223,6 @@ class MPICommunicator(Communicator):
             size=self.size,
             inter_size=self.inter_size,
             min_bytes=self.pipeline_min_bytes,
-        )
-
-    def _who(self, peers: Iterable[int]) -> str:
-        """Peers by world rank, with their node where known: ``1 (host1)``."""
-        names = getattr(self, "node_names", None)
-        return ", ".join(
-            f"{self._world_ranks[p]}" + (f" ({names[p]})" if names else "") for p in peers
         )
 
     @contextlib.contextmanager
@@ -434,3 +433,14 @@ class MPICommunicator(Communicator):
                     _LIVE_COMMS.discard(id(self))
             except MPI.Exception:  # pragma: no cover - already freed
                 pass
+
+
+def _peer_names(comm_ref, world_ranks: list[int]) -> Callable[[Iterable[int]], str]:
+    """Peers by world rank, with their node where known: ``1 (host1)``."""
+
+    def names(peers: Iterable[int]) -> str:
+        comm = comm_ref()
+        nodes = getattr(comm, "node_names", None) if comm is not None else None
+        return ", ".join(f"{world_ranks[p]}" + (f" ({nodes[p]})" if nodes else "") for p in peers)
+
+    return names
