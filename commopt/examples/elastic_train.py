@@ -33,7 +33,7 @@ import commopt
 from commopt.checkpointing import CheckpointManager
 
 
-def build(comm, *, compression: str | None, double_buffering: bool | str):
+def build(comm, *, compression: str | None, double_buffering: bool | str, plans=None):
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = commopt.create_multi_node_optimizer(
@@ -42,6 +42,7 @@ def build(comm, *, compression: str | None, double_buffering: bool | str):
         model=model,
         compression=compression,
         double_buffering=double_buffering,
+        plans=plans,  # per-name rules, e.g. [("0.*", {"double_buffering": False})]
         bucket_cap_mb=0.002,  # a few buckets even for this small model
     )
     return model, opt
@@ -70,9 +71,10 @@ class ElasticRun:
         batch: int = 16,
         compression: str | None = None,
         double_buffering: bool | str = False,
+        plans=None,
     ):
         self.model, self.opt = build(
-            comm, compression=compression, double_buffering=double_buffering
+            comm, compression=compression, double_buffering=double_buffering, plans=plans
         )
         self.steps, self.every = steps, every
         data = dataset()

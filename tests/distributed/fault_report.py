@@ -304,9 +304,11 @@ def checkpoint_section(path: Path = KILL_JSON) -> list[str]:
         "complete checkpoint left it (`commopt/examples/elastic_train.py`).",
         "`tests/distributed/test_elastic_restart.py` kills rank 1 after step 7 of 12",
         "(checkpoints every 5, two epochs of a shuffling DistributedSampler) and restarts",
-        "the job: for no codec, fp16, qsgd4+ef, qsgd4+ef with double buffering and fp16",
-        "with compensated double buffering under torchrun, and the last two under an mpirun",
-        "requeue, the final weights are bit-identical to the same runs never interrupted.",
+        "the job: for no codec, fp16, qsgd4+ef, qsgd4+ef with double buffering, fp16",
+        "with compensated double buffering and a mixed per-group plan (the first layer",
+        "synchronous, the rest compensated qsgd4+ef) under torchrun, and the last three under",
+        "an mpirun requeue, the final weights are bit-identical to the same runs never",
+        "interrupted.",
     ]
     return lines
 

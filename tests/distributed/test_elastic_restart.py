@@ -33,6 +33,8 @@ CONFIGS = {
     "qsgd4+ef": ("qsgd4+ef", False),
     "qsgd4+ef+db": ("qsgd4+ef", True),
     "fp16+compensated": ("fp16", "compensated"),
+    # a mixed plan: the first layer synchronous, the rest compensated qsgd4+ef
+    "mixed": ("qsgd4+ef", "compensated", [("0.*", {"double_buffering": False})]),
 }
 KILL_AFTER = 7
 comm = commopt.create_communicator(comm_name)
@@ -41,7 +43,8 @@ comm = commopt.create_communicator(comm_name)
 def start(root):
     return {
         name: ElasticRun(comm, root / name, steps=12, every=5, compression=CONFIGS[name][0],
-                         double_buffering=CONFIGS[name][1])
+                         double_buffering=CONFIGS[name][1],
+                         plans=CONFIGS[name][2] if len(CONFIGS[name]) > 2 else None)
         for name in configs
     }
 
@@ -64,7 +67,7 @@ if comm.rank == 0:
 print(f"rank {comm.rank} started at steps {starts}")
 """
 
-ALL = "none,fp16,qsgd4+ef,qsgd4+ef+db,fp16+compensated"
+ALL = "none,fp16,qsgd4+ef,qsgd4+ef+db,fp16+compensated,mixed"
 
 
 def assert_bit_identical(work) -> None:
@@ -98,7 +101,7 @@ def test_torchrun_max_restarts_resumes_bit_identically(tmp_path):
 
 
 def test_mpirun_requeue_loop_resumes_bit_identically(tmp_path):
-    args = ["mpi", str(tmp_path), "qsgd4+ef+db,fp16+compensated"]
+    args = ["mpi", str(tmp_path), "qsgd4+ef+db,fp16+compensated,mixed"]
     with pytest.raises(AssertionError):  # the first attempt: rank 1 is killed after step 7
         run_mpi(RANK_SCRIPT, 2, args=args, timeout=300)
     assert (tmp_path / "killed").exists()
