@@ -11,7 +11,7 @@
 
 The (intra, inter) pair of a communicator is built once (two collective ``comm.split``
 calls) and cached here, weakly keyed by the communicator: the split communicators live as
-long as the one they came from, and are finalized when it is collected.
+long as the one they came from.
 """
 
 from __future__ import annotations
@@ -53,13 +53,4 @@ def hierarchy(comm: Communicator) -> tuple[Communicator, Communicator]:
             intra = comm.split(comm.inter_rank, comm.intra_rank)
             inter = comm.split(comm.intra_rank, comm.inter_rank)
             pair = _HIERARCHY[comm] = (intra, inter)
-            # Nothing runs on the pair once its parent is gone (the parent's plans alone use
-            # it): free what the splits hold (MPI communicators, NCCL ones) with the parent.
-            # Not at interpreter exit: each transport's own exit handling covers that.
-            weakref.finalize(comm, _release, intra, inter).atexit = False
         return pair
-
-
-def _release(*comms: Communicator) -> None:
-    for sub in comms:
-        sub.finalize()
