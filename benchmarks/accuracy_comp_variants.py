@@ -16,7 +16,8 @@ position tables, the attention input projections, the 1-D tensors, or the embedd
 with the average instead of the local gradient. ``e0``, ``eavg``, ``ex0.5``: the embedding
 and position tables predicted without a gradient, with the last average, or with half
 local half last average. ``sembonly``: the token-embedding table reduced synchronously
-(its average applied at once), every other tensor double-buffered. Results: docs/accuracy.md.
+(its average applied at once), every other tensor double-buffered; ``sembpos``: the token
+and position tables so. Results: docs/accuracy.md.
 """
 
 import json
@@ -47,7 +48,14 @@ def run(task, optimizer, variant, seed, steps, replicas=4):
     opt = sim.make_optimizer(optimizer, params, peak, momentum=mom)
     delayed = not variant.startswith("fp32")
     # sembonly: the token-embedding table reduced synchronously, the rest double-buffered
-    sync_names = {"embed.weight"} if "sembonly" in variant.split("-") else set()
+    parts = variant.split("-")
+    sync_names = (
+        {"embed.weight"}
+        if "sembonly" in parts
+        else {"embed.weight", "pos"}
+        if "sembpos" in parts
+        else set()
+    )
     nextlr = "nextlr" in variant
     coef = 1.0
     for part in variant.split("-"):

@@ -14,6 +14,10 @@ shares are reduced with the configuration's arithmetic and applied by one optimi
 * ``comp``: compensated double buffering (``commopt.optim.staleness``): each replica takes
   its gradient at the weights predicted from its own last local gradient (with the
   learning rate extrapolated through a warm-up, as ``LocalStepPrediction`` does);
+* ``comp-default``: compensated double buffering as the wrapper runs it by default: the
+  tensors its default rule picks (``commopt.optim.plans.embedding_params``: ``nn.Embedding``
+  weights and the parameters tied to them) reduce synchronously (step t's average applied
+  at step t, never predicted), the others as in ``comp``;
 * ``db-lastupd`` (gradient at ``w + (w - w_prev)``) and ``db-mom`` (momentum/beta1 0.9 ->
   0.8) are the remedies compared in docs/accuracy.md.
 
@@ -38,7 +42,7 @@ from torch import nn
 from commopt.codecs import RngKey, get_codec
 from commopt.optim.staleness import next_lrs, predicted_step
 
-MODES = ("db", "comp", "comp-mix", "comp-avg", "comp-half", "db-lastupd", "db-mom")
+MODES = ("db", "comp", "comp-default", "comp-mix", "comp-avg", "comp-half", "db-lastupd", "db-mom")
 DIVERGED_LOSS = 50.0
 
 
@@ -236,6 +240,12 @@ def run(
     torch.manual_seed(seed)
     model = task.make_model()
     params = list(model.parameters())
+    sync = [False] * len(params)
+    if mode == "comp-default":
+        from commopt.optim.plans import embedding_params
+
+        chosen = embedding_params(model)
+        sync = [id(p) in chosen for p in params]
     opt = make_optimizer(optimizer, params, peak, momentum=0.8 if mode == "db-mom" else 0.9)
     reduce = _Reducer(codec, replicas, seed)
     delayed = mode != "sync"
@@ -246,11 +256,19 @@ def run(
     curve, diverged = [], False
     start = time.perf_counter()
 
-    def apply(avg: torch.Tensor) -> None:
+    def apply(avg: torch.Tensor | None, fresh: torch.Tensor | None = None) -> None:
+        """Step with ``avg``; the synchronous tensors (if any) take ``fresh``, step t's average.
+
+        A tensor whose source is None gets no gradient, which torch's optimizers leave alone
+        (the double-buffered tensors on the first step, the synchronous ones at the flush).
+        """
+        if avg is None and (fresh is None or not any(sync)):
+            return
         offset = 0
-        for p in params:
+        for p, s in zip(params, sync):
             k = p.numel()
-            p.grad = avg[offset : offset + k].view_as(p).clone()
+            src = fresh if s else avg
+            p.grad = None if src is None else src[offset : offset + k].view_as(p).clone()
             offset += k
         opt.step()
 
@@ -270,7 +288,8 @@ def run(
         for r in range(replicas):
             with torch.no_grad():
                 if mode.startswith("comp") and predicted[r] is not None:
-                    torch._foreach_sub_(params, predicted[r])
+                    moved = [(p, d) for p, d in zip(params, predicted[r]) if d is not None]
+                    torch._foreach_sub_([p for p, _ in moved], [d for _, d in moved])
                 elif mode == "db-lastupd" and prev_w is not None:
                     torch._foreach_add_(params, torch._foreach_sub(true_w, prev_w))
             for p in params:
@@ -288,17 +307,21 @@ def run(
             break
         avg = reduce(flats, step)
         prev_w = true_w
+        fresh = avg
         if delayed:
             pending, avg = avg, pending
-        if avg is not None:
-            apply(avg)
+        apply(avg, fresh)
         if mode.startswith("comp"):
             # the next average, estimated from this rank's own gradient (comp, the component's
             # rule); the variants: own share exact and the last average for the others'
             # (comp-mix), the last average only (comp-avg), half the own gradient (comp-half)
-            w_own = {"comp": 1.0, "comp-mix": 1.0 / replicas, "comp-avg": 0.0, "comp-half": 1.0}[
-                mode
-            ]
+            w_own = {
+                "comp": 1.0,
+                "comp-default": 1.0,
+                "comp-mix": 1.0 / replicas,
+                "comp-avg": 0.0,
+                "comp-half": 1.0,
+            }[mode]
             if avg is None:
                 w_own = 1.0
             if mode == "comp-half":
@@ -312,11 +335,13 @@ def run(
                 ]
             lrs = next_lrs(opt, last_lrs)  # a rising (warm-up) rate, extrapolated
             last_lrs = [float(g["lr"]) for g in opt.param_groups]
+            if any(sync):  # compensation predicts only the double-buffered tensors
+                estimates = [[None if s else x for s, x in zip(sync, g)] for g in estimates]
             predicted = [predicted_step(opt, g, lrs) for g in estimates]
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             record(step + 1)
     if not diverged and pending is not None:  # flush(): the last average
-        apply(pending)
+        apply(pending)  # the synchronous tensors have nothing pending
     if not diverged:
         record(steps)
         final = curve[-1]

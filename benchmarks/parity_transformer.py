@@ -10,6 +10,9 @@ test BLEU over the seeds with fp32's:
     qsgd4      --compression qsgd4 (4 bits, buckets of 128, stochastic rounding)
     qsgd4+ef   --compression qsgd4+ef (the same with error feedback)
     db         --double-buffering (updates use one-step-old averaged gradients)
+    comp       --double-buffering compensated (the local-step prediction; the embedding
+               tables reduce synchronously, the wrapper's default rule)
+    comp-stale-emb  the same with --no-synchronous-embeddings (every tensor double-buffered)
 
 Target: every configuration's mean BLEU within 1 point of fp32's. The preset's
 gentle schedule is what double buffering needs: with the earlier lr 3e-3, 100 warm-up
@@ -49,6 +52,8 @@ CONFIGS = {
     "qsgd4": ["--compression", "qsgd4"],
     "qsgd4+ef": ["--compression", "qsgd4+ef"],
     "db": ["--double-buffering"],
+    "comp": ["--double-buffering", "compensated"],
+    "comp-stale-emb": ["--double-buffering", "compensated", "--no-synchronous-embeddings"],
 }
 DEFAULT_CONFIGS = ["fp32", "fp16", "qsgd4", "qsgd4+ef", "db"]
 TOLERANCE_BLEU = 1.0

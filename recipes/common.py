@@ -64,13 +64,29 @@ def add_commopt_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--double-buffering",
+        nargs="?",
+        const=True,
+        default=False,
+        type=lambda v: v if v == "compensated" else _bad_mode(v),
+        help="overlap step t's allreduce with step t+1's compute (update uses t-1); "
+        "'--double-buffering compensated' adds the local-step prediction",
+    )
+    g.add_argument(
+        "--no-synchronous-embeddings",
         action="store_true",
-        help="overlap step t's allreduce with step t+1's compute (update uses t-1)",
+        help="under --double-buffering compensated, double-buffer the embedding tables too "
+        "(by default they reduce synchronously)",
     )
     g.add_argument(
         "--no-overlap", action="store_true", help="reduce after backward instead of during it"
     )
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size")
+
+
+def _bad_mode(value: str) -> str:
+    raise argparse.ArgumentTypeError(
+        f"--double-buffering takes no value or 'compensated', got {value!r}"
+    )
 
 
 def check_commopt_arguments(args: argparse.Namespace) -> None:
@@ -149,6 +165,7 @@ def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=Non
         bucket_cap_mb=args.bucket_cap_mb,
         model=model,
         seed=seed,
+        synchronous_embeddings=not getattr(args, "no_synchronous_embeddings", False),
     )
 
 
@@ -156,7 +173,9 @@ def config_label(args: argparse.Namespace) -> str:
     """A short name of the communication configuration, e.g. ``qsgd4+db``."""
     parts = [args.compression or args.allreduce_grad_dtype or "fp32"]
     if args.double_buffering:
-        parts.append("db")
+        parts.append("comp" if args.double_buffering == "compensated" else "db")
+        if getattr(args, "no_synchronous_embeddings", False):
+            parts.append("stale-embeddings")
     if args.no_overlap:
         parts.append("no-overlap")
     return "+".join(parts)

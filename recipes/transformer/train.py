@@ -327,9 +327,11 @@ class Trainer:
         return self.comm.bcast_obj(score, 0)
 
     def validate(self, epoch: int) -> None:
-        result = self.valid_loss()
-        if self.args.eval_bleu:
-            result["bleu"] = self.bleu("valid")
+        # compensated double buffering: the model holds predicted weights between steps
+        with self.optimizer.true_weights():
+            result = self.valid_loss()
+            if self.args.eval_bleu:
+                result["bleu"] = self.bleu("valid")
         self.best_valid_loss = min(self.best_valid_loss, result["loss"])
         self.log.event(
             "valid",
