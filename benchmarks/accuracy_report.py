@@ -263,6 +263,35 @@ def main() -> int:
             f"{100 * STALENESS_TOLERANCE:g}%",
             accuracy_rule=False,
         )
+    default_rule = load("accuracy-comp-default*.json")
+    if default_rule:
+        base = [
+            r
+            for r in staleness
+            if r["config"] == "fp32" and r.get("lr_scale", 1.0) == 1.0 and r["seed"] in (0, 1, 2)
+        ]
+        comp = [r for r in load("accuracy-comp-lr-extrapolated.json") if r["config"] == "comp"]
+        out += [
+            "## Compensated double buffering with the default rule",
+            "",
+            "`comp`: every tensor compensated double-buffered; `comp-default`: the wrapper's "
+            'default under `double_buffering="compensated"`, where `nn.Embedding` weights and '
+            "the parameters tied to them reduce synchronously (the text model's tied "
+            "token-embedding table; the digits CNN has none, so there the two are the same "
+            "arithmetic). fp32 from the staleness study, `comp` from "
+            "`accuracy-comp-lr-extrapolated.json`. Command: `python benchmarks/accuracy_study.py "
+            "remedies --tasks text,digits --optimizers OPT --configs comp-default "
+            "--out benchmarks/results/accuracy-comp-default-OPT.json` (OPT sgd, adam). "
+            f"Target: within {100 * STALENESS_TOLERANCE:g}% of fp32.",
+            "",
+        ]
+        out += table(
+            base + comp + default_rule,
+            ("fp32", "comp", "comp-default"),
+            STALENESS_TOLERANCE,
+            f"{100 * STALENESS_TOLERANCE:g}%",
+            accuracy_rule=False,
+        )
     if any(r.get("lr_scale", 1.0) != 1.0 for r in lrmap):
         out += [
             "## Where double buffering is stable: final metric against the learning rate",

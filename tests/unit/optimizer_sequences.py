@@ -9,9 +9,19 @@ every call the trace keeps a short digest of the weights, the gradients, the exc
 and message) and the counters. ``tests/unit/test_optimizer_sequences.py`` replays the
 recorded sequences and compares digests call by call.
 
+The digests are of float bits, and floating-point sums come out differently on CPUs with
+other vector units (AVX2 against AVX-512 kernels in ATen, MKL's per-CPU code paths). So
+sequences are recorded and replayed with pinned numerics (``PINNED_NUMERICS``: ATen's
+portable kernels, MKL's compatible code path, one thread, no oneDNN): the same bits on any
+x86-64 CPU. ``main()`` restarts itself with them when they are not set.
+
 Record (only when a behaviour change is intended, and say so in the commit)::
 
-    PYTHONPATH=. python -m tests.unit.optimizer_sequences --record
+    PYTHONPATH=. python -m tests.unit.optimizer_sequences --record --sequences 220 --length 35
+
+Replay one quarter of the fixture (what the test runs, in a process of its own)::
+
+    PYTHONPATH=. python -m tests.unit.optimizer_sequences --replay 0 --of 4
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
+import sys
 import warnings
 from pathlib import Path
 
@@ -30,6 +42,13 @@ import torch
 import commopt
 
 FIXTURE = Path(__file__).with_name("optimizer_sequences.json")
+#: Environment for CPU-independent float results; it must be set before torch is imported.
+PINNED_NUMERICS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 CALLS = (
     "backward",
     "backward",
@@ -230,12 +249,50 @@ def run_sequence(seed: int, length: int) -> dict:
     return {"seed": seed, "mode": mode, "calls": calls, "trace": trace}
 
 
+def pinned() -> bool:
+    return all(os.environ.get(k) == v for k, v in PINNED_NUMERICS.items())
+
+
+def replay(chunk: int, of: int) -> list[str]:
+    """Replay every ``of``-th recorded sequence from ``chunk``; the mismatches, in words."""
+    recorded_all = json.loads(FIXTURE.read_text())
+    problems = []
+    for recorded in recorded_all["runs"][chunk::of]:
+        run = run_sequence(recorded["seed"], recorded_all["length"])
+        where = f"sequence seed={recorded['seed']} mode={recorded['mode']}"
+        if run["mode"] != recorded["mode"] or short(" ".join(run["calls"])) != recorded["calls"]:
+            problems.append(f"{where}: the mode or the call draw changed")
+            continue
+        for i, (got, want) in enumerate(zip(run["trace"], recorded["trace"].split())):
+            if short(got) != want:
+                problems.append(
+                    f"{where}: call {i} ({run['calls'][i]}) now gives {got!r}; "
+                    f"calls so far: {run['calls'][: i + 1]}"
+                )
+                break
+    return problems
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="write " + FIXTURE.name)
     parser.add_argument("--sequences", type=int, default=200)
     parser.add_argument("--length", type=int, default=30)
+    parser.add_argument("--replay", type=int, metavar="CHUNK", help="replay this chunk")
+    parser.add_argument("--of", type=int, default=4, help="chunks (default 4)")
     args = parser.parse_args()
+    if not pinned():  # torch is imported already: start again with the pinned numerics
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "tests.unit.optimizer_sequences", *sys.argv[1:]],
+            {**os.environ, **PINNED_NUMERICS},
+        )
+    torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = False
+    if args.replay is not None:
+        problems = replay(args.replay, args.of)
+        print("\n".join(problems) if problems else "replayed identically")
+        sys.exit(1 if problems else 0)
     runs = [run_sequence(seed, args.length) for seed in range(args.sequences)]
     if args.record:
         for run in runs:
