@@ -371,9 +371,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         )
         if self._release is not None:
             self._release.atexit = False
+        self._rebuild(broadcast=True)  # (every rank's settings agree, or all raise)
         if self._auto is not None:
             self._auto.link_rate = self._auto_link_rate(auto_link_rate)
-        self._rebuild(broadcast=True)
 
     def _auto_link_rate(self, given) -> float:
         """Rank 0's allreduce rate: given, from the environment, or probed (on every rank)."""
