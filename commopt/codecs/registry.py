@@ -74,6 +74,11 @@ def get_codec(spec: str | Codec | None) -> Codec:
             )
         name, start_iter = base, int(start)
     factory = _FACTORIES.get(name)
+    if name == "auto":
+        raise ValueError(
+            "'auto' is not a codec: create_multi_node_optimizer(compression='auto') chooses a "
+            "codec per tensor; here, name one codec (e.g. 'qsgd4', 'powersgd4')"
+        )
     if factory is None:
         valid = ", ".join(codec_names())
         raise ValueError(
