@@ -10,6 +10,11 @@ matrix ``Q`` (``cols x r``) kept from the previous step:
 4. the result is ``orth(P) @ Q.T``, the projection of the summed ``M`` on ``orth(P)``'s
    columns; ``e = M - result / size`` is kept for the next step, and so is ``Q``.
 
+Warm-up: with ``start_iter=N`` the reductions numbered below ``N`` (the optimizer's
+reduction number, saved in its checkpoints) are plain float32 allreduces of the whole
+buffer, as torch's hook does for ``start_powerSGD_iter``; the codec's state is left alone
+and compression starts at reduction ``N``, from the first ``Q`` and a zero residual.
+
 A matrix of rank <= ``r`` is reproduced exactly (up to float rounding) once ``Q`` is
 warm: the first step starts from a random ``Q`` and is as accurate as that ``Q`` is aligned
 with the matrix's rows (one power iteration per step). What travels per matrix is
@@ -118,6 +123,8 @@ class PowerSGD(Codec):
     ``min_compression_rate``: a matrix is compressed when ``(rows + cols) * r`` times this
     is below ``rows * cols`` (``r = min(rank, rows, cols)``); the others travel exactly.
     ``seed`` keys the first ``Q`` of every bucket (the same on every rank).
+    ``start_iter``: the reductions numbered below it travel uncompressed (warm-up; the name
+    ``"powersgd4-start1000"`` is ``PowerSGD(4, start_iter=1000)``).
     """
 
     linear = False
@@ -133,16 +140,27 @@ class PowerSGD(Codec):
         error_feedback: bool = True,
         min_compression_rate: float = 2.0,
         seed: int = 0,
+        start_iter: int = 0,
     ):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD rank must be an integer >= 1, got {rank!r}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(
+                f"start_iter must be an integer >= 0 (the first reduction compressed), got "
+                f"{start_iter!r}"
+            )
         if not min_compression_rate >= 0:
             raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
         self.rank = rank
         self.error_feedback = bool(error_feedback)
         self.min_compression_rate = float(min_compression_rate)
         self.seed = int(seed)
-        self.name = f"powersgd{rank}" + ("" if self.error_feedback else "-noef")
+        self.start_iter = start_iter
+        self.name = (
+            f"powersgd{rank}"
+            + ("" if self.error_feedback else "-noef")
+            + (f"-start{start_iter}" if start_iter else "")
+        )
         self._qs: dict[Hashable, torch.Tensor] = {}
         self._residuals: dict[Hashable, torch.Tensor] = {}
         self._first_q: dict[Hashable, torch.Tensor] = {}  # not state: derived from the seed
@@ -231,6 +249,33 @@ class PowerSGD(Codec):
         return lay.p_numel + lay.q_numel
 
     # -- one reduction ---------------------------------------------------------------------------
+    def warming_up(self, step: int | None) -> bool:
+        """True when reduction ``step`` travels uncompressed (``step < start_iter``)."""
+        if not self.start_iter:
+            return False
+        if step is None:
+            raise ValueError(
+                f"{self.name} compresses from reduction {self.start_iter} on and needs each "
+                "reduction's number: pass rng=RngKey(seed, rank, step) to allreduce (the "
+                "reducer and the optimizer wrapper do)"
+            )
+        return step < self.start_iter
+
+    def begin_uncompressed(self, step: int) -> None:
+        """A warm-up reduction begins (in issue order, as :meth:`start` would): the previous
+        reduction is final, and this one updates nothing (:meth:`discard_step` after it has
+        nothing to put back)."""
+        self._close_step(step)
+
+    def _close_step(self, step: int | None) -> None:
+        """A reduction numbered ``step`` begins: the previous one, if another, is final."""
+        if step is None or step != self._open_step:
+            for key_, (_, old_res) in self._undo.items():  # the previous step is final
+                if old_res is not None:
+                    self._spare[key_] = old_res
+            self._undo = {}
+            self._open_step = step
+
     def start(
         self,
         flat: torch.Tensor,
@@ -251,12 +296,7 @@ class PowerSGD(Codec):
             raise ValueError(f"{self.name}: needs a contiguous 1-D float32 buffer")
         if size < 1:
             raise ValueError(f"{self.name}: size must be >= 1, got {size}")
-        if step is None or step != self._open_step:
-            for key_, (_, old_res) in self._undo.items():  # the previous step is final
-                if old_res is not None:
-                    self._spare[key_] = old_res
-            self._undo = {}
-            self._open_step = step
+        self._close_step(step)
         return LowRankReduction(self, flat, self.layout(flat.numel(), shapes), key, factor, size)
 
     def _initial_q(self, key: Hashable, lay: _Layout, device: torch.device) -> torch.Tensor:
@@ -361,7 +401,8 @@ class PowerSGD(Codec):
 
     def __repr__(self) -> str:
         ef = "" if self.error_feedback else ", error_feedback=False"
-        return f"PowerSGD(rank={self.rank}{ef})"
+        warm = f", start_iter={self.start_iter}" if self.start_iter else ""
+        return f"PowerSGD(rank={self.rank}{ef}{warm})"
 
 
 class LowRankReduction:

@@ -6,6 +6,8 @@ ErrorFeedback(QSGD(bits=4, bucket_size=128, scale='max'))
 'fp16'
 >>> get_codec("powersgd4")
 PowerSGD(rank=4)
+>>> get_codec("powersgd4-start100")  # warm-up: reductions 0..99 uncompressed
+PowerSGD(rank=4, start_iter=100)
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ def _low_rank(rank: int) -> Callable[[], Codec]:
 
 _FACTORIES.update({f"powersgd{r}": _low_rank(r) for r in LOW_RANKS})
 EF_SUFFIX = "+ef"
+#: ``"powersgd4-start1000"``: a low-rank name with a warm-up of 1000 uncompressed reductions.
+START_SUFFIX = "-start"
 
 
 def codec_names() -> list[str]:
     """Every name ``get_codec`` accepts (each also with the ``+ef`` suffix, except the
-    low-rank ``powersgdN``, whose error feedback is built in)."""
+    low-rank ``powersgdN``, whose error feedback is built in; those take ``-startK`` instead,
+    a warm-up of K uncompressed reductions)."""
     return list(_FACTORIES)
 
 
@@ -59,14 +64,31 @@ def get_codec(spec: str | Codec | None) -> Codec:
     ef = name.endswith(EF_SUFFIX)
     if ef:
         name = name[: -len(EF_SUFFIX)]
+    start_iter = 0
+    base, sep, start = name.partition(START_SUFFIX)
+    if sep and base.startswith("powersgd") and base in _FACTORIES:
+        if not start.isdigit():
+            raise ValueError(
+                f"codec {spec!r}: the warm-up suffix takes a number of reductions, e.g. "
+                f"'{base}{START_SUFFIX}1000'"
+            )
+        name, start_iter = base, int(start)
     factory = _FACTORIES.get(name)
+    if name == "auto":
+        raise ValueError(
+            "'auto' is not a codec: create_multi_node_optimizer(compression='auto') chooses a "
+            "codec per tensor; here, name one codec (e.g. 'qsgd4', 'powersgd4')"
+        )
     if factory is None:
         valid = ", ".join(codec_names())
         raise ValueError(
             f"unknown codec {spec!r}; valid names: {valid} (append '+ef' for error feedback), "
             "or pass a Codec instance such as commopt.codecs.QSGD(bits=4, bucket_size=128)"
         )
-    codec = factory()
+    if start_iter:
+        codec: Codec = PowerSGD(rank=int(name[len("powersgd") :]), start_iter=start_iter)
+    else:
+        codec = factory()
     if ef and isinstance(codec, PowerSGD):
         raise ValueError(
             f"{name!r} keeps its own error feedback: use {name!r} without '+ef' "

@@ -8,7 +8,8 @@ the communicator's worker, :mod:`commopt.driver`) and on stream-ordered ones (en
 the communicator's stream: the codec's math is tensor operations on the buffer's device
 and reads nothing back to the host). Everything runs inside the returned callable, in
 issue order: a bucket's warm-start Q and residual are read after the previous reduction of
-the same bucket has written them, also with double buffering.
+the same bucket has written them, also with double buffering. During the codec's warm-up
+(``start_iter``) the plan is one float32 allreduce of the whole buffer.
 """
 
 from __future__ import annotations
@@ -42,8 +43,15 @@ def plan_lowrank(
     shapes = [(int(off), tuple(int(d) for d in shape)) for off, shape in shapes]
     codec.layout(flat.numel(), shapes)  # bad shapes fail here, on the caller's thread
     step = rng.step if rng is not None else None
+    warm = codec.warming_up(step)  # (raises here, on the caller's thread, without a step)
 
     def finish() -> None:
+        if warm:  # warm-up: one plain float32 allreduce of everything
+            codec.begin_uncompressed(step)  # type: ignore[arg-type]
+            if factor != 1.0:
+                flat.mul_(factor)
+            comm.allreduce(flat)
+            return
         job = codec.start(flat, shapes, key=key, factor=factor, size=comm.size, step=step)
         if job.p.numel():
             comm.allreduce(job.p)

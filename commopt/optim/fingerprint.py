@@ -74,7 +74,7 @@ def check_same_settings(opt, buckets, plans: dict[str, str] | None = None) -> No
 def _raise_differences(comm, mine: dict[str, str]) -> None:
     everyone = comm.allgather_obj(mine)
     problems = []
-    for name in mine:
+    for name in dict.fromkeys(k for theirs in everyone for k in theirs):  # any rank's settings
         groups: dict[str, list[int]] = {}
         for r, theirs in enumerate(everyone):
             groups.setdefault(str(theirs.get(name)), []).append(r)

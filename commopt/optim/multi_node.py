@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,13 @@ from commopt.codecs.base import Codec
 from commopt.comm.base import Communicator
 from commopt.optim._wrapping import init_hook_tables, inner_attribute
 from commopt.optim.apply_step import StepApplier
+from commopt.optim.auto_plan import (
+    AutoPlan,
+    AutoPlanning,
+    TensorInfo,
+    link_rate_setting,
+    probe_link_rate,
+)
 from commopt.optim.bucketed_params import BucketedParameters
 from commopt.optim.checkpoint import (
     commopt_state,
@@ -106,6 +114,8 @@ def create_multi_node_optimizer(
     clip_grad_norm: float | None = None,
     plans=None,
     synchronous_embeddings: bool = True,
+    auto_link_rate: float | str | None = None,
+    auto_measure_steps: int = 3,
 ) -> MultiNodeOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
 
@@ -134,6 +144,14 @@ def create_multi_node_optimizer(
     ``model``'s ``nn.Embedding`` weights and the parameters tied to them reduce synchronously
     (with ``overlap``) unless a rule or their group says otherwise; rank 0 logs it once.
 
+    ``compression="auto"``: a codec per tensor, chosen by rank 0 after the first
+    ``1 + auto_measure_steps`` steps (reduced exactly, in ``step()``, while the backward pass
+    and the time between steps are measured) so that the reduction fits under the backward
+    pass (under the step for double-buffered tensors) on a link of ``auto_link_rate`` (bytes/s,
+    or a text such as ``"1gbit"``; default: the ``COMMOPT_LINK_RATE`` environment variable,
+    else a short probe of the link at construction). Rank 0 broadcasts the plan as JSON, logs
+    it as a table once, and the checkpoint records it (``opt.auto_plan``; docs/optimizer.md).
+
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
     ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
     communication: each rank saves its own).
@@ -154,7 +172,28 @@ def create_multi_node_optimizer(
         clip_grad_norm=clip_grad_norm,
         plans=plans,
         synchronous_embeddings=synchronous_embeddings,
+        auto_link_rate=auto_link_rate,
+        auto_measure_steps=auto_measure_steps,
     )
+
+
+def _is_auto(compression) -> bool:
+    return isinstance(compression, str) and compression.strip().lower() == "auto"
+
+
+def _refuse_auto_with_plans(param_groups: list[dict], plans) -> None:
+    """``compression="auto"`` chooses every tensor's codec: no rule or group may choose one."""
+    if plans:
+        raise ValueError(
+            "compression='auto' chooses a codec for every tensor and cannot be combined with "
+            "plans=; pass one or the other"
+        )
+    for i, group in enumerate(param_groups):
+        if "compression" in group:
+            raise ValueError(
+                f"parameter group {i} sets compression, but compression='auto' chooses every "
+                "tensor's codec: remove the group's key, or pass a codec instead of 'auto'"
+            )
 
 
 def _sets_plans(param_groups: list[dict]) -> bool:
@@ -260,6 +299,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         clip_grad_norm=None,
         plans=None,
         synchronous_embeddings=True,
+        auto_link_rate=None,
+        auto_measure_steps=3,
     ):
         if isinstance(optimizer, MultiNodeOptimizer):
             raise TypeError(
@@ -275,10 +316,18 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._inner = optimizer
         self.comm = comm
         self.double_buffering, self.compensated = parse_mode(double_buffering)
+        self._user_double_buffering = double_buffering
         self.zero_fill = bool(zero_fill)
         self.overlap = bool(overlap)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.algorithm = algorithm
+        # compression="auto": the first steps reduce exactly (synchronously, in step()) while
+        # the compute time is measured; then rank 0's plan sets every tensor's codec.
+        self._auto: AutoPlanning | None = None
+        if _is_auto(compression):
+            _refuse_auto_with_plans(optimizer.param_groups, plans)
+            self._auto = AutoPlanning(0.0, auto_measure_steps)  # (the rate: below)
+            compression, double_buffering = None, False
         self.codec, self.plain_codec, self.policy = resolve_codecs(
             comm, allreduce_grad_dtype, compression, policy
         )
@@ -294,7 +343,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._embedding_rule = bool(synchronous_embeddings) and self.compensated
         self._embedding_logged = False
         self._mixed = (
-            bool(self._rules)
+            self._auto is not None
+            or bool(self._rules)
             or _sets_plans(optimizer.param_groups)
             or bool(self._embedding_ids(model) & {id(p) for p in self._all_params()})
         )
@@ -321,7 +371,21 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         )
         if self._release is not None:
             self._release.atexit = False
-        self._rebuild(broadcast=True)
+        self._rebuild(broadcast=True)  # (every rank's settings agree, or all raise)
+        if self._auto is not None:
+            self._auto.link_rate = self._auto_link_rate(auto_link_rate)
+
+    def _auto_link_rate(self, given) -> float:
+        """Rank 0's allreduce rate: given, from the environment, or probed (on every rank)."""
+        mine = link_rate_setting(given, self.comm.size, os.environ)
+        if self.comm.size == 1:
+            return mine if mine is not None else float("inf")
+        rate = self.comm.bcast_obj(mine, root=0)
+        if rate is None:
+            params = self._all_params()
+            device = params[0].device if params else torch.device("cpu")
+            rate = self.comm.bcast_obj(probe_link_rate(self._data_comm, device=device), root=0)
+        return float(rate)
 
     # -- counters (StepApplier's) --------------------------------------------------------------
     @property
@@ -458,6 +522,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 _refuse_new_group_plans(groups)
                 plans = [self._default_plan] * len(params)
             described = group_plans(groups, plans)
+            if self._auto is not None:
+                described["compression='auto'"] = self._auto.describe()
             check_same_plans(self.comm, described)  # before any plan's communicator
             order = list(dict.fromkeys(plans[i] for i in trainable)) or [self._default_plan]
             self._set_parts(order)
@@ -555,7 +621,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         else:
             schedule = SynchronousSchedule(
                 counter,
-                overlap=self.overlap,
+                # (measuring for compression="auto": sent in step(), outside the backward)
+                overlap=self.overlap and (self._auto is None or not self._auto.measuring),
                 zero_fill=self.zero_fill,
                 ensure_layout=self._ensure_layout,
             )
@@ -586,6 +653,84 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 part.schedule.before_layout_change()
             self._rebuild(broadcast=True)
 
+    # -- compression="auto" ---------------------------------------------------------------------
+    @property
+    def auto_plan(self) -> AutoPlan | None:
+        """``compression="auto"``'s plan: each tensor's codec (None while measuring, or
+        without ``"auto"``)."""
+        return None if self._auto is None else self._auto.plan
+
+    def _auto_tensors(self) -> list[TensorInfo]:
+        """The trainable parameters as the planner sees them."""
+        from commopt.codecs import CompressionPolicy
+
+        groups = self._inner.param_groups
+        params = self._all_params()
+        model = self._model_ref() if self._model_ref is not None else None
+        names = param_names(groups, model)
+        policy = self._policy_arg if self._policy_arg is not None else CompressionPolicy()
+        final = param_plans(
+            groups, names, None, self._user_double_buffering, [], self._embedding_ids(model)
+        )
+        return [
+            TensorInfo(
+                n,
+                tuple(p.shape),
+                compressible=policy.should_compress(n, p.shape),
+                double_buffered=bool(plan.double_buffering),
+                tie="compensated" if plan.double_buffering == "compensated" else None,
+            )
+            for n, p, plan in zip(names, params, final)
+            if p.requires_grad
+        ]
+
+    def _decide_auto_plan(self) -> None:
+        """Rank 0 plans from its measurements; every rank takes its JSON (a collective call)."""
+        assert self._auto is not None
+        self._drain()
+        with self._own_reads():
+            text = None
+            if self.comm.rank == 0:
+                exact = self.plain_codec.encoded_nbytes(1)  # the uncompressed codec's width
+                text = self._auto.decide(self._auto_tensors(), exact).to_json()
+            if self.comm.size > 1:
+                text = self.comm.bcast_obj(text, root=0)
+            self._use_auto_plan(AutoPlan.from_json(text))  # type: ignore[arg-type]
+
+    def _use_auto_plan(self, plan: AutoPlan) -> None:
+        """Reduce every tensor as ``plan`` says, from the next step on (new parts)."""
+        assert self._auto is not None
+        mine = {t.name for t in self._auto_tensors()}
+        if set(plan.choices) != mine:
+            raise ValueError(
+                "the automatic plan names other tensors than this optimizer's trainable "
+                f"parameters (plan only: {sorted(set(plan.choices) - mine)[:5]}; parameters "
+                f"only: {sorted(mine - set(plan.choices))[:5]}): load a checkpoint of the "
+                "same model"
+            )
+        self._drain()
+        for part in self._parts:  # the measuring part is idle between steps
+            part.schedule.close()
+            part.owned.remove_hooks()
+            if part.release is not None:
+                part.release()
+        self._parts = []
+        self._auto.plan = plan
+        self._rules = check_rules(plan.rules())
+        self._default_plan = Plan(None, self._user_double_buffering)
+        self._rebuild(broadcast=False)
+        if self.comm.rank == 0 and not self._auto.logged:
+            self._auto.logged = True
+            log.info(
+                "commopt: compression='auto' chose (allreduce rate %.3g bytes/s, backward "
+                "%.3g s, step %.3g s%s):\n%s",
+                plan.inputs.get("link_rate", 0.0),
+                plan.inputs.get("backward_s", 0.0),
+                plan.inputs.get("step_s", 0.0),
+                "" if plan.fits else "; the reduction does not fit even at the cheapest options",
+                plan.table(),
+            )
+
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, part: _PlanPart, index: int) -> None:
         if self._no_sync:
@@ -599,6 +744,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     "the last one outside, then synchronize()/step()"
                 )
             return
+        if self._auto is not None and self._auto.measuring:
+            self._auto.timer.grad_ready()
         # Once per backward: DDP's contract, the averages are in .grad when backward() returns.
         part.owned.hooks.queue_end_of_backward()
         part.schedule.grad_ready(index)
@@ -614,6 +761,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         part.owned.hooks.end_queued = False
         if self._no_sync:
             return
+        if self._auto is not None and self._auto.measuring:
+            self._auto.timer.backward_end()
         with self._own_reads():
             part.schedule.backward_end()
 
@@ -720,6 +869,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         """
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
+        measuring = self._auto is not None and self._auto.measuring
+        if measuring:
+            self._auto.timer.step_begin()  # type: ignore[union-attr]
         loss = None
         for part in self._parts:  # (a backward that raised never ran its callback)
             part.owned.hooks.end_queued = False
@@ -732,6 +884,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 loss = self._step_with_closure(closure)
             else:
                 self._apply_step()
+        if measuring:
+            self._auto.timer.step_end()  # type: ignore[union-attr]
+            if self._auto.timer.done:  # type: ignore[union-attr]
+                self._decide_auto_plan()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -884,6 +1040,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     schedule_state=states[0],
                     reducer=self._parts[0].owned.reducer,
                 )
+            if self._auto is not None and self._auto.plan is not None:
+                extra["auto_plan"] = self._auto.plan.to_json()
             sd = self._inner.state_dict()
             sd["commopt"] = extra
             return sd
@@ -897,6 +1055,16 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._inner.load_state_dict(sd)
             if extra is None:
                 return
+            recorded = extra.get("auto_plan")
+            if recorded and self._auto is None:
+                raise ValueError(
+                    "the checkpoint was saved by an optimizer created with compression='auto': "
+                    "create this one with compression='auto' too (it resumes the recorded plan)"
+                )
+            if recorded and self._auto is not None:
+                plan = AutoPlan.from_json(recorded)
+                if plan != self._auto.plan:  # the recorded plan, not a new decision
+                    self._use_auto_plan(plan)
             if self._mixed:
                 self.seed, per_part = load_plans_state(
                     extra,

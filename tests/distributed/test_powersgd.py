@@ -106,7 +106,7 @@ with torch.random.fork_rng(devices=[]):
 # commopt: the same local gradients through its reducer (2-D tensors in a low-rank bucket).
 plist = list(net.parameters())
 plist_names = [names[id(p)] for p in plist]
-codec = PowerSGD(RANK, min_compression_rate=1.0)
+codec = PowerSGD(RANK, min_compression_rate=1.0, start_iter=START)  # torch's warm-up
 reducer = GradientReducer(comm, plist, plist_names, codec=codec, plain_codec=None,
                           policy=CompressionPolicy(min_compress_numel=0, exclude=()),
                           bucket_cap_mb=100)
@@ -135,7 +135,7 @@ def reference(step):
     out = {}
     for n in plist_names:
         both = [g.double() for g in gathered(local[n])]
-        if n not in compressed:
+        if n not in compressed or step < START:  # (warm-up: plain averages)
             out[n] = (both[0] + both[1]) / 2
             continue
         ms = [(g + e).reshape(params[n].shape[0], -1) for g, e in zip(both, ref_e[n])]
@@ -149,7 +149,7 @@ def reference(step):
 
 
 worst = 0.0
-for step in range(START, STEPS):
+for step in range(STEPS):  # the warm-up's plain averages, then the compressed steps
     _, local, want = records[step]
     exact = reference(step)
     for p, n in zip(plist, plist_names):
@@ -169,6 +169,10 @@ for step in range(START, STEPS):
             f"rank {rank} step {step} {n}: {ours:.2e} from the float64 run, torch's hook {theirs:.2e}")
         both = gathered(p.grad)
         assert torch.equal(both[0], both[1]), f"rank {rank} step {step} {n}: ranks differ"
+        if step < START:
+            assert torch.equal(p.grad, ref), f"rank {rank} warm-up step {step} {n}: not exact"
+    if step < START:
+        assert not codec.state_dict()["residuals"], f"rank {rank}: warm-up step {step} kept a residual"
 print("ok", rank, f"{worst:.2e}")
 """
 
@@ -347,4 +351,82 @@ def test_host_ordered_transports(backend):
     if backend == "horovod":
         pytest.importorskip("horovod.torch", reason="run 'make horovod' to build it")
     out = run_mpi(TRANSPORT, 2, args=[backend], timeout=240)
+    assert [line.split()[:2] for line in out] == [["ok", "0"], ["ok", "1"]], out
+
+
+WARMUP = r"""
+import io
+import torch, torch.distributed as dist
+import commopt
+from commopt.codecs import CompressionPolicy
+from commopt.optim import create_multi_node_optimizer
+
+comm = commopt.create_communicator("torch")
+rank = comm.rank
+START = 3
+
+
+def build(compression, double_buffering):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), comm,
+        double_buffering=double_buffering, compression=compression, model=model,
+        policy=CompressionPolicy(min_compress_numel=64))
+    return model, opt
+
+
+def train(model, opt, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def low_rank_state(opt):
+    return opt.state_dict()["commopt"]["codec_state"]["compressed"]
+
+
+for db in (False, True):
+    mode = f"double_buffering={db}"
+    model, opt = build(f"powersgd2-start{START}", db)
+    exact, exact_opt = build(None, db)
+    train(model, opt, range(2))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)  # mid-warm-up
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, range(2, START))
+    train(exact, exact_opt, range(START))
+    assert torch.equal(flat(model), flat(exact)), f"rank {rank} {mode}: warm-up is not exact"
+    assert not low_rank_state(opt)["qs"], f"rank {rank} {mode}: a warm-up step kept a Q"
+    train(model, opt, range(START, START + 4))
+    train(exact, exact_opt, range(START, START + 4))
+    opt.flush(); exact_opt.flush()
+    assert not torch.equal(flat(model), flat(exact)), f"rank {rank} {mode}: never compressed"
+    assert low_rank_state(opt)["qs"], f"rank {rank} {mode}: no Q after the warm-up"
+    both = [torch.empty_like(flat(model)) for _ in range(2)]
+    dist.all_gather(both, flat(model))
+    assert torch.equal(both[0], both[1]), f"rank {rank} {mode}: ranks diverged"
+
+    resumed, resumed_opt = build(f"powersgd2-start{START}", db)
+    resumed.load_state_dict(saved_model)
+    buf.seek(0)
+    resumed_opt.load_state_dict(torch.load(buf, weights_only=False))
+    train(resumed, resumed_opt, range(2, START + 4))
+    resumed_opt.flush()
+    assert torch.equal(flat(model), flat(resumed)), (
+        f"rank {rank} {mode}: the run resumed mid-warm-up differs by "
+        f"{(flat(model) - flat(resumed)).abs().max()}")
+print("ok", rank)
+"""
+
+
+def test_warm_up_is_exact_and_resumes_mid_warm_up():
+    out = run_torch(WARMUP, nprocs=2, timeout=300)
     assert [line.split()[:2] for line in out] == [["ok", "0"], ["ok", "1"]], out

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import commopt
 from commopt import collectives
-from commopt.codecs import ErrorFeedback, PowerSGD, codec_names, get_codec
+from commopt.codecs import ErrorFeedback, PowerSGD, RngKey, codec_names, get_codec
 from commopt.codecs.lowrank import orthogonalize_
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -306,3 +306,63 @@ def test_allreduce_plan_on_one_rank():
     )
     assert torch.allclose(flat[:48], m, atol=1e-4) and torch.equal(flat[48:], v)
     assert codec.q("k") is not None and codec.residual("k").abs().max() < 1e-4
+
+
+def test_warm_up_names_and_refusals():
+    codec = get_codec("powersgd4-start100")
+    assert isinstance(codec, PowerSGD) and (codec.rank, codec.start_iter) == (4, 100)
+    assert codec.name == "powersgd4-start100" and repr(codec) == "PowerSGD(rank=4, start_iter=100)"
+    assert get_codec("powersgd2-start0").start_iter == 0
+    with pytest.raises(ValueError, match="number of reductions"):
+        get_codec("powersgd4-startx")
+    with pytest.raises(ValueError, match="own error feedback"):
+        get_codec("powersgd4-start10+ef")
+    with pytest.raises(ValueError, match="unknown codec"):
+        get_codec("qsgd4-start10")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="start_iter"):
+            PowerSGD(2, start_iter=bad)
+    comm = commopt.create_communicator("local")
+    with pytest.raises(ValueError, match="reduction's number"):
+        collectives.allreduce(
+            comm, torch.ones(48), codec, algorithm="lowrank", shapes=[(0, (8, 6))], key="k"
+        )
+
+
+def test_warm_up_reductions_are_exact_and_leave_the_state_alone():
+    """Reductions numbered below start_iter are plain sums; compression starts at start_iter
+    from the first Q and a zero residual, as a codec without warm-up starts at reduction 0."""
+    comm = commopt.create_communicator("local")
+    warm, cold = PowerSGD(1, start_iter=2), PowerSGD(1)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(0, (16, 12)), (192, (5,))]
+
+    def reduce(codec, flat, step):
+        collectives.allreduce(
+            comm,
+            flat,
+            codec,
+            algorithm="lowrank",
+            shapes=shapes,
+            key="k",
+            scale=0.5,
+            rng=RngKey(0, 0, step),
+        )
+
+    for step in range(2):
+        x = torch.randn(197, generator=gen)
+        flat = x.clone()
+        reduce(warm, flat, step)
+        assert torch.equal(flat, x * 0.5), f"warm-up reduction {step} was not exact"
+        assert warm.q("k") is None and warm.residual("k") is None
+        warm.discard_step()  # a skipped warm-up step: nothing to put back
+        assert warm.state_dict() == {"qs": {}, "residuals": {}}
+    for step in range(2, 5):
+        x = torch.randn(197, generator=gen)
+        a, b = x.clone(), x.clone()
+        reduce(warm, a, step)
+        reduce(cold, b, step - 2)
+        assert torch.equal(a, b), f"reduction {step} differs from the codec without warm-up"
+        assert not torch.equal(a[:192], x[:192] * 0.5), "the matrix was not compressed"
+    assert torch.equal(warm.q("k"), cold.q("k"))
+    assert torch.equal(warm.residual("k"), cold.residual("k"))

@@ -1,0 +1,228 @@
+"""``compression="auto"``: the planner alone (no communicator), then the wrapper on one rank."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+
+import commopt
+from commopt.optim.auto_plan import (
+    OPTIONS,
+    AutoPlan,
+    AutoPlanner,
+    ComputeTimer,
+    TensorInfo,
+    link_rate_setting,
+    parse_rate,
+)
+
+GBIT = 125e6
+
+#: A small Transformer-like layer list: big matrices, an embedding, 1-D and small tensors.
+MODEL = [
+    TensorInfo("embed.weight", (8192, 512)),
+    TensorInfo("block.attn.weight", (1536, 512)),
+    TensorInfo("block.attn.bias", (1536,), compressible=False),
+    TensorInfo("block.mlp.weight", (2048, 512)),
+    TensorInfo("block.norm.weight", (512,), compressible=False),
+    TensorInfo("head.weight", (10, 32)),  # 320 elements: under the policy's threshold
+]
+
+
+def plan(link_rate, backward_s=0.05, step_s=0.15, tensors=MODEL, **kw):
+    return AutoPlanner(**kw).plan(
+        tensors, link_rate=link_rate, backward_s=backward_s, step_s=step_s
+    )
+
+
+def test_a_fast_link_keeps_everything_exact():
+    chosen = plan(1e12)
+    assert set(chosen.choices.values()) == {"none"} and chosen.fits
+
+
+def test_a_slow_link_compresses_the_big_matrices_and_keeps_small_and_1d_tensors_exact():
+    chosen = plan(GBIT)
+    for name in ("embed.weight", "block.attn.weight", "block.mlp.weight"):
+        assert chosen.choices[name] != "none", (name, chosen.choices)
+    for name in ("block.attn.bias", "block.norm.weight"):
+        assert chosen.choices[name] == "none", (name, chosen.choices)
+    assert chosen.fits
+    exact = sum(t.numel * 4 for t in MODEL)
+    assert sum(chosen.wire_bytes.values()) < exact / 4
+
+
+def test_the_plan_fits_and_is_the_least_compressed_step_that_does():
+    """Every budget holds, and moving any one tensor back up one option breaks it (greedy
+    stops as soon as it fits)."""
+    planner = AutoPlanner()
+    chosen = planner.plan(MODEL, link_rate=GBIT, backward_s=0.05, step_s=0.15)
+
+    def seconds(choices):
+        return sum(
+            planner.wire_bytes(choices[t.name], t) / GBIT
+            + planner.codec_cost[choices[t.name]] * t.numel
+            for t in MODEL
+        )
+
+    assert seconds(chosen.choices) <= 0.05
+    assert seconds({t.name: "none" for t in MODEL}) > 0.05
+
+
+def test_double_buffering_allows_more_exact():
+    sync = plan(GBIT, backward_s=0.05, step_s=0.15)
+    db_model = [TensorInfo(t.name, t.shape, t.compressible, double_buffered=True) for t in MODEL]
+    db = plan(GBIT, backward_s=0.05, step_s=0.15, tensors=db_model)
+
+    def error(p):
+        return sum(OPTIONS.index(c) for c in p.choices.values())
+
+    assert error(db) < error(sync), (db.choices, sync.choices)
+    assert sum(db.wire_bytes.values()) > sum(sync.wire_bytes.values())
+
+
+def test_low_rank_only_for_matrices_and_tied_tensors_share_one_option():
+    only_vectors = [TensorInfo("v", (1 << 20,)), TensorInfo("w", (1 << 20,))]
+    chosen = plan(GBIT / 100, tensors=only_vectors)
+    assert not any(c.startswith("powersgd") for c in chosen.choices.values()), chosen.choices
+    tied = [
+        TensorInfo("a.weight", (2048, 512), double_buffered=True, tie="c"),
+        TensorInfo("a.bias", (2048,), compressible=False, double_buffered=True, tie="c"),
+        TensorInfo("b.weight", (2048, 512), double_buffered=True, tie="c"),
+    ]
+    chosen = plan(GBIT / 10, tensors=tied)
+    assert len(set(chosen.choices.values())) == 1 and chosen.choices["a.weight"] != "none"
+    assert chosen.wire_bytes["a.bias"] == 2048 * 4  # not compressible: exact under any option
+
+
+def test_does_not_fit_is_reported_and_the_cheapest_options_are_used():
+    chosen = plan(1.0, backward_s=1e-6, step_s=1e-6)
+    assert not chosen.fits
+    assert chosen.choices["block.mlp.weight"] in ("powersgd1", "qsgd2+ef")
+
+
+def test_json_round_trip_and_determinism():
+    a, b = plan(GBIT), plan(GBIT)
+    assert a == b and a.to_json() == b.to_json()
+    assert AutoPlan.from_json(a.to_json()) == a
+    with pytest.raises(ValueError, match="not an automatic plan"):
+        AutoPlan.from_json("[1, 2]")
+    with pytest.raises(ValueError, match="unknown options"):
+        AutoPlan.from_json(a.to_json().replace('"none"', '"zip9"'))
+    rules = AutoPlan({"layers[0].w*": "qsgd8"}).rules()
+    assert rules == [("layers[[]0[]].w[*]", {"compression": "qsgd8"})]
+
+
+def test_rates_and_timer():
+    assert parse_rate("1gbit") == GBIT and parse_rate("100mbit") == 12.5e6
+    assert parse_rate("125MB") == GBIT and parse_rate(5) == 5.0
+    for bad in ("fast", -1, 0, "1gbit/h"):
+        with pytest.raises(ValueError, match="link rate"):
+            parse_rate(bad)
+    assert link_rate_setting(None, 2, {}) is None
+    assert link_rate_setting("1gbit", 2, {"COMMOPT_LINK_RATE": "1mbit"}) == GBIT
+    assert link_rate_setting(None, 8, {"COMMOPT_LINK_RATE": "1gbit"}) == GBIT * 8 / 14
+    timer = ComputeTimer(2)
+    for _ in range(3):
+        assert not timer.done
+        timer.step_begin()
+        timer.grad_ready()
+        timer.backward_end()
+        timer.step_end()
+    assert timer.done
+    backward, between = timer.measured()
+    assert 0 < backward <= between
+    with pytest.raises(ValueError, match="auto_measure_steps"):
+        ComputeTimer(0)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        model(torch.randn(16, 256, generator=g)).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("double_buffering", [False, True, "compensated"])
+def test_the_wrapper_measures_decides_logs_and_resumes_the_recorded_plan(double_buffering, caplog):
+    comm = commopt.create_communicator("local")
+
+    def build(model):
+        return commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            comm,
+            model=model,
+            compression="auto",
+            auto_link_rate="1mbit",
+            auto_measure_steps=2,
+            double_buffering=double_buffering,
+        )
+
+    model = _model()
+    opt = build(model)
+    with caplog.at_level(logging.INFO, logger="commopt"):
+        _train(model, opt, range(2))
+        assert opt.auto_plan is None  # still measuring: one exact plan
+        assert list(opt.plans) == ["compression=None, double_buffering=False"]
+        _train(model, opt, range(2, 3))
+    chosen = opt.auto_plan
+    assert chosen is not None and chosen.choices["0.weight"] != "none", chosen
+    assert chosen.choices["0.bias"] in ("none", chosen.choices["0.weight"])
+    assert [r for r in caplog.records if "compression='auto' chose" in r.getMessage()]
+    assert any(str(double_buffering) in key for key in opt.plans), list(opt.plans)
+    _train(model, opt, range(3, 5))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, range(5, 8))
+    opt.flush()
+
+    model2 = _model()
+    model2.load_state_dict(saved)
+    opt2 = build(model2)
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    assert opt2.auto_plan == chosen  # the recorded plan, not a new decision
+    _train(model2, opt2, range(5, 8))
+    opt2.flush()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b), "the resumed run differs"
+
+
+def test_auto_refuses_rules_and_group_codecs():
+    comm = commopt.create_communicator("local")
+    model = _model()
+    with pytest.raises(ValueError, match="plans="):
+        commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            comm,
+            compression="auto",
+            plans=[("0.*", {"compression": "fp16"})],
+        )
+    groups = [{"params": model[0].parameters(), "compression": "fp16"}]
+    with pytest.raises(ValueError, match="group 0 sets compression"):
+        commopt.create_multi_node_optimizer(
+            torch.optim.SGD(groups, lr=0.1), comm, compression="auto"
+        )
+    plain = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model
+    )
+    auto = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        comm,
+        model=model,
+        compression="auto",
+        auto_link_rate=1e3,
+        auto_measure_steps=1,
+    )
+    _train(model, auto, range(2))
+    with pytest.raises(ValueError, match="compression='auto' too"):
+        plain.load_state_dict(auto.state_dict())
