@@ -242,22 +242,14 @@ def _f(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _mean_sd(row: dict, key: str, spec: str) -> str:
+def _mean_sd(row: dict, key: str, sd_key: str, spec: str, single: str) -> str:
+    """``mean ± sd`` with several seeds, the value alone (as ``single``) with one."""
     value = row.get(key)
     if value is None:
         return "-"
     if row.get("seeds_run", 1) > 1:
-        return f"{value:{spec}} ± {row.get(key + '_sd', 0.0):{spec}}"
-    return format(value, spec)
-
-
-def _steps(row: dict) -> str:
-    value = row.get("steps_to_target")
-    if value is None:
-        return "-"
-    if row.get("seeds_run", 1) > 1:
-        return f"{value:.1f} ± {row.get('steps_to_target_sd', 0.0):.1f}"
-    return f"{value:.0f}"
+        return f"{value:{spec}} ± {row.get(sd_key, 0.0):{spec}}"
+    return format(value, single)
 
 
 def _reached(row: dict) -> str:
@@ -320,8 +312,9 @@ def markdown(report: dict, rows: list[dict]) -> str:
             r["compute_s"] + (r["codec_s"] or 0.0) if r.get("compute_s") is not None else None
         )
         lines.append(
-            f"| {r['label']} | {_reached(r)} | {_mean_sd(r, 'wall_to_target_s', '.1f')} | "
-            f"{_steps(r)} | {_f(r.get('speedup_vs_ddp_fp32'), '.2f')} | "
+            f"| {r['label']} | {_reached(r)} | "
+            f"{_mean_sd(r, 'wall_to_target_s', 'wall_to_target_sd', '.1f', '.1f')} | "
+            f"{_mean_sd(r, 'steps_to_target', 'steps_to_target_sd', '.1f', '.0f')} | {_f(r.get('speedup_vs_ddp_fp32'), '.2f')} | "
             f"{r['final_loss']:.4f} | {_f(r.get('speedup_vs_best_hook'), '.2f')} | "
             f"{_f(r.get('floor_s'), '.1f')} | {_f(r.get('floor_ratio'), '.2f')} | "
             f"{_f(r['median_step_s'], '.3f')} | {_f(step_cost, '.3f')} | {r['wire_mb']:.1f} | "
@@ -398,7 +391,7 @@ def plot(report: dict, path: str) -> None:
         curves = [rec["curve"] for rec in by_seed.values() if "curve" in rec]
         if not curves:
             continue
-        colour = colours(i % 20)
+        colour = colours((2 * i) % 20 + (2 * i // 20) % 2)  # the dark shades first
         style = "--" if name.startswith("ddp") else "-"
         label = CONFIGS[name].label if name in CONFIGS else name
         many = len(curves) > 1
