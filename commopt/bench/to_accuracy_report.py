@@ -345,12 +345,17 @@ def _headline_text(rows: list[dict], n_seeds: int) -> str:
         if h["best_hook"]
         else "no DDP hook reached the target on every seed"
     )
+    floor = (
+        f"{h['floor_ratio']:.2f}x its floor (goal at most {GOAL_FLOOR_RATIO:g}x: "
+        f"{met(h['met_floor'])})"
+        if h["floor_ratio"] is not None
+        else "its floor was not measured"
+    )
     lines = [
         f"\nHeadline ({n_seeds} seed{'s' if n_seeds > 1 else ''}): {h['label']} reached the "
         f"target first among commopt's configurations, in {h['wall_to_target_s']:.1f} s: "
         f"{_f(h['vs_ddp_fp32'], '.2f')}x sooner than DDP fp32 (goal {GOAL_VS_FP32:g}x: "
-        f"{met(h['met_vs_ddp_fp32'])}), {hook}; {_f(h['floor_ratio'], '.2f')}x its floor "
-        f"(goal at most {GOAL_FLOOR_RATIO:g}x: {met(h['met_floor'])}).",
+        f"{met(h['met_vs_ddp_fp32'])}), {hook}; {floor}.",
     ]
     if "auto" in h:
         a = h["auto"]
