@@ -173,10 +173,9 @@ def run_driver(args: argparse.Namespace) -> dict:
         root_cause,
         start_job,
     )
+    from commopt.bench.to_accuracy_tasks import TASKS
     from commopt.bench.to_accuracy_worker import PROGRESS
     from commopt.commands.launch import launch_argv
-
-    from commopt.bench.to_accuracy_tasks import TASKS
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]

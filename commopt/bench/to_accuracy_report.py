@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from commopt.bench.step.configs import CONFIGS, allreduce_limit_s
 
@@ -75,8 +76,9 @@ def targets(report: dict) -> dict[str, float]:
     out = {}
     for seed, rec in ref.items():
         if "curve" not in rec:
-            raise ValueError(f"{REFERENCE} (the target) did not finish, seed {seed}: "
-                             f"{rec.get('error')}")
+            raise ValueError(
+                f"{REFERENCE} (the target) did not finish, seed {seed}: {rec.get('error')}"
+            )
         out[seed] = rec["curve"][-1][2] * (1 + tol)
     return out
 
@@ -114,14 +116,15 @@ def summarize(report: dict) -> list[dict]:
     runs = seed_runs(report)
     goal = targets(report)
     seeds = list(goal)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, by_seed in runs.items():
         label = CONFIGS[name].label if name in CONFIGS else name
         errors = [rec["error"] for s, rec in by_seed.items() if s in goal and "curve" not in rec]
         done = {s: rec for s, rec in by_seed.items() if s in goal and "curve" in rec}
         if not done:
-            rows.append({"config": name, "label": label, "error": errors[0] if errors else
-                         "did not run"})
+            rows.append(
+                {"config": name, "label": label, "error": errors[0] if errors else "did not run"}
+            )
             continue
         per = {s: _seed_row(rec, goal[s]) for s, rec in done.items()}
         hits = [p for p in per.values() if p["reached"]]
@@ -129,7 +132,7 @@ def summarize(report: dict) -> list[dict]:
         any_rec = next(iter(done.values()))
         compute = [rec["compute_s"] for rec in done.values() if rec.get("compute_s") is not None]
         codec = [rec["codec_s"] for rec in done.values() if rec.get("codec_s") is not None]
-        row = {
+        row: dict[str, Any] = {
             "config": name,
             "label": label,
             "kind": CONFIGS[name].kind if name in CONFIGS else name.split("-")[0],
@@ -161,9 +164,7 @@ def summarize(report: dict) -> list[dict]:
             floors = [p["floor_s"] for p in hits if p["floor_s"]]
             if len(floors) == len(hits):
                 row["floor_s"] = statistics.fmean(floors)
-                row["floor_ratio"], row["floor_ratio_sd"] = spread(
-                    [p["floor_ratio"] for p in hits]
-                )
+                row["floor_ratio"], row["floor_ratio_sd"] = spread([p["floor_ratio"] for p in hits])
         rows.append(row)
     ref = next((r for r in rows if r["config"] == REFERENCE), None)
     ref_wall = ref["wall_to_target_s"] if ref and ref.get("reached") else None
@@ -181,9 +182,7 @@ def summarize(report: dict) -> list[dict]:
 def best_hook(rows: list[dict]) -> dict | None:
     """The DDP configuration other than fp32 that reached the target on every seed soonest."""
     hooks = [
-        r
-        for r in rows
-        if r.get("kind") == "ddp" and r["config"] != REFERENCE and r.get("reached")
+        r for r in rows if r.get("kind") == "ddp" and r["config"] != REFERENCE and r.get("reached")
     ]
     return min(hooks, key=lambda r: r["wall_to_target_s"], default=None)
 
@@ -213,8 +212,8 @@ def headline(rows: list[dict]) -> dict | None:
         "floor_ratio": best.get("floor_ratio"),
     }
     out["met_vs_ddp_fp32"] = out["vs_ddp_fp32"] is not None and out["vs_ddp_fp32"] >= GOAL_VS_FP32
-    out["met_vs_best_hook"] = (
-        hook is None or (out["vs_best_hook"] is not None and out["vs_best_hook"] >= GOAL_VS_HOOK)
+    out["met_vs_best_hook"] = hook is None or (
+        out["vs_best_hook"] is not None and out["vs_best_hook"] >= GOAL_VS_HOOK
     )
     out["met_floor"] = out["floor_ratio"] is not None and out["floor_ratio"] <= GOAL_FLOOR_RATIO
     autos = [r for r in rows if r["config"].startswith("commopt-auto")]
@@ -370,12 +369,11 @@ def _headline_text(rows: list[dict], n_seeds: int) -> str:
                 f"configuration, {a['best_other']} (goal at most "
                 f"{100 * GOAL_AUTO_BEHIND:g}% behind: {met(a['met'])})."
             )
-    comp = [r for r in rows if r["config"].endswith("-comp") and "error" not in r]
-    for r in comp:
-        lines.append(
-            f"{r['label']}: reached the target on {r['seeds_reached']} of {r['seeds_run']} "
-            f"seed(s)."
-        )
+    lines += [
+        f"{r['label']}: reached the target on {r['seeds_reached']} of {r['seeds_run']} seed(s)."
+        for r in rows
+        if r["config"].endswith("-comp") and "error" not in r
+    ]
     return "\n".join(lines) + "\n"
 
 

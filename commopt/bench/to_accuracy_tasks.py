@@ -44,14 +44,15 @@ class TextTask:
     @staticmethod
     def describe(args) -> str:
         return (
-            f"wide char MLP (context {args.context}, hidden {args.hidden}) on Python's help "
-            f"topics"
+            f"wide char MLP (context {args.context}, hidden {args.hidden}) on Python's help topics"
         )
 
     def build(self) -> nn.Module:
         from recipes.text_lm.wide import WideCharMLP
 
-        return WideCharMLP(self.corpus.vocab_size, context=self.args.context, hidden=self.args.hidden)
+        return WideCharMLP(
+            self.corpus.vocab_size, context=self.args.context, hidden=self.args.hidden
+        )
 
     def batch(self, gen: torch.Generator):
         from recipes.text_lm.wide import next_char_batch
@@ -66,10 +67,8 @@ class DigitsTask:
     unit = "nats"
 
     def __init__(self, args) -> None:
-        from recipes.digits_parity import load_digits_split
-
         self.args = args
-        x_train, y_train, x_test, y_test = load_digits_split()
+        x_train, y_train, x_test, y_test = digits_split()
         self.train = (x_train, y_train)
         self.valid = (x_test, y_test)
 
@@ -99,6 +98,27 @@ class DigitsTask:
         dx, dy = torch.randint(0, 3, (2,), generator=gen).tolist()
         shifted = F.pad(x[idx], (1, 1, 1, 1))[:, :, dy : dy + 8, dx : dx + 8]
         return shifted, y[idx]
+
+
+def digits_split():
+    """(x_train, y_train, x_test, y_test) of scikit-learn's digits: images (N, 1, 8, 8) in
+    [0, 1], the stratified 80/20 split with ``random_state=0`` (recipes/digits_parity.py's)."""
+    import torch
+
+    try:
+        from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+        from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]
+    except ImportError:
+        raise SystemExit(
+            "the digits task needs scikit-learn (its data ship with it): pip install scikit-learn"
+        ) from None
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    train, test = train_test_split(
+        range(len(y)), test_size=0.2, random_state=0, stratify=digits.target
+    )
+    return x[train], y[train], x[test], y[test]
 
 
 TASKS: dict[str, Any] = {"text": TextTask, "digits": DigitsTask}

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from commopt.bench.step.configs import (
-    CONFIGS,
     COMPENSATED,
+    CONFIGS,
     commopt_wire_bytes,
     ddp_wire_bytes,
     powersgd_start_iter,

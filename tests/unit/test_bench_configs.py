@@ -27,7 +27,9 @@ def test_new_configurations_and_the_step_benchmarks_default_list():
     assert c["ddp-powersgd1-warm"].powersgd_warmup and c["ddp-powersgd4-warm"].powersgd_rank == 4
     assert not c["ddp-powersgd1"].powersgd_warmup  # the existing ones stay
     assert c["commopt-qsgd4+ef-mixed"].mixed and c["commopt-qsgd4+ef-mixed"].double_buffering
-    assert {c[n].double_buffering for n in ("commopt-auto", "commopt-auto-db", "commopt-auto-comp")} == {
+    assert {
+        c[n].double_buffering for n in ("commopt-auto", "commopt-auto-db", "commopt-auto-comp")
+    } == {
         False,
         True,
         configs.COMPENSATED,
@@ -75,7 +77,7 @@ def test_compensated_reduces_the_embedding_synchronously_by_default():
             "compression=qsgd4+ef, double_buffering=False",
             "compression=qsgd4+ef, double_buffering=compensated",
         ]
-        assert len(opt.plan_params(list(opt.plans)[0])) == 1  # the embedding table
+        assert len(opt.plan_params(next(iter(opt.plans)))) == 1  # the embedding table
     finally:
         opt.close()
 

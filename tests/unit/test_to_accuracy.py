@@ -110,7 +110,9 @@ def _seeded():
         "2": _rec([(0, 0.0, 4.0), (10, 2.0, 2.3), (20, 4.0, 2.0)], 0.15, 0.05, "target", 2.1),
     }
     fp16 = {  # every seed, 2x sooner than fp32
-        s: _rec([(p[0], p[1] / 2, p[2]) for p in r["curve"]], 0.2, 0.01, "target", r["curve"][-1][2])
+        s: _rec(
+            [(p[0], p[1] / 2, p[2]) for p in r["curve"]], 0.2, 0.01, "target", r["curve"][-1][2]
+        )
         for s, r in fp32.items()
     }
     psgd = {  # fastest hook on two seeds, but seed 1 never gets there in its 40 steps
@@ -139,7 +141,9 @@ def _seeded():
             "ddp-fp16": {"seeds": fp16},
             "ddp-powersgd1-warm": {"seeds": psgd},
             "commopt-qsgd4+ef": {"seeds": qsgd},
-            "commopt-auto": {"seeds": {s: {"error": "ValueError: unknown codec 'auto'"} for s in "012"}},
+            "commopt-auto": {
+                "seeds": {s: {"error": "ValueError: unknown codec 'auto'"} for s in "012"}
+            },
         },
     }
 
@@ -227,7 +231,10 @@ def test_auto_is_compared_with_the_best_other_configuration():
     report = _seeded()
     auto = report["runs"]["commopt-qsgd4+ef"]["seeds"]
     report["runs"]["commopt-auto"] = {
-        "seeds": {s: dict(r, curve=[(p[0], p[1] * 1.04, p[2]) for p in r["curve"]]) for s, r in auto.items()}
+        "seeds": {
+            s: dict(r, curve=[(p[0], p[1] * 1.04, p[2]) for p in r["curve"]])
+            for s, r in auto.items()
+        }
     }
     h = headline(summarize(report))
     assert h["auto"]["behind"] == pytest.approx(0.04) and h["auto"]["met"]

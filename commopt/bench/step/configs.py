@@ -85,17 +85,17 @@ def _configs() -> dict[str, StepConfig]:
         StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
         StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
     ]
-    for rank in (1, 4):
-        out.append(
-            StepConfig(
-                f"ddp-powersgd{rank}-warm",
-                "ddp",
-                "powersgd",
-                f"DDP PowerSGD rank {rank}, warm-up",
-                powersgd_rank=rank,
-                powersgd_warmup=True,
-            )
+    out += [
+        StepConfig(
+            f"ddp-powersgd{rank}-warm",
+            "ddp",
+            "powersgd",
+            f"DDP PowerSGD rank {rank}, warm-up",
+            powersgd_rank=rank,
+            powersgd_warmup=True,
         )
+        for rank in (1, 4)
+    ]
     for db, suffix, mode in _MODES:
         for wire, label in (
             ("fp32", "fp32"),
@@ -112,17 +112,17 @@ def _configs() -> dict[str, StepConfig]:
                     double_buffering=db,
                 )
             )
-        for rank in (1, 4):
-            out.append(
-                StepConfig(
-                    f"commopt-powersgd{rank}{suffix}",
-                    "commopt",
-                    "powersgd",
-                    f"commopt PowerSGD rank {rank}, {mode}",
-                    powersgd_rank=rank,
-                    double_buffering=db,
-                )
+        out += [
+            StepConfig(
+                f"commopt-powersgd{rank}{suffix}",
+                "commopt",
+                "powersgd",
+                f"commopt PowerSGD rank {rank}, {mode}",
+                powersgd_rank=rank,
+                double_buffering=db,
             )
+            for rank in (1, 4)
+        ]
     for wire, label, rank in (("qsgd4+ef", "qsgd4+EF", 0), ("powersgd", "PowerSGD rank 4", 4)):
         stem = "powersgd4" if rank else wire
         out.append(
@@ -225,7 +225,9 @@ def powersgd_start_iter(
     if not cfg.powersgd_warmup:
         return POWERSGD_START_ITER
     if not 0 <= warmup < 1:
-        raise ValueError(f"the PowerSGD warm-up is a fraction of the budget in [0, 1); got {warmup}")
+        raise ValueError(
+            f"the PowerSGD warm-up is a fraction of the budget in [0, 1); got {warmup}"
+        )
     return max(POWERSGD_START_ITER, round(warmup * budget))
 
 

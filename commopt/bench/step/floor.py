@@ -130,7 +130,6 @@ def _plan_work(opt, n: int):
 
 def _ddp_work(cfg, shapes, n: int):
     """One step's hook arithmetic of DDP configuration ``cfg``, with torch's own operations."""
-    import math
 
     import torch
 
