@@ -251,3 +251,26 @@ def test_old_reports_without_seeds_read_as_one_seed():
 
     runs = seed_runs(_report())
     assert list(runs["ddp-fp32"]) == ["0"] and "curve" in runs["ddp-fp32"]["0"]
+
+
+def test_the_tasks_are_real_offline_data_and_wide_models():
+    import argparse
+
+    import torch
+
+    from commopt.bench.to_accuracy_tasks import TASKS, digits_split
+    from recipes.digits_parity import load_digits_split
+
+    ours, theirs = digits_split(), load_digits_split()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))  # the recipe's split
+    args = argparse.Namespace(hidden=4096, batch=8, context=16, valid_windows=16)
+    for name, low, high in (("digits", 17e6, 17.2e6), ("text", 21e6, 22e6)):
+        task = TASKS[name](args)
+        model = task.build()
+        assert low < sum(p.numel() for p in model.parameters()) < high, name
+        x, y = task.batch(torch.Generator().manual_seed(0))
+        assert model(x).shape == (8, model(x).shape[1]) and y.shape == (8,), name
+        x2, _ = task.batch(torch.Generator().manual_seed(0))
+        assert torch.equal(x, x2), name  # batches follow the generator
+        vx, vy = task.valid
+        assert len(vx) == len(vy) > 0, name
