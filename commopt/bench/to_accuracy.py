@@ -39,8 +39,12 @@ DEFAULT_CONFIGS = (
     "commopt-qsgd4+ef-comp,commopt-powersgd1,commopt-powersgd4,commopt-powersgd4-db,"
     "commopt-powersgd4-comp,commopt-auto,commopt-auto-db,commopt-auto-comp"
 )
-#: Training steps of DDP fp32, whose loss there is the target (others: up to 2x as many).
+#: Training steps of DDP fp32, whose loss there is the target (others: up to
+#: DEFAULT_BUDGET_FACTOR x as many).
 DEFAULT_BUDGET = 150
+#: On the text task PowerSGD rank 1, even after its warm-up, needs about 3x fp32's steps
+#: (docs/benchmarks.md): the peers get that many before they count as not reaching it.
+DEFAULT_BUDGET_FACTOR = 3.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-factor",
         type=float,
-        default=2.0,
+        default=DEFAULT_BUDGET_FACTOR,
         help="the other configurations train up to this x the budget, stopping at the "
-        "target (default 2)",
+        f"target (default {DEFAULT_BUDGET_FACTOR:g})",
     )
     parser.add_argument(
         "--powersgd-warmup",

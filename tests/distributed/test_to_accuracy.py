@@ -36,6 +36,8 @@ def test_to_accuracy_runs_ddp_and_commopt_to_the_target(tmp_path):
         "60",
         "--seeds",
         "0,1",
+        "--budget-factor",
+        "2",
         "--compute-steps",
         "2",
         "--configs",
