@@ -1,16 +1,22 @@
 """`commopt bench to_accuracy`: wall time to a target validation loss, DDP against commopt.
 
 One job of ``-n`` ranks on the emulated hosts of the step benchmark (``--link``, default
-1 Gbit/s; plain loopback, said so, without namespaces) trains a communication-bound task, the
-wide character MLP of recipes.text_lm.wide (about 21 M parameters, 84 MB of fp32 gradient per
-step) on Python's help topics, once per configuration, one after another. The target is DDP
-fp32's validation loss at the end of the budget (it runs first); the report gives each
-configuration's wall time and steps to it, its loss at the budget, and the link's limit per step.
-Runs from a checkout (the task lives in ``recipes/``).
+1 Gbit/s; plain loopback, said so, without namespaces) trains a communication-bound real task
+(``--task``: ``text``, the wide character MLP on Python's help topics, or ``digits``, a wide
+MLP on scikit-learn's digits; see ``commopt.bench.to_accuracy_tasks``) once per configuration
+and seed (``--seeds``), one after another. For each seed DDP fp32 runs first, ``--budget``
+steps; its validation loss there, raised by ``--tolerance``, is the target. Every other
+configuration gets up to ``--budget-factor`` x the budget and stops at the first evaluation at
+or below the target. The report gives, per configuration, the mean and spread over the seeds
+of the wall time and steps to the target, the speed-up against DDP fp32 and against the best
+DDP hook that reaches it, the floor (steps to the target x that configuration's compute-plus-
+codec time per step, measured in the same run) and the ratio to it, and the link's limit per
+step. Runs from a checkout (the tasks' data live in ``recipes/``).
 
-    $ commopt bench to_accuracy --budget 60 --json benchmarks/results/tta-1gbit.json \\
-          --markdown /tmp/tta.md --plot docs/plots/tta-1gbit.png
-    $ commopt bench to_accuracy --from-json benchmarks/results/tta-1gbit.json --markdown x.md
+    $ commopt bench to_accuracy --task text --seeds 0,1,2 \\
+          --json benchmarks/results/tta-text-1gbit.json --markdown /tmp/tta-text.md \\
+          --plot docs/plots/tta-text-1gbit.png
+    $ commopt bench to_accuracy --from-json benchmarks/results/tta-text-1gbit.json --markdown x.md
 """
 
 from __future__ import annotations
@@ -24,19 +30,44 @@ import tempfile
 import time
 from pathlib import Path
 
-#: DDP's four and commopt's qsgd4+EF with overlap and with double buffering, fp32 first.
+#: DDP's fp32, fp16 and PowerSGD (rank 1 and 4, from step 2 and after the documented warm-up);
+#: commopt's fp16, qsgd4+EF, PowerSGD rank 1 and 4, with overlap, double buffering and
+#: compensated double buffering, and auto; fp32 first.
 DEFAULT_CONFIGS = (
-    "ddp-fp32,ddp-fp16,ddp-powersgd1,ddp-powersgd4,commopt-fp16,"
-    "commopt-qsgd4+ef,commopt-qsgd4+ef-db"
+    "ddp-fp32,ddp-fp16,ddp-powersgd1,ddp-powersgd4,ddp-powersgd1-warm,ddp-powersgd4-warm,"
+    "commopt-fp16,commopt-fp16-comp,commopt-qsgd4+ef,commopt-qsgd4+ef-db,"
+    "commopt-qsgd4+ef-comp,commopt-powersgd1,commopt-powersgd4,commopt-powersgd4-db,"
+    "commopt-powersgd4-comp,commopt-auto,commopt-auto-db,commopt-auto-comp"
 )
+#: Training steps of DDP fp32, whose loss there is the target (others: up to
+#: DEFAULT_BUDGET_FACTOR x as many).
+DEFAULT_BUDGET = 150
+#: On the text task PowerSGD rank 1, even after its warm-up, needs about 3x fp32's steps
+#: (docs/benchmarks.md): the peers get that many before they count as not reaching it.
+DEFAULT_BUDGET_FACTOR = 3.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from commopt.bench.step.configs import POWERSGD_WARMUP_FRACTION
+    from commopt.bench.to_accuracy_tasks import TASKS
+
     parser.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
         help=f"comma-separated step-benchmark configurations, ddp-fp32 first "
         f"(default {DEFAULT_CONFIGS})",
+    )
+    parser.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default="text",
+        help="text: wide char MLP on Python's help topics; digits: wide MLP on "
+        "scikit-learn's digits (default text)",
+    )
+    parser.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="comma-separated seeds; every configuration runs once per seed (default 0,1,2)",
     )
     parser.add_argument(
         "-n", "--nprocs", type=int, default=2, help="ranks, one per host (default 2)"
@@ -46,9 +77,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget",
         type=int,
-        default=60,
-        help="training steps per configuration "
-        "(default 60); the target is DDP fp32's loss after them",
+        default=DEFAULT_BUDGET,
+        help=f"DDP fp32's training steps (default {DEFAULT_BUDGET}); the target is its loss "
+        "after them",
+    )
+    parser.add_argument(
+        "--budget-factor",
+        type=float,
+        default=DEFAULT_BUDGET_FACTOR,
+        help="the other configurations train up to this x the budget, stopping at the "
+        f"target (default {DEFAULT_BUDGET_FACTOR:g})",
+    )
+    parser.add_argument(
+        "--powersgd-warmup",
+        type=float,
+        default=POWERSGD_WARMUP_FRACTION,
+        help="the -warm PowerSGD configurations' plain-allreduce warm-up, a fraction of the "
+        f"budget (default {POWERSGD_WARMUP_FRACTION:g}, as torch's PowerSGDState suggests; "
+        "at least 2 steps)",
     )
     parser.add_argument(
         "--tolerance",
@@ -65,17 +111,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lr", type=float, default=1e-3, help="Adam's learning rate (default 1e-3)"
     )
     parser.add_argument(
-        "--hidden", type=int, default=4096, help="MLP width (default 4096: 21 M parameters)"
+        "--hidden",
+        type=int,
+        default=4096,
+        help="MLP width (default 4096: 21.4M parameters on text, 17.1M on digits)",
     )
-    parser.add_argument("--context", type=int, default=16, help="characters seen (default 16)")
     parser.add_argument(
-        "--valid-windows", type=int, default=2048, help="validation windows (default 2048)"
+        "--context", type=int, default=16, help="text: characters seen (default 16)"
+    )
+    parser.add_argument(
+        "--valid-windows", type=int, default=2048, help="text: validation windows (default 2048)"
+    )
+    parser.add_argument(
+        "--compute-steps",
+        type=int,
+        default=5,
+        help="compute-only steps timed after each configuration, for the floor (default 5)",
     )
     parser.add_argument(
         "--threads", type=int, help="torch threads per rank (default cores / ranks)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds the job may take")
+    parser.add_argument("--timeout", type=float, default=14400, help="seconds the job may take")
     parser.add_argument("--collective-timeout", type=float, default=300)
     parser.add_argument("--json", metavar="PATH", help="write the curves and the table as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
@@ -100,7 +156,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = run_driver(args)
     report_mod.write_outputs(report, args)
-    return 0 if all("curve" in r for r in report["runs"].values()) else 1
+    # A configuration that could not be built (its error is in the table) does not fail the
+    # run; a job that ended early does.
+    failed = [
+        rec
+        for run in report["runs"].values()
+        for rec in run["seeds"].values()
+        if str(rec.get("error", "")).startswith("exit code")
+    ]
+    return 1 if failed else 0
 
 
 def run_driver(args: argparse.Namespace) -> dict:
@@ -113,15 +177,30 @@ def run_driver(args: argparse.Namespace) -> dict:
         root_cause,
         start_job,
     )
+    from commopt.bench.to_accuracy_tasks import TASKS
     from commopt.bench.to_accuracy_worker import PROGRESS
     from commopt.commands.launch import launch_argv
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
-    if bad or not configs or configs[0] != "ddp-fp32":
+    if bad or not configs or configs[0] != "ddp-fp32" or len(set(configs)) != len(configs):
         raise SystemExit(
             f"commopt bench to_accuracy: --configs must start with ddp-fp32 (the "
-            f"target) and name only {', '.join(CONFIGS)}; got {args.configs!r}"
+            f"target), name each once and name only {', '.join(CONFIGS)}; got {args.configs!r}"
+        )
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(
+            f"commopt bench to_accuracy: --seeds is a comma-separated list of distinct "
+            f"integers such as 0,1,2; got {args.seeds!r}"
+        )
+    if args.budget < 1 or args.budget_factor < 1 or not 0 <= args.powersgd_warmup < 1:
+        raise SystemExit(
+            "commopt bench to_accuracy: needs --budget >= 1, --budget-factor >= 1 and "
+            "0 <= --powersgd-warmup < 1"
         )
     plan = plan_link(None if args.no_link else args.link)
     threads = args.threads or _threads_per_rank(args.nprocs)
@@ -140,18 +219,23 @@ def run_driver(args: argparse.Namespace) -> dict:
         "machine": _machine(),
         "load_average_start": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "task": args.task,
+        "seeds": seeds,
         "budget": args.budget,
+        "budget_factor": args.budget_factor,
+        "powersgd_warmup": args.powersgd_warmup,
+        "tolerance": args.tolerance,
         "eval_every": args.eval_every,
         "batch_per_rank": args.batch,
         "model": (
-            f"wide char MLP (context {args.context}, hidden {args.hidden}), Adam lr "
-            f"{args.lr}, batch {args.batch} per rank"
+            f"{TASKS[args.task].describe(args)}, Adam lr {args.lr}, batch {args.batch} per rank"
         ),
         "runs": {},
     }
     print(
-        f"time to accuracy: {args.nprocs} ranks, {plan.description}; {args.budget} steps per "
-        f"configuration",
+        f"time to accuracy ({args.task}): {args.nprocs} ranks, {plan.description}; seeds "
+        f"{args.seeds}; DDP fp32 {args.budget} steps, the others up to "
+        f"{args.budget_factor:g}x as many",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="commopt-tta-") as tmp:
@@ -168,14 +252,19 @@ def run_driver(args: argparse.Namespace) -> dict:
             str(result),
         ]
         for opt in (
+            "task",
+            "seeds",
             "budget",
+            "budget_factor",
+            "powersgd_warmup",
+            "tolerance",
+            "compute_steps",
             "eval_every",
             "batch",
             "lr",
             "hidden",
             "context",
             "valid_windows",
-            "seed",
             "collective_timeout",
         ):
             worker += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
@@ -193,10 +282,12 @@ def run_driver(args: argparse.Namespace) -> dict:
         rc = proc.wait()
         records = json.loads(result.read_text()) if result.exists() else []
     for rec in records:
-        report["runs"][rec.pop("config")] = rec
+        name, seed = rec.pop("config"), rec.pop("seed")
+        report["runs"].setdefault(name, {"seeds": {}})["seeds"][str(seed)] = rec
+    why = root_cause("".join(log)) if rc else "did not run"
     for name in configs:
-        if name not in report["runs"]:
-            why = root_cause("".join(log)) if rc else "did not run"
-            report["runs"][name] = {"error": f"exit code {rc}: {why}"}
+        run = report["runs"].setdefault(name, {"seeds": {}})
+        for seed in seeds:
+            run["seeds"].setdefault(str(seed), {"error": f"exit code {rc}: {why}"})
     report["load_average_end"] = os.getloadavg()[0]
     return report

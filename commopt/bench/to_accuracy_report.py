@@ -1,24 +1,40 @@
-"""Time to accuracy from loss curves: the target, when each configuration reached it, the table.
+"""Time to accuracy from loss curves: targets, when each configuration reached them, the table.
 
-A curve is a list of ``(step, training wall seconds, validation loss)`` points. The target is
-the reference configuration's (DDP fp32's) validation loss at the end of the budget, raised
+A curve is a list of ``(step, training wall seconds, validation loss)`` points. Each seed's
+target is that seed's reference (DDP fp32) validation loss at the end of the budget, raised
 by ``tolerance`` (relative, default 1%: fp32's own curve is still falling there, so an exact
-tie would be decided by noise); a configuration reaches it at its first evaluation at or below.
+tie would be decided by noise); a configuration reaches it at its first evaluation at or
+below. Per configuration and seed: the wall time and steps to the target and the floor, the
+steps needed x the configuration's compute-plus-codec seconds per step (the time if the link
+cost nothing). Per configuration: their mean and spread over the seeds, and the speed-ups
+against DDP fp32 and against the best DDP hook that reaches the target (ratios of the mean
+times, where every seed reached it).
 
     >>> reached([(0, 0.0, 4.6), (10, 5.0, 3.0), (20, 10.0, 2.5)], 2.9)
     (20, 10.0)
     >>> reached([(0, 0.0, 4.6), (10, 5.0, 3.0)], 2.9) is None
     True
+    >>> spread([1.0, 2.0, 3.0])
+    (2.0, 1.0)
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+from typing import Any
 
 from commopt.bench.step.configs import CONFIGS, allreduce_limit_s
 
 REFERENCE = "ddp-fp32"
+#: Goals the headline is checked against: the best commopt configuration reaches the target
+#: this many times sooner than the best DDP hook and than DDP fp32, within this ratio of its
+#: floor; ``auto`` at most this fraction behind the best other configuration.
+GOAL_VS_HOOK = 2.0
+GOAL_VS_FP32 = 3.0
+GOAL_FLOOR_RATIO = 1.3
+GOAL_AUTO_BEHIND = 0.05
 
 
 def reached(curve, target: float):
@@ -29,85 +45,341 @@ def reached(curve, target: float):
     return None
 
 
+def spread(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation; 0 for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def seed_runs(report: dict) -> dict[str, dict[str, dict]]:
+    """config -> seed (text) -> that run's record (a curve, or an error).
+
+    Reports written before ``--seeds`` hold one record per configuration: read as the
+    report's one seed.
+    """
+    out: dict[str, dict[str, dict]] = {}
+    for name, run in report["runs"].items():
+        if "seeds" in run:
+            out[name] = run["seeds"]
+        else:
+            out[name] = {str(report.get("seed", 0)): run}
+    return out
+
+
+def targets(report: dict) -> dict[str, float]:
+    """seed -> DDP fp32's loss at the budget x (1 + the report's ``tolerance``)."""
+    runs = seed_runs(report)
+    ref = runs.get(REFERENCE)
+    if ref is None:
+        raise ValueError(f"the target is {REFERENCE}'s final loss: run {REFERENCE} too")
+    tol = report.get("tolerance", 0.0)
+    out = {}
+    for seed, rec in ref.items():
+        if "curve" not in rec:
+            raise ValueError(
+                f"{REFERENCE} (the target) did not finish, seed {seed}: {rec.get('error')}"
+            )
+        out[seed] = rec["curve"][-1][2] * (1 + tol)
+    return out
+
+
 def target_loss(report: dict) -> float:
-    """DDP fp32's loss at the budget x (1 + the report's ``tolerance``)."""
-    return report["runs"][REFERENCE]["curve"][-1][2] * (1 + report.get("tolerance", 0.0))
+    """The mean over the seeds of the targets (one seed: its target)."""
+    return statistics.fmean(targets(report).values())
+
+
+def _seed_row(rec: dict, target: float) -> dict:
+    hit = reached(rec["curve"], target)
+    step_cost = (
+        rec["compute_s"] + (rec.get("codec_s") or 0.0) if rec.get("compute_s") is not None else None
+    )
+    out = {
+        "reached": hit is not None,
+        "steps_to_target": hit[0] if hit else None,
+        "wall_to_target_s": hit[1] if hit else None,
+        "final_loss": rec["curve"][-1][2],
+        "floor_s": hit[0] * step_cost if hit and step_cost is not None else None,
+    }
+    # A run stopped at a higher target than this one cannot tell whether it would reach it.
+    stop = rec.get("stop_target")
+    out["undecided"] = (
+        hit is None and rec.get("stopped") == "target" and stop is not None and target < stop
+    )
+    if out["floor_s"]:
+        out["floor_ratio"] = out["wall_to_target_s"] / out["floor_s"]
+    return out
 
 
 def summarize(report: dict) -> list[dict]:
-    """One row per configuration: time and steps to the target, final loss, the link's limit."""
-    runs = report["runs"]
-    if REFERENCE not in runs or "curve" not in runs[REFERENCE]:
-        why = runs.get(REFERENCE, {}).get("error")
-        if why:
-            raise ValueError(f"{REFERENCE} (the target) did not finish: {why}")
-        raise ValueError(f"the target is {REFERENCE}'s final loss: run {REFERENCE} too")
-    target = target_loss(report)
-    rows = []
-    for name, run in runs.items():
-        if "curve" not in run:
-            rows.append({"config": name, "label": CONFIGS[name].label, "error": run.get("error")})
+    """One row per configuration: time and steps to the target (mean and spread over the
+    seeds), speed-ups, the floor, final loss, the link's limit."""
+    runs = seed_runs(report)
+    goal = targets(report)
+    seeds = list(goal)
+    rows: list[dict[str, Any]] = []
+    for name, by_seed in runs.items():
+        label = CONFIGS[name].label if name in CONFIGS else name
+        errors = [rec["error"] for s, rec in by_seed.items() if s in goal and "curve" not in rec]
+        done = {s: rec for s, rec in by_seed.items() if s in goal and "curve" in rec}
+        if not done:
+            rows.append(
+                {"config": name, "label": label, "error": errors[0] if errors else "did not run"}
+            )
             continue
-        hit = reached(run["curve"], target)
-        times = sorted(run["step_times"])
-        limit = allreduce_limit_s(run["wire_bytes"], report["nprocs"], report.get("rate_bits"))
-        rows.append(
-            {
-                "config": name,
-                "label": CONFIGS[name].label,
-                "target": target,
-                "reached": hit is not None,
-                "steps_to_target": hit[0] if hit else None,
-                "wall_to_target_s": hit[1] if hit else None,
-                "final_loss": run["curve"][-1][2],
-                "median_step_s": times[len(times) // 2],
-                "wire_mb": run["wire_bytes"] / 1e6,
-                "link_limit_step_s": limit,
-            }
-        )
-    ref = next(r for r in rows if r["config"] == REFERENCE)["wall_to_target_s"]
+        per = {s: _seed_row(rec, goal[s]) for s, rec in done.items()}
+        hits = [p for p in per.values() if p["reached"]]
+        all_times = sorted(t for rec in done.values() for t in rec["step_times"])
+        any_rec = next(iter(done.values()))
+        compute = [rec["compute_s"] for rec in done.values() if rec.get("compute_s") is not None]
+        codec = [rec["codec_s"] for rec in done.values() if rec.get("codec_s") is not None]
+        row: dict[str, Any] = {
+            "config": name,
+            "label": label,
+            "kind": CONFIGS[name].kind if name in CONFIGS else name.split("-")[0],
+            "target": statistics.fmean(goal[s] for s in done),
+            "seeds": {s: per[s] for s in done},
+            "seeds_run": len(done),
+            "seeds_reached": len(hits),
+            "errors": errors,
+            "reached": len(hits) == len(seeds),
+            "undecided": any(p["undecided"] for p in per.values()),
+            "final_loss": statistics.fmean(p["final_loss"] for p in per.values()),
+            "median_step_s": all_times[len(all_times) // 2] if all_times else None,
+            "wire_mb": any_rec["wire_bytes"] / 1e6,
+            "link_limit_step_s": allreduce_limit_s(
+                any_rec["wire_bytes"], report["nprocs"], report.get("rate_bits")
+            ),
+            "compute_s": statistics.fmean(compute) if compute else None,
+            "codec_s": statistics.fmean(codec) if codec else None,
+            "wall_to_target_s": None,
+            "steps_to_target": None,
+        }
+        if hits:  # the mean over the seeds that reached it (all of them where ``reached``)
+            row["wall_to_target_s"], row["wall_to_target_sd"] = spread(
+                [p["wall_to_target_s"] for p in hits]
+            )
+            row["steps_to_target"], row["steps_to_target_sd"] = spread(
+                [p["steps_to_target"] for p in hits]
+            )
+            floors = [p["floor_s"] for p in hits if p["floor_s"]]
+            if len(floors) == len(hits):
+                row["floor_s"] = statistics.fmean(floors)
+                row["floor_ratio"], row["floor_ratio_sd"] = spread([p["floor_ratio"] for p in hits])
+        rows.append(row)
+    ref = next((r for r in rows if r["config"] == REFERENCE), None)
+    ref_wall = ref["wall_to_target_s"] if ref and ref.get("reached") else None
+    hook = best_hook(rows)
     for r in rows:
-        if r.get("wall_to_target_s"):
-            r["speedup_vs_ddp_fp32"] = ref / r["wall_to_target_s"]
+        if not r.get("reached") or not r.get("wall_to_target_s"):
+            continue
+        if ref_wall:
+            r["speedup_vs_ddp_fp32"] = ref_wall / r["wall_to_target_s"]
+        if hook is not None:
+            r["speedup_vs_best_hook"] = hook["wall_to_target_s"] / r["wall_to_target_s"]
     return rows
+
+
+def best_hook(rows: list[dict]) -> dict | None:
+    """The DDP configuration other than fp32 that reached the target on every seed soonest."""
+    hooks = [
+        r for r in rows if r.get("kind") == "ddp" and r["config"] != REFERENCE and r.get("reached")
+    ]
+    return min(hooks, key=lambda r: r["wall_to_target_s"], default=None)
+
+
+def headline(rows: list[dict]) -> dict | None:
+    """The best commopt configuration against the goals; None when none reached the target.
+
+    ``auto`` (any ``commopt-auto*``) against the best other configuration of any kind.
+    """
+    ok = [r for r in rows if r.get("reached") and r.get("wall_to_target_s")]
+    best = min(
+        (r for r in ok if r.get("kind") == "commopt"),
+        key=lambda r: r["wall_to_target_s"],
+        default=None,
+    )
+    if best is None:
+        return None
+    hook = best_hook(rows)
+    out: dict = {
+        "config": best["config"],
+        "label": best["label"],
+        "seeds": best["seeds_run"],
+        "wall_to_target_s": best["wall_to_target_s"],
+        "vs_ddp_fp32": best.get("speedup_vs_ddp_fp32"),
+        "vs_best_hook": best.get("speedup_vs_best_hook"),
+        "best_hook": hook["config"] if hook else None,
+        "floor_ratio": best.get("floor_ratio"),
+    }
+    out["met_vs_ddp_fp32"] = out["vs_ddp_fp32"] is not None and out["vs_ddp_fp32"] >= GOAL_VS_FP32
+    out["met_vs_best_hook"] = hook is None or (
+        out["vs_best_hook"] is not None and out["vs_best_hook"] >= GOAL_VS_HOOK
+    )
+    out["met_floor"] = out["floor_ratio"] is not None and out["floor_ratio"] <= GOAL_FLOOR_RATIO
+    autos = [r for r in rows if r["config"].startswith("commopt-auto")]
+    others = [r for r in ok if not r["config"].startswith("commopt-auto")]
+    if autos and others:
+        best_other = min(others, key=lambda r: r["wall_to_target_s"])
+        reached_autos = [r for r in autos if r.get("reached")]
+        best_auto = min(reached_autos, key=lambda r: r["wall_to_target_s"], default=None)
+        out["auto"] = {
+            "config": best_auto["config"] if best_auto else None,
+            "best_other": best_other["config"],
+            "behind": (
+                best_auto["wall_to_target_s"] / best_other["wall_to_target_s"] - 1
+                if best_auto
+                else None
+            ),
+        }
+        out["auto"]["met"] = (
+            out["auto"]["behind"] is not None and out["auto"]["behind"] <= GOAL_AUTO_BEHIND
+        )
+    return out
 
 
 def _f(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _mean_sd(row: dict, key: str, sd_key: str, spec: str, single: str) -> str:
+    """``mean ± sd`` with several seeds, the value alone (as ``single``) with one."""
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if row.get("seeds_run", 1) > 1:
+        return f"{value:{spec}} ± {row.get(sd_key, 0.0):{spec}}"
+    return format(value, single)
+
+
+def _reached(row: dict) -> str:
+    if row.get("seeds_run", 1) > 1:
+        text = f"{row['seeds_reached']}/{row['seeds_run']}"
+    else:
+        text = "yes" if row["reached"] else "no"
+    return text + (" (stopped at a higher target)" if row.get("undecided") else "")
+
+
 def markdown(report: dict, rows: list[dict]) -> str:
-    """The table of ``rows`` as markdown, with the command and the setting above it."""
-    target = rows[0].get("target")
+    """The table of ``rows`` as markdown, with the command, the setting and the headline."""
+    goal = targets(report)
+    seeds = list(goal)
     again = f" (table: `{report['rendered_by']}`)" if report.get("rendered_by") else ""
+    per_seed = ", ".join(f"seed {s}: {t:.4f}" for s, t in goal.items())
+    budget = report["budget"]
+    factor = report.get("budget_factor")
+    others = (
+        f"; the other configurations up to {factor:g}x as many steps, each stopping at its "
+        f"first evaluation at or below the target"
+        if factor
+        else ""
+    )
+    warm = report.get("powersgd_warmup")
+    warm_text = (
+        f"; `-warm` PowerSGD: plain allreduce for the first {100 * warm:g}% of the budget"
+        if warm is not None
+        else ""
+    )
     head = (
         f"Command: `{report['command']}`{again}  \n{report['nprocs']} ranks, {report['link']}; "
-        f"{report['model']}; budget {report['budget']} steps, evaluation every "
-        f"{report['eval_every']}; target = {REFERENCE}'s validation loss at the budget "
-        f"+ {100 * report.get('tolerance', 0):g}% ({_f(target, '.4f')}); {report['machine']}, load average "
-        f"{report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
+        f"task {report.get('task', 'text')}: {report['model']}; seeds "
+        f"{', '.join(seeds)}; DDP fp32 trains {budget} steps{others}{warm_text}; evaluation "
+        f"every {report['eval_every']}; target = {REFERENCE}'s validation loss at the budget "
+        f"+ {100 * report.get('tolerance', 0):g}% ({per_seed}); {report['machine']}, load "
+        f"average {report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
+    )
+    many = len(seeds) > 1
+    note = (
+        "Times and steps: mean ± sample standard deviation over the seeds that reached the "
+        "target; speed-ups: ratios of the mean times, where every seed reached it; floor: "
+        "steps to the target x (compute + codec seconds per step, measured after the "
+        "configuration in the same run).\n\n"
+        if many
+        else "Floor: steps to the target x (compute + codec seconds per step, measured after "
+        "the configuration in the same run).\n\n"
     )
     lines = [
         "| configuration | reached | wall to target (s) | steps to target | x DDP fp32 | "
-        "final loss | median step (s) | wire MB/step | link limit/step (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "final loss | x best DDP hook | floor (s) | x floor | median step (s) | "
+        "compute + codec/step (s) | wire MB/step | link limit/step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 7)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 11)
             continue
+        step_cost = (
+            r["compute_s"] + (r["codec_s"] or 0.0) if r.get("compute_s") is not None else None
+        )
         lines.append(
-            f"| {r['label']} | {'yes' if r['reached'] else 'no'} | "
-            f"{_f(r['wall_to_target_s'], '.1f')} | {_f(r['steps_to_target'], 'd')} | "
-            f"{_f(r.get('speedup_vs_ddp_fp32'), '.2f')} | {r['final_loss']:.4f} | "
-            f"{r['median_step_s']:.3f} | {r['wire_mb']:.1f} | "
+            f"| {r['label']} | {_reached(r)} | "
+            f"{_mean_sd(r, 'wall_to_target_s', 'wall_to_target_sd', '.1f', '.1f')} | "
+            f"{_mean_sd(r, 'steps_to_target', 'steps_to_target_sd', '.1f', '.0f')} | {_f(r.get('speedup_vs_ddp_fp32'), '.2f')} | "
+            f"{r['final_loss']:.4f} | {_f(r.get('speedup_vs_best_hook'), '.2f')} | "
+            f"{_f(r.get('floor_s'), '.1f')} | {_f(r.get('floor_ratio'), '.2f')} | "
+            f"{_f(r['median_step_s'], '.3f')} | {_f(step_cost, '.3f')} | {r['wire_mb']:.1f} | "
             f"{_f(r['link_limit_step_s'], '.3f')} |"
         )
-    return head + "\n".join(lines) + "\n"
+    failed = [
+        f"{r['label']} seed(s) failed: {'; '.join(sorted(set(r['errors'])))}"
+        for r in rows
+        if "error" not in r and r.get("errors")
+    ]
+    text = head + note + "\n".join(lines) + "\n"
+    if failed:
+        text += "\n" + "\n".join(f"- {f}" for f in failed) + "\n"
+    return text + _headline_text(rows, len(seeds))
+
+
+def _headline_text(rows: list[dict], n_seeds: int) -> str:
+    h = headline(rows)
+    if h is None:
+        return "\nHeadline: no commopt configuration reached the target on every seed.\n"
+
+    def met(flag: bool) -> str:
+        return "met" if flag else "NOT met"
+
+    hook = (
+        f"{_f(h['vs_best_hook'], '.2f')}x sooner than the best DDP hook ({h['best_hook']}; "
+        f"goal {GOAL_VS_HOOK:g}x: {met(h['met_vs_best_hook'])})"
+        if h["best_hook"]
+        else "no DDP hook reached the target on every seed"
+    )
+    floor = (
+        f"{h['floor_ratio']:.2f}x its floor (goal at most {GOAL_FLOOR_RATIO:g}x: "
+        f"{met(h['met_floor'])})"
+        if h["floor_ratio"] is not None
+        else "its floor was not measured"
+    )
+    lines = [
+        f"\nHeadline ({n_seeds} seed{'s' if n_seeds > 1 else ''}): {h['label']} reached the "
+        f"target first among commopt's configurations, in {h['wall_to_target_s']:.1f} s: "
+        f"{_f(h['vs_ddp_fp32'], '.2f')}x sooner than DDP fp32 (goal {GOAL_VS_FP32:g}x: "
+        f"{met(h['met_vs_ddp_fp32'])}), {hook}; {floor}.",
+    ]
+    if "auto" in h:
+        a = h["auto"]
+        if a["config"] is None:
+            lines.append(
+                f"auto: no commopt-auto configuration reached the target on every seed (goal: "
+                f"at most {100 * GOAL_AUTO_BEHIND:g}% behind {a['best_other']}): NOT met."
+            )
+        else:
+            lines.append(
+                f"auto: {a['config']} is {100 * a['behind']:+.1f}% against the best other "
+                f"configuration, {a['best_other']} (goal at most "
+                f"{100 * GOAL_AUTO_BEHIND:g}% behind: {met(a['met'])})."
+            )
+    lines += [
+        f"{r['label']}: reached the target on {r['seeds_reached']} of {r['seeds_run']} seed(s)."
+        for r in rows
+        if r["config"].endswith("-comp") and "error" not in r
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def plot(report: dict, path: str) -> None:
-    """A PNG of validation loss against training wall time, one line per configuration."""
+    """A PNG of validation loss against training wall time: one colour per configuration, a
+    thin line per seed and, with several seeds, a thick line through their mean."""
     try:
         import matplotlib
     except ImportError:
@@ -115,21 +387,47 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, run in report["runs"].items():
-        if "curve" in run:
+    runs = seed_runs(report)
+    fig, ax = plt.subplots(figsize=(10, 6))
+    colours = plt.get_cmap("tab20")
+    for i, (name, by_seed) in enumerate(runs.items()):
+        curves = [rec["curve"] for rec in by_seed.values() if "curve" in rec]
+        if not curves:
+            continue
+        colour = colours((2 * i) % 20 + (2 * i // 20) % 2)  # the dark shades first
+        style = "--" if name.startswith("ddp") else "-"
+        label = CONFIGS[name].label if name in CONFIGS else name
+        many = len(curves) > 1
+        for k, curve in enumerate(curves):
             ax.plot(
-                [p[1] for p in run["curve"]],
-                [p[2] for p in run["curve"]],
-                marker=".",
-                label=CONFIGS[name].label,
+                [p[1] for p in curve],
+                [p[2] for p in curve],
+                style,
+                color=colour,
+                linewidth=0.6 if many else 1.4,
+                alpha=0.45 if many else 1.0,
+                label=None if many or k else label,
+            )
+        if many:  # the mean over the seeds at the evaluations they all reached
+            length = min(len(c) for c in curves)
+            ax.plot(
+                [statistics.fmean(c[j][1] for c in curves) for j in range(length)],
+                [statistics.fmean(c[j][2] for c in curves) for j in range(length)],
+                style,
+                color=colour,
+                linewidth=1.8,
+                label=f"{label} (mean of {len(curves)})",
             )
     target = target_loss(report)
-    ax.axhline(target, color="grey", linestyle="--", label=f"target ({target:.3f})")
+    ax.axhline(target, color="grey", linestyle=":", label=f"target ({target:.3f})")
     ax.set_xlabel("training wall time (s)")
-    ax.set_ylabel("validation loss (nats/char)")
-    ax.set_title(f"Time to accuracy, {report['nprocs']} ranks, {report['link']}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylabel("validation loss")
+    ax.set_title(
+        f"Time to accuracy ({report.get('task', 'text')}), {report['nprocs']} ranks, "
+        f"{report['link']}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -139,6 +437,7 @@ def write_outputs(report: dict, args) -> None:
     if getattr(args, "tolerance", None) is not None:
         report["tolerance"] = args.tolerance
     rows = report["rows"] = summarize(report)
+    report["headline"] = headline(rows)
     print(markdown(report, rows), flush=True)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(report, indent=1))

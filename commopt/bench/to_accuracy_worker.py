@@ -1,10 +1,20 @@
-"""One rank of a time-to-accuracy job: every configuration of its schedule, one after another.
+"""One rank of a time-to-accuracy job: every (seed, configuration) of its schedule in turn.
 
-Each configuration starts from the same weights and sees the same batches (same seed), trains
-``--budget`` steps of the wide character MLP (recipes.text_lm.wide) on Python's help topics
-with Adam, and evaluates the validation loss every ``--eval-every`` steps. The training clock
-stops during evaluation (every rank evaluates, then all restart together), so the curve's wall
-time is training time only. Rank 0 writes ``RESULT`` after each configuration.
+For each seed, DDP fp32 runs first for ``--budget`` steps: its validation loss at the budget,
+raised by ``--tolerance``, is that seed's target. Every other configuration then starts from
+the same weights and sees the same batches (same seed), trains with Adam and evaluates the
+validation loss every ``--eval-every`` steps; it stops at the first evaluation at or below
+the target, or after ``--budget-factor`` x the budget. The training clock stops during
+evaluation (every rank evaluates, then all restart together), so the curve's wall time is
+training time only. Compensated double buffering is evaluated at its true weights
+(``opt.true_weights()``); plain double buffering as training left them (one step behind).
+
+After each configuration, every rank at once: ``--compute-steps`` steps of a compute-only
+twin (the same model and Adam, no communication) and the configuration's codec arithmetic
+on one step's gradient (``commopt.bench.step.floor.codec_seconds``): the floor's time per
+step. A configuration whose wrapper cannot be built (the same error on every rank, such as
+an unknown codec) is recorded with its error and the job goes on. Rank 0 writes ``RESULT``
+after each configuration.
 """
 
 from __future__ import annotations
@@ -13,20 +23,24 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from commopt.bench.step.configs import (
+    COMPENSATED,
     CONFIGS,
     commopt_wire_bytes,
     ddp_wire_bytes,
+    powersgd_start_iter,
     wrap_commopt,
     wrap_ddp,
 )
 
 #: Lines rank 0 prints for the driver (progress).
 PROGRESS = "@to_accuracy "
+REFERENCE = "ddp-fp32"
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,77 +53,140 @@ def run_worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import commopt
+    from commopt.bench.to_accuracy_tasks import TASKS
 
     torch.set_num_threads(args.threads)
     comm = commopt.create_communicator("torch", timeout_s=args.collective_timeout)
-    records = []
-    for name in args.worker.split(","):
-        if comm.rank == 0:
-            print(f"{PROGRESS}start {name}", flush=True)
-        rec = _train(CONFIGS[name], comm, args)
-        gc.collect()
-        comm.allgather_obj(None)
-        rec["config"] = name
-        records.append(rec)
-        if comm.rank == 0:
-            Path(args.result).write_text(json.dumps(records))
-            print(
-                f"{PROGRESS}done {name} {rec['curve'][-1][1]:.1f} {rec['curve'][-1][2]:.4f}",
-                flush=True,
-            )
+    task = TASKS[args.task](args)
+    names = args.worker.split(",")
+    seeds = [int(s) for s in str(args.seeds).split(",")]
+    records: list[dict] = []
+    for seed in seeds:
+        target = None
+        for name in names:
+            if comm.rank == 0:
+                print(f"{PROGRESS}start {name} seed {seed}", flush=True)
+            rec = _train(CONFIGS[name], comm, args, task, seed, target)
+            gc.collect()
+            comm.allgather_obj(None)
+            rec.update(config=name, seed=seed)
+            records.append(rec)
+            if name == REFERENCE and "curve" in rec:
+                target = rec["curve"][-1][2] * (1 + args.tolerance)
+            if comm.rank == 0:
+                Path(args.result).write_text(json.dumps(records))
+                if "curve" in rec:
+                    step, wall, loss = rec["curve"][-1]
+                    done = f"{wall:.1f} s, {step} steps, loss {loss:.4f} ({rec['stopped']})"
+                else:
+                    done = f"failed: {rec['error']}"
+                print(f"{PROGRESS}done {name} seed {seed}: {done}", flush=True)
     comm.allgather_obj(None)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
 
-def _train(cfg, comm, args) -> dict:
+def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from recipes.text_lm.data import char_corpus
-    from recipes.text_lm.wide import WideCharMLP, next_char_batch, next_char_valid
+    from commopt.bench.step.floor import codec_seconds
 
-    corpus = char_corpus()
-    torch.manual_seed(args.seed)
-    model = WideCharMLP(corpus.vocab_size, context=args.context, hidden=args.hidden)
+    is_reference = cfg.name == REFERENCE
+    budget = args.budget
+    if not is_reference and target is not None:
+        budget = int(args.budget * args.budget_factor)
+    torch.manual_seed(seed)
+    model = task.build()
     shapes = [tuple(p.shape) for p in model.parameters()]
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     net = model
     opt: torch.optim.Optimizer = inner
-    opt_any: Any = opt  # commopt's optimizer (wrapping Adam) has flush() and close()
-    if cfg.kind == "ddp":
-        net, wire = wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
-    else:
-        opt = opt_any = wrap_commopt(inner, comm, model, cfg)
-        wire = commopt_wire_bytes(opt)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + comm.rank)
-    vx, vy = next_char_valid(corpus.valid, args.context, args.valid_windows)
+    commopt_opt: Any = None  # commopt's optimizer (wrapping Adam): flush(), true_weights()
+    extra: dict[str, Any] = {}
+    error = None
+    try:
+        if cfg.kind == "ddp":
+            start_iter = powersgd_start_iter(cfg, args.budget, args.powersgd_warmup)
+            net, wire = wrap_ddp(model, cfg, start_iter), ddp_wire_bytes(cfg, shapes)
+            if cfg.wire == "powersgd":
+                extra["powersgd_start_iter"] = start_iter
+        else:
+            opt = commopt_opt = wrap_commopt(inner, comm, model, cfg)
+            wire = commopt_wire_bytes(opt)
+            extra["plans"] = list(commopt_opt.plans)
+    except Exception as exc:  # the same on every rank: recorded, and the job goes on
+        error = f"{type(exc).__name__}: {exc}"
+    errors = comm.allgather_obj(error)
+    if any(errors):
+        return {"error": next(e for e in errors if e)}
+    gen = torch.Generator().manual_seed(seed * 1000 + comm.rank)
+    vx, vy = task.valid
 
     def evaluate() -> float:
         with torch.no_grad():
+            if cfg.double_buffering == COMPENSATED:
+                with commopt_opt.true_weights():
+                    return float(F.cross_entropy(model(vx), vy))
             return float(F.cross_entropy(model(vx), vy))
 
     curve = [(0, 0.0, evaluate())]  # (step, training wall seconds, validation loss)
     step_times = []
+    stopped = "budget"
     comm.allgather_obj(None)
-    for step in range(1, args.budget + 1):
-        x, y = next_char_batch(corpus.train, args.batch, args.context, gen)
+    for step in range(1, budget + 1):
+        x, y = task.batch(gen)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(net(x), y).backward()
         opt.step()
         step_times.append(time.perf_counter() - start)
-        if step % args.eval_every == 0 or step == args.budget:
-            # Double buffering's weights lag one step: evaluated as training left them.
-            curve.append((step, sum(step_times), evaluate()))
-            comm.allgather_obj(None)  # every rank restarts the clock together
-    if cfg.kind == "commopt":
-        opt_any.flush()
-        opt_any.close()
+        if step % args.eval_every == 0 or step == budget:
+            # Plain double buffering's weights lag one step: evaluated as training left them.
+            loss = evaluate()
+            # Rank 0's loss decides for every rank (every rank restarts the clock together).
+            loss = comm.allgather_obj(loss)[0]
+            curve.append((step, sum(step_times), loss))
+            if not is_reference and target is not None and loss <= target:
+                stopped = "target"
+                break
+    # The floor's time per step, every rank at once, nothing in flight.
+    comm.allgather_obj(None)
+    codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
+    if commopt_opt is not None:
+        commopt_opt.flush()
+        commopt_opt.close()
+    compute_s = _compute_seconds(task, seed, args, comm)
     return {
         "curve": curve,
         "step_times": step_times,
+        "stopped": stopped,
+        "stop_target": None if is_reference else target,
+        "compute_s": compute_s,
+        "codec_s": codec_s,
         "wire_bytes": wire,
         "params": sum(math.prod(s) for s in shapes),
+        **extra,
     }
+
+
+def _compute_seconds(task, seed: int, args, comm) -> float:
+    """Median step of a compute-only twin: the same model and Adam, no communication."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    twin = task.build()
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(seed * 1000 + comm.rank + 500)
+    batches = [task.batch(gen) for _ in range(args.compute_steps + 1)]
+    times = []
+    comm.allgather_obj(None)  # every rank computes at once: the cores shared as in training
+    for x, y in batches:
+        start = time.perf_counter()
+        twin_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])  # the first: warm-up

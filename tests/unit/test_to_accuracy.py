@@ -80,3 +80,197 @@ def test_markdown_and_plot_come_from_the_report(tmp_path):
     assert "failed: exit code 1: boom" in text
     plot(report, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# Several seeds, early stops, the floor, the best hook and the headline.
+
+
+def _rec(curve, compute=0.1, codec=0.0, stopped="budget", stop_target=None, wire=1_000_000):
+    return {
+        "curve": curve,
+        "step_times": [0.1] * curve[-1][0],
+        "compute_s": compute,
+        "codec_s": codec,
+        "stopped": stopped,
+        "stop_target": stop_target,
+        "wire_bytes": wire,
+    }
+
+
+def _seeded():
+    """3 seeds; fp32's final losses 2.0, 2.2, 2.1 are the seeds' targets (tolerance 0)."""
+    fp32 = {
+        "0": _rec([(0, 0.0, 4.0), (10, 10.0, 2.5), (20, 20.0, 2.0)], compute=0.2),
+        "1": _rec([(0, 0.0, 4.0), (10, 12.0, 2.6), (20, 24.0, 2.2)], compute=0.2),
+        "2": _rec([(0, 0.0, 4.0), (10, 11.0, 2.4), (20, 22.0, 2.1)], compute=0.2),
+    }
+    qsgd = {  # reaches every seed's target: at 10, 10 and 20 steps
+        "0": _rec([(0, 0.0, 4.0), (10, 2.0, 1.9)], 0.15, 0.05, "target", 2.0),
+        "1": _rec([(0, 0.0, 4.0), (10, 3.0, 2.2)], 0.15, 0.05, "target", 2.2),
+        "2": _rec([(0, 0.0, 4.0), (10, 2.0, 2.3), (20, 4.0, 2.0)], 0.15, 0.05, "target", 2.1),
+    }
+    fp16 = {  # every seed, 2x sooner than fp32
+        s: _rec(
+            [(p[0], p[1] / 2, p[2]) for p in r["curve"]], 0.2, 0.01, "target", r["curve"][-1][2]
+        )
+        for s, r in fp32.items()
+    }
+    psgd = {  # fastest hook on two seeds, but seed 1 never gets there in its 40 steps
+        "0": _rec([(0, 0.0, 4.0), (10, 1.0, 1.5)], stopped="target", stop_target=2.0),
+        "1": _rec([(0, 0.0, 4.0), (20, 2.0, 2.5), (40, 4.0, 2.3)]),
+        "2": _rec([(0, 0.0, 4.0), (10, 1.0, 2.0)], stopped="target", stop_target=2.1),
+    }
+    return {
+        "command": "commopt bench to_accuracy --seeds 0,1,2",
+        "link": "emulated 1gbit",
+        "rate_bits": 1e9,
+        "nprocs": 2,
+        "machine": "test",
+        "load_average_start": 1.0,
+        "date": "today",
+        "task": "text",
+        "seeds": [0, 1, 2],
+        "budget": 20,
+        "budget_factor": 2.0,
+        "powersgd_warmup": 0.1,
+        "tolerance": 0.0,
+        "eval_every": 10,
+        "model": "wide char MLP",
+        "runs": {
+            "ddp-fp32": {"seeds": fp32},
+            "ddp-fp16": {"seeds": fp16},
+            "ddp-powersgd1-warm": {"seeds": psgd},
+            "commopt-qsgd4+ef": {"seeds": qsgd},
+            "commopt-auto": {
+                "seeds": {s: {"error": "ValueError: unknown codec 'auto'"} for s in "012"}
+            },
+        },
+    }
+
+
+def test_each_seed_has_its_own_target_from_its_own_fp32_run():
+    from commopt.bench.to_accuracy_report import targets
+
+    assert targets(_seeded()) == {"0": 2.0, "1": 2.2, "2": 2.1}
+    assert targets(dict(_seeded(), tolerance=0.1))["1"] == pytest.approx(2.42)
+
+
+def test_seeds_are_aggregated_as_mean_and_sample_spread():
+    rows = {r["config"]: r for r in summarize(_seeded())}
+    q = rows["commopt-qsgd4+ef"]
+    assert q["reached"] and q["seeds_reached"] == 3 and q["seeds_run"] == 3
+    assert q["wall_to_target_s"] == pytest.approx(3.0)  # 2, 3, 4
+    assert q["wall_to_target_sd"] == pytest.approx(1.0)
+    assert q["steps_to_target"] == pytest.approx(40 / 3)  # 10, 10, 20
+    ref = rows["ddp-fp32"]
+    assert ref["wall_to_target_s"] == pytest.approx(22.0) and ref["steps_to_target"] == 20
+    assert q["speedup_vs_ddp_fp32"] == pytest.approx(22.0 / 3.0)  # ratio of the means
+    assert q["final_loss"] == pytest.approx((1.9 + 2.2 + 2.0) / 3)
+
+
+def test_a_configuration_missing_one_seed_gets_no_speedup_and_is_not_the_best_hook():
+    rows = {r["config"]: r for r in summarize(_seeded())}
+    p = rows["ddp-powersgd1-warm"]
+    assert not p["reached"] and p["seeds_reached"] == 2
+    assert p["wall_to_target_s"] == pytest.approx(1.0)  # the mean of the seeds that reached
+    assert "speedup_vs_ddp_fp32" not in p and "speedup_vs_best_hook" not in p
+    # the best hook is fp16 (11 s), the fastest that reached on every seed
+    assert rows["commopt-qsgd4+ef"]["speedup_vs_best_hook"] == pytest.approx(11.0 / 3.0)
+    assert rows["ddp-fp16"]["speedup_vs_best_hook"] == pytest.approx(1.0)
+
+
+def test_floor_is_steps_to_target_times_compute_plus_codec():
+    rows = {r["config"]: r for r in summarize(_seeded())}
+    q = rows["commopt-qsgd4+ef"]
+    # per seed: steps x (0.15 + 0.05) = 2, 2, 4 s; walls 2, 3, 4 s: ratios 1, 1.5, 1
+    assert q["floor_s"] == pytest.approx(8 / 3)
+    assert q["floor_ratio"] == pytest.approx((1 + 1.5 + 1) / 3)
+    assert q["seeds"]["1"]["floor_ratio"] == pytest.approx(1.5)
+    assert rows["ddp-fp32"]["floor_s"] == pytest.approx(20 * 0.2)
+
+
+def test_a_stricter_target_on_a_run_stopped_early_is_undecided():
+    report = _seeded()
+    report["tolerance"] = -0.06  # below 1.9: qsgd4's stopped curves cannot tell
+    rows = {r["config"]: r for r in summarize(report)}
+    assert rows["commopt-qsgd4+ef"]["undecided"] and not rows["commopt-qsgd4+ef"]["reached"]
+    assert not rows["ddp-fp32"]["undecided"]
+
+
+def test_headline_checks_the_goals_and_names_what_failed():
+    from commopt.bench.to_accuracy_report import headline
+
+    rows = summarize(_seeded())
+    h = headline(rows)
+    assert h["config"] == "commopt-qsgd4+ef" and h["best_hook"] == "ddp-fp16"
+    assert h["met_vs_ddp_fp32"] and h["met_vs_best_hook"]  # 7.3x and 3.7x
+    assert h["floor_ratio"] == pytest.approx(7 / 6) and h["met_floor"]  # at most 1.3x
+    assert h["auto"]["config"] is None and not h["auto"]["met"]
+    text = markdown(_seeded(), rows)
+    assert "| commopt qsgd4+EF, overlap | 3/3 | 3.0 ± 1.0 | 13.3 ± 5.8 | 7.33 |" in text
+    assert "| DDP PowerSGD rank 1, warm-up | 2/3 |" in text
+    assert "failed: ValueError: unknown codec 'auto'" in text
+    assert "Headline (3 seeds): commopt qsgd4+EF, overlap" in text
+    assert "auto: no commopt-auto configuration reached" in text
+
+
+def test_a_floor_ratio_over_the_goal_is_not_met():
+    from commopt.bench.to_accuracy_report import headline
+
+    report = _seeded()
+    for rec in report["runs"]["commopt-qsgd4+ef"]["seeds"].values():
+        rec["compute_s"], rec["codec_s"] = 0.05, 0.05  # the floor halves: 2.33x
+    h = headline(summarize(report))
+    assert h["floor_ratio"] == pytest.approx(7 / 3) and not h["met_floor"]
+    assert "its floor (goal at most 1.3x: NOT met)" in markdown(report, summarize(report))
+
+
+def test_auto_is_compared_with_the_best_other_configuration():
+    from commopt.bench.to_accuracy_report import headline
+
+    report = _seeded()
+    auto = report["runs"]["commopt-qsgd4+ef"]["seeds"]
+    report["runs"]["commopt-auto"] = {
+        "seeds": {
+            s: dict(r, curve=[(p[0], p[1] * 1.04, p[2]) for p in r["curve"]])
+            for s, r in auto.items()
+        }
+    }
+    h = headline(summarize(report))
+    assert h["auto"]["behind"] == pytest.approx(0.04) and h["auto"]["met"]
+    assert h["auto"]["best_other"] == "commopt-qsgd4+ef"
+
+
+def test_plot_draws_every_seed(tmp_path):
+    plot(_seeded(), str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_old_reports_without_seeds_read_as_one_seed():
+    from commopt.bench.to_accuracy_report import seed_runs
+
+    runs = seed_runs(_report())
+    assert list(runs["ddp-fp32"]) == ["0"] and "curve" in runs["ddp-fp32"]["0"]
+
+
+def test_the_tasks_are_real_offline_data_and_wide_models():
+    import argparse
+
+    import torch
+
+    from commopt.bench.to_accuracy_tasks import TASKS, digits_split
+    from recipes.digits_parity import load_digits_split
+
+    ours, theirs = digits_split(), load_digits_split()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))  # the recipe's split
+    args = argparse.Namespace(hidden=4096, batch=8, context=16, valid_windows=16)
+    for name, low, high in (("digits", 17e6, 17.2e6), ("text", 21e6, 22e6)):
+        task = TASKS[name](args)
+        model = task.build()
+        assert low < sum(p.numel() for p in model.parameters()) < high, name
+        x, y = task.batch(torch.Generator().manual_seed(0))
+        assert model(x).shape == (8, model(x).shape[1]) and y.shape == (8,), name
+        x2, _ = task.batch(torch.Generator().manual_seed(0))
+        assert torch.equal(x, x2), name  # batches follow the generator
+        vx, vy = task.valid
+        assert len(vx) == len(vy) > 0, name

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from commopt.bench.step.configs import CONFIGS, POWERSGD_START_ITER
+from commopt.bench.step.configs import CONFIGS, POWERSGD_START_ITER, STEP_DEFAULT_CONFIGS
 from commopt.bench.step.models import MODELS
 
 
@@ -25,8 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help="comma-separated configurations (default: all): " + ", ".join(CONFIGS),
+        default=",".join(STEP_DEFAULT_CONFIGS),
+        help="comma-separated configurations (default: "
+        + ", ".join(STEP_DEFAULT_CONFIGS)
+        + "); also: "
+        + ", ".join(c for c in CONFIGS if c not in STEP_DEFAULT_CONFIGS),
     )
     parser.add_argument(
         "-n", "--nprocs", type=int, default=2, help="ranks, one per host (default 2)"

@@ -2,14 +2,26 @@
 
 Every configuration is one column of the comparison: PyTorch DDP in fp32 (gloo), DDP with
 ``fp16_compress_hook``, DDP with the PowerSGD hook at rank 1 and 4 (one bucket: see
-``POWERSGD_BUCKET_MB``); commopt with fp32, fp16, qsgd4, qsgd4 + error feedback and its own
-low-rank codec (``powersgd1``, ``powersgd4``: rank 1 and 4, error feedback and warm start, the
-matrices torch's hook would compress, the rest in fp32), each with overlap (reduction during
-backward) and with double buffering (``-db``: reduction during the next step). ``wrap``
-builds one on a rank.
+``POWERSGD_BUCKET_MB``), compressing from its second step or (``-warm``) after torch's
+documented warm-up of plain allreduce (``start_powerSGD_iter``: see ``powersgd_start_iter``);
+commopt with fp32, fp16, qsgd4, qsgd4 + error feedback and its own low-rank codec
+(``powersgd1``, ``powersgd4``: rank 1 and 4, error feedback and warm start, the matrices
+torch's hook would compress, the rest in fp32), each with overlap (reduction during backward),
+with double buffering (``-db``: reduction during the next step) and with compensated double
+buffering (``-comp``: the stale averages applied at predicted weights; the model's
+``nn.Embedding`` weights reduce synchronously, the wrapper's default rule); qsgd4+EF and
+PowerSGD rank 4 also as a mixed plan (``-mixed``: double buffering, the model's first and
+last layers synchronous through ``plans=``); and ``compression="auto"`` (``commopt-auto``,
+``-db``, ``-comp``). ``wrap_commopt`` and ``wrap_ddp`` build one on a rank.
 
     >>> CONFIGS["commopt-qsgd4+ef-db"].label
     'commopt qsgd4+EF, double buffering'
+    >>> CONFIGS["commopt-qsgd4+ef-comp"].double_buffering
+    'compensated'
+    >>> powersgd_start_iter(CONFIGS["ddp-powersgd4-warm"], budget=200, warmup=0.1)
+    20
+    >>> powersgd_start_iter(CONFIGS["ddp-powersgd4"], budget=200, warmup=0.1)
+    2
     >>> ddp_wire_bytes(CONFIGS["ddp-fp16"], [(4096, 1024), (4096,)])
     8396800
     >>> allreduce_limit_s(100e6, 2, parse_rate("1gbit"))
@@ -33,6 +45,12 @@ POWERSGD_BUCKET_MB = 4096
 #: PowerSGD runs plain allreduce for its first iterations; 2 is the smallest it accepts with
 #: error feedback and warm start. Warm-up steps cover them.
 POWERSGD_START_ITER = 2
+#: The ``-warm`` configurations' plain-allreduce warm-up, as a fraction of the training
+#: budget: torch's PowerSGDState documentation suggests starting ``start_powerSGD_iter`` at
+#: 10% of the total training steps (and raising it until the accuracy is satisfactory).
+POWERSGD_WARMUP_FRACTION = 0.1
+#: ``double_buffering`` of a configuration: False (overlap), True or "compensated".
+COMPENSATED = "compensated"
 
 
 @dataclass(frozen=True)
@@ -41,10 +59,23 @@ class StepConfig:
 
     name: str
     kind: str  # "ddp" or "commopt"
-    wire: str  # "fp32", "fp16", "powersgd" (rank: powersgd_rank), "qsgd4", "qsgd4+ef"
+    # "fp32", "fp16", "powersgd" (rank: powersgd_rank), "qsgd4", "qsgd4+ef", "auto"
+    wire: str
     label: str
     powersgd_rank: int = 0
-    double_buffering: bool = False
+    # commopt's schedule: False (overlap), True (double buffering) or "compensated"
+    double_buffering: bool | str = False
+    # DDP PowerSGD: plain allreduce for the budget's first POWERSGD_WARMUP_FRACTION
+    powersgd_warmup: bool = False
+    # commopt: the model's first and last layers reduce synchronously (plans= rules)
+    mixed: bool = False
+
+
+_MODES = (
+    (False, "", "overlap"),
+    (True, "-db", "double buffering"),
+    (COMPENSATED, "-comp", "compensated double buffering"),
+)
 
 
 def _configs() -> dict[str, StepConfig]:
@@ -54,39 +85,78 @@ def _configs() -> dict[str, StepConfig]:
         StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
         StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
     ]
-    for db in (False, True):
+    out += [
+        StepConfig(
+            f"ddp-powersgd{rank}-warm",
+            "ddp",
+            "powersgd",
+            f"DDP PowerSGD rank {rank}, warm-up",
+            powersgd_rank=rank,
+            powersgd_warmup=True,
+        )
+        for rank in (1, 4)
+    ]
+    for db, suffix, mode in _MODES:
         for wire, label in (
             ("fp32", "fp32"),
             ("fp16", "fp16"),
             ("qsgd4", "qsgd4"),
             ("qsgd4+ef", "qsgd4+EF"),
         ):
-            mode = "double buffering" if db else "overlap"
             out.append(
                 StepConfig(
-                    f"commopt-{wire}{'-db' if db else ''}",
+                    f"commopt-{wire}{suffix}",
                     "commopt",
                     wire,
                     f"commopt {label}, {mode}",
                     double_buffering=db,
                 )
             )
-        for rank in (1, 4):
-            mode = "double buffering" if db else "overlap"
-            out.append(
-                StepConfig(
-                    f"commopt-powersgd{rank}{'-db' if db else ''}",
-                    "commopt",
-                    "powersgd",
-                    f"commopt PowerSGD rank {rank}, {mode}",
-                    powersgd_rank=rank,
-                    double_buffering=db,
-                )
+        out += [
+            StepConfig(
+                f"commopt-powersgd{rank}{suffix}",
+                "commopt",
+                "powersgd",
+                f"commopt PowerSGD rank {rank}, {mode}",
+                powersgd_rank=rank,
+                double_buffering=db,
             )
+            for rank in (1, 4)
+        ]
+    for wire, label, rank in (("qsgd4+ef", "qsgd4+EF", 0), ("powersgd", "PowerSGD rank 4", 4)):
+        stem = "powersgd4" if rank else wire
+        out.append(
+            StepConfig(
+                f"commopt-{stem}-mixed",
+                "commopt",
+                wire,
+                f"commopt {label}, double buffering, first/last layer synchronous",
+                powersgd_rank=rank,
+                double_buffering=True,
+                mixed=True,
+            )
+        )
+    for db, suffix, mode in _MODES:
+        out.append(
+            StepConfig(
+                f"commopt-auto{suffix}",
+                "commopt",
+                "auto",
+                f"commopt auto, {mode}",
+                double_buffering=db,
+            )
+        )
     return {c.name: c for c in out}
 
 
 CONFIGS: dict[str, StepConfig] = _configs()
+#: What `commopt bench step` runs by default: DDP's four and commopt's fp32, fp16, qsgd4,
+#: qsgd4+EF and PowerSGD rank 1 and 4, each with overlap and with double buffering.
+STEP_DEFAULT_CONFIGS = tuple(
+    name
+    for name, c in CONFIGS.items()
+    if not (c.powersgd_warmup or c.mixed or c.wire == "auto" or c.double_buffering == COMPENSATED)
+)
 #: What `commopt demo` runs: DDP fp32 against commopt's fp16, qsgd4 and double buffering.
 DEMO_CONFIGS = (
     "ddp-fp32",
@@ -144,8 +214,28 @@ def ddp_wire_bytes(config: StepConfig, shapes) -> int:
     raise ValueError(f"DDP has no wire format {config.wire!r}")
 
 
-def wrap_ddp(model, cfg: StepConfig):
-    """``model`` in DDP with this configuration's communication hook (torch.distributed is up)."""
+def powersgd_start_iter(
+    cfg: StepConfig, budget: int, warmup: float = POWERSGD_WARMUP_FRACTION
+) -> int:
+    """``start_powerSGD_iter`` of a DDP PowerSGD configuration trained ``budget`` steps.
+
+    ``-warm``: ``warmup`` (a fraction) of the budget, at least 2; else 2, the least torch's
+    hook accepts with error feedback and warm start.
+    """
+    if not cfg.powersgd_warmup:
+        return POWERSGD_START_ITER
+    if not 0 <= warmup < 1:
+        raise ValueError(
+            f"the PowerSGD warm-up is a fraction of the budget in [0, 1); got {warmup}"
+        )
+    return max(POWERSGD_START_ITER, round(warmup * budget))
+
+
+def wrap_ddp(model, cfg: StepConfig, start_iter: int = POWERSGD_START_ITER):
+    """``model`` in DDP with this configuration's communication hook (torch.distributed is up).
+
+    ``start_iter``: PowerSGD's ``start_powerSGD_iter`` (see ``powersgd_start_iter``).
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if cfg.wire == "fp32":
@@ -162,10 +252,31 @@ def wrap_ddp(model, cfg: StepConfig):
     state = powersgd.PowerSGDState(
         process_group=None,
         matrix_approximation_rank=cfg.powersgd_rank,
-        start_powerSGD_iter=POWERSGD_START_ITER,
+        start_powerSGD_iter=max(POWERSGD_START_ITER, start_iter),
     )
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     return ddp
+
+
+def mixed_plan_rules(model) -> list[tuple[str, dict]]:
+    """``plans=`` rules putting ``model``'s first and last layers (by parameter name) on the
+    synchronous schedule: the layers whose parameters come first and last in
+    ``model.named_parameters()`` (an embedding is usually the first).
+
+        >>> import torch
+        >>> mixed_plan_rules(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)))
+        [('0.*', {'double_buffering': False}), ('1.*', {'double_buffering': False})]
+    """
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not names:
+        raise ValueError("a mixed plan needs a model with trainable parameters")
+    layers = []
+    for name in (names[0], names[-1]):
+        layer = name.rsplit(".", 1)[0] if "." in name else name
+        pattern = f"{layer}.*" if "." in name else layer
+        if pattern not in layers:
+            layers.append(pattern)
+    return [(pattern, {"double_buffering": False}) for pattern in layers]
 
 
 def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
@@ -175,10 +286,12 @@ def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
     kwargs: dict[str, Any] = {}
     if cfg.wire == "fp16":
         kwargs["allreduce_grad_dtype"] = "float16"  # every gradient in 16 bits, as DDP's hook
-    elif cfg.wire.startswith("qsgd"):
+    elif cfg.wire.startswith("qsgd") or cfg.wire == "auto":
         kwargs["compression"] = cfg.wire
     elif cfg.wire == "powersgd":
         kwargs["compression"] = f"powersgd{cfg.powersgd_rank}"
+    if cfg.mixed:
+        kwargs["plans"] = mixed_plan_rules(model)
     return commopt.create_multi_node_optimizer(
         inner, comm, double_buffering=cfg.double_buffering, overlap=True, model=model, **kwargs
     )
@@ -187,19 +300,21 @@ def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
 def commopt_wire_bytes(opt) -> int:
     """Bytes one step of commopt's optimizer ``opt`` puts on the wire, from its buckets' codecs.
 
-    A low-rank bucket's wire depends on its tensors' shapes (the parameters in
-    ``param_groups`` order, which the buckets' slots index).
+    Each plan has its own buckets over its own parameters; a low-rank bucket's wire depends
+    on its tensors' shapes (the plan's parameters, which the buckets' slots index).
     """
     from commopt.codecs import PowerSGD
 
-    params = [p for g in opt.param_groups for p in g["params"]]
     total = 0
-    for b in opt.buckets:
-        if isinstance(b.codec, PowerSGD):
-            shapes = [(s.offset, tuple(params[s.param].shape)) for s in b.slots]
-            total += 4 * b.codec.wire_numel(b.numel, shapes)
-        elif b.codec is not None:
-            total += b.codec.encoded_nbytes(b.numel)
-        else:
-            total += 4 * b.numel
+    for schedule in opt.plans.values():
+        reducer = schedule.bucketed.reducer
+        params = reducer.params
+        for b in reducer.buckets:
+            if isinstance(b.codec, PowerSGD):
+                shapes = [(s.offset, tuple(params[s.param].shape)) for s in b.slots]
+                total += 4 * b.codec.wire_numel(b.numel, shapes)
+            elif b.codec is not None:
+                total += b.codec.encoded_nbytes(b.numel)
+            else:
+                total += b.dtype.itemsize * b.numel
     return int(total)

@@ -60,9 +60,76 @@ def _commopt_work(cfg, numel: int, n: int):
     return encode_decode
 
 
+def _powersgd_work(shapes, rank: int):
+    """PowerSGD's arithmetic on the matrices of ``shapes`` it compresses (torch's rule)."""
+    import math
+
+    import torch
+
+    mats = [
+        torch.randn(s[0], math.prod(s[1:]))
+        for s in shapes
+        if len(s) > 1 and (s[0] + math.prod(s[1:])) * rank * 2 < math.prod(s)
+    ]
+    state = [(torch.zeros_like(m), torch.randn(m.shape[1], rank)) for m in mats]
+
+    def work():  # PowerSGD's arithmetic: error feedback, P = MQ, orthonormal P, Q = M^T P, PQ^T
+        for m, (err, q) in zip(mats, state):
+            m.add_(err)
+            p = m @ q
+            p = torch.linalg.qr(p).Q
+            q.copy_(m.t() @ p)
+            err.copy_(m - p @ q.t())
+
+    return work
+
+
+def _plan_work(opt, n: int):
+    """One step's codec arithmetic of commopt's optimizer ``opt``, bucket by bucket: each
+    bucket's own codec (as a per-layer plan such as ``compression="auto"`` chose it)."""
+    import copy
+
+    import torch
+
+    from commopt.codecs import PowerSGD, RngKey
+
+    _enc, dec = _ring_passes(n)
+    works = []
+    for schedule in opt.plans.values():
+        reducer = schedule.bucketed.reducer
+        for b in reducer.buckets:
+            if isinstance(b.codec, PowerSGD):
+                shapes = [tuple(reducer.params[s.param].shape) for s in b.slots]
+                works.append(_powersgd_work(shapes, b.codec.rank))
+                continue
+            grad, acc = torch.randn(b.numel), torch.zeros(b.numel)
+            if b.codec is None:  # exact: the transport's sum as it receives
+
+                def add(acc=acc, grad=grad):
+                    for _ in range(round(dec)):
+                        acc.add_(grad)
+
+                works.append(add)
+                continue
+            wire = torch.empty(b.codec.encoded_nbytes(b.numel), dtype=torch.uint8)
+            codec = copy.deepcopy(b.codec)  # its own state: the optimizer's stays untouched
+
+            def encode_decode(codec=codec, grad=grad, acc=acc, wire=wire, key=b.key):
+                codec.encode(grad, wire, scale=1.0 / n, rng=RngKey(0, 0, 1), key=f"floor-{key}")
+                for _ in range(round(dec)):
+                    codec.decode(wire, acc, accumulate=True)
+
+            works.append(encode_decode)
+
+    def work():
+        for w in works:
+            w()
+
+    return work
+
+
 def _ddp_work(cfg, shapes, n: int):
     """One step's hook arithmetic of DDP configuration ``cfg``, with torch's own operations."""
-    import math
 
     import torch
 
@@ -78,33 +145,26 @@ def _ddp_work(cfg, shapes, n: int):
             flat.copy_(half)
 
         return fp16_hook
-    rank = cfg.powersgd_rank
-    mats = [
-        g.reshape(g.shape[0], -1)
-        for g in grads
-        if g.dim() > 1 and (g.shape[0] + math.prod(g.shape[1:])) * rank * 2 < g.numel()
-    ]
-    state = [(torch.zeros_like(m), torch.randn(m.shape[1], rank)) for m in mats]
-
-    def work():  # PowerSGD's arithmetic: error feedback, P = MQ, orthonormal P, Q = M^T P, PQ^T
-        for m, (err, q) in zip(mats, state):
-            m.add_(err)
-            p = m @ q
-            p = torch.linalg.qr(p).Q
-            q.copy_(m.t() @ p)
-            err.copy_(m - p @ q.t())
-
-    return work
+    return _powersgd_work(shapes, cfg.powersgd_rank)
 
 
-def codec_seconds(cfg, shapes, n: int, repeats: int = 3) -> float:
-    """Median seconds of one step's codec arithmetic for ``cfg`` on this rank (1 rank's share)."""
+def codec_seconds(cfg, shapes, n: int, repeats: int = 3, opt=None) -> float:
+    """Median seconds of one step's codec arithmetic for ``cfg`` on this rank (1 rank's share).
+
+    ``opt`` (commopt's optimizer of ``cfg``) is needed where the codec is chosen per layer
+    (``compression="auto"``): its buckets' own codecs are timed.
+    """
     import math
 
     numel = sum(math.prod(s) for s in shapes)
     # PowerSGD's arithmetic is the same in DDP's hook and in commopt's low-rank codec.
     own = cfg.kind == "ddp" or cfg.wire == "powersgd"
-    work = _ddp_work(cfg, shapes, n) if own else _commopt_work(cfg, numel, n)
+    if cfg.wire == "auto":
+        if opt is None:
+            raise ValueError(f"{cfg.name}: the codec time of a per-layer plan needs its optimizer")
+        work = _plan_work(opt, n)
+    else:
+        work = _ddp_work(cfg, shapes, n) if own else _commopt_work(cfg, numel, n)
     work()  # warm-up: page in, first-call costs
     times = []
     for _ in range(repeats):

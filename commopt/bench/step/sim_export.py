@@ -113,5 +113,10 @@ def sim_measurements(report: dict) -> list[dict]:
                 entry["measured_cpu_s"] = row["cpu_s"]
             if cfg.wire in SIM_NOT_MODELLED:
                 entry["not_modelled"] = SIM_NOT_MODELLED[cfg.wire]
+            elif cfg.wire == "auto" or cfg.mixed:
+                entry["not_modelled"] = (
+                    "a per-layer plan (several codecs or schedules in one step): the simulator "
+                    "models one codec and one schedule per step"
+                )
             out.append(entry)
     return out

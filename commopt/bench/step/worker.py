@@ -26,6 +26,7 @@ from commopt.bench.step.configs import (
     StepConfig,
     commopt_wire_bytes,
     ddp_wire_bytes,
+    powersgd_start_iter,
     wrap_commopt,
     wrap_ddp,
 )
@@ -104,8 +105,16 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     net, wire_bytes = model, 0
     opt: torch.optim.Optimizer = inner
     commopt_opt = None  # commopt's optimizer, when cfg.kind is "commopt"
+    steps = args.steps or spec.steps
+    block = min(args.block or spec.block, steps)
+    n_blocks = -(-steps // block)
+    # Double buffering restarts its pipeline after each pause: one untimed step per block,
+    # for every configuration so that all train the same number of steps.
+    restarts = n_blocks - 1
     if cfg.kind == "ddp":
-        net, wire_bytes = wrap_ddp(model, cfg), ddp_wire_bytes(cfg, shapes)
+        # -warm: PowerSGD's warm-up is a fraction of every step this configuration trains
+        start_iter = powersgd_start_iter(cfg, args.warmup + steps + restarts)
+        net, wire_bytes = wrap_ddp(model, cfg, start_iter), ddp_wire_bytes(cfg, shapes)
     elif cfg.kind == "commopt":
         opt = commopt_opt = wrap_commopt(inner, comm, model, cfg)
         wire_bytes = commopt_wire_bytes(opt)
@@ -113,12 +122,6 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     torch.manual_seed(args.seed)
     twin = spec.build()
     twin_opt = torch.optim.SGD(twin.parameters(), lr=spec.lr, momentum=0.9)
-    steps = args.steps or spec.steps
-    block = min(args.block or spec.block, steps)
-    n_blocks = -(-steps // block)
-    # Double buffering restarts its pipeline after each pause: one untimed step per block,
-    # for every configuration so that all train the same number of steps.
-    restarts = n_blocks - 1
     # one to restart, then the same steps without and with the profiler
     profile_steps = (1 + 2 * args.profile_steps) if profile else 0
     batches = [
@@ -196,7 +199,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     # The floor's codec time: this configuration's arithmetic on the gradient, every rank at
     # once (the same sharing of the cores as the compute twin), nothing in flight.
     gloo.allgather_obj(None)
-    codec_s = codec_seconds(cfg, shapes, comm.size)
+    codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
     with torch.no_grad():
         ex, ey = spec.eval_batch()
         eval_loss = float(F.cross_entropy(model(ex), ey))
