@@ -332,7 +332,7 @@ class HorovodCommunicator(Communicator):
     def supports_sum(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64)
 
-    def finalize(self) -> None:
+    def _release(self) -> None:
         """Shut Horovod down if this module started it (top-level communicator only)."""
         global _OWNS_INIT
         if _OWNS_INIT and self._ps is self._hvd.global_process_set and self._hvd.is_initialized():
