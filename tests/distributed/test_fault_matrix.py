@@ -870,13 +870,15 @@ def _testbed_or_skip(transport: str) -> None:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"emulated cluster: {reason}")
-    if transport == "mpi" and not shutil.which("mpirun"):
+    if transport in ("mpi", "horovod") and not shutil.which("mpirun"):
         pytest.skip("mpirun not found: install Open MPI")
+    if transport == "horovod" and horovod_missing():
+        pytest.skip(horovod_missing())
 
 
 def _on_testbed(transport: str, fault: str, run: tuple[str, str, str], timeout: float):
     """(exit code, stdout, stderr, seconds from the fault to the job's end or None)."""
-    launcher = "mpi" if transport == "mpi" else "torch"
+    launcher = "torch" if transport == "torch" else "mpi"  # Horovod over MPI: mpirun
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"commopt-link-fault-{os.getpid()}.py"
     script.write_text(LINK_FAULT)
     env = dict(launcher_free_env(), PYTHONPATH=str(REPO), COMMOPT_COMM_TIMEOUT=str(LINK_TIMEOUT))
@@ -906,7 +908,7 @@ def _digests(out: str) -> list[str]:
     return re.findall(r"\b[0-9a-f]{16}\b", out)
 
 
-LINK_TRANSPORTS = ["mpi", "torch"]
+LINK_TRANSPORTS = ["mpi", "torch", "horovod"]
 
 
 @pytest.mark.netns
