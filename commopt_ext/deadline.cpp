@@ -5,7 +5,7 @@
 // lock that another thread holds during a network call) freezes every Python thread of the
 // process, the communication watchdog included. A deadline armed here is watched by a plain
 // native thread: if it is still armed when it expires, that thread writes its message to
-// stderr, waits a second (peers whose clocks ran out too can say so) and ends the process
+// stderr, waits two seconds (peers whose clocks ran out too can say so) and ends the process
 // with the deadline's exit code.
 #include <unistd.h>
 
@@ -68,7 +68,7 @@ void watch() {
       int code = first->second.exit_code;
       lock.unlock();
       write_all(2, message.data(), message.size());
-      std::this_thread::sleep_for(std::chrono::seconds(1));
+      std::this_thread::sleep_for(std::chrono::seconds(2));
       ::_exit(code);
     }
     s.cv.wait_until(lock, first->second.at);

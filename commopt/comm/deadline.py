@@ -4,8 +4,9 @@ A native call that blocks while it holds the GIL (Horovod's enqueue functions wa
 that Horovod's background thread holds during a blocking MPI call) stops every Python thread
 of the process, the communication watchdog included. :func:`deadline` arms a clock watched by
 a native thread (``commopt_ext._deadline``, loaded with ctypes): if the block it guards is
-still running ``seconds`` later, that thread writes ``message`` to stderr, waits a second and
-ends the process with exit code 1 (a launcher such as mpirun then ends the job). Without the
+still running ``seconds`` later, that thread writes ``message`` to stderr, waits two seconds
+(peers whose clocks ran out too can say so) and ends the process with exit code 1 (a launcher
+such as mpirun then ends the job). Without the
 library, ``faulthandler.dump_traceback_later`` is the clock (native too): it cannot write
 the message, so it prints the threads' stacks before it ends the process, and only one such
 clock is armed at a time.

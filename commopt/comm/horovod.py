@@ -209,9 +209,21 @@ class HorovodCommunicator(Communicator):
 
     def _issue(self, what: str, start: Callable[..., Any], *args, **kwargs):
         """Start a Horovod operation, within the timeout; if Horovod is shut down, say which
-        rank left, if one did."""
+        rank left, if one did.
+
+        Not once an operation timed out: Horovod's background thread is stuck, and starting
+        another would freeze this rank before it reports the error it already has.
+        """
+        self._unless_ending(what)
         with horovod_exit.naming_departures(), self._deadline(what, "start"):
             return start(*args, **kwargs)
+
+    def _unless_ending(self, what: str) -> None:
+        if horovod_exit.aborting():
+            raise CommError(
+                f"rank {self._world_rank}: not starting Horovod's {what}: an earlier Horovod "
+                f"operation made no progress within {self.timeout:g}s (the job is ending)"
+            )
 
     def _name(self, op: str) -> str:
         with self._lock:  # one counter value per operation, even with several threads
@@ -324,6 +336,7 @@ class HorovodCommunicator(Communicator):
 
     def _barrier(self) -> None:
         # Horovod's barrier waits without a bound: the whole call is under the deadline.
+        self._unless_ending("barrier")
         with horovod_exit.naming_departures(), self._deadline("barrier", "finish"):
             self._hvd.barrier(process_set=self._ps)
 
