@@ -305,15 +305,17 @@ def section(record: dict) -> str:
         "*MPI comms kept*: communicators a rank still held once the mode's optimizer and "
         "communicator were closed, finalized and garbage collected (0 when nothing leaks).",
     ]
+    lines += [
+        "`hierarchical`'s intra- and inter-node communicators "
+        "(`commopt.comm.topology.hierarchy`) belong to the communicator they were split off: "
+        "its `finalize()` frees them.",
+    ]
     kept = [m for m, e in record["modes"].items() if e["mpi_comms_kept"]]
-    if "hierarchical" in kept:
-        lines += [
-            "`hierarchical` keeps the intra- and inter-node communicators that "
-            "`commopt.comm.topology.hierarchy` splits off its communicator: finalizing that "
-            "communicator does not finalize them, so their MPI communicators are never freed "
-            "(constant in a job that builds its communicator once, as every mode here stayed "
-            "flat; a job that builds many would run out of MPI communicators).",
-        ]
+    if kept:
+        lines.append(
+            f"**Kept** by {', '.join(f'`{m}`' for m in kept)}: MPI communicators that "
+            "outlived their mode (a job that builds many communicators would run out of them)."
+        )
     lines.append(END)
     return "\n".join(lines) + "\n"
 

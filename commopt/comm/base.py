@@ -26,6 +26,7 @@ in the order they were issued.
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from commopt.comm.errors import CollectiveMismatchError
+from commopt.comm.errors import CollectiveMismatchError, CommError
 
 #: Environment variable that overrides the node (host) name, so tests and the emulated
 #: cluster can fake several nodes on one machine.
@@ -122,6 +123,10 @@ class Communicator(ABC):
         self.inter_rank = 0
         self.inter_size = 1
         self.node_name = node_name()
+        # Communicators split off this one that it owns (see ``adopt``), finalized with it.
+        self._owned: list[Communicator] = []
+        self._owned_lock = threading.Lock()
+        self._closed = False
 
     # -- topology -------------------------------------------------------------------
     def _init_topology(self) -> None:
@@ -219,8 +224,44 @@ class Communicator(ABC):
         """
         return dtype in NATIVE_SUM_DTYPES
 
-    def finalize(self) -> None:  # noqa: B027 - a default: most transports hold nothing to release
-        """Release transport resources (threads, streams). Safe to call twice."""
+    def adopt(self, *subs: Communicator) -> None:
+        """Make this communicator the owner of ``subs`` (communicators split off it).
+
+        Its ``finalize()`` finalizes them, in the order adopted, before it releases its own
+        resources: on the thread that calls ``finalize()``, in the same order on every rank
+        (freeing an MPI communicator is collective). Adopting after ``finalize()`` finalizes
+        ``subs`` at once and raises ``CommError``.
+        """
+        with self._owned_lock:
+            closed = self._closed
+            if not closed:
+                self._owned.extend(subs)
+        if closed:
+            for sub in subs:
+                sub.finalize()
+            raise CommError(
+                f"rank {self.rank}: this {self.name} communicator was finalized; the "
+                f"communicators split off it were freed. Create a new communicator."
+            )
+
+    @property
+    def finalized(self) -> bool:
+        """Whether ``finalize()`` was called."""
+        return self._closed
+
+    def finalize(self) -> None:
+        """Finalize the communicators this one owns (see ``adopt``), in the order adopted,
+        then release this transport's resources (threads, streams). Safe to call twice."""
+        with self._owned_lock:
+            owned, self._owned = self._owned, []
+            self._closed = True
+        for sub in owned:
+            sub.finalize()
+        self._release()
+
+    def _release(self) -> None:  # noqa: B027 - a default: most transports hold nothing to release
+        """This transport's own resources (threads, streams, its MPI or NCCL communicator);
+        called by ``finalize()``, possibly twice."""
 
     def __repr__(self) -> str:
         return (

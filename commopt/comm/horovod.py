@@ -22,6 +22,13 @@ allgather, broadcast) of bf16 travels as raw 16-bit words.
 A rank that leaves early (``sys.exit``, an early return, an exception) under Horovod over
 MPI is named by its peers: see :mod:`commopt.comm.horovod_exit`.
 
+Bounded waits: each operation's ``wait`` polls it and raises ``CommError`` a timeout after
+its issue. Starting an operation, and ``barrier``, run under a native deadline
+(:mod:`commopt.comm.deadline`): Horovod's start functions hold the GIL while they wait for a
+lock its background thread keeps through a blocking MPI exchange (process sets on), so once
+a link is down they freeze every Python thread; the deadline's native thread still ends the
+process, naming the peers, a timeout later.
+
 ``split`` registers Horovod process sets, which every rank of the job must do together:
 split the top-level communicator (all ranks call it), not a communicator made by split.
 """
@@ -39,6 +46,7 @@ import torch
 
 from commopt.comm import horovod_exit
 from commopt.comm.base import Communicator, CompletedWork, Work
+from commopt.comm.deadline import deadline
 from commopt.comm.errors import CommError
 from commopt.comm.timeout import COMM_TIMEOUT_ENV, comm_timeout
 
@@ -131,12 +139,6 @@ class HandleWork(Work):
         return self._done or bool(self._hvd.poll(self._handle))
 
 
-def _submit(start: Callable[..., Any], *args, **kwargs):
-    """Start a Horovod operation; if Horovod is shut down, say which rank left, if one did."""
-    with horovod_exit.naming_departures():
-        return start(*args, **kwargs)
-
-
 def _movable(t: torch.Tensor) -> torch.Tensor:
     """A view Horovod can move: bf16 travels as its raw 16-bit words."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -172,18 +174,56 @@ class HorovodCommunicator(Communicator):
         self._order = _order if _order is not None else list(range(len(members)))
         self._members = members
         self.size = len(members)
-        self.rank = self._order.index(members.index(hvd.rank()))
+        self._world_rank = hvd.rank()
+        self.rank = self._order.index(members.index(self._world_rank))
         self._tag = _tag
         self._count = 0
         self._lock = threading.Lock()
         self._init_topology()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _peers(self) -> str:
+        return ", ".join(str(m) for i, m in enumerate(self._members) if i != self._order[self.rank])
+
     def _handle_work(self, handle, what: str, finalize=None) -> HandleWork:
-        peers = ", ".join(
-            str(m) for i, m in enumerate(self._members) if i != self._order[self.rank]
+        return HandleWork(
+            self._hvd, handle, finalize, what=what, peers=self._peers(), limit_s=self.timeout
         )
-        return HandleWork(self._hvd, handle, finalize, what=what, peers=peers, limit_s=self.timeout)
+
+    def _deadline(self, what: str, verb: str):
+        """A native deadline (see :mod:`commopt.comm.deadline`) on a call into Horovod.
+
+        With dynamic process sets, Horovod's background thread holds its process-set lock
+        through a blocking MPI exchange every cycle, and Horovod's functions that start an
+        operation take that lock while they hold the GIL: once a link is down, the first such
+        call freezes every Python thread of this rank (the bounded waits included).
+        """
+        return deadline(
+            self.timeout,
+            f"commopt: rank {self._world_rank}: Horovod's {what} did not {verb} within "
+            f"{self.timeout:g}s, waiting for rank(s) {self._peers()}: Horovod's background "
+            f"thread is stuck in an MPI call (a link is down, or a peer stopped), and this "
+            f"rank is frozen behind it (${COMM_TIMEOUT_ENV} or create_communicator(timeout=) "
+            f"sets the limit); ending the job.\n",
+        )
+
+    def _issue(self, what: str, start: Callable[..., Any], *args, **kwargs):
+        """Start a Horovod operation, within the timeout; if Horovod is shut down, say which
+        rank left, if one did.
+
+        Not once an operation timed out: Horovod's background thread is stuck, and starting
+        another would freeze this rank before it reports the error it already has.
+        """
+        self._unless_ending(what)
+        with horovod_exit.naming_departures(), self._deadline(what, "start"):
+            return start(*args, **kwargs)
+
+    def _unless_ending(self, what: str) -> None:
+        if horovod_exit.aborting():
+            raise CommError(
+                f"rank {self._world_rank}: not starting Horovod's {what}: an earlier Horovod "
+                f"operation made no progress within {self.timeout:g}s (the job is ending)"
+            )
 
     def _name(self, op: str) -> str:
         with self._lock:  # one counter value per operation, even with several threads
@@ -209,7 +249,8 @@ class HorovodCommunicator(Communicator):
             return _DONE
         if buf.dtype == torch.bfloat16:  # no bf16 in Horovod: sum in fp32, round once
             wide = buf.float()
-            handle = _submit(
+            handle = self._issue(
+                "allreduce",
                 hvd.allreduce_async_,
                 wide,
                 op=hvd.Sum,
@@ -217,7 +258,8 @@ class HorovodCommunicator(Communicator):
                 process_set=self._ps,
             )
             return self._handle_work(handle, "allreduce", lambda _out: buf.copy_(wide))
-        handle = _submit(
+        handle = self._issue(
+            "allreduce",
             hvd.allreduce_async_,
             buf,
             op=hvd.Sum,
@@ -241,8 +283,12 @@ class HorovodCommunicator(Communicator):
         rows = _movable(send).reshape(self.size, -1)
         if self._reordered():
             rows = self._to_set_order(rows)
-        handle = _submit(
-            hvd.alltoall_async, rows.contiguous(), name=self._name("alltoall"), process_set=self._ps
+        handle = self._issue(
+            "alltoall",
+            hvd.alltoall_async,
+            rows.contiguous(),
+            name=self._name("alltoall"),
+            process_set=self._ps,
         )
 
         def finish(output):
@@ -258,7 +304,8 @@ class HorovodCommunicator(Communicator):
         hvd = self._hvd
         if self._nothing_to_send(send, recv):
             return _DONE
-        handle = _submit(
+        handle = self._issue(
+            "allgather",
             hvd.allgather_async,
             _movable(send).reshape(-1),
             name=self._name("allgather"),
@@ -277,7 +324,8 @@ class HorovodCommunicator(Communicator):
         hvd = self._hvd
         if buf.numel() == 0 or self.size == 1:
             return _DONE
-        handle = _submit(
+        handle = self._issue(
+            "broadcast",
             hvd.broadcast_async_,
             _movable(buf).reshape(-1),
             root_rank=self._order[root],
@@ -287,7 +335,9 @@ class HorovodCommunicator(Communicator):
         return self._handle_work(handle, "broadcast")
 
     def _barrier(self) -> None:
-        with horovod_exit.naming_departures():
+        # Horovod's barrier waits without a bound: the whole call is under the deadline.
+        self._unless_ending("barrier")
+        with horovod_exit.naming_departures(), self._deadline("barrier", "finish"):
             self._hvd.barrier(process_set=self._ps)
 
     # Objects (bcast_obj/allgather_obj) use the base class's JSON + bytes path over this
@@ -332,7 +382,7 @@ class HorovodCommunicator(Communicator):
     def supports_sum(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64)
 
-    def finalize(self) -> None:
+    def _release(self) -> None:
         """Shut Horovod down if this module started it (top-level communicator only)."""
         global _OWNS_INIT
         if _OWNS_INIT and self._ps is self._hvd.global_process_set and self._hvd.is_initialized():

@@ -32,7 +32,14 @@ from typing import Any
 
 from commopt.comm.errors import CommError
 
-__all__ = ["PeerLeftError", "departure_reason", "install", "naming_departures", "prepare_mpi"]
+__all__ = [
+    "PeerLeftError",
+    "aborting",
+    "departure_reason",
+    "install",
+    "naming_departures",
+    "prepare_mpi",
+]
 
 _TAG = 7301  # the notices' tag on the private communicator
 _NO_ERROR, _UNCAUGHT = 0, 1
@@ -165,6 +172,11 @@ def abort_at_exit() -> None:
     made no progress (a dead link): it would never return. ``MPI_Abort`` ends every rank.
     """
     _state["abort"] = True
+
+
+def aborting() -> bool:
+    """Whether an operation timed out (:func:`abort_at_exit`): the job is ending."""
+    return _state["abort"]
 
 
 def _leave() -> None:

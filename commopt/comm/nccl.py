@@ -310,7 +310,7 @@ class NcclCommunicator(Communicator):
     def supports_sum(self, dtype: torch.dtype) -> bool:
         return dtype in C10D_SUM_DTYPES
 
-    def finalize(self) -> None:
+    def _release(self) -> None:
         """Wait for the work in flight; destroy the NCCL communicators (this one and those
         split from it) and free their bootstrap MPI communicators. Safe to call twice."""
         if self._finalized:

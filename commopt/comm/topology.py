@@ -10,8 +10,12 @@
     (1, 1)
 
 The (intra, inter) pair of a communicator is built once (two collective ``comm.split``
-calls) and cached here, weakly keyed by the communicator: the split communicators live as
-long as the one they came from.
+calls) and cached here, weakly keyed by the communicator. The communicator owns the pair
+(``Communicator.adopt``): its ``finalize()`` finalizes both first, then itself.
+
+    >>> comm.finalize()
+    >>> intra.finalized, inter.finalized
+    (True, True)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 import weakref
 
 from commopt.comm.base import Communicator
+from commopt.comm.errors import CommError
 
 __all__ = ["hierarchy", "uniform_nodes"]
 
@@ -44,13 +49,22 @@ def hierarchy(comm: Communicator) -> tuple[Communicator, Communicator]:
     """(intra-node, inter-node) communicators of ``comm``, built once and cached.
 
     A collective call on first use: every rank must reach it in the same order (the
-    collectives call it from their worker thread, in issue order).
+    collectives call it from their worker thread, in issue order). ``comm`` owns the pair:
+    ``comm.finalize()`` finalizes it. A finalized ``comm`` has none: ``CommError``.
     """
     with _HIERARCHY_LOCK:
+        if comm.finalized:
+            raise CommError(
+                f"rank {comm.rank}: hierarchy() of a finalized {comm.name} communicator; "
+                f"create a new communicator"
+            )
         pair = _HIERARCHY.get(comm)
         if pair is None:
             # Both splits are collective over ``comm``: same order on every rank.
             intra = comm.split(comm.inter_rank, comm.intra_rank)
             inter = comm.split(comm.intra_rank, comm.inter_rank)
+            # Finalized with ``comm``, by its finalize(), intra first (raises if ``comm`` was
+            # finalized meanwhile, after freeing both).
+            comm.adopt(intra, inter)
             pair = _HIERARCHY[comm] = (intra, inter)
         return pair

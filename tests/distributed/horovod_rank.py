@@ -4,6 +4,8 @@ compression adapters inside hvd.DistributedOptimizer. Prints "horovod ok rank R/
 Run under mpirun or horovodrun (any number of ranks >= 2).
 """
 
+import sys
+
 import horovod.torch as hvd
 import torch
 
@@ -87,4 +89,8 @@ assert err <= 0.31 * scale, f"qsgd4 max error {err} > {0.31 * scale}"
 assert err > 0, "qsgd4 returned the exact mean: was it really quantised?"
 
 comm.barrier()
-print(f"horovod ok rank {r}/{n}", flush=True)
+# One write for the whole line: the ranks run unbuffered, where print() writes the text and
+# its newline separately, and mpirun tags each piece it reads (a piece without its newline
+# gets the next piece, maybe another rank's, glued on).
+sys.stdout.write(f"horovod ok rank {r}/{n}\n")
+sys.stdout.flush()

@@ -855,8 +855,11 @@ for step in range(steps):
     model(xs[step]).square().mean().backward()
     opt.step()
 weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-print("digest", hashlib.sha256(weights).hexdigest()[:16], flush=True)
-print(f"after the fault {time.monotonic() - fault_t:.1f} s", flush=True)
+# One write a line: the ranks share one stdout and run unbuffered, where print() writes each
+# piece apart, so two ranks' pieces interleaved ("digest digest4f5b...").
+sys.stdout.write(f"digest {hashlib.sha256(weights).hexdigest()[:16]}\n")
+sys.stdout.write(f"after the fault {time.monotonic() - fault_t:.1f} s\n")
+sys.stdout.flush()
 """
 #: Seconds without progress before a job ends, in these rows (the default is 600).
 LINK_TIMEOUT = 5
@@ -870,13 +873,15 @@ def _testbed_or_skip(transport: str) -> None:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"emulated cluster: {reason}")
-    if transport == "mpi" and not shutil.which("mpirun"):
+    if transport in ("mpi", "horovod") and not shutil.which("mpirun"):
         pytest.skip("mpirun not found: install Open MPI")
+    if transport == "horovod" and horovod_missing():
+        pytest.skip(horovod_missing())
 
 
 def _on_testbed(transport: str, fault: str, run: tuple[str, str, str], timeout: float):
     """(exit code, stdout, stderr, seconds from the fault to the job's end or None)."""
-    launcher = "mpi" if transport == "mpi" else "torch"
+    launcher = "torch" if transport == "torch" else "mpi"  # Horovod over MPI: mpirun
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"commopt-link-fault-{os.getpid()}.py"
     script.write_text(LINK_FAULT)
     env = dict(launcher_free_env(), PYTHONPATH=str(REPO), COMMOPT_COMM_TIMEOUT=str(LINK_TIMEOUT))
@@ -901,12 +906,13 @@ def _reference_digest(transport: str) -> str:
 
 
 def _digests(out: str) -> list[str]:
-    """The ranks' weight digests in ``out`` (the ranks share one stdout: lines can interleave,
-    as ``digestdigest 4f5b...``, so the 16-hex-digit digests are found on their own)."""
-    return re.findall(r"\b[0-9a-f]{16}\b", out)
+    """The ranks' weight digests in ``out`` (the ranks share one stdout; each writes its line
+    in one write, and the 16-hex-digit digests are found even where pieces interleaved, as in
+    ``digest digest4f5b...``)."""
+    return re.findall(r"(?<![0-9a-f])[0-9a-f]{16}(?![0-9a-f])", out)
 
 
-LINK_TRANSPORTS = ["mpi", "torch"]
+LINK_TRANSPORTS = ["mpi", "torch", "horovod"]
 
 
 @pytest.mark.netns

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,36 @@ CONTRACT = (HERE / "comm_contract_rank.py").read_text()
 RANK_SCRIPT = HERE / "horovod_rank.py"
 
 
+#: The launchers' tag before each piece of a rank's output: ``[rank]<stream>:`` (gloo) or
+#: ``[job,rank]<stream>:`` (mpirun --tag-output).
+_TAG = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
+
+
+def rank_lines(text: str, stream: str = "stdout") -> dict[int, list[str]]:
+    """Each rank's lines of ``stream`` in a launcher's tagged output.
+
+    A tag is looked for anywhere in a line, not only at its start: mpirun writes a rank's
+    piece of output and the next piece's tag in separate writes, so a piece that did not end
+    its line gets the next rank's tag glued on (``...[1,1]<stdout>:horovod ok rank 1/2``).
+
+        >>> rank_lines("[1,0]<stdout>:a[1,1]<stdout>:b\\n[1,1]<stderr>:w\\n[0]<stdout>:c")
+        {0: ['a', 'c'], 1: ['b']}
+    """
+    by_rank: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        tags = list(_TAG.finditer(line))
+        for i, m in enumerate(tags):
+            end = tags[i + 1].start() if i + 1 < len(tags) else len(line)
+            if m.group(2) == stream:
+                by_rank.setdefault(int(m.group(1)), []).append(line[m.end() : end])
+    return by_rank
+
+
 def run_horovodrun(
     script: Path, nprocs: int, *, gloo: bool = False, timeout: float = 150
-) -> list[str]:
-    """Run ``script`` with horovodrun on this host; return each rank's stdout lines, by rank."""
+) -> tuple[list[list[str]], str]:
+    """Run ``script`` with horovodrun on this host: (each rank's stdout lines by rank, the
+    launcher's whole output)."""
     horovodrun = Path(sys.executable).with_name("horovodrun")
     if not horovodrun.exists():
         pytest.skip(f"horovodrun not found next to {sys.executable}")
@@ -51,6 +78,7 @@ def run_horovodrun(
         str(script),
     ]
     env = _base_env({"PATH": f"{horovodrun.parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+    t = time.monotonic()
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -68,15 +96,13 @@ def run_horovodrun(
         raise AssertionError(
             f"{' '.join(cmd)}: timed out after {timeout:.0f}s\n{out[-4000:]}"
         ) from exc
-    # horovodrun prefixes each line with [rank] (gloo) or [job,rank] (mpi) and the stream.
-    by_rank: dict[int, list[str]] = {}
-    for line in out.splitlines():
-        m = re.match(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", line)
-        if m and m.group(2) == "stdout":
-            by_rank.setdefault(int(m.group(1)), []).append(m.group(3))
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}: exit code {proc.returncode}\n{out[-4000:]}")
-    return [by_rank.get(r, []) for r in range(nprocs)]
+        raise AssertionError(
+            f"{' '.join(cmd)}: exit code {proc.returncode} after {time.monotonic() - t:.0f}s"
+            f"\n{out[-4000:]}"
+        )
+    by_rank = rank_lines(out)
+    return [by_rank.get(r, []) for r in range(nprocs)], out
 
 
 def test_contract_under_mpirun():
@@ -87,10 +113,9 @@ def test_contract_under_mpirun():
 # horovodrun --mpi starts the ranks with mpirun; --gloo with Horovod's own launcher.
 @pytest.mark.parametrize("gloo", [False, True], ids=["horovodrun-mpi", "horovodrun-gloo"])
 def test_codecs_and_adapters_under_horovodrun(gloo):
-    out = run_horovodrun(RANK_SCRIPT, 2, gloo=gloo)
-    # mpirun's tagging sometimes glues the next line's "[1,1]<stdout>:" onto a line's end:
-    # look for each rank's final message, not for the exact last line.
+    out, whole = run_horovodrun(RANK_SCRIPT, 2, gloo=gloo)
     for r, lines in enumerate(out):
-        assert any(f"horovod ok rank {r}/2" in line for line in lines), (
-            f"rank {r} did not finish its checks; its output: {lines[-5:]}"
+        assert any(line.strip() == f"horovod ok rank {r}/2" for line in lines), (
+            f"rank {r} did not finish its checks (the job exited with 0); its stdout: "
+            f"{lines[-5:]}; the launcher's output:\n{whole[-4000:]}"
         )

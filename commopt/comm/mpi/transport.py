@@ -421,7 +421,7 @@ class MPICommunicator(Communicator):
             == "pipelined"
         )
 
-    def finalize(self) -> None:
+    def _release(self) -> None:
         # Not joining from the worker itself (a last reference dropped there).
         self._worker.shutdown(wait=not self._on_worker())
         unwatch(self._watch)
