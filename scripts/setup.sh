@@ -64,9 +64,11 @@ fi
 # wheel (a CUDA build on the registry) cannot import next to this torch.
 bash scripts/setup_torchvision.sh "$VENV"
 
-# 5. The native kernels: rebuilt when their sources are newer than the library.
-so=$(ls commopt_ext/_cpu*.so 2>/dev/null | head -n1 || true)
-if [ -z "$so" ] || [ -n "$(find commopt_ext -name '*.cpp' -newer "$so" -o -name '*.h' -newer "$so" | head -n1)" ]; then
+# 5. The native libraries (kernels, deadlines): rebuilt when one is missing or a source is
+# newer than the oldest of them.
+so=$(ls -tr commopt_ext/_cpu*.so commopt_ext/_deadline*.so 2>/dev/null | head -n1 || true)
+count=$(ls commopt_ext/_cpu*.so commopt_ext/_deadline*.so 2>/dev/null | wc -l)
+if [ "$count" -lt 2 ] || [ -n "$(find commopt_ext -name '*.cpp' -newer "$so" -o -name '*.h' -newer "$so" | head -n1)" ]; then
   log "building native kernels"
   "$VENV/bin/python" setup.py -q build_ext --inplace >/dev/null
 fi
