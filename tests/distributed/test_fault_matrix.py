@@ -971,7 +971,8 @@ SLOW_RUNS = {
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "transport, longer", [("mpi", "steps"), ("torch", "steps"), ("mpi", "collective")]
+    "transport, longer",
+    [("mpi", "steps"), ("torch", "steps"), ("horovod", "steps"), ("mpi", "collective")],
 )
 def test_a_slow_link_is_not_a_dead_link(case, transport, longer):
     _testbed_or_skip(transport)
