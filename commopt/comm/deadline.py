@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
-import importlib.machinery
-import importlib.util
 import math
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from commopt.native_libraries import find_extension
 
 __all__ = ["armed", "deadline", "native"]
 
@@ -39,15 +39,7 @@ _fallback_armed = [0]
 
 
 def _find_library() -> Path | None:
-    spec = importlib.util.find_spec("commopt_ext")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = Path(folder) / f"_deadline{suffix}"
-            if path.exists():
-                return path
-    return None
+    return find_extension("_deadline")
 
 
 def native() -> ctypes.CDLL | None:

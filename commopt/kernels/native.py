@@ -11,11 +11,11 @@ trust their inputs (contiguous CPU tensors of the right dtype and size).
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-import importlib.util
 from pathlib import Path
 
 import torch
+
+from commopt.native_libraries import find_extension
 
 #: must match commopt_abi_version() in cpu_kernels.cpp.
 ABI_VERSION = 3
@@ -27,15 +27,7 @@ _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _find_library() -> Path | None:
-    spec = importlib.util.find_spec("commopt_ext")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = Path(folder) / f"_cpu{suffix}"
-            if path.exists():
-                return path
-    return None
+    return find_extension("_cpu")
 
 
 def load():
