@@ -12,6 +12,14 @@ Hypothesis draws, for every target below, ``--examples`` inputs and checks each:
   read out of bounds), and a NaN/Inf in ``out`` only where the codec's ``can_overflow`` makes
   the reduction re-check its result (the step's NaN/Inf agreement then skips the step on
   every rank); a NaN/Inf the reduction would not see is a *silent corruption*.
+* ``codec:powersgd1`` / ``codec:powersgd4``: the low-rank codec has no flat wire; what
+  arrives is the sum of the ranks' P's, then of their Q's (two allreduces). For a random
+  bucket (matrices, convolutions, vectors sent exactly) on 1-3 emulated ranks, one of the two
+  sums is replaced by random bytes, flipped bits, one NaN/Inf/huge/tiny value, or bytes too
+  few or too many, and handed at a byte offset to ``after_p_sum``/``after_q_sum``. A wrong
+  size must raise ``ValueError`` naming the bytes needed; otherwise nothing is written
+  outside the bucket, the codec keeps no NaN/Inf in its Q or residual, ``discard_step``
+  puts them back bit for bit, and a NaN/Inf in the result is re-checked (``can_overflow``).
 * ``kernels:native`` / ``kernels:triton``: ``commopt.kernels.qsgd_decode`` and
   ``cast_decode`` on random wires and settings (any bits, levels, bucket size, scale size),
   bit-identical to the reference kernels, no read or write out of bounds.
@@ -52,8 +60,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 CODECS = ("none", "fp16", "bf16", "qsgd2", "qsgd4", "qsgd8", "qsgd4-fp16scales", "qsgd4+ef")
+#: low-rank codecs: no flat wire; their sums of P and Q are fuzzed instead (``check_lowrank``).
+LOWRANK_CODECS = ("powersgd1", "powersgd4")
 TARGETS = (
     *(f"codec:{c}" for c in CODECS),
+    *(f"codec:{c}" for c in LOWRANK_CODECS),
     "codec:exact",
     "kernels:native",
     "kernels:triton",
@@ -260,6 +271,164 @@ def check_codec(codec, case: dict) -> str:
         if not _same_bits(first, out):
             raise Finding(f"{impl} decoded other bits than {results[0][0]} (or read out of bounds)")
     if not bool(torch.isfinite(first).all()):
+        if not codec.can_overflow:
+            raise Finding("NaN/Inf decoded by a codec whose reductions do not re-check it")
+        return "nan/inf, re-checked"
+    return "finite"
+
+
+# ----------------------------------------------------------------------------- low-rank targets
+
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 1e-45, 0.0)
+LOWRANK_KEY = "fuzz"
+
+
+def draw_lowrank_case(data, codec) -> dict:
+    """A bucket of tensors, 1-3 emulated ranks, and the damage done to one of the two sums
+    (P's, then Q's) that the ranks' allreduces deliver: random bytes, flipped bits, one value
+    replaced by NaN/Inf/huge/tiny, truncated or oversized."""
+    shapes, at = [], 0
+    for _ in range(data.draw(st.integers(1, 3), label="tensors")):
+        form = data.draw(st.sampled_from(["matrix", "matrix", "conv", "vector"]), label="form")
+        if form == "vector":
+            shape: tuple[int, ...] = (data.draw(st.integers(1, 50), label="len"),)
+        elif form == "matrix":
+            shape = (data.draw(st.integers(1, 48), label="rows"), data.draw(st.integers(1, 48)))
+        else:
+            shape = (data.draw(st.integers(1, 16), label="out"), data.draw(st.integers(1, 4)), 3, 3)
+        at += data.draw(st.integers(0, 3), label="gap")  # elements between: sent exactly
+        shapes.append((at, shape))
+        at += math.prod(shape)
+    numel = at + data.draw(st.integers(0, 3), label="tail")
+    lay = codec.layout(numel, shapes)
+    stage = data.draw(st.sampled_from(["P", "Q"]), label="stage")
+    size = 4 * (lay.p_numel if stage == "P" else lay.q_numel)
+    kind = data.draw(
+        st.sampled_from(
+            ["random", "flipped", "flipped", "value", "value", "truncated", "oversized"]
+        ),
+        label="kind",
+    )
+    if kind in ("truncated", "flipped", "value") and size == 0:
+        kind = "oversized"
+    case = {
+        "shapes": shapes,
+        "numel": numel,
+        "ranks": data.draw(st.integers(1, 3), label="ranks"),
+        "warm": data.draw(st.booleans(), label="warm"),  # an honest step first: Q, residual
+        "stage": stage,
+        "size": size,
+        "kind": kind,
+        "seed": data.draw(st.integers(0, 2**31 - 1), label="seed"),
+        "offset": data.draw(st.integers(0, 3), label="offset"),
+    }
+    if kind == "truncated":
+        case["nbytes"] = data.draw(st.integers(0, size - 1), label="nbytes")
+    elif kind == "oversized":
+        case["nbytes"] = size + data.draw(st.integers(1, 64), label="extra")
+    elif kind == "flipped":
+        case["flips"] = [
+            (data.draw(st.integers(0, size - 1), label="byte"), data.draw(st.integers(0, 7)))
+            for _ in range(data.draw(st.integers(1, 8), label="flips"))
+        ]
+    elif kind == "value":
+        case["at"] = data.draw(st.integers(0, size // 4 - 1), label="at")
+        case["value"] = data.draw(st.sampled_from(SPECIAL_VALUES), label="value")
+    return case
+
+
+def _damaged(summed: torch.Tensor, case: dict) -> torch.Tensor:
+    """The bytes that arrive in place of the honest float32 sum ``summed``."""
+    kind, seed = case["kind"], case["seed"]
+    if kind in ("truncated", "oversized"):
+        return _random_bytes(case["nbytes"], seed)
+    if kind == "random":
+        return _random_bytes(summed.numel() * 4, seed)
+    wire = summed.clone().view(torch.uint8)
+    if kind == "flipped":
+        for pos, bit in case["flips"]:
+            wire[pos] ^= 1 << bit
+    else:
+        wire.view(torch.float32)[case["at"]] = case["value"]
+    return wire
+
+
+def _snapshot(codec) -> tuple:
+    return tuple(
+        None if t is None else t.clone()
+        for t in (codec.q(LOWRANK_KEY), codec.residual(LOWRANK_KEY))
+    )
+
+
+def check_lowrank(name: str, case: dict) -> str:
+    """One damaged reduction through the low-rank codec's decoding stages; the outcome.
+
+    Every emulated rank runs ``start``; the honest sum of their P's (then Q's) is what an
+    allreduce delivers; one stage's sum is damaged and handed, as bytes at an odd offset, to
+    rank 0's ``after_p_sum``/``after_q_sum`` (ranks 1.. get the same bytes: an allreduce
+    gives every rank the same sum). A wrong size must raise ``ValueError`` naming the size
+    needed; otherwise: nothing written outside the bucket, the codec's kept Q and residual
+    finite, ``discard_step`` (what a skipped step does) puts them back bit for bit, and a
+    NaN/Inf in the result only where ``can_overflow`` makes the reduction re-check it.
+    """
+    ranks, numel, shapes = case["ranks"], case["numel"], case["shapes"]
+    codecs = [make_codec(name) for _ in range(ranks)]
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    magnitude = float(torch.exp(torch.randn(1, generator=gen) * 3))
+
+    def grads() -> list[torch.Tensor]:
+        return [torch.randn(numel, generator=gen) * magnitude for _ in range(ranks)]
+
+    def start(flats, step):
+        return [
+            c.start(f, shapes, key=LOWRANK_KEY, factor=1.0 / ranks, size=ranks, step=step)
+            for c, f in zip(codecs, flats, strict=True)
+        ]
+
+    if case["warm"]:  # an honest reduction first: a warm Q and a residual to keep or restore
+        jobs = start(grads(), 0)
+        p = sum(j.p for j in jobs)
+        q = sum(j.after_p_sum(p) for j in jobs)
+        for j in jobs:
+            j.after_q_sum(q)
+    before = _snapshot(codecs[0])
+    flats = grads()
+    out, backing = _guarded_out(flats[0])
+    flats[0] = out
+    jobs = start(flats, 1)
+    trailer = _random_bytes(64, case["seed"] + 2)
+    p = sum(j.p for j in jobs)
+    try:
+        if case["stage"] == "P":
+            wire = _damaged(p, case)
+            q = sum(j.after_p_sum(_placed(wire, case["offset"], trailer)) for j in jobs)
+            jobs[0].after_q_sum(q)
+        else:
+            q = sum(j.after_p_sum(p) for j in jobs)
+            jobs[0].after_q_sum(_placed(_damaged(q, case), case["offset"], trailer))
+        err = None
+    except (ValueError, TypeError) as e:
+        err = e
+    if not _guards_intact(backing, numel):
+        raise Finding("the reduction wrote outside the bucket")
+    if case["kind"] in ("truncated", "oversized"):
+        if not isinstance(err, ValueError) or f"needs {case['size']} bytes" not in str(err):
+            raise Finding(
+                f"a {case['kind']} sum of {case['stage']} gave {err!r}, not a ValueError "
+                f"naming the {case['size']} bytes needed"
+            )
+        return "size rejected"
+    if err is not None:
+        raise Finding(f"a sum of the right size raised {err!r}")
+    codec = codecs[0]
+    for what, kept in zip(("Q", "residual"), _snapshot(codec), strict=True):
+        if kept is not None and not bool(torch.isfinite(kept).all()):
+            raise Finding(f"NaN/Inf kept in the codec's {what}")
+    codec.discard_step()  # what every rank does when the NaN/Inf agreement skips the step
+    for what, was, now in zip(("Q", "residual"), before, _snapshot(codec), strict=True):
+        if (was is None) != (now is None) or (was is not None and not torch.equal(was, now)):
+            raise Finding(f"discard_step did not put the {what} back")
+    if not bool(torch.isfinite(out).all()):
         if not codec.can_overflow:
             raise Finding("NaN/Inf decoded by a codec whose reductions do not re-check it")
         return "nan/inf, re-checked"
@@ -672,7 +841,15 @@ def run_target(target: str, examples: int, seed: int = 0) -> dict:
     """Hypothesis over one target, in this process: the tally and the failure, if any."""
     tally: collections.Counter = collections.Counter()
 
-    if target.startswith("codec:"):
+    if target.removeprefix("codec:") in LOWRANK_CODECS:
+        name = target.removeprefix("codec:")
+        layout_codec = make_codec(name)  # layouts only: each example builds its own codecs
+        strategy = st.data()
+
+        def one(data):
+            tally[check_lowrank(name, draw_lowrank_case(data, layout_codec))] += 1
+
+    elif target.startswith("codec:"):
         codec = make_codec(target.split(":", 1)[1])
         strategy = st.data()
 
@@ -765,16 +942,24 @@ def merge(paths: list[str]) -> dict:
     """One record from the records of runs over disjoint targets (run side by side)."""
     records = [json.loads(Path(p).read_text()) for p in paths]
     targets = {t: r for rec in records for t, r in rec["targets"].items()}
+
+    def each(field: str) -> list:  # a merged record's lists are flattened
+        return [
+            v
+            for rec in records
+            for v in (rec[field] if isinstance(rec[field], list) else [rec[field]])
+        ]
+
     return {
-        "command": [rec["command"] for rec in records],
+        "command": each("command"),
         "date": max(rec["date"] for rec in records),
-        "host": [rec["host"] for rec in records],
+        "host": each("host"),
         "examples_per_target": min(rec["examples_per_target"] for rec in records),
         "triton_examples": min(rec["triton_examples"] for rec in records),
         "crashes": sum(rec["crashes"] for rec in records),
         "failed_targets": [t for rec in records for t in rec["failed_targets"]],
         "silent_corruptions": sum(rec["silent_corruptions"] for rec in records),
-        "wall_s": [rec["wall_s"] for rec in records],
+        "wall_s": each("wall_s"),
         "targets": {t: targets[t] for t in TARGETS if t in targets},
     }
 
@@ -833,7 +1018,16 @@ def section(record: dict) -> str:
         "test_damaged_scale_is_caught_by_the_nan_agreement_on_every_rank` damages one rank's "
         "scales on 2 gloo ranks: both skip that step, weights untouched; with the re-check off "
         "a rank's weights become NaN). A *silent corruption* would be a NaN/Inf decoded where "
-        "no re-check follows. `api`: the codec constructors, `get_codec`, "
+        "no re-check follows. `codec:powersgd*`: the low-rank codec has no flat wire; what "
+        "arrives is the sum of the ranks' P's and then of their Q's, so one of the two sums "
+        "(for random buckets of matrices, convolutions and vectors on 1-3 emulated ranks) is "
+        "replaced by random bytes, flipped bits, one NaN/Inf/huge/tiny value, or bytes too few "
+        "or too many, and handed at a byte offset to the codec's `after_p_sum`/`after_q_sum`: "
+        "*size rejected* is a `ValueError` naming the bytes the bucket's layout needs; "
+        "otherwise nothing is written outside the bucket, no NaN/Inf is kept in the codec's Q "
+        "or residual, `discard_step` (what a skipped step does) puts both back bit for bit, "
+        "and a NaN/Inf in the result (a damaged Q, or a damaged value sent exactly; a NaN in a "
+        "matrix's P only zeroes that column) is re-checked. `api`: the codec constructors, `get_codec`, "
         "`create_communicator` and `create_multi_node_optimizer` with random arguments give a "
         "working object (a codec round-trips, an optimizer trains two steps with finite "
         "weights) or a `ValueError`/`TypeError`. `objects`: `bcast_obj`/`allgather_obj` "

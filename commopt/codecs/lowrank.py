@@ -22,6 +22,14 @@ with the matrix's rows (one power iteration per step). What travels per matrix i
 not compress (vectors, or matrices too small for ``rank`` to save a factor
 ``min_compression_rate``) travel exactly, in the first allreduce.
 
+The sums arrive from the peers and are untrusted: given as a buffer of their own
+(``after_p_sum(summed)``, ``after_q_sum(summed)``) a size other than the layout's raises
+``ValueError``; a NaN/Inf in a matrix's summed ``P`` makes the orthogonalisation zero that
+column, and one in ``Q`` or in a value sent exactly reaches the result, which the
+reduction re-checks (``can_overflow``): the step's NaN/Inf agreement then skips the step on
+every rank, and :meth:`PowerSGD.discard_step` puts the ``Q`` and residual back. No NaN/Inf
+is ever kept in them.
+
 This is not an encode/decode codec: it needs the tensors' shapes and two allreduces with
 math in between. :func:`commopt.collectives.allreduce` runs it with its own plan
 (``algorithm="lowrank"``) when given ``shapes=`` (the reducer passes every bucket's); the
@@ -131,7 +139,10 @@ class PowerSGD(Codec):
     wire_dtype = None
     alignment = 1
     stochastic = False
-    can_overflow = False
+    #: The sums arrive from the peers: a damaged P or Q can spell NaN/Inf (or values whose
+    #: product overflows), so reductions through PowerSGD re-check their result and the step's
+    #: NaN/Inf agreement skips the step on every rank (:meth:`discard_step` puts the state back).
+    can_overflow = True
 
     def __init__(
         self,
@@ -453,8 +464,35 @@ class LowRankReduction:
     def _q(self, m: _Matrix) -> torch.Tensor:
         return self.q[m.q_at : m.q_at + m.cols * m.rank].view(m.cols, m.rank)
 
-    def after_p_sum(self) -> torch.Tensor:
-        """``p`` holds the sum over the ranks: write the exact values, form Q (to sum next)."""
+    def _receive(self, buf: torch.Tensor, summed: torch.Tensor | None, what: str) -> None:
+        """Copy a sum that arrived elsewhere into ``buf`` (``p`` or ``q``), size checked."""
+        if summed is None:
+            return
+        name, key = self.codec.name, self.key
+        if summed.dim() != 1 or summed.dtype not in (torch.uint8, torch.float32):
+            raise TypeError(
+                f"{name}: the summed {what} of bucket {key!r} must be a 1-D uint8 (bytes) or "
+                f"float32 tensor, got {summed.dtype} of shape {tuple(summed.shape)}"
+            )
+        raw = summed.dtype == torch.uint8
+        need = buf.numel() * (4 if raw else 1)
+        if summed.numel() != need:
+            unit = "bytes" if raw else "float32 values"
+            raise ValueError(
+                f"{name}: the summed {what} of bucket {key!r} is {summed.numel()} {unit}; this "
+                f"bucket's layout needs {need} {unit} ({buf.numel()} float32 values: "
+                f"{len(self.lay.matrices)} compressed matrices at rank <= {self.codec.rank}"
+                + (", then the values sent exactly)" if what == "P" else ")")
+            )
+        (buf.view(torch.uint8) if raw else buf).copy_(summed)
+
+    def after_p_sum(self, summed: torch.Tensor | None = None) -> torch.Tensor:
+        """``p`` holds the sum over the ranks: write the exact values, form Q (to sum next).
+
+        ``summed``: the sum as it arrived in another buffer (float32 values or their bytes),
+        copied into ``p`` first; a size other than ``p``'s raises ``ValueError``.
+        """
+        self._receive(self.p, summed, "P")
         lay = self.lay
         at = lay.p_numel - sum(hi - lo for lo, hi in lay.rest)
         for lo, hi in lay.rest:
@@ -466,8 +504,12 @@ class LowRankReduction:
             torch.mm(self._matrix(m).T, p, out=self._q(m))
         return self.q
 
-    def after_q_sum(self) -> None:
-        """``q`` holds the sum over the ranks: the result into ``flat``; keep Q and residual."""
+    def after_q_sum(self, summed: torch.Tensor | None = None) -> None:
+        """``q`` holds the sum over the ranks: the result into ``flat``; keep Q and residual.
+
+        ``summed``: as for :meth:`after_p_sum`, the sum of the Q's as it arrived elsewhere.
+        """
+        self._receive(self.q, summed, "Q")
         codec, lay = self.codec, self.lay
         new_res = None
         if codec.error_feedback:

@@ -4,7 +4,9 @@ The fuzzing itself is benchmarks/fuzz_wire.py (10,000 examples per target there,
 here); these tests run each of its targets briefly and pin the behaviours it relies on: a
 scale no encoder writes raises, a wire of the wrong size raises, and a NaN scale that a
 damaged wire carries is caught by the step's NaN/Inf agreement on every rank, because the
-codec's ``can_overflow`` makes the reduction re-check its result.
+codec's ``can_overflow`` makes the reduction re-check its result. The low-rank codec has no
+flat wire: its decoding stages take the summed P's and Q's, size checked, and the same
+re-check catches what a damaged sum spells.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import struct
 import pytest
 import torch
 
-from commopt.codecs import QSGD, get_codec
+from commopt.codecs import QSGD, PowerSGD, get_codec
 from commopt.codecs.exact import Exact
 from commopt.comm.objects import decode, encode
 from tests.multirank import run_torch
@@ -127,10 +129,89 @@ def test_object_message_device_names_no_torch_attribute():
     assert decode(encode(t)).tolist() == [1.0]
 
 
+def _lowrank_job(codec, numel=12 * 40 + 7, step=1):
+    shapes = [(0, (12, 40)), (480, (7,))]  # a compressed matrix, then values sent exactly
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(step))
+    return flat, codec.start(flat, shapes, key="b", factor=1.0, size=1, step=step)
+
+
+@pytest.mark.parametrize("stage", ["P", "Q"])
+@pytest.mark.parametrize("delta", [-4, -1, 1, 4])
+def test_lowrank_refuses_a_sum_of_the_wrong_size(stage, delta):
+    codec = PowerSGD(rank=4)
+    _, job = _lowrank_job(codec)
+    need = 4 * (job.p.numel() if stage == "P" else job.q.numel())  # 4 * (12*4 + 7), 4 * 40*4
+    wire = torch.zeros(need + delta, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError,
+        match=f"powersgd4: the summed {stage} of bucket 'b' is "
+        f"{need + delta} bytes; this bucket's layout needs {need} bytes",
+    ):
+        if stage == "P":
+            job.after_p_sum(wire)
+        else:
+            job.after_p_sum()
+            job.after_q_sum(wire)
+    assert codec.q("b") is None and codec.residual("b") is None, "state kept from a bad sum"
+    with pytest.raises(TypeError, match=r"1-D uint8 \(bytes\) or float32"):
+        job.after_p_sum(torch.zeros(job.p.numel(), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_lowrank_damaged_q_reaches_the_result_is_rechecked_and_undone(value):
+    """A damaged Q sum spells NaN/Inf in the result: PowerSGD's
+    ``can_overflow`` makes the reduction re-check it; its kept Q and residual stay finite
+    and ``discard_step`` (the skipped step) puts back the previous ones bit for bit."""
+    codec = PowerSGD(rank=4)
+    flat, job = _lowrank_job(codec, step=0)
+    job.after_p_sum()
+    job.after_q_sum()
+    q0, res0 = codec.q("b").clone(), codec.residual("b").clone()
+    flat, job = _lowrank_job(codec, step=1)
+    job.after_p_sum()
+    wire = job.q.clone()
+    wire[5] = value
+    job.after_q_sum(wire.view(torch.uint8))
+    assert not bool(torch.isfinite(flat).all())
+    assert codec.can_overflow, "reductions through PowerSGD must re-check their result"
+    assert bool(codec.q("b").isfinite().all()) and bool(codec.residual("b").isfinite().all())
+    codec.discard_step()
+    assert torch.equal(codec.q("b"), q0) and torch.equal(codec.residual("b"), res0)
+
+
+def test_lowrank_nan_in_a_p_column_leaves_the_matrix_finite():
+    """A NaN in a matrix's summed P: the orthogonalisation zeroes that column (no NaN
+    reaches the matrix); a NaN among the values sent exactly reaches them (re-checked)."""
+    codec = PowerSGD(rank=4)
+    flat, job = _lowrank_job(codec)
+    wire = job.p.clone()
+    wire[0] = float("nan")  # row 0 of the matrix's P, column 0
+    job.after_p_sum(wire)
+    job.after_q_sum()
+    assert bool(flat[:480].isfinite().all()) and bool(flat[480:].isfinite().all())
+    flat, job = _lowrank_job(codec, step=2)
+    wire = job.p.clone()
+    wire[-1] = float("nan")  # the last value sent exactly
+    job.after_p_sum(wire)
+    job.after_q_sum()
+    assert bool(flat[-1].isnan()) and bool(flat[:-1].isfinite().all())
+
+
+def test_fuzz_harness_reports_a_silent_lowrank_nan(monkeypatch):
+    """With the re-check off, the low-rank target counts a NaN in the result as silent."""
+    monkeypatch.setattr(PowerSGD, "can_overflow", False)
+    case = {"shapes": [(0, (12, 40))], "numel": 480, "ranks": 2, "warm": False, "stage": "Q"}
+    case.update(size=4 * 160, kind="value", at=3, value=float("nan"), seed=0, offset=1)
+    with pytest.raises(fuzz.Finding, match="do not re-check"):
+        fuzz.check_lowrank("powersgd4", case)
+    monkeypatch.undo()
+    assert fuzz.check_lowrank("powersgd4", case) == "nan/inf, re-checked"
+
+
 DAMAGED_PEER = r"""
-import json
+import json, sys
 import torch, commopt
-from commopt.codecs import QSGD
+from commopt.codecs import QSGD, PowerSGD
 
 class DamagingQSGD(QSGD):
     # What arrives from a faulty peer or a damaged link: the first scale of each wire is NaN.
@@ -141,10 +222,30 @@ class DamagingQSGD(QSGD):
         if self.damage and out.numel() >= 4:
             out[:4] = torch.tensor([float("nan")]).view(torch.uint8)
 
+class DamagingPowerSGD(PowerSGD):
+    # A faulty peer's contribution to the sum of the Q's: its first value is NaN.
+    damage = False
+
+    def start(self, *args, **kw):
+        job = super().start(*args, **kw)
+        if self.damage:
+            form_q = job.after_p_sum
+
+            def after_p_sum(summed=None):
+                q = form_q(summed)
+                q[:1] = float("nan")
+                return q
+
+            job.after_p_sum = after_p_sum
+        return job
+
 comm = commopt.create_communicator("torch")
 
 def run(recheck):
-    codec = DamagingQSGD(bits=4, bucket_size=128)
+    if sys.argv[1] == "qsgd":
+        codec = DamagingQSGD(bits=4, bucket_size=128)
+    else:
+        codec = DamagingPowerSGD(rank=4)
     codec.can_overflow = recheck
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64, bias=False)
@@ -178,12 +279,15 @@ print(json.dumps({"checked": run(True), "unchecked": run(False)}))
 """
 
 
-def test_damaged_scale_is_caught_by_the_nan_agreement_on_every_rank():
-    """A NaN scale from rank 1's wire (finite inputs everywhere): the reduction's re-check
-    flags it, every rank skips that step with its weights untouched, and training goes on.
-    The same run with the re-check switched off writes NaN into a rank's weights, which is
-    what ``can_overflow=True`` prevents."""
-    runs = [json.loads(o.strip().splitlines()[-1]) for o in run_torch(DAMAGED_PEER, 2, timeout=240)]
+@pytest.mark.parametrize("codec", ["qsgd", "powersgd"])
+def test_damaged_scale_is_caught_by_the_nan_agreement_on_every_rank(codec):
+    """A NaN scale from rank 1's wire, or a NaN in rank 1's share of the low-rank Q sum
+    (finite inputs everywhere): the reduction's re-check flags it, every rank skips that
+    step with its weights untouched, and training goes on. The same run with the re-check
+    switched off writes NaN into a rank's weights, which is what ``can_overflow=True``
+    prevents."""
+    outs = run_torch(DAMAGED_PEER, 2, timeout=240, args=[codec])
+    runs = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     for rank, r in enumerate(runs):
         want = {"skipped": 1, "unchanged": True, "finite": True, "trains_on": True}
         assert r["checked"] == want, f"rank {rank}: {r['checked']}"
