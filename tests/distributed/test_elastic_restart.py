@@ -1,8 +1,10 @@
 """Elastic restart: a rank killed at step k, the job restarted, weights bit-identical at the end.
 
-Runs of ``commopt.examples.elastic_train.ElasticRun`` (no codec, fp16, qsgd4+ef, qsgd4+ef
-with double buffering, fp16 with compensated double buffering) train side by side on 2
-ranks, a checkpoint every 5 steps, the data through a shuffling DistributedSampler over two
+Runs of ``commopt.examples.elastic_train.ElasticRun`` (no codec, fp16, bf16, qsgd4+ef,
+qsgd4+ef with double buffering, fp16 with compensated double buffering, a mixed per-group
+plan, and the low-rank powersgd4, whose warm-start Q and residual are per-rank state: plain,
+with double buffering, and with a warm-up that ends after the restart) train side by side
+on 2 ranks, a checkpoint every 5 steps, the data through a shuffling DistributedSampler over two
 epochs. Rank 1 SIGKILLs itself after step 7 of the first attempt; the launcher starts every
 rank again (``torchrun --max-restarts 1``, or a second ``mpirun`` as a requeue loop does),
 each run resumes from its step-5 checkpoint mid-epoch, and its final weights must equal, bit
@@ -30,9 +32,15 @@ comm_name, work, configs = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(","
 CONFIGS = {
     "none": (None, False),
     "fp16": ("fp16", False),
+    "bf16": ("bf16", False),
     "qsgd4+ef": ("qsgd4+ef", False),
     "qsgd4+ef+db": ("qsgd4+ef", True),
     "fp16+compensated": ("fp16", "compensated"),
+    # low-rank: each rank's warm-start Q and error-feedback residual must resume exactly
+    "powersgd4": ("powersgd4", False),
+    "powersgd4+db": ("powersgd4", True),
+    # warm-up to reduction 6: resumed at 5, the run leaves the warm-up after the restart
+    "powersgd4-start6": ("powersgd4-start6", False),
     # a mixed plan: the first layer synchronous, the rest compensated qsgd4+ef
     "mixed": ("qsgd4+ef", "compensated", [("0.*", {"double_buffering": False})]),
 }
@@ -67,7 +75,10 @@ if comm.rank == 0:
 print(f"rank {comm.rank} started at steps {starts}")
 """
 
-ALL = "none,fp16,qsgd4+ef,qsgd4+ef+db,fp16+compensated,mixed"
+ALL = (
+    "none,fp16,bf16,qsgd4+ef,qsgd4+ef+db,fp16+compensated,mixed,"
+    "powersgd4,powersgd4+db,powersgd4-start6"
+)
 
 
 def assert_bit_identical(work) -> None:
@@ -101,7 +112,7 @@ def test_torchrun_max_restarts_resumes_bit_identically(tmp_path):
 
 
 def test_mpirun_requeue_loop_resumes_bit_identically(tmp_path):
-    args = ["mpi", str(tmp_path), "qsgd4+ef+db,fp16+compensated,mixed"]
+    args = ["mpi", str(tmp_path), "qsgd4+ef+db,fp16+compensated,mixed,powersgd4+db"]
     with pytest.raises(AssertionError):  # the first attempt: rank 1 is killed after step 7
         run_mpi(RANK_SCRIPT, 2, args=args, timeout=300)
     assert (tmp_path / "killed").exists()
