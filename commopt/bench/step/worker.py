@@ -178,6 +178,8 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
 
     for _ in range(args.warmup):
         train_step(timed=False)
+    if commopt_opt is not None:  # compression="auto" has chosen its plan by now
+        wire_bytes = commopt_wire_bytes(commopt_opt)
     twin_step(0)  # the twin's warm-up
     for b in range(n_blocks):
         count = min(block, steps - b * block)
