@@ -33,8 +33,10 @@ import gc
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -151,8 +153,12 @@ def worker(args: argparse.Namespace) -> None:
     for mode in args.modes:
         out["modes"][mode] = run_and_release(mode, args.steps, args.every, args.width)
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    sys.stdout.write(TAG + json.dumps({"rank": rank, **out}) + "\n")
-    sys.stdout.flush()
+    record = json.dumps({"rank": rank, **out})
+    if args.records:  # a file per rank: long lines from several ranks interleave on stdout
+        Path(args.records, f"rank{rank}.json").write_text(record)
+    else:
+        sys.stdout.write(TAG + record + "\n")
+        sys.stdout.flush()
 
 
 # ----------------------------------------------------------------------------- the judge
@@ -218,6 +224,8 @@ def launch(args: argparse.Namespace) -> dict:
     script += ["--modes", ",".join(args.modes), "--steps", str(args.steps)]
     script += ["--every", str(args.every), "--width", str(args.width)]
     script += ["--warmup", str(args.warmup)]
+    records = Path(tempfile.mkdtemp(prefix="commopt-soak-"))
+    script += ["--records", str(records)]
     argv = mpirun_local_argv(args.ranks, script)
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
@@ -225,9 +233,8 @@ def launch(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
-    ranks = [
-        json.loads(line[len(TAG) :]) for line in proc.stdout.splitlines() if line.startswith(TAG)
-    ]
+    ranks = [json.loads(path.read_text()) for path in sorted(records.glob("rank*.json"))]
+    shutil.rmtree(records, ignore_errors=True)
     if proc.returncode != 0 or len(ranks) != args.ranks:
         raise SystemExit(
             f"soak: mpirun exited {proc.returncode} with {len(ranks)} of {args.ranks} ranks' "
@@ -344,6 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", help="write the JSON record here")
     ap.add_argument("--doc", help="write the soak section of this page from the --out record")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--records", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
