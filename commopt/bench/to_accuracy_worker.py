@@ -155,6 +155,8 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     comm.allgather_obj(None)
     codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
     if commopt_opt is not None:
+        wire = commopt_wire_bytes(commopt_opt)  # compression="auto" has chosen its plan by now
+        extra["plans"] = list(commopt_opt.plans)
         commopt_opt.flush()
         commopt_opt.close()
     compute_s = _compute_seconds(task, seed, args, comm)
