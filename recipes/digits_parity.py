@@ -27,28 +27,11 @@ from torch import nn
 
 from commopt._tables import table
 from recipes.common import RecipeError, create_communicator, state_digest
+from recipes.digits_data import load_digits_split
 from recipes.resnet50.data import EpochBatches
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "qsgd4+ef", "db")
 TOLERANCE_POINTS = 1.0
-
-
-def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0):
-    """(x_train, y_train, x_test, y_test): images as (N, 1, 8, 8) float in [0, 1], stratified."""
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError as exc:
-        raise ImportError(
-            "the parity benchmark needs scikit-learn: pip install scikit-learn"
-        ) from exc
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    idx_train, idx_test = train_test_split(
-        range(len(y)), test_size=test_fraction, random_state=split_seed, stratify=digits.target
-    )
-    return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
 
 
 def small_cnn() -> nn.Module:

@@ -102,23 +102,10 @@ class DigitsTask:
 
 def digits_split():
     """(x_train, y_train, x_test, y_test) of scikit-learn's digits: images (N, 1, 8, 8) in
-    [0, 1], the stratified 80/20 split with ``random_state=0`` (recipes/digits_parity.py's)."""
-    import torch
+    [0, 1], the stratified 80/20 split with ``random_state=0`` (recipes/digits_data.py)."""
+    from recipes.digits_data import load_digits_split
 
-    try:
-        from sklearn.datasets import load_digits  # type: ignore[import-untyped]
-        from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]
-    except ImportError:
-        raise SystemExit(
-            "the digits task needs scikit-learn (its data ship with it): pip install scikit-learn"
-        ) from None
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    train, test = train_test_split(
-        range(len(y)), test_size=0.2, random_state=0, stratify=digits.target
-    )
-    return x[train], y[train], x[test], y[test]
+    return load_digits_split()
 
 
 TASKS: dict[str, Any] = {"text": TextTask, "digits": DigitsTask}
