@@ -13,14 +13,21 @@ The cost model (documented in docs/optimizer.md):
   < ``powersgd1`` < ``qsgd2+ef``; QSGD applies to tensors the compression policy lets
   through, low rank to those and only to matrices that rank ``r`` shrinks by at least
   ``PowerSGD.min_compression_rate``;
-- a tensor's reduction time under an option: its wire bytes (the codec's ``encoded_nbytes``,
-  or the low-rank codec's ``wire_numel``) over the link's rate, plus its elements times the
-  option's codec cost per element (:data:`CODEC_SECONDS_PER_ELEMENT`);
+- a tensor's wire time under an option: its wire bytes (the codec's ``encoded_nbytes``, or
+  the low-rank codec's ``wire_numel``) over the link's rate; its codec time: its elements
+  times the option's codec cost per element, measured on the parameters' device when the
+  wrapper decides (:func:`measure_codec_costs`; :data:`CODEC_SECONDS_PER_ELEMENT` without a
+  measurement);
 - what must fit: the synchronous tensors' time under the backward pass (they overlap it),
   and every tensor's time under the step (double-buffered tensors overlap a whole step);
-- greedy: start with every tensor exact; while a budget is exceeded, move the tensor (among
-  those in an exceeded budget) whose next cheaper option saves the most time per step of
-  error to that option. Ties go to the earlier tensor, so the plan is deterministic.
+- where the codec runs: on a GPU it overlaps compute like the wire does (its time counts in
+  the budgets); on a CPU it takes the cores compute uses (``codec_overlaps=False``), so its
+  time is added to the step instead;
+- the cost of a plan: the time each budget is exceeded by, plus the codec time that does not
+  overlap; greedy: start with every tensor exact; while a budget is exceeded, move the tensor
+  (among those in an exceeded budget) whose next cheaper option lowers the cost the most per
+  step of error to that option; stop when everything fits or no move lowers the cost by
+  more than 0.1% of the step. Ties go to the earlier tensor, so the plan is deterministic.
 
     >>> planner = AutoPlanner()
     >>> tensors = [TensorInfo("fc.weight", (1024, 1024)), TensorInfo("fc.bias", (1024,))]
@@ -54,6 +61,7 @@ __all__ = [
     "ComputeTimer",
     "TensorInfo",
     "link_rate_setting",
+    "measure_codec_costs",
     "parse_rate",
     "probe_link_rate",
 ]
@@ -70,8 +78,8 @@ OPTIONS = ("none", "bf16", "qsgd8", "powersgd4", "qsgd4+ef", "powersgd2", "power
 #: The codec's own work per gradient element, encode and decode of one reduction (seconds):
 #: an estimate for one CPU core streaming at a few GB/s (a cast reads 4 bytes and writes 2,
 #: QSGD makes two passes and draws random numbers, low rank ``r`` does about ``8 r``
-#: multiply-adds per element in its matrix products). Give measured values to
-#: :class:`AutoPlanner` to replace them.
+#: multiply-adds per element in its matrix products). The wrapper measures them instead
+#: (:func:`measure_codec_costs`); these serve a planner given no measurement.
 CODEC_SECONDS_PER_ELEMENT: dict[str, float] = {
     "none": 0.0,
     "bf16": 1e-9,
@@ -208,7 +216,8 @@ class AutoPlanner:
 
     ``codec_seconds_per_element``: the codec cost per element of each option (default
     :data:`CODEC_SECONDS_PER_ELEMENT`); ``exact_bytes_per_element``: the uncompressed
-    codec's (4: float32).
+    codec's (4: float32); ``codec_overlaps``: whether codec work overlaps compute (True on a
+    GPU; False where the codec shares the processor compute runs on, as on a CPU).
     """
 
     def __init__(
@@ -216,11 +225,13 @@ class AutoPlanner:
         *,
         codec_seconds_per_element: Mapping[str, float] | None = None,
         exact_bytes_per_element: int = 4,
+        codec_overlaps: bool = True,
     ) -> None:
         self.codec_cost = dict(CODEC_SECONDS_PER_ELEMENT)
         if codec_seconds_per_element is not None:
             self.codec_cost.update(codec_seconds_per_element)
         self.exact_bytes = int(exact_bytes_per_element)
+        self.codec_overlaps = bool(codec_overlaps)
         self._codecs: dict[str, object] = {}
 
     def _codec(self, option: str):
@@ -277,11 +288,13 @@ class AutoPlanner:
                 tied[t.tie] = [i]
                 units.append(tied[t.tie])
         # Each unit's applicable options, in error order, each faster than the one before:
-        # (error rank, option, each member's wire bytes, seconds). A tied member that an
-        # option does not apply to travels exactly under it (as the compression policy does).
-        ladders: list[list[tuple[int, str, list[int], float]]] = []
+        # (error rank, option, each member's wire bytes, time in the budgets, codec time
+        # outside them). A tied member that an option does not apply to travels exactly under
+        # it (as the compression policy does).
+        Rung = tuple[int, str, list[int], float, float]
+        ladders: list[list[Rung]] = []
         for unit in units:
-            ladder: list[tuple[int, str, list[int], float]] = []
+            ladder: list[Rung] = []
             for rank, option in enumerate(OPTIONS):
                 sizes = [self.wire_bytes(option, tensors[i]) for i in unit]
                 if all(b is None for b in sizes):
@@ -291,18 +304,17 @@ class AutoPlanner:
                     for i, b in zip(unit, sizes)
                 ]
                 cost = self.codec_cost.get(option, 0.0)
-                seconds = sum(
-                    b / link_rate + (0.0 if size is None else cost * tensors[i].numel)
-                    for i, b, size in zip(unit, wire, sizes)
+                wire_s = sum(b / link_rate for b in wire)
+                codec_s = sum(
+                    cost * tensors[i].numel for i, size in zip(unit, sizes) if size is not None
                 )
-                if not ladder or seconds < ladder[-1][3]:
-                    ladder.append((rank, option, wire, seconds))
+                inside, outside = (
+                    (wire_s + codec_s, 0.0) if self.codec_overlaps else (wire_s, codec_s)
+                )
+                if not ladder or inside + outside < ladder[-1][3] + ladder[-1][4]:
+                    ladder.append((rank, option, wire, inside, outside))
             ladders.append(ladder)
         at = [0] * len(units)
-
-        def unit_seconds(u: int) -> float:
-            return ladders[u][at[u]][3]
-
         budgets = [
             (
                 backward_s,
@@ -310,41 +322,154 @@ class AutoPlanner:
             ),
             (step_s, list(range(len(units)))),
         ]
+
+        def cost(rungs: list[int]) -> tuple[float, set[int]]:
+            """The plan's cost (seconds the budgets are exceeded by, plus the codec time
+            outside them) and the units of the exceeded budgets."""
+            over: set[int] = set()
+            total = sum(ladders[u][rungs[u]][4] for u in range(len(units)))
+            for budget, members in budgets:
+                excess = sum(ladders[u][rungs[u]][3] for u in members) - budget
+                if excess > 0:
+                    total += excess
+                    over.update(members)
+            return total, over
+
         fits = True
         while True:
-            over = {
-                u
-                for budget, members in budgets
-                if sum(map(unit_seconds, members)) > budget
-                for u in members
-            }
+            now, over = cost(at)
             if not over:
                 break
             best: tuple[float, int] | None = None
             for u in sorted(over):
                 if at[u] + 1 >= len(ladders[u]):
                     continue
-                cur, nxt = ladders[u][at[u]], ladders[u][at[u] + 1]
-                score = (cur[3] - nxt[3]) / (nxt[0] - cur[0])
+                at[u] += 1
+                after, _ = cost(at)
+                at[u] -= 1
+                gain = now - after
+                if gain <= 1e-3 * step_s or gain <= 1e-12:  # too little to pay error for
+                    continue
+                score = gain / (ladders[u][at[u] + 1][0] - ladders[u][at[u]][0])
                 if best is None or score > best[0]:
                     best = (score, u)
-            if best is None:  # every unit of an exceeded budget is at its cheapest
+            if best is None:  # no cheaper option of an exceeded budget's units lowers the cost
                 fits = False
                 break
             at[best[1]] += 1
         choices: dict[str, str] = {}
         wire_bytes: dict[str, int] = {}
         for u, unit in enumerate(units):
-            _, option, wire, _ = ladders[u][at[u]]
+            _, option, wire, _, _ = ladders[u][at[u]]
             for i, b in zip(unit, wire):
                 choices[tensors[i].name], wire_bytes[tensors[i].name] = option, b
         return AutoPlan(
             choices={t.name: choices[t.name] for t in tensors},
             shapes={t.name: t.shape for t in tensors},
             wire_bytes={t.name: wire_bytes[t.name] for t in tensors},
-            inputs={"link_rate": float(link_rate), "backward_s": backward_s, "step_s": step_s},
+            inputs={
+                "link_rate": float(link_rate),
+                "backward_s": backward_s,
+                "step_s": step_s,
+                "codec_overlaps": float(self.codec_overlaps),
+                **{f"codec_s_per_element.{k}": float(v) for k, v in self.codec_cost.items()},
+            },
             fits=fits,
         )
+
+
+def _codec_work(codec, flat, sample: Sequence[tuple[int, ...]], decodes: int):
+    """One reduction's codec arithmetic on ``flat`` (the tensors of ``sample`` laid end to
+    end), as a function of the step number (random numbers are keyed by it)."""
+    import torch
+
+    from commopt.codecs import PowerSGD, RngKey
+
+    if isinstance(codec, PowerSGD):
+        shapes, at = [], 0
+        for shape in sample:
+            shapes.append((at, shape))
+            at += math.prod(shape)
+        grad = flat.clone()
+
+        def low_rank(i: int) -> None:
+            flat.copy_(grad)
+            reduction = codec.start(flat, shapes, key="probe", factor=1.0, size=1, step=i)
+            reduction.after_p_sum()
+            reduction.after_q_sum()
+
+        return low_rank
+    wire = torch.empty(codec.encoded_nbytes(flat.numel()), dtype=torch.uint8, device=flat.device)
+    acc = torch.zeros_like(flat)
+    n_dec = 1 if codec.linear else decodes
+
+    def encode_decode(i: int) -> None:
+        codec.encode(flat, wire, scale=1.0, rng=RngKey(0, 0, i), key="probe")
+        for _ in range(n_dec):
+            codec.decode(wire, acc, accumulate=True)
+
+    return encode_decode
+
+
+def measure_codec_costs(
+    tensors: Sequence[TensorInfo],
+    *,
+    size: int,
+    device=None,
+    sample_elements: int = 1 << 21,
+    repeats: int = 2,
+) -> dict[str, float]:
+    """Each option's codec seconds per element on ``device``, timed on the tensors it applies
+    to (the largest first, ``sample_elements`` elements at most: a larger tensor's leading
+    rows; random values): a flat codec's encode and the decodes a ring allreduce of ``size``
+    ranks makes of it
+    (``2 (size - 1) / size`` of the buffer, at least once), a low-rank codec's whole
+    arithmetic (P, orthogonalisation, Q, the product and the residual), the fastest of
+    ``repeats`` after one untimed run. Options that apply to no tensor are left out.
+    """
+    import torch
+
+    from commopt.codecs import get_codec
+
+    device = torch.device("cpu") if device is None else torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    shapes_of = AutoPlanner()
+    decodes = max(1, round(2 * (size - 1) / size)) if size > 1 else 1
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    costs: dict[str, float] = {}
+    for option in OPTIONS[1:]:
+        usable = sorted(
+            (t for t in tensors if shapes_of.wire_bytes(option, t) is not None),
+            key=lambda t: -t.numel,
+        )
+        sample: list[tuple[int, ...]] = []  # shapes; a large tensor's leading rows only
+        room = sample_elements
+        for t in usable:
+            shape = t.shape or (1,)
+            inner = math.prod(shape[1:])
+            rows = min(shape[0], room // max(1, inner))
+            if rows < 1 or (
+                rows < shape[0]
+                and shapes_of.wire_bytes(option, TensorInfo("", (rows, *shape[1:]))) is None
+            ):
+                break
+            sample.append((rows, *shape[1:]))
+            room -= rows * inner
+        numel = sum(math.prod(shape) for shape in sample)
+        if numel == 0:
+            continue
+        flat = torch.randn(numel, generator=gen).to(device)
+        work = _codec_work(get_codec(option), flat, sample, decodes)
+        work(0)
+        best = math.inf
+        for i in range(1, repeats + 1):
+            sync(device)
+            start = time.perf_counter()
+            work(i)
+            sync(device)
+            best = min(best, time.perf_counter() - start)
+        costs[option] = best / numel
+    return costs
 
 
 class ComputeTimer:
@@ -431,12 +556,27 @@ class AutoPlanning:
     def measuring(self) -> bool:
         return self.plan is None
 
-    def decide(self, tensors: Sequence[TensorInfo], exact_bytes_per_element: int = 4) -> AutoPlan:
-        """Rank 0's plan from the measured compute time (the caller broadcasts it)."""
+    def decide(
+        self,
+        tensors: Sequence[TensorInfo],
+        exact_bytes_per_element: int = 4,
+        *,
+        size: int = 2,
+        device=None,
+    ) -> AutoPlan:
+        """Rank 0's plan from the measured compute time and the codecs' costs measured now
+        on ``device`` (the caller broadcasts it). Codec work overlaps compute on a GPU and
+        takes compute's cores on a CPU."""
+        import torch
+
+        device = torch.device("cpu") if device is None else torch.device(device)
         backward_s, step_s = self.timer.measured()
-        return AutoPlanner(exact_bytes_per_element=exact_bytes_per_element).plan(
-            tensors, link_rate=self.link_rate, backward_s=backward_s, step_s=step_s
+        planner = AutoPlanner(
+            exact_bytes_per_element=exact_bytes_per_element,
+            codec_seconds_per_element=measure_codec_costs(tensors, size=size, device=device),
+            codec_overlaps=device.type != "cpu",
         )
+        return planner.plan(tensors, link_rate=self.link_rate, backward_s=backward_s, step_s=step_s)
 
     def describe(self) -> str:
         """What every rank must share (compared with the other settings)."""

@@ -692,7 +692,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             text = None
             if self.comm.rank == 0:
                 exact = self.plain_codec.encoded_nbytes(1)  # the uncompressed codec's width
-                text = self._auto.decide(self._auto_tensors(), exact).to_json()
+                params = self._all_params()
+                text = self._auto.decide(
+                    self._auto_tensors(),
+                    exact,
+                    size=self.comm.size,
+                    device=params[0].device if params else None,
+                ).to_json()
             if self.comm.size > 1:
                 text = self.comm.bcast_obj(text, root=0)
             self._use_auto_plan(AutoPlan.from_json(text))  # type: ignore[arg-type]

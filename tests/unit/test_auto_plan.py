@@ -16,6 +16,7 @@ from commopt.optim.auto_plan import (
     ComputeTimer,
     TensorInfo,
     link_rate_setting,
+    measure_codec_costs,
     parse_rate,
 )
 
@@ -101,6 +102,46 @@ def test_does_not_fit_is_reported_and_the_cheapest_options_are_used():
     chosen = plan(1.0, backward_s=1e-6, step_s=1e-6)
     assert not chosen.fits
     assert chosen.choices["block.mlp.weight"] in ("powersgd1", "qsgd2+ef")
+
+
+def test_on_a_cpu_codec_time_is_added_to_the_step_and_an_expensive_codec_is_not_chosen():
+    """Codec work that shares compute's cores is paid in full; the planner only compresses
+    where the wire saved outweighs it, and each move lowers the plan's cost."""
+    big = [TensorInfo("w", (4096, 4096), double_buffered=True)]
+    numel = 4096 * 4096
+    # exact: 0.54 s of wire against a 0.45 s step (0.09 s exposed); bf16 halves the wire for
+    # 0.02 s of codec; qsgd8 would cost 0.5 s of codec.
+    costs = {"bf16": 1.2e-9, "qsgd8": 3e-8, "qsgd4+ef": 3e-8, "qsgd2+ef": 3e-8}
+    costs.update({f"powersgd{r}": 3e-8 for r in (1, 2, 4)})
+    cpu = plan(GBIT, 0.3, 0.45, big, codec_seconds_per_element=costs, codec_overlaps=False)
+    assert cpu.choices == {"w": "bf16"} and cpu.fits
+    # The same codec costs on a GPU overlap compute: bf16's 0.29 s fits too.
+    gpu = plan(GBIT, 0.3, 0.45, big, codec_seconds_per_element=costs, codec_overlaps=True)
+    assert gpu.choices == {"w": "bf16"}
+    # A step so short that nothing fits: on a CPU the cheapest plan is the one with the least
+    # codec-plus-exposed time (bf16: 0.27 + 0.02), not the smallest wire (qsgd: +0.5 s).
+    cpu = plan(GBIT, 0.01, 0.01, big, codec_seconds_per_element=costs, codec_overlaps=False)
+    assert cpu.choices == {"w": "bf16"} and not cpu.fits
+    assert numel * costs["qsgd8"] > numel * 2 / GBIT  # (why qsgd8 loses)
+    gpu = plan(GBIT, 0.01, 0.01, big, codec_seconds_per_element=costs, codec_overlaps=True)
+    assert gpu.choices == {"w": "bf16"} and not gpu.fits
+    assert cpu.inputs["codec_overlaps"] == 0.0 and gpu.inputs["codec_overlaps"] == 1.0
+    assert cpu.inputs["codec_s_per_element.qsgd8"] == 3e-8
+
+
+def test_codec_costs_are_measured_for_the_options_that_apply():
+    tensors = [
+        TensorInfo("w", (512, 256)),
+        TensorInfo("v", (4096,)),
+        TensorInfo("b", (64,), compressible=False),
+    ]
+    costs = measure_codec_costs(tensors, size=2, sample_elements=1 << 16, repeats=1)
+    assert set(costs) == set(OPTIONS) - {"none"}
+    assert all(c > 0 for c in costs.values()), costs
+    only_vectors = measure_codec_costs([tensors[1]], size=4, repeats=1)
+    assert not any(k.startswith("powersgd") for k in only_vectors) and "qsgd8" in only_vectors
+    assert measure_codec_costs([tensors[2]], size=2) == {}
+    assert set(measure_codec_costs([TensorInfo("scale", ())], size=2, repeats=1)) >= {"bf16"}
 
 
 def test_json_round_trip_and_determinism():
