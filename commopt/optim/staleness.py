@@ -28,8 +28,10 @@ scheduler changes it after the step, so a rate that rose since the last predicti
 extrapolated one step further (``next_lrs``: exact for a linear warm-up, where the rate
 grows by half at step 1, and the steps of a warm-up are the least stable ones); a falling
 rate (decay) is used as it is, so a step decay is never overshot. Cost: one
-parameter-sized buffer (the true weights) and, per step, one copy in, one copy out and one
-elementwise pass over the gradients and the optimizer's state (the predicted step).
+parameter-sized buffer (the true weights) and three buffers the size of the largest
+parameter (the step's arithmetic, reused: a prediction allocates nothing once warm) and, per
+step, one copy in, one copy out and a few elementwise passes over the gradients and the
+optimizer's state (the predicted step, applied parameter by parameter).
 ``state_dict()`` holds plain tensors; with the model's and the optimizer's state dicts it
 restores training exactly. Supported optimizers: ``torch.optim.SGD``, ``Adam``, ``AdamW``
 and ``commopt.optim.layerwise.LARS``.
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -63,19 +65,56 @@ def _params(optimizer) -> list[tuple[dict, Tensor]]:
     return [(group, p) for group in optimizer.param_groups for p in group["params"]]
 
 
-def _sgd_step(group: dict, state: dict, p: Tensor, g: Tensor) -> Tensor:
+class _Scratch:
+    """Buffers for the predicted step's arithmetic: ``take(p, g)`` gives three tensors
+    shaped like ``p``, of the local gradient ``g``'s dtype. ``reuse=False``: new ones each time (the step is returned and kept);
+    ``reuse=True``: views of three buffers kept across steps, as large as the largest
+    parameter (each step is applied before the next parameter's is computed), so a
+    prediction allocates nothing once warm."""
+
+    def __init__(self, reuse: bool):
+        self.reuse = reuse
+        self._flat: list[Tensor] = []
+
+    def take(self, p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if not self.reuse:
+            a = torch.empty(p.shape, dtype=g.dtype, device=g.device)
+            return a, torch.empty_like(a), torch.empty_like(a)
+        n = p.numel()
+        if (
+            not self._flat
+            or self._flat[0].numel() < n
+            or self._flat[0].device != g.device
+            or self._flat[0].dtype != g.dtype
+        ):
+            size = max(n, self._flat[0].numel() if self._flat else 0)
+            self._flat = [torch.empty(size, dtype=g.dtype, device=g.device) for _ in range(3)]
+        a, b, c = (f[:n].view(p.shape) for f in self._flat)
+        return a, b, c
+
+
+def _sgd_step(group: dict, state: dict, p: Tensor, g: Tensor, scratch: _Scratch) -> Tensor:
     # torch.optim.SGD: d = g + wd*w; buf = m*buf + (1-dampening)*d (buf = d on the first step)
-    d = g.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else g.clone()
+    d, nbuf, out = scratch.take(p, g)
+    if group["weight_decay"]:
+        torch.add(g, p, alpha=group["weight_decay"], out=d)
+    else:
+        d.copy_(g)
     m = group["momentum"]
     if m:
         buf = state.get("momentum_buffer")
-        nbuf = d.clone() if buf is None else buf.mul(m).add_(d, alpha=1 - group["dampening"])
-        d = d.add(nbuf, alpha=m) if group["nesterov"] else nbuf
+        if buf is None:
+            nbuf.copy_(d)
+        else:
+            torch.mul(buf, m, out=nbuf).add_(d, alpha=1 - group["dampening"])
+        d = torch.add(d, nbuf, alpha=m, out=out) if group["nesterov"] else nbuf
     step = d.mul_(group["lr"])
     return step.neg_() if group.get("maximize") else step
 
 
-def _adam_step(group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool) -> Tensor:
+def _adam_step(
+    group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool, scratch: _Scratch
+) -> Tensor:
     # torch.optim.Adam / AdamW, the step the next call would take with gradient g
     if group.get("maximize"):
         g = -g
@@ -83,10 +122,18 @@ def _adam_step(group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool) 
     if wd and not decoupled:
         g = g.add(p, alpha=wd)
     n = float(state["step"]) + 1 if "step" in state else 1.0
-    m = state["exp_avg"] * b1 + g * (1 - b1) if "exp_avg" in state else g * (1 - b1)
-    v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if "exp_avg_sq" in state else g * g * (1 - b2)
+    m, v, tmp = scratch.take(p, g)
+    # m = exp_avg * b1 + g * (1 - b1); v = exp_avg_sq * b2 + g * g * (1 - b2)
+    torch.mul(g, 1 - b1, out=tmp if "exp_avg" in state else m)
+    if "exp_avg" in state:
+        torch.mul(state["exp_avg"], b1, out=m).add_(tmp)
+    torch.mul(g, g, out=tmp).mul_(1 - b2)
+    if "exp_avg_sq" in state:
+        torch.mul(state["exp_avg_sq"], b2, out=v).add_(tmp)
+    else:
+        v.copy_(tmp)
     if group.get("amsgrad") and "max_exp_avg_sq" in state:
-        v = torch.maximum(v, state["max_exp_avg_sq"])
+        torch.maximum(v, state["max_exp_avg_sq"], out=v)
     denom = v.sqrt_().div_(math.sqrt(1 - b2**n)).add_(eps)
     step = m.div_(denom).mul_(lr / (1 - b1**n))
     if wd and decoupled:
@@ -157,15 +204,28 @@ def predicted_step(
         return _predicted_step(optimizer, local_grads)
 
 
-def _predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-    from commopt.optim.layerwise import LARS
-
-    pairs = _params(optimizer)
-    if len(local_grads) != len(pairs):
+def _check_count(local_grads: Sequence[Tensor | None], params: int) -> None:
+    if len(local_grads) != params:
         raise ValueError(
-            f"predicted_step: {len(local_grads)} gradients for {len(pairs)} parameters "
+            f"predicted_step: {len(local_grads)} gradients for {params} parameters "
             "(pass one per parameter, in param_groups order, None for no gradient)"
         )
+
+
+def _predicted_step(
+    optimizer,
+    local_grads: Sequence[Tensor | None],
+    scratch: _Scratch | None = None,
+    apply: Callable[[Tensor, Tensor], None] | None = None,
+) -> list[Tensor | None]:
+    """The steps (``apply`` None), or ``apply(param, step)`` called for each as soon as it
+    is computed (nothing returned: ``scratch`` may then reuse its buffers)."""
+    from commopt.optim.layerwise import LARS
+
+    scratch = _Scratch(reuse=False) if scratch is None else scratch
+
+    pairs = _params(optimizer)
+    _check_count(local_grads, len(pairs))
     kind = type(optimizer)
     with torch.no_grad():
         if kind is LARS:
@@ -186,21 +246,35 @@ def _predicted_step(optimizer, local_grads: Sequence[Tensor | None]) -> list[Ten
                 )
                 for i, s in zip(idx, got):
                     steps[i] = s
+            if apply is not None:
+                for (_, p), st in zip(pairs, steps):
+                    if st is not None:
+                        apply(p, st)
+                return []
             return steps
         if kind is torch.optim.SGD:
-            rule = _sgd_step
+
+            def rule(group, state, p, g):
+                return _sgd_step(group, state, p, g, scratch)
+
         elif kind in (torch.optim.Adam, torch.optim.AdamW):
             decoupled = kind is torch.optim.AdamW or bool(
                 optimizer.defaults.get("decoupled_weight_decay")
             )
 
             def rule(group, state, p, g):
-                return _adam_step(group, state, p, g, decoupled)
+                return _adam_step(group, state, p, g, decoupled, scratch)
+
         else:
             raise TypeError(
                 f"compensated double buffering predicts steps of SGD, Adam, AdamW and LARS, "
                 f"not {kind.__name__}; use double_buffering=True (plain) with this optimizer"
             )
+        if apply is not None:
+            for (group, p), g in zip(pairs, local_grads):
+                if g is not None:
+                    apply(p, rule(group, optimizer.state.get(p, {}), p, g))
+            return []
         return [
             None if g is None else rule(group, optimizer.state.get(p, {}), p, g)
             for (group, p), g in zip(pairs, local_grads)
@@ -219,6 +293,8 @@ class LocalStepPrediction:
         predicted_step(optimizer, [None] * len(_params(optimizer)))  # unsupported: fail now
         self._weights: list[Tensor] | None = None  # true weights while the model is predicted
         self._last_lrs: list[float] | None = None  # the groups' rates at the last prediction
+        self._spare: list[Tensor] | None = None  # the true weights' buffers, between uses
+        self._scratch = _Scratch(reuse=True)
 
     @property
     def predicting(self) -> bool:
@@ -239,7 +315,7 @@ class LocalStepPrediction:
         """Put the true weights back into the parameters (exact copy). Idempotent."""
         if self._weights is not None:
             torch._foreach_copy_(self.tensors(), self._weights)
-            self._weights = None
+            self._spare, self._weights = self._weights, None
 
     @torch.no_grad()
     def predict(self, local_grads: Sequence[Tensor | None], skip: Tensor | None = None) -> None:
@@ -253,16 +329,30 @@ class LocalStepPrediction:
                 "before the optimizer applies the averaged gradients"
             )
         params = self.tensors()
-        steps = predicted_step(
-            self.optimizer, local_grads, next_lrs(self.optimizer, self._last_lrs)
-        )
+        _check_count(local_grads, len(params))
+        lrs = next_lrs(self.optimizer, self._last_lrs)
         self._last_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        self._weights = [p.detach().clone() for p in params]
-        if skip is not None:
-            steps = [None if s is None else torch.where(skip, 0.0, s) for s in steps]
-        moved = [(p, s) for p, s in zip(params, steps) if s is not None]
-        if moved:
-            torch._foreach_sub_([p for p, _ in moved], [s.to(p.dtype) for p, s in moved])
+        spare, self._spare = self._spare, None
+        if (
+            spare is not None
+            and len(spare) == len(params)
+            and all(
+                w.shape == p.shape and w.dtype == p.dtype and w.device == p.device
+                for w, p in zip(spare, params)
+            )
+        ):
+            torch._foreach_copy_(spare, [p.detach() for p in params])
+            self._weights = spare
+        else:
+            self._weights = [p.detach().clone() for p in params]
+
+        def apply(p: Tensor, step: Tensor) -> None:  # w <- w - step, masked where skipped
+            if skip is not None:
+                step = step.masked_fill_(skip, 0.0)
+            p.sub_(step.to(p.dtype))
+
+        with _rates(self.optimizer, lrs):
+            _predicted_step(self.optimizer, local_grads, self._scratch, apply)
 
     @contextlib.contextmanager
     def true_weights(self) -> Iterator[None]:
