@@ -17,6 +17,11 @@ step. Runs from a checkout (the tasks' data live in ``recipes/``).
           --json benchmarks/results/tta-text-1gbit.json --markdown /tmp/tta-text.md \\
           --plot docs/plots/tta-text-1gbit.png
     $ commopt bench to_accuracy --from-json benchmarks/results/tta-text-1gbit.json --markdown x.md
+
+Runs of one task made by several commands (say, every configuration on seed 0 and the
+headline's configurations on more seeds) are reported together by giving ``--from-json``
+once per file; each configuration is then compared with DDP fp32 and with the DDP hooks on
+the seeds both ran.
 """
 
 from __future__ import annotations
@@ -136,7 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the curves and the table as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of loss against wall time")
-    parser.add_argument("--from-json", metavar="PATH", help="run nothing: re-render a saved report")
+    parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        action="append",
+        help="run nothing: re-render a saved report; given more than once, the reports' runs "
+        "are merged (each configuration and seed in one of them only)",
+    )
     from commopt.bench.to_accuracy_worker import add_worker_arguments
 
     add_worker_arguments(parser)
@@ -150,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
 
         return run_worker(args)
     if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
+        report = report_mod.merge_reports(
+            [json.loads(Path(path).read_text()) for path in args.from_json]
+        )
         report["rendered_by"] = "commopt " + " ".join(map(shlex.quote, sys.argv[1:]))
         report_mod.write_outputs(report, args)
         return 0

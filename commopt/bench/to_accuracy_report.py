@@ -66,6 +66,41 @@ def seed_runs(report: dict) -> dict[str, dict[str, dict]]:
     return out
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from reports of the same task and setting run by separate commands: the
+    union of their runs (a configuration's seed may come from one report only), their
+    commands and seeds. One report is returned as it is."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    same = ("task", "nprocs", "rate_bits", "budget", "tolerance", "eval_every", "batch_per_rank")
+    for other in reports[1:]:
+        differ = [k for k in same if other.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(
+                f"cannot merge time-to-accuracy reports whose {', '.join(differ)} differ "
+                f"({[first.get(k) for k in differ]} vs {[other.get(k) for k in differ]}): "
+                "merge runs of one task and setting only"
+            )
+    merged = {k: v for k, v in first.items() if k not in ("rows", "headline", "rendered_by")}
+    merged["runs"] = {}
+    for rep in reports:
+        for name, by_seed in seed_runs(rep).items():
+            mine = merged["runs"].setdefault(name, {"seeds": {}})["seeds"]
+            for seed, rec in by_seed.items():
+                if seed in mine:
+                    raise ValueError(
+                        f"{name} seed {seed} is in more than one report: keep one of them"
+                    )
+                mine[seed] = rec
+    merged["command"] = " ; ".join(rep["command"] for rep in reports)
+    merged["seeds"] = sorted({int(s) for rep in reports for s in rep.get("seeds", [])})
+    merged["date"] = " and ".join(dict.fromkeys(rep["date"] for rep in reports))
+    merged["load_average_start"] = max(rep["load_average_start"] for rep in reports)
+    merged["budget_factor"] = min(rep.get("budget_factor") or 1.0 for rep in reports)
+    return merged
+
+
 def targets(report: dict) -> dict[str, float]:
     """seed -> DDP fp32's loss at the budget x (1 + the report's ``tolerance``)."""
     runs = seed_runs(report)
@@ -115,7 +150,6 @@ def summarize(report: dict) -> list[dict]:
     seeds), speed-ups, the floor, final loss, the link's limit."""
     runs = seed_runs(report)
     goal = targets(report)
-    seeds = list(goal)
     rows: list[dict[str, Any]] = []
     for name, by_seed in runs.items():
         label = CONFIGS[name].label if name in CONFIGS else name
@@ -141,7 +175,7 @@ def summarize(report: dict) -> list[dict]:
             "seeds_run": len(done),
             "seeds_reached": len(hits),
             "errors": errors,
-            "reached": len(hits) == len(seeds),
+            "reached": len(hits) == len(done) and not errors,
             "undecided": any(p["undecided"] for p in per.values()),
             "final_loss": statistics.fmean(p["final_loss"] for p in per.values()),
             "median_step_s": all_times[len(all_times) // 2] if all_times else None,
@@ -167,40 +201,63 @@ def summarize(report: dict) -> list[dict]:
                 row["floor_ratio"], row["floor_ratio_sd"] = spread([p["floor_ratio"] for p in hits])
         rows.append(row)
     ref = next((r for r in rows if r["config"] == REFERENCE), None)
-    ref_wall = ref["wall_to_target_s"] if ref and ref.get("reached") else None
-    hook = best_hook(rows)
     for r in rows:
         if not r.get("reached") or not r.get("wall_to_target_s"):
             continue
-        if ref_wall:
-            r["speedup_vs_ddp_fp32"] = ref_wall / r["wall_to_target_s"]
+        if ref is not None and ref.get("reached"):
+            r["speedup_vs_ddp_fp32"] = _ratio(ref, r)
+        hook = best_hook(rows, list(r["seeds"]))
         if hook is not None:
-            r["speedup_vs_best_hook"] = hook["wall_to_target_s"] / r["wall_to_target_s"]
+            r["speedup_vs_best_hook"] = _ratio(hook, r)
+            r["best_hook"] = hook["config"]
     return rows
 
 
-def best_hook(rows: list[dict]) -> dict | None:
-    """The DDP configuration other than fp32 that reached the target on every seed soonest."""
+def _mean_wall(row: dict, seeds: list[str]) -> float | None:
+    """``row``'s mean wall time to the target over ``seeds`` (None: not run on all of them)."""
+    per = row.get("seeds", {})
+    if not all(s in per and per[s].get("wall_to_target_s") for s in seeds):
+        return None
+    return statistics.fmean(per[s]["wall_to_target_s"] for s in seeds)
+
+
+def _ratio(base: dict, row: dict) -> float | None:
+    """``base``'s mean time over ``row``'s, on the seeds ``row`` ran (both reached them)."""
+    seeds = list(row["seeds"])
+    a, b = _mean_wall(base, seeds), _mean_wall(row, seeds)
+    return a / b if a is not None and b else None
+
+
+def best_hook(rows: list[dict], seeds: list[str] | None = None) -> dict | None:
+    """The DDP configuration other than fp32 that reached the target on every seed it ran
+    soonest; with ``seeds``, among those run on all of them, by the mean over them."""
     hooks = [
         r for r in rows if r.get("kind") == "ddp" and r["config"] != REFERENCE and r.get("reached")
     ]
-    return min(hooks, key=lambda r: r["wall_to_target_s"], default=None)
+    if seeds is None:
+        return min(hooks, key=lambda r: r["wall_to_target_s"], default=None)
+    timed = [(w, r) for r in hooks if (w := _mean_wall(r, seeds)) is not None]
+    return min(timed, key=lambda wr: wr[0], default=(None, None))[1]
 
 
 def headline(rows: list[dict]) -> dict | None:
     """The best commopt configuration against the goals; None when none reached the target.
 
-    ``auto`` (any ``commopt-auto*``) against the best other configuration of any kind.
+    The headline is chosen among the commopt configurations run on the most seeds (where
+    runs of several commands are merged, those of the headline's command). ``auto`` (any
+    ``commopt-auto*``) against the best other configuration of any kind, on the seeds both ran.
     """
     ok = [r for r in rows if r.get("reached") and r.get("wall_to_target_s")]
+    ours = [r for r in ok if r.get("kind") == "commopt"]
+    most = max((r["seeds_run"] for r in ours), default=0)
     best = min(
-        (r for r in ok if r.get("kind") == "commopt"),
+        (r for r in ours if r["seeds_run"] == most),
         key=lambda r: r["wall_to_target_s"],
         default=None,
     )
     if best is None:
         return None
-    hook = best_hook(rows)
+    hook = best_hook(rows, list(best["seeds"]))
     out: dict = {
         "config": best["config"],
         "label": best["label"],
@@ -217,23 +274,28 @@ def headline(rows: list[dict]) -> dict | None:
     )
     out["met_floor"] = out["floor_ratio"] is not None and out["floor_ratio"] <= GOAL_FLOOR_RATIO
     autos = [r for r in rows if r["config"].startswith("commopt-auto")]
-    others = [r for r in ok if not r["config"].startswith("commopt-auto")]
-    if autos and others:
-        best_other = min(others, key=lambda r: r["wall_to_target_s"])
-        reached_autos = [r for r in autos if r.get("reached")]
-        best_auto = min(reached_autos, key=lambda r: r["wall_to_target_s"], default=None)
-        out["auto"] = {
-            "config": best_auto["config"] if best_auto else None,
-            "best_other": best_other["config"],
-            "behind": (
-                best_auto["wall_to_target_s"] / best_other["wall_to_target_s"] - 1
-                if best_auto
-                else None
-            ),
-        }
-        out["auto"]["met"] = (
-            out["auto"]["behind"] is not None and out["auto"]["behind"] <= GOAL_AUTO_BEHIND
-        )
+    if autos:
+        seeds = list(best["seeds"])
+        timed = [
+            (w, r)
+            for r in ok
+            if not r["config"].startswith("commopt-auto") and (w := _mean_wall(r, seeds))
+        ]
+        reached_autos = [
+            (w, r) for r in autos if r.get("reached") and (w := _mean_wall(r, seeds)) is not None
+        ]
+        if timed:
+            other_w, best_other = min(timed, key=lambda wr: wr[0])
+            auto_w, best_auto = min(reached_autos, key=lambda wr: wr[0], default=(None, None))
+            out["auto"] = {
+                "config": best_auto["config"] if best_auto else None,
+                "best_other": best_other["config"],
+                "seeds": len(seeds),
+                "behind": auto_w / other_w - 1 if auto_w is not None else None,
+            }
+            out["auto"]["met"] = (
+                out["auto"]["behind"] is not None and out["auto"]["behind"] <= GOAL_AUTO_BEHIND
+            )
     return out
 
 
@@ -327,11 +389,12 @@ def markdown(report: dict, rows: list[dict]) -> str:
     text = head + note + "\n".join(lines) + "\n"
     if failed:
         text += "\n" + "\n".join(f"- {f}" for f in failed) + "\n"
-    return text + _headline_text(rows, len(seeds))
+    return text + _headline_text(rows)
 
 
-def _headline_text(rows: list[dict], n_seeds: int) -> str:
+def _headline_text(rows: list[dict]) -> str:
     h = headline(rows)
+    n_seeds = h["seeds"] if h is not None else 0
     if h is None:
         return "\nHeadline: no commopt configuration reached the target on every seed.\n"
 
@@ -366,7 +429,7 @@ def _headline_text(rows: list[dict], n_seeds: int) -> str:
         else:
             lines.append(
                 f"auto: {a['config']} is {100 * a['behind']:+.1f}% against the best other "
-                f"configuration, {a['best_other']} (goal at most "
+                f"configuration, {a['best_other']}, on the same {a['seeds']} seed(s) (goal at most "
                 f"{100 * GOAL_AUTO_BEHIND:g}% behind: {met(a['met'])})."
             )
     lines += [

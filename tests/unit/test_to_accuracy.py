@@ -274,3 +274,37 @@ def test_the_tasks_are_real_offline_data_and_wide_models():
         assert torch.equal(x, x2), name  # batches follow the generator
         vx, vy = task.valid
         assert len(vx) == len(vy) > 0, name
+
+
+def test_reports_of_separate_commands_merge_and_compare_on_common_seeds():
+    """Every configuration on seed 0 by one command, the headline's on seeds 1 and 2 by
+    another: one table; a one-seed configuration is compared on its seed only, and the
+    headline is chosen among the configurations run on every seed."""
+    from commopt.bench.to_accuracy_report import headline, merge_reports
+
+    full = _seeded()
+    first = dict(full, seeds=[0], command="first", date="monday")
+    first["runs"] = {n: {"seeds": {"0": r["seeds"]["0"]}} for n, r in full["runs"].items()}
+    second = dict(full, seeds=[1, 2], command="second", date="tuesday")
+    second["runs"] = {
+        n: {"seeds": {s: full["runs"][n]["seeds"][s] for s in "12"}}
+        for n in ("ddp-fp32", "ddp-fp16", "commopt-qsgd4+ef")
+    }
+    merged = merge_reports([first, second])
+    assert merged["seeds"] == [0, 1, 2] and merged["command"] == "first ; second"
+    rows = {r["config"]: r for r in summarize(merged)}
+    p = rows["ddp-powersgd1-warm"]
+    assert p["reached"] and p["seeds_run"] == 1  # seed 0 only: reached there
+    assert p["speedup_vs_ddp_fp32"] == pytest.approx(20.0 / 1.0)  # fp32's seed 0: 20 s
+    q = rows["commopt-qsgd4+ef"]
+    assert q["speedup_vs_ddp_fp32"] == pytest.approx(22.0 / 3.0)
+    assert q["best_hook"] == "ddp-fp16"  # PowerSGD ran seed 0 only
+    assert q["speedup_vs_best_hook"] == pytest.approx(11.0 / 3.0)
+    h = headline(list(rows.values()))
+    assert h["config"] == "commopt-qsgd4+ef" and h["seeds"] == 3
+    assert "Headline (3 seeds)" in markdown(merged, list(rows.values()))
+    with pytest.raises(ValueError, match="ddp-fp32 seed 1 is in more than one report"):
+        merge_reports([second, second])
+    with pytest.raises(ValueError, match="task differ"):
+        merge_reports([first, dict(second, task="digits")])
+    assert merge_reports([full]) is full
