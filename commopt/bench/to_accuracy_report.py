@@ -66,10 +66,16 @@ def seed_runs(report: dict) -> dict[str, dict[str, dict]]:
     return out
 
 
+def _losses(rec: dict) -> list | None:
+    return [point[2] for point in rec["curve"]] if "curve" in rec else None
+
+
 def merge_reports(reports: list[dict]) -> dict:
     """One report from reports of the same task and setting run by separate commands: the
-    union of their runs (a configuration's seed may come from one report only), their
-    commands and seeds. One report is returned as it is."""
+    union of their runs, their commands and seeds. A configuration's seed in more than one
+    report must be the same training run (the runs are deterministic: every command that
+    adds configurations runs DDP fp32 again for its target): the first report's is kept, and
+    different losses raise. One report is returned as it is."""
     if len(reports) == 1:
         return reports[0]
     first = reports[0]
@@ -89,8 +95,11 @@ def merge_reports(reports: list[dict]) -> dict:
             mine = merged["runs"].setdefault(name, {"seeds": {}})["seeds"]
             for seed, rec in by_seed.items():
                 if seed in mine:
+                    if _losses(mine[seed]) is not None and _losses(mine[seed]) == _losses(rec):
+                        continue  # the same training run again (DDP fp32, the target): first kept
                     raise ValueError(
-                        f"{name} seed {seed} is in more than one report: keep one of them"
+                        f"{name} seed {seed} is in more than one report with other losses: "
+                        "keep one of them"
                     )
                 mine[seed] = rec
     merged["command"] = " ; ".join(rep["command"] for rep in reports)

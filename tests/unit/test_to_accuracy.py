@@ -1,5 +1,7 @@
 """Time to accuracy's pure parts: the target from DDP fp32's curve, reaching it, the table, the plot."""
 
+import json
+
 import pytest
 
 from commopt.bench.to_accuracy_report import markdown, plot, reached, summarize
@@ -303,8 +305,12 @@ def test_reports_of_separate_commands_merge_and_compare_on_common_seeds():
     h = headline(list(rows.values()))
     assert h["config"] == "commopt-qsgd4+ef" and h["seeds"] == 3
     assert "Headline (3 seeds)" in markdown(merged, list(rows.values()))
-    with pytest.raises(ValueError, match="ddp-fp32 seed 1 is in more than one report"):
-        merge_reports([second, second])
+    again = merge_reports([second, second])  # the same runs twice: the first kept
+    assert again["runs"]["ddp-fp32"]["seeds"]["1"] is second["runs"]["ddp-fp32"]["seeds"]["1"]
+    other = json.loads(json.dumps(second))
+    other["runs"]["ddp-fp32"]["seeds"]["1"]["curve"][-1][2] = 9.0
+    with pytest.raises(ValueError, match="ddp-fp32 seed 1 is in more than one report with other"):
+        merge_reports([second, other])
     with pytest.raises(ValueError, match="task differ"):
         merge_reports([first, dict(second, task="digits")])
     assert merge_reports([full]) is full
