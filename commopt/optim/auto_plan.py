@@ -303,10 +303,12 @@ class AutoPlanner:
                     tensors[i].numel * self.exact_bytes if b is None else b
                     for i, b in zip(unit, sizes)
                 ]
-                cost = self.codec_cost.get(option, 0.0)
+                per_element = self.codec_cost.get(option, 0.0)
                 wire_s = sum(b / link_rate for b in wire)
                 codec_s = sum(
-                    cost * tensors[i].numel for i, size in zip(unit, sizes) if size is not None
+                    per_element * tensors[i].numel
+                    for i, size in zip(unit, sizes)
+                    if size is not None
                 )
                 inside, outside = (
                     (wire_s + codec_s, 0.0) if self.codec_overlaps else (wire_s, codec_s)
