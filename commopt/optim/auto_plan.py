@@ -325,34 +325,39 @@ class AutoPlanner:
             (step_s, list(range(len(units)))),
         ]
 
-        def cost(rungs: list[int]) -> tuple[float, set[int]]:
-            """The plan's cost (seconds the budgets are exceeded by, plus the codec time
-            outside them) and the units of the exceeded budgets."""
-            over: set[int] = set()
-            total = sum(ladders[u][rungs[u]][4] for u in range(len(units)))
-            for budget, members in budgets:
-                excess = sum(ladders[u][rungs[u]][3] for u in members) - budget
-                if excess > 0:
-                    total += excess
-                    over.update(members)
-            return total, over
+        member_of: list[list[int]] = [[] for _ in units]  # each unit's budgets
+        for b, (_, members) in enumerate(budgets):
+            for u in members:
+                member_of[u].append(b)
 
         fits = True
         while True:
-            now, over = cost(at)
+            # The plan's cost: the seconds each budget is exceeded by, plus the codec time
+            # outside the budgets; a move's gain is its change, from the budgets' sums (one
+            # pass per move, not one per candidate).
+            sums = [sum(ladders[u][at[u]][3] for u in members) for _, members in budgets]
+            excess = [max(0.0, total - budget) for total, (budget, _) in zip(sums, budgets)]
+            over = sorted(
+                {u for b, (_, members) in enumerate(budgets) if excess[b] > 0 for u in members}
+            )
             if not over:
                 break
             best: tuple[float, int] | None = None
-            for u in sorted(over):
+            for u in over:
                 if at[u] + 1 >= len(ladders[u]):
                     continue
-                at[u] += 1
-                after, _ = cost(at)
-                at[u] -= 1
-                gain = now - after
+                cur, nxt = ladders[u][at[u]], ladders[u][at[u] + 1]
+                gain = (
+                    cur[4]
+                    - nxt[4]
+                    + sum(
+                        excess[b] - max(0.0, sums[b] + nxt[3] - cur[3] - budgets[b][0])
+                        for b in member_of[u]
+                    )
+                )
                 if gain <= 1e-3 * step_s or gain <= 1e-12:  # too little to pay error for
                     continue
-                score = gain / (ladders[u][at[u] + 1][0] - ladders[u][at[u]][0])
+                score = gain / (nxt[0] - cur[0])
                 if best is None or score > best[0]:
                     best = (score, u)
             if best is None:  # no cheaper option of an exceeded budget's units lowers the cost
