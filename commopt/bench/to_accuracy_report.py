@@ -237,14 +237,12 @@ def _ratio(base: dict, row: dict) -> float | None:
     return a / b if a is not None and b else None
 
 
-def best_hook(rows: list[dict], seeds: list[str] | None = None) -> dict | None:
-    """The DDP configuration other than fp32 that reached the target on every seed it ran
-    soonest; with ``seeds``, among those run on all of them, by the mean over them."""
+def best_hook(rows: list[dict], seeds: list[str]) -> dict | None:
+    """The DDP configuration other than fp32, run on all of ``seeds`` and reaching the target
+    on every seed it ran, with the lowest mean time over ``seeds``."""
     hooks = [
         r for r in rows if r.get("kind") == "ddp" and r["config"] != REFERENCE and r.get("reached")
     ]
-    if seeds is None:
-        return min(hooks, key=lambda r: r["wall_to_target_s"], default=None)
     timed = [(w, r) for r in hooks if (w := _mean_wall(r, seeds)) is not None]
     return min(timed, key=lambda wr: wr[0], default=(None, None))[1]
 
@@ -403,9 +401,9 @@ def markdown(report: dict, rows: list[dict]) -> str:
 
 def _headline_text(rows: list[dict]) -> str:
     h = headline(rows)
-    n_seeds = h["seeds"] if h is not None else 0
     if h is None:
         return "\nHeadline: no commopt configuration reached the target on every seed.\n"
+    n_seeds = h["seeds"]
 
     def met(flag: bool) -> str:
         return "met" if flag else "NOT met"
