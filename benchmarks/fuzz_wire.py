@@ -270,7 +270,13 @@ def check_codec(codec, case: dict) -> str:
     for impl, _, out in results[1:]:
         if not _same_bits(first, out):
             raise Finding(f"{impl} decoded other bits than {results[0][0]} (or read out of bounds)")
-    if not bool(torch.isfinite(first).all()):
+    return _outcome(codec, first)
+
+
+def _outcome(codec, decoded: torch.Tensor) -> str:
+    """A decoded result's outcome: finite, or NaN/Inf that the reduction re-checks (the
+    codec's ``can_overflow``); a NaN/Inf no re-check would see is a silent corruption."""
+    if not bool(torch.isfinite(decoded).all()):
         if not codec.can_overflow:
             raise Finding("NaN/Inf decoded by a codec whose reductions do not re-check it")
         return "nan/inf, re-checked"
@@ -428,11 +434,7 @@ def check_lowrank(name: str, case: dict) -> str:
     for what, was, now in zip(("Q", "residual"), before, _snapshot(codec), strict=True):
         if (was is None) != (now is None) or (was is not None and not torch.equal(was, now)):
             raise Finding(f"discard_step did not put the {what} back")
-    if not bool(torch.isfinite(out).all()):
-        if not codec.can_overflow:
-            raise Finding("NaN/Inf decoded by a codec whose reductions do not re-check it")
-        return "nan/inf, re-checked"
-    return "finite"
+    return _outcome(codec, out)
 
 
 # ----------------------------------------------------------------------------- kernel targets
