@@ -20,8 +20,8 @@ step. Runs from a checkout (the tasks' data live in ``recipes/``).
 
 Runs of one task made by several commands (say, every configuration on seed 0 and the
 headline's configurations on more seeds) are reported together by giving ``--from-json``
-once per file; each configuration is then compared with DDP fp32 and with the DDP hooks on
-the seeds both ran.
+once per file (``PATH#CONFIG,CONFIG``: only those configurations' runs of that file); each
+configuration is then compared with DDP fp32 and with the DDP hooks on the seeds both ran.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         action="append",
         help="run nothing: re-render a saved report; given more than once, the reports' runs "
-        "are merged (each configuration and seed in one of them only)",
+        "are merged (each configuration and seed in one of them only); PATH#CONFIG,CONFIG "
+        "takes only those configurations' runs from PATH",
     )
     from commopt.bench.to_accuracy_worker import add_worker_arguments
 
@@ -161,9 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_worker(args)
     if args.from_json:
-        report = report_mod.merge_reports(
-            [json.loads(Path(path).read_text()) for path in args.from_json]
-        )
+        report = report_mod.merge_reports([report_mod.read_report(p) for p in args.from_json])
         report["rendered_by"] = "commopt " + " ".join(map(shlex.quote, sys.argv[1:]))
         report_mod.write_outputs(report, args)
         return 0

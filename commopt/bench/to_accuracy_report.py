@@ -70,6 +70,25 @@ def _losses(rec: dict) -> list | None:
     return [point[2] for point in rec["curve"]] if "curve" in rec else None
 
 
+def read_report(spec: str) -> dict:
+    """A saved report, ``PATH`` or ``PATH#CONFIG,CONFIG``: the configurations named after
+    ``#`` only (to merge a file's other runs, say, without its runs of a configuration that a
+    later command measured again after a change). A named configuration the file lacks
+    raises."""
+    path, _, names = spec.partition("#")
+    report = json.loads(Path(path).read_text())
+    if not names:
+        return report
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    runs = seed_runs(report)
+    missing = [n for n in wanted if n not in runs]
+    if missing:
+        raise ValueError(f"{path} has no runs of {missing}; it has {sorted(runs)}")
+    kept = {k: v for k, v in report.items() if k not in ("rows", "headline", "rendered_by")}
+    kept["runs"] = {n: {"seeds": runs[n]} for n in wanted}
+    return kept
+
+
 def merge_reports(reports: list[dict]) -> dict:
     """One report from reports of the same task and setting run by separate commands: the
     union of their runs, their commands and seeds. A configuration's seed in more than one

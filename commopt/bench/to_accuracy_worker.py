@@ -157,6 +157,8 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     if commopt_opt is not None:
         wire = commopt_wire_bytes(commopt_opt)  # compression="auto" has chosen its plan by now
         extra["plans"] = list(commopt_opt.plans)
+        if commopt_opt.auto_plan is not None:  # the per-tensor choices and their inputs
+            extra["auto_plan"] = json.loads(commopt_opt.auto_plan.to_json())
         commopt_opt.flush()
         commopt_opt.close()
     compute_s = _compute_seconds(task, seed, args, comm)

@@ -314,3 +314,30 @@ def test_reports_of_separate_commands_merge_and_compare_on_common_seeds():
     with pytest.raises(ValueError, match="task differ"):
         merge_reports([first, dict(second, task="digits")])
     assert merge_reports([full]) is full
+
+
+def test_a_report_read_with_a_configuration_list_keeps_those_runs_only(tmp_path):
+    """``PATH#CONFIG,CONFIG``: a file's other runs merge beside a configuration that a later
+    command measured again (the same configuration and seed in two files with other losses
+    raise otherwise)."""
+    from commopt.bench.to_accuracy_report import merge_reports, read_report
+
+    full = json.loads(json.dumps(_seeded()))  # as read back from a file
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(full))
+    assert read_report(str(path))["runs"].keys() == full["runs"].keys()
+    part = read_report(f"{path}#ddp-fp32, ddp-fp16")
+    assert list(part["runs"]) == ["ddp-fp32", "ddp-fp16"]
+    assert part["runs"]["ddp-fp16"]["seeds"] == full["runs"]["ddp-fp16"]["seeds"]
+    again = json.loads(json.dumps(full))
+    again["runs"] = {
+        n: again["runs"][n] for n in ("ddp-fp32", "commopt-qsgd4+ef")
+    }  # commopt-qsgd4+ef "re-measured": other losses
+    again["runs"]["commopt-qsgd4+ef"]["seeds"]["0"]["curve"][-1][2] = 0.5
+    with pytest.raises(ValueError, match="other losses"):
+        merge_reports([full, again])
+    everything_else = [n for n in full["runs"] if n != "commopt-qsgd4+ef"]
+    merged = merge_reports([read_report(f"{path}#{','.join(everything_else)}"), again])
+    assert merged["runs"]["commopt-qsgd4+ef"]["seeds"]["0"]["curve"][-1][2] == 0.5
+    with pytest.raises(ValueError, match="has no runs of"):
+        read_report(f"{path}#commopt-nope")
