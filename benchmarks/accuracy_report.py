@@ -267,7 +267,8 @@ def main() -> int:
     if default_rule:
         # fp32 and comp measured beside comp-default (same machine, so the same float
         # arithmetic) where the files have them; else from the earlier studies
-        here = {(r["task"], r["optimizer"], r["config"]) for r in default_rule}
+        first = [r for r in default_rule if r["seed"] in (0, 1, 2)]
+        here = {(r["task"], r["optimizer"], r["config"]) for r in first}
         earlier = [r for r in staleness if r["config"] == "fp32"] + [
             r for r in load("accuracy-comp-lr-extrapolated.json") if r["config"] == "comp"
         ]
@@ -279,36 +280,63 @@ def main() -> int:
             and (r["task"], r["optimizer"], r["config"]) not in here
             and (r["task"], r["optimizer"], "comp-default") in here
         ]
-        comp: list[dict] = []
+        configs = ("fp32", "comp", "comp-emb", "comp-default")
         out += [
             "## Compensated double buffering with the default rule",
             "",
             "`comp`: every tensor compensated double-buffered; `comp-default`: the wrapper's "
-            'default under `double_buffering="compensated"`, where `nn.Embedding` weights and '
-            "the parameters tied to them reduce synchronously (the text model's tied "
-            "token-embedding table; the digits CNN has none, so there the two are the same "
-            "arithmetic). Commands: `python benchmarks/accuracy_study.py "
-            "remedies --tasks text,digits --optimizers OPT --configs comp-default "
-            "--out benchmarks/results/accuracy-comp-default-OPT.json`, the fp32 runs beside "
-            "them `... --tasks text --optimizers OPT --configs fp32 --out "
+            'default under `double_buffering="compensated"`, where `nn.Embedding` weights, '
+            "the parameters tied to them and the 1-D tensors (biases, norms' scales) reduce "
+            "synchronously; `comp-emb`: the embedding tables only (the text model's tied "
+            "token-embedding table; the digits CNN has none, so there `comp-emb` is `comp`'s "
+            "arithmetic). Commands: `python benchmarks/accuracy_study.py remedies --tasks "
+            "text --optimizers sgd --configs comp-default --seeds 0,1,2,3,4,5 --out "
+            "benchmarks/results/accuracy-comp-default-vectors-text.json`, `... --tasks text "
+            "--optimizers adam --configs comp-default ...` and `... --tasks text --optimizers "
+            "sgd --configs fp32,comp-emb --seeds 3,4,5 ...` into the same file; `... --tasks "
+            "digits --optimizers sgd,adam --configs comp-default --seeds 0,...,19` and `... "
+            "--configs fp32,comp-emb --seeds 3,...,19 --out "
+            "benchmarks/results/accuracy-comp-default-vectors-digits.json`; `comp-emb` on "
+            "seeds 0-2 `... --tasks text,digits --optimizers OPT --configs comp-emb --out "
+            "benchmarks/results/accuracy-comp-default-OPT.json`, the fp32 runs beside them "
+            "`... --tasks text --optimizers OPT --configs fp32 --out "
             "benchmarks/results/accuracy-comp-default-OPT-fp32.json` (OPT sgd, adam) and "
             "`... --tasks digits --optimizers sgd,adam --configs fp32,comp --out "
-            "benchmarks/results/accuracy-comp-default-digits-fp32.json`; rows without runs "
-            "in those files come from the staleness study (`comp`: "
-            "`accuracy-comp-lr-extrapolated.json`), measured on another machine: its "
-            "floating-point sums differ in the last bits, and a run's result with them (the "
-            "same fp32 runs there and here: within 0.1% on the text task; on digits 4 of 6 "
-            "within 0.2%, SGD seed 0 0.0787 there against 0.0630 here). "
-            f"Target: within {100 * STALENESS_TOLERANCE:g}% of fp32.",
+            "benchmarks/results/accuracy-comp-default-digits-fp32.json` (the `comp-emb` runs "
+            "there were recorded as `comp-default` while the rule took the embedding tables "
+            "only: the same arithmetic). Rows without runs in those files come from the "
+            "staleness study (`comp`: `accuracy-comp-lr-extrapolated.json`), measured on "
+            "another machine: its floating-point sums differ in the last bits, and a run's "
+            "result with them (the same fp32 runs there and here: within 0.1% on the text "
+            "task; on digits 4 of 6 within 0.2%, SGD seed 0 0.0787 there against 0.0630 "
+            f"here). Target: within {100 * STALENESS_TOLERANCE:g}% of fp32, seeds 0, 1, 2.",
             "",
         ]
         out += table(
-            base + comp + default_rule,
-            ("fp32", "comp", "comp-default"),
+            base + first,
+            configs,
             STALENESS_TOLERANCE,
             f"{100 * STALENESS_TOLERANCE:g}%",
             accuracy_rule=False,
         )
+        more = [r for r in default_rule if r["config"] != "comp"]
+        if len(more) > len([r for r in more if r["seed"] in (0, 1, 2)]):
+            out += [
+                "### More seeds",
+                "",
+                "The same configurations on every seed the files hold (the text task's SGD "
+                "gap, and digits, whose loss moves by more between seeds than the 2% "
+                "target), each paired with fp32 on its seed:",
+                "",
+            ]
+            several = {(r["task"], r["optimizer"]) for r in more if r["seed"] not in (0, 1, 2)}
+            out += table(
+                [r for r in more if (r["task"], r["optimizer"]) in several],
+                configs,
+                STALENESS_TOLERANCE,
+                f"{100 * STALENESS_TOLERANCE:g}%",
+                accuracy_rule=False,
+            )
     if any(r.get("lr_scale", 1.0) != 1.0 for r in lrmap):
         out += [
             "## Where double buffering is stable: final metric against the learning rate",

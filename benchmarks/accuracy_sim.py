@@ -16,9 +16,9 @@ shares are reduced with the configuration's arithmetic and applied by one optimi
   learning rate extrapolated through a warm-up, as ``LocalStepPrediction`` does);
 * ``comp-default``: compensated double buffering as the wrapper runs it by default: the
   tensors its default rule picks (``commopt.optim.plans.embedding_params``: ``nn.Embedding``
-  weights and the parameters tied to them) reduce synchronously (step t's average applied
-  at step t, never predicted), the others as in ``comp``; ``comp-default1d``: the same
-  with every 1-D tensor (biases, norms' scales) synchronous as well;
+  weights and the parameters tied to them; ``vector_params``: the 1-D tensors, biases and
+  norms' scales) reduce synchronously (step t's average applied at step t, never
+  predicted), the others as in ``comp``; ``comp-emb``: the embedding tables only;
 * ``db-lastupd`` (gradient at ``w + (w - w_prev)``) and ``db-mom`` (momentum/beta1 0.9 ->
   0.8) are the remedies compared in docs/accuracy.md.
 
@@ -47,7 +47,7 @@ MODES = (
     "db",
     "comp",
     "comp-default",
-    "comp-default1d",
+    "comp-emb",
     "comp-mix",
     "comp-avg",
     "comp-half",
@@ -252,11 +252,13 @@ def run(
     model = task.make_model()
     params = list(model.parameters())
     sync = [False] * len(params)
-    if mode in ("comp-default", "comp-default1d"):
-        from commopt.optim.plans import embedding_params
+    if mode in ("comp-default", "comp-emb"):
+        from commopt.optim.plans import embedding_params, vector_params
 
         chosen = embedding_params(model)
-        sync = [id(p) in chosen or (mode == "comp-default1d" and p.dim() <= 1) for p in params]
+        if mode == "comp-default":
+            chosen |= vector_params(params)
+        sync = [id(p) in chosen for p in params]
     opt = make_optimizer(optimizer, params, peak, momentum=0.8 if mode == "db-mom" else 0.9)
     reduce = _Reducer(codec, replicas, seed)
     delayed = mode != "sync"
@@ -329,7 +331,7 @@ def run(
             w_own = {
                 "comp": 1.0,
                 "comp-default": 1.0,
-                "comp-default1d": 1.0,
+                "comp-emb": 1.0,
                 "comp-mix": 1.0 / replicas,
                 "comp-avg": 0.0,
                 "comp-half": 1.0,

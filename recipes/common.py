@@ -78,6 +78,12 @@ def add_commopt_arguments(parser: argparse.ArgumentParser) -> None:
         "(by default they reduce synchronously)",
     )
     g.add_argument(
+        "--no-synchronous-vectors",
+        action="store_true",
+        help="under --double-buffering compensated, double-buffer the 1-D tensors (biases, "
+        "norms) too (by default they reduce synchronously)",
+    )
+    g.add_argument(
         "--no-overlap", action="store_true", help="reduce after backward instead of during it"
     )
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size")
@@ -166,6 +172,7 @@ def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=Non
         model=model,
         seed=seed,
         synchronous_embeddings=not getattr(args, "no_synchronous_embeddings", False),
+        synchronous_vectors=not getattr(args, "no_synchronous_vectors", False),
     )
 
 
@@ -176,6 +183,8 @@ def config_label(args: argparse.Namespace) -> str:
         parts.append("comp" if args.double_buffering == "compensated" else "db")
         if getattr(args, "no_synchronous_embeddings", False):
             parts.append("stale-embeddings")
+        if getattr(args, "no_synchronous_vectors", False):
+            parts.append("stale-vectors")
     if args.no_overlap:
         parts.append("no-overlap")
     return "+".join(parts)

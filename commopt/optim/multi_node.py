@@ -81,6 +81,7 @@ from commopt.optim.plans import (
     embedding_params,
     group_plans,
     param_plans,
+    vector_params,
 )
 from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.replicas import (
@@ -114,6 +115,7 @@ def create_multi_node_optimizer(
     clip_grad_norm: float | None = None,
     plans=None,
     synchronous_embeddings: bool = True,
+    synchronous_vectors: bool = True,
     auto_link_rate: float | str | None = None,
     auto_measure_steps: int = 3,
 ) -> MultiNodeOptimizer:
@@ -140,9 +142,11 @@ def create_multi_node_optimizer(
     of ``(pattern, {"compression": ..., "double_buffering": ...})`` rules matched with
     ``fnmatch`` against the parameters' names in ``model``, does the same by name (the
     first matching rule wins; a group's own keys win over the rules).
-    ``synchronous_embeddings`` (default True): under ``double_buffering="compensated"``,
-    ``model``'s ``nn.Embedding`` weights and the parameters tied to them reduce synchronously
-    (with ``overlap``) unless a rule or their group says otherwise; rank 0 logs it once.
+    The default rule, under ``double_buffering="compensated"`` (rank 0 logs it once; a rule or
+    a group's own key still wins): ``synchronous_embeddings`` (default True), ``model``'s
+    ``nn.Embedding`` weights and the parameters tied to them, and ``synchronous_vectors``
+    (default True), the 1-D parameters (biases, normalisation scales), reduce synchronously
+    (with ``overlap``).
 
     ``compression="auto"``: a codec per tensor, chosen by rank 0 after the first
     ``1 + auto_measure_steps`` steps (reduced exactly, in ``step()``, while the backward pass
@@ -172,6 +176,7 @@ def create_multi_node_optimizer(
         clip_grad_norm=clip_grad_norm,
         plans=plans,
         synchronous_embeddings=synchronous_embeddings,
+        synchronous_vectors=synchronous_vectors,
         auto_link_rate=auto_link_rate,
         auto_measure_steps=auto_measure_steps,
     )
@@ -299,6 +304,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         clip_grad_norm=None,
         plans=None,
         synchronous_embeddings=True,
+        synchronous_vectors=True,
         auto_link_rate=None,
         auto_measure_steps=3,
     ):
@@ -339,14 +345,16 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._default_plan = Plan(compression, double_buffering)
         self._rules = check_rules(plans)
         # The default rule: compensated double buffering reduces embedding tables (and the
-        # parameters tied to them) synchronously; they carry the most per-replica jitter.
+        # parameters tied to them), which carry the most per-replica jitter, and the 1-D
+        # tensors (little to send) synchronously.
         self._embedding_rule = bool(synchronous_embeddings) and self.compensated
+        self._vector_rule = bool(synchronous_vectors) and self.compensated
         self._embedding_logged = False
         self._mixed = (
             self._auto is not None
             or bool(self._rules)
             or _sets_plans(optimizer.param_groups)
-            or bool(self._embedding_ids(model) & {id(p) for p in self._all_params()})
+            or bool(self._rule_ids(model) & {id(p) for p in self._all_params()})
         )
         self._wire_dtype = allreduce_grad_dtype
         self._policy_arg = policy
@@ -502,7 +510,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 broadcast_from_root(self.comm, params, model)
             trainable = [i for i, p in enumerate(params) if p.requires_grad]
             if self._mixed:
-                synchronous = self._embedding_ids(model)
+                synchronous = self._rule_ids(model)
                 plans = param_plans(
                     groups,
                     names,
@@ -511,7 +519,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                     self._rules,
                     synchronous,
                 )
-                self._log_embedding_rule(
+                self._log_default_rule(
                     [
                         n
                         for n, p, pl in zip(names, params, plans)
@@ -553,19 +561,27 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             for part, reducer in zip(self._parts, reducers):
                 part.owned.install(reducer, params)
 
-    def _embedding_ids(self, model) -> set[int]:
-        """The parameters the embedding rule makes synchronous by default (empty: rule off)."""
-        return embedding_params(model) if self._embedding_rule else set()
+    def _rule_ids(self, model) -> set[int]:
+        """The parameters the default rule makes synchronous by default (empty: rule off)."""
+        ids = embedding_params(model) if self._embedding_rule else set()
+        if self._vector_rule:
+            ids |= vector_params(self._all_params())
+        return ids
 
-    def _log_embedding_rule(self, names: list[str]) -> None:
+    def _log_default_rule(self, names: list[str]) -> None:
         if names and not self._embedding_logged:
             self._embedding_logged = True
             if self.comm.rank == 0:
+                shown = ", ".join(names[:8]) + (
+                    f" and {len(names) - 8} more" if len(names) > 8 else ""
+                )
                 log.info(
-                    "commopt: double_buffering='compensated' reduces the embedding "
-                    "parameter(s) %s synchronously (with overlap); pass "
-                    "synchronous_embeddings=False, or a plans= rule, to change it",
-                    ", ".join(names),
+                    "commopt: double_buffering='compensated' reduces %d parameter(s) "
+                    "synchronously (with overlap), the embedding tables and 1-D tensors: %s; "
+                    "pass synchronous_embeddings=False or synchronous_vectors=False, or a "
+                    "plans= rule, to change it",
+                    len(names),
+                    shown,
                 )
 
     def _set_parts(self, order: list[Plan]) -> None:
@@ -670,7 +686,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         names = param_names(groups, model)
         policy = self._policy_arg if self._policy_arg is not None else CompressionPolicy()
         final = param_plans(
-            groups, names, None, self._user_double_buffering, [], self._embedding_ids(model)
+            groups, names, None, self._user_double_buffering, [], self._rule_ids(model)
         )
         return [
             TensorInfo(

@@ -8,9 +8,10 @@ rule list sets them by parameter name (``fnmatch`` patterns against the names of
 the rules, the rules over the wrapper's arguments.
 
 The default rule: under ``double_buffering="compensated"`` the weights of ``nn.Embedding``
-modules, and the parameters tied to them (the same tensor), reduce synchronously, unless a
-rule or the group says otherwise (:func:`embedding_params`; the wrapper's
-``synchronous_embeddings=False`` turns it off).
+modules, and the parameters tied to them (the same tensor), and the 1-D parameters (biases,
+normalisation scales) reduce synchronously, unless a rule or the group says otherwise
+(:func:`embedding_params`, :func:`vector_params`; the wrapper's
+``synchronous_embeddings=False`` and ``synchronous_vectors=False`` turn its parts off).
 
     >>> import torch
     >>> a, b = torch.zeros(2), torch.zeros(3)
@@ -30,7 +31,15 @@ from typing import Any
 from commopt.codecs.base import Codec
 from commopt.optim.compensation import parse_mode
 
-__all__ = ["PLAN_KEYS", "Plan", "check_rules", "embedding_params", "group_plans", "param_plans"]
+__all__ = [
+    "PLAN_KEYS",
+    "Plan",
+    "check_rules",
+    "embedding_params",
+    "group_plans",
+    "param_plans",
+    "vector_params",
+]
 
 #: The keys of a parameter group (or of a ``plans=`` rule) that choose a plan.
 PLAN_KEYS = ("compression", "double_buffering")
@@ -109,6 +118,17 @@ def embedding_params(model) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
 
 
+def vector_params(params) -> set[int]:
+    """The ids of the 1-D (and 0-D) parameters among ``params``: biases, normalisation scales.
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(3, 2)
+    >>> vector_params(layer.parameters()) == {id(layer.bias)}
+    True
+    """
+    return {id(p) for p in params if p.dim() <= 1}
+
+
 def param_plans(
     param_groups: Sequence[dict],
     names: Sequence[str],
@@ -120,7 +140,7 @@ def param_plans(
     """The plan of every parameter of ``param_groups``, in their order (``names``: theirs).
 
     ``synchronous``: ids of parameters whose default is ``double_buffering=False`` (the
-    embedding rule); a rule or the group's key still wins.
+    default rule); a rule or the group's key still wins.
     """
     plans = []
     position = 0

@@ -70,14 +70,19 @@ def test_mixed_plan_puts_the_first_and_last_layers_on_the_synchronous_schedule()
         opt.close()
 
 
-def test_compensated_reduces_the_embedding_synchronously_by_default():
-    opt = _wrap("commopt-qsgd4+ef-comp")
+def test_compensated_reduces_the_embedding_and_1d_tensors_synchronously_by_default():
+    model = _model()
+    opt = _wrap("commopt-qsgd4+ef-comp", model)
     try:
         assert list(opt.plans) == [
             "compression=qsgd4+ef, double_buffering=False",
             "compression=qsgd4+ef, double_buffering=compensated",
         ]
-        assert len(opt.plan_params(next(iter(opt.plans)))) == 1  # the embedding table
+        sync = {id(p) for p in opt.plan_params(next(iter(opt.plans)))}
+        names = sorted(n for n, p in model.named_parameters() if id(p) in sync)
+        assert names == ["embed.weight"] + sorted(
+            n for n, p in model.named_parameters() if p.dim() == 1
+        )
     finally:
         opt.close()
 

@@ -290,7 +290,9 @@ class Tied(torch.nn.Module):
 COMP = "compression=None, double_buffering=compensated"
 
 
-def test_compensated_reduces_embeddings_and_tied_weights_synchronously_by_default(comm, caplog):
+def test_compensated_reduces_embeddings_tied_weights_and_1d_tensors_synchronously_by_default(
+    comm, caplog
+):
     model = Tied()
     with caplog.at_level("INFO", logger="commopt"):
         opt = commopt.create_multi_node_optimizer(
@@ -300,12 +302,18 @@ def test_compensated_reduces_embeddings_and_tied_weights_synchronously_by_defaul
             double_buffering="compensated",
         )
         _train(model, opt, range(2))
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        added = torch.nn.Parameter(torch.zeros(2))  # a 1-D tensor added later: the rule too
+        opt.add_param_group({"params": [added]})
+        matrix = torch.nn.Parameter(torch.zeros(2, 2))
+        opt.add_param_group({"params": [matrix]})
     assert list(opt.plans) == [SYNC, COMP]
-    assert opt.plan_params(SYNC) == [model.embed.weight]  # (the tied out.weight is the same)
+    # (the tied out.weight is the same tensor as embed.weight)
+    assert opt.plan_params(SYNC) == [model.embed.weight, model.hidden.bias, added]
+    assert opt.plan_params(COMP) == [model.hidden.weight, matrix]
     assert opt.plans[SYNC].overlap
-    logged = [r for r in caplog.records if "embedding" in r.getMessage()]
-    assert len(logged) == 1 and "embed.weight" in logged[0].getMessage()
+    logged = [r for r in caplog.records if "synchronously" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
+    assert "embed.weight" in logged[0].getMessage() and "hidden.bias" in logged[0].getMessage()
 
     def plans_of(**kw):
         m = Tied()
@@ -319,6 +327,29 @@ def test_compensated_reduces_embeddings_and_tied_weights_synchronously_by_defaul
             ).plans
         )
 
-    assert plans_of(synchronous_embeddings=False) == [COMP]
-    assert plans_of(plans=[("embed.*", {"double_buffering": "compensated"})]) == [COMP]
+    assert plans_of(synchronous_embeddings=False, synchronous_vectors=False) == [COMP]
+    m = Tied()
+    only_vectors = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        comm,
+        model=m,
+        double_buffering="compensated",
+        synchronous_embeddings=False,
+    )
+    assert only_vectors.plan_params(SYNC) == [m.hidden.bias]
+    m = Tied()
+    only_tables = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        comm,
+        model=m,
+        double_buffering="compensated",
+        synchronous_vectors=False,
+    )
+    assert only_tables.plan_params(SYNC) == [m.embed.weight]
+    assert plans_of(
+        plans=[("embed.*", {"double_buffering": "compensated"})], synchronous_vectors=False
+    ) == [COMP]
+    assert plans_of(plans=[("*", {"double_buffering": "compensated"})]) == [COMP], (
+        "a rule wins over the default rule"
+    )
     assert plans_of(db=True) == [DB], "the rule is compensated double buffering's only"

@@ -24,6 +24,11 @@ def parse(*argv):
             "compensated",
             "fp32+comp+stale-embeddings",
         ),
+        (
+            ("--double-buffering", "compensated", "--no-synchronous-vectors"),
+            "compensated",
+            "fp32+comp+stale-vectors",
+        ),
         (("--compression", "qsgd4+ef", "--double-buffering"), True, "qsgd4+ef+db"),
     ],
 )
