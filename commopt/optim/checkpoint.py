@@ -163,7 +163,9 @@ def load_plans_state(
         raise ValueError(
             f"the checkpoint's plans ({found}) differ from this optimizer's "
             f"({'; '.join(keys)}): load it into an optimizer created with the same "
-            "per-group compression and double_buffering"
+            "per-group compression and double_buffering (under double_buffering="
+            "'compensated' the default rule chooses plans too: synchronous_embeddings= and "
+            "synchronous_vectors= as when it was saved)"
         )
     codec_state = extra.get("codec_state", {})  # DCP drops empty dicts
     per_part = {}

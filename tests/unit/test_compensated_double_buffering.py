@@ -163,12 +163,24 @@ def test_checkpoint_after_flush_loads_into_any_double_buffering_mode(tmp_path):
             model=model2,
             double_buffering=mode,
             compression="qsgd4+ef",
+            synchronous_vectors=False,  # as saved
         )
         load_checkpoint(tmp_path / "ck", model2, opt2)
         _train(model2, opt2, range(3, 6))
         opt2.flush()
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
         assert same == (mode == "compensated"), mode
+
+
+def test_a_checkpoint_of_other_default_rule_settings_is_refused_with_the_fix(tmp_path):
+    from commopt.optim import load_checkpoint, save_checkpoint
+
+    model, opt = _wrapped("sgd", compression="qsgd4+ef")  # every tensor compensated
+    _train(model, opt, range(2))
+    save_checkpoint(tmp_path / "ck", model, opt)
+    model2, opt2 = _wrapped("sgd", compression="qsgd4+ef", synchronous_vectors=True)
+    with pytest.raises(ValueError, match="synchronous_vectors= as when it was saved"):
+        load_checkpoint(tmp_path / "ck", model2, opt2)
 
 
 def test_checkpoint_files_save_true_weights_and_resume_exactly(tmp_path):

@@ -94,17 +94,19 @@ def training(double_buffering):
         return {"same_comm": opt._data_comm is comm, "mark": mark, "buckets": len(opt.buckets)}
     return body
 
-def host_reads(double_buffering, scaled_and_clipped=False):
+def host_reads(double_buffering, scaled_and_clipped=False, mixed=False):
     # training steps with the host reads and waits recorded, the phases marked
     # (scaled_and_clipped: clip_grad_norm= and GradScaler's tensor scale, as GradScaler
-    # hands it to a double-buffered step)
+    # hands it to a double-buffered step; mixed: compensated with the default rule's
+    # synchronous 1-D tensors, a plan of each schedule)
     def body(comm, trace):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
         opt = commopt.create_multi_node_optimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm, model=model,
             bucket_cap_mb=0.01, double_buffering=double_buffering, algorithm="native",
-            clip_grad_norm=0.5 if scaled_and_clipped else None)
+            clip_grad_norm=0.5 if scaled_and_clipped else None, synchronous_vectors=mixed)
+        assert len(opt.plans) == (2 if mixed else 1), list(opt.plans)
         with trace.host_reads():
             for _ in range(4):
                 opt.zero_grad()
@@ -127,6 +129,7 @@ run("reads_overlap", host_reads(False))
 run("reads_double_buffering", host_reads(True))
 run("reads_compensated", host_reads("compensated"))
 run("reads_compensated_scaled_clipped", host_reads("compensated", scaled_and_clipped=True))
+run("reads_compensated_mixed", host_reads("compensated", mixed=True))
 run("pipelined", pipelined)
 run("overlap", training(False))
 run("double_buffering", training(True))
@@ -366,14 +369,22 @@ def host_waits(ops, start, end):
 
 @pytest.mark.parametrize(
     "scenario",
-    ["reads_double_buffering", "reads_compensated", "reads_compensated_scaled_clipped"],
+    [
+        "reads_double_buffering",
+        "reads_compensated",
+        "reads_compensated_scaled_clipped",
+        "reads_compensated_mixed",
+    ],
 )
 def test_double_buffering_never_waits_on_the_host_while_a_reduction_is_in_flight(traces, scenario):
     """With double buffering step t's reduction must run during step t+1's forward and
     backward: no host read of a device value and no host wait from the end of step() to
     the end of the next backward. Inside step(), the previous step's flags may be waited
     for (that reduction had a whole forward and backward to finish), but only before the
-    new reduction's first NCCL call: issuing reads nothing."""
+    new reduction's first NCCL call: issuing reads nothing. In a mixed plan the synchronous
+    part's result (its reduction ran during backward) is waited for in step() too, but only
+    once the double-buffered part is issued: after the first host wait nothing is enqueued."""
+    mixed = scenario.endswith("_mixed")
     for rank, t in enumerate(traces):
         ops = t[scenario]["ops"]
         between = host_waits(ops, "step-end", "backward-end")
@@ -390,8 +401,20 @@ def test_double_buffering_never_waits_on_the_host_while_a_reduction_is_in_flight
             first_enqueue = next(
                 (k for k, op in enumerate(window) if op[0] == "enqueue"), len(window)
             )
-            late = [op for op in window[first_enqueue:] if op[0] in ("host-read", "synchronize")]
-            assert not late, f"rank {rank}: step() waited on the host while issuing: {late}"
+            late = [
+                k
+                for k, op in enumerate(window)
+                if k > first_enqueue and op[0] in ("host-read", "synchronize")
+            ]
+            if mixed:
+                assert late, f"rank {rank}: the synchronous part's result was not read in step()"
+                issued_after = [op for op in window[late[0] :] if op[0] == "enqueue"]
+                assert not issued_after, (
+                    f"rank {rank}: step() waited on the host before issuing {issued_after}"
+                )
+            else:
+                waits = [window[k] for k in late]
+                assert not late, f"rank {rank}: step() waited on the host while issuing: {waits}"
 
 
 def test_overlap_never_waits_on_the_host_inside_backward(traces):
