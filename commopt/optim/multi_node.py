@@ -349,7 +349,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # tensors (little to send) synchronously.
         self._embedding_rule = bool(synchronous_embeddings) and self.compensated
         self._vector_rule = bool(synchronous_vectors) and self.compensated
-        self._embedding_logged = False
+        self._rule_logged = False
         self._mixed = (
             self._auto is not None
             or bool(self._rules)
@@ -569,8 +569,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         return ids
 
     def _log_default_rule(self, names: list[str]) -> None:
-        if names and not self._embedding_logged:
-            self._embedding_logged = True
+        if names and not self._rule_logged:
+            self._rule_logged = True
             if self.comm.rank == 0:
                 shown = ", ".join(names[:8]) + (
                     f" and {len(names) - 8} more" if len(names) > 8 else ""
