@@ -315,36 +315,24 @@ def test_compensated_reduces_embeddings_tied_weights_and_1d_tensors_synchronousl
     assert len(logged) == 1, [r.getMessage() for r in logged]
     assert "embed.weight" in logged[0].getMessage() and "hidden.bias" in logged[0].getMessage()
 
-    def plans_of(**kw):
+    def wrapped(**kw):
         m = Tied()
-        return list(
-            commopt.create_multi_node_optimizer(
-                torch.optim.SGD(m.parameters(), lr=0.1),
-                comm,
-                model=m,
-                double_buffering=kw.pop("db", "compensated"),
-                **kw,
-            ).plans
+        opt = commopt.create_multi_node_optimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1),
+            comm,
+            model=m,
+            double_buffering=kw.pop("db", "compensated"),
+            **kw,
         )
+        return m, opt
+
+    def plans_of(**kw):
+        return list(wrapped(**kw)[1].plans)
 
     assert plans_of(synchronous_embeddings=False, synchronous_vectors=False) == [COMP]
-    m = Tied()
-    only_vectors = commopt.create_multi_node_optimizer(
-        torch.optim.SGD(m.parameters(), lr=0.1),
-        comm,
-        model=m,
-        double_buffering="compensated",
-        synchronous_embeddings=False,
-    )
+    m, only_vectors = wrapped(synchronous_embeddings=False)
     assert only_vectors.plan_params(SYNC) == [m.hidden.bias]
-    m = Tied()
-    only_tables = commopt.create_multi_node_optimizer(
-        torch.optim.SGD(m.parameters(), lr=0.1),
-        comm,
-        model=m,
-        double_buffering="compensated",
-        synchronous_vectors=False,
-    )
+    m, only_tables = wrapped(synchronous_vectors=False)
     assert only_tables.plan_params(SYNC) == [m.embed.weight]
     assert plans_of(
         plans=[("embed.*", {"double_buffering": "compensated"})], synchronous_vectors=False
