@@ -1003,9 +1003,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             ...     double_buffering="compensated",
             ... )
             >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
-            >>> before = model.bias.item()  # predicted: one local step ahead
+            >>> before = model.weight[0, 0].item()  # predicted: one local step ahead
             >>> with opt.true_weights():
-            ...     round(before - model.bias.item(), 6)
+            ...     round(before - model.weight[0, 0].item(), 6)
             -0.1
         """
         with contextlib.ExitStack() as stack:
