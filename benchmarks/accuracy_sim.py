@@ -15,8 +15,8 @@ shares are reduced with the configuration's arithmetic and applied by one optimi
   its gradient at the weights predicted from its own last local gradient (with the
   learning rate extrapolated through a warm-up, as ``LocalStepPrediction`` does);
 * ``comp-default``: compensated double buffering as the wrapper runs it by default: the
-  tensors its default rule picks (``commopt.optim.plans.embedding_params``: ``nn.Embedding``
-  weights and the parameters tied to them; ``vector_params``: the 1-D tensors, biases and
+  tensors its default rule picks (``commopt.optim.plans.default_synchronous``:
+  ``nn.Embedding`` weights and the parameters tied to them, and the 1-D tensors, biases and
   norms' scales) reduce synchronously (step t's average applied at step t, never
   predicted), the others as in ``comp``; ``comp-emb``: the embedding tables only;
 * ``db-lastupd`` (gradient at ``w + (w - w_prev)``) and ``db-mom`` (momentum/beta1 0.9 ->
@@ -253,11 +253,9 @@ def run(
     params = list(model.parameters())
     sync = [False] * len(params)
     if mode in ("comp-default", "comp-emb"):
-        from commopt.optim.plans import embedding_params, vector_params
+        from commopt.optim.plans import default_synchronous
 
-        chosen = embedding_params(model)
-        if mode == "comp-default":
-            chosen |= vector_params(params)
+        chosen = default_synchronous(model, params, vectors=mode == "comp-default")
         sync = [id(p) in chosen for p in params]
     opt = make_optimizer(optimizer, params, peak, momentum=0.8 if mode == "db-mom" else 0.9)
     reduce = _Reducer(codec, replicas, seed)

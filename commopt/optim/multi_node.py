@@ -78,10 +78,9 @@ from commopt.optim.plans import (
     PLAN_KEYS,
     Plan,
     check_rules,
-    embedding_params,
+    default_synchronous,
     group_plans,
     param_plans,
-    vector_params,
 )
 from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.replicas import (
@@ -563,10 +562,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _rule_ids(self, model) -> set[int]:
         """The parameters the default rule makes synchronous by default (empty: rule off)."""
-        ids = embedding_params(model) if self._embedding_rule else set()
-        if self._vector_rule:
-            ids |= vector_params(self._all_params())
-        return ids
+        return default_synchronous(
+            model,
+            self._all_params(),
+            embeddings=self._embedding_rule,
+            vectors=self._vector_rule,
+        )
 
     def _log_default_rule(self, names: list[str]) -> None:
         if names and not self._rule_logged:

@@ -10,7 +10,7 @@ the rules, the rules over the wrapper's arguments.
 The default rule: under ``double_buffering="compensated"`` the weights of ``nn.Embedding``
 modules, and the parameters tied to them (the same tensor), and the 1-D parameters (biases,
 normalisation scales) reduce synchronously, unless a rule or the group says otherwise
-(:func:`embedding_params`, :func:`vector_params`; the wrapper's
+(:func:`default_synchronous`; the wrapper's
 ``synchronous_embeddings=False`` and ``synchronous_vectors=False`` turn its parts off).
 
     >>> import torch
@@ -35,6 +35,7 @@ __all__ = [
     "PLAN_KEYS",
     "Plan",
     "check_rules",
+    "default_synchronous",
     "embedding_params",
     "group_plans",
     "param_plans",
@@ -127,6 +128,27 @@ def vector_params(params) -> set[int]:
     True
     """
     return {id(p) for p in params if p.dim() <= 1}
+
+
+def default_synchronous(
+    model, params, *, embeddings: bool = True, vectors: bool = True
+) -> set[int]:
+    """The ids of the parameters the default rule reduces synchronously: ``model``'s
+    embedding tables (:func:`embedding_params`) and the 1-D ``params``
+    (:func:`vector_params`), each part where its flag is on.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 5))
+    >>> ids = default_synchronous(model, model.parameters())
+    >>> ids == {id(model[0].weight), id(model[1].bias)}
+    True
+    >>> default_synchronous(model, model.parameters(), vectors=False) == {id(model[0].weight)}
+    True
+    """
+    ids = embedding_params(model) if embeddings else set()
+    if vectors:
+        ids |= vector_params(params)
+    return ids
 
 
 def param_plans(
