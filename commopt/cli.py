@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"]:
         # Before anything slow is imported: a Ctrl-C or SIGTERM during start-up must stop
         # the launch like one that comes later, never be lost.
-        from commopt.commands.launch import install_signal_handlers
+        from commopt.commands.signals import install_signal_handlers
 
         install_signal_handlers()
     parser = build_parser(argv[0] if argv[:1] and argv[0] in SUBCOMMANDS else None)

@@ -89,7 +89,9 @@ class HandleWork(Work):
     """A Work over a Horovod handle; ``finalize`` receives the operation's output.
 
     ``wait`` polls the handle; when it is not done ``limit_s`` seconds after it was issued
-    (``what``, ``peers`` name the operation and its ranks in the error), it raises CommError.
+    (``what``, ``peers`` name the operation and its ranks in the error), it raises CommError;
+    when a peer left the job and the handle got no result within a grace, PeerLeftError
+    (:class:`commopt.comm.horovod_exit.DepartureWatch`).
     """
 
     def __init__(
@@ -108,10 +110,12 @@ class HandleWork(Work):
         self._issued = time.monotonic()
 
     def _bounded(self) -> None:
-        if math.isinf(self._limit_s):
-            return
+        """Poll until the operation is done: at most ``limit_s`` after its issue, and at most
+        a grace after a peer's departure notice (a departure can lose an operation)."""
         pause = 1e-4
+        departure = horovod_exit.DepartureWatch(self._what)
         while not self._hvd.poll(self._handle):
+            departure.check()
             if time.monotonic() - self._issued > self._limit_s:
                 # Horovod's own shutdown would wait on the dead operation: the job ends at exit.
                 horovod_exit.abort_at_exit()

@@ -10,6 +10,10 @@ communicator calls it) adds, on a private duplicate of COMM_WORLD:
   shuts Horovod down as Horovod would, so peers in an operation fail at once;
 * a peer whose operation fails reads the notices and raises :class:`PeerLeftError`, which
   names the ranks that left (it is a ``HorovodInternalError`` too, for Horovod's handlers);
+* a peer whose operation neither completes nor fails reads the notices while it waits
+  (:class:`DepartureWatch`): Horovod checks for its shutdown before it queues an
+  operation, so one started while the shutdown drains the queue never gets a result; a
+  notice, then :data:`DEPARTURE_GRACE_S` seconds without a result, raise the same error;
 * then every rank meets the others in a non-blocking barrier, as the ``mpi`` transport's
   exit handshake does: at a normal end they all arrive at once; a rank left waiting longer
   than $COMMOPT_EXIT_TIMEOUT seconds (default 30) aborts the job with a message naming itself.
@@ -33,6 +37,8 @@ from typing import Any
 from commopt.comm.errors import CommError
 
 __all__ = [
+    "DEPARTURE_GRACE_S",
+    "DepartureWatch",
     "PeerLeftError",
     "aborting",
     "departure_reason",
@@ -52,6 +58,9 @@ _hvd_mod: Any = None  # horovod.torch
 _received: dict[int, int] = {}  # source rank -> code of the notices read so far
 _state = {"uncaught": False, "abort": False}
 _lock = threading.Lock()  # one reader of the notices at a time (worker threads may fail together)
+#: How long an operation may still wait for its result once a peer's departure notice is read:
+#: Horovod's shutdown fails every queued operation at once, so only a lost one waits longer.
+DEPARTURE_GRACE_S = 5.0
 
 
 def departure_reason(code: int) -> str:
@@ -139,18 +148,50 @@ def explain(exc: BaseException) -> BaseException:
     _read_notices(wait_s=2.0)  # the notice is sent before the shutdown that caused exc
     if not _received:
         return exc
+    # Still what Horovod's own handlers catch.
+    error_type = type("PeerLeftError", (PeerLeftError, type(exc)), {"__module__": __name__})
+    return error_type(_departure_message(str(exc).splitlines()[0][:120]))
+
+
+def _departure_message(detail: str) -> str:
     rank = _comm.Get_rank()  # the world rank: Horovod's global rank
     who = "; ".join(f"rank {r} {departure_reason(c)}" for r, c in sorted(_received.items()))
-    error_type = type(
-        "PeerLeftError", (PeerLeftError, type(exc)), {"__module__": __name__}
-    )  # still what Horovod's own handlers catch
-    err = error_type(
+    return (
         f"rank {rank}: a Horovod operation failed because another rank left the job ({who}) "
         f"while this rank still waited for it. Every rank must make the same collective calls: "
         f"ranks that run out of data early keep stepping inside "
-        f"`with commopt.Join(optimizer):`. [{str(exc).splitlines()[0][:120]}]"
+        f"`with commopt.Join(optimizer):`. [{detail}]"
     )
-    return err
+
+
+class DepartureWatch:
+    """While one operation is waited for: whether a peer left and its grace ran out.
+
+    ``check()`` (cheap to call often) reads the notices that arrived, without blocking, and
+    raises PeerLeftError once :data:`DEPARTURE_GRACE_S` have passed since the first one was
+    seen with the operation still unfinished. Nothing happens where the notices are not
+    installed (one rank, Horovod over Gloo).
+    """
+
+    def __init__(self, what: str):
+        self._what = what
+        self._seen: float | None = None
+
+    def check(self) -> None:
+        if _comm is None:
+            return
+        if self._seen is None:
+            _read_notices(wait_s=0.0)
+            if not _received:
+                return
+            self._seen = time.monotonic()
+        if time.monotonic() - self._seen > DEPARTURE_GRACE_S:
+            raise PeerLeftError(
+                _departure_message(
+                    f"Horovod's {self._what} got no result within {DEPARTURE_GRACE_S:g}s of "
+                    f"the notice: Horovod's shutdown lost it"
+                )
+            )
 
 
 @contextlib.contextmanager

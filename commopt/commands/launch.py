@@ -20,6 +20,8 @@ import signal
 import subprocess
 import sys
 
+from commopt.commands.signals import Terminated, raise_if_signalled, signal_behind
+
 HELP = "run a command on N ranks, here or on an emulated cluster with shaped links"
 
 
@@ -79,34 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class Terminated(SystemExit):
-    """SIGTERM or SIGHUP, raised where the launcher is so the job is stopped in order."""
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)  # the shell's exit status for a signal
-        self.signum = signum
-
-
-def install_signal_handlers() -> None:
-    """Ctrl-C raises KeyboardInterrupt, SIGTERM/SIGHUP raise Terminated(signal) (exit 128 + signal).
-
-    Installed first thing (before torch or anything slow could be imported), so a signal
-    that comes during start-up stops the launch like one that comes later. A signal the
-    parent set to be ignored (``nohup``, a background job) stays ignored.
-    """
-
-    def terminated(signum, frame):
-        raise Terminated(signum)
-
-    for sig, handler in (
-        (signal.SIGINT, signal.default_int_handler),
-        (signal.SIGTERM, terminated),
-        (signal.SIGHUP, terminated),
-    ):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, handler)
-
-
 def _fail(msg: str) -> int:
     print(f"commopt launch: {msg}", file=sys.stderr)
     return 2
@@ -115,18 +89,24 @@ def _fail(msg: str) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except KeyboardInterrupt:
-        print("commopt launch: interrupted; the job is stopped", file=sys.stderr)
-        return 130
-    except Terminated as exc:
+    except (KeyboardInterrupt, Terminated, Exception) as exc:
+        # A signal's exception may reach here changed: raised inside ``__set_name__`` during
+        # an import, Python turns it into a RuntimeError.
+        signum = signal_behind(exc)
+        if signum is None:
+            raise
+        if signum == signal.SIGINT:
+            print("commopt launch: interrupted; the job is stopped", file=sys.stderr)
+            return 130
         print(
-            f"commopt launch: terminated by signal {exc.signum}; the job is stopped",
+            f"commopt launch: terminated by signal {signum}; the job is stopped",
             file=sys.stderr,
         )
-        return 128 + exc.signum
+        return 128 + signum
 
 
 def _run(args: argparse.Namespace) -> int:
+    raise_if_signalled()
     command = list(args.command_args or [])
     if command[:1] == ["--"]:
         command = command[1:]
@@ -210,7 +190,9 @@ def _run_local(args, command: list[str]) -> int:
                 "mpirun not found: install Open MPI (apt-get install openmpi-bin) "
                 "or use --launcher torch"
             )
-        return run_processes([argv], envs=[env], names=["mpirun"], timeout=args.timeout)
+        return run_processes(
+            [argv], envs=[env], names=["mpirun"], timeout=args.timeout, check=raise_if_signalled
+        )
     from commopt.testbed.torch_dist import local_rank_specs
 
     specs = local_rank_specs(n, command, ranks_per_node=k)
@@ -223,6 +205,7 @@ def _run_local(args, command: list[str]) -> int:
         envs=[{**env, **s.env} for s in specs],
         names=[f"rank {s.rank}" for s in specs],
         timeout=args.timeout,
+        check=raise_if_signalled,
     )
 
 
@@ -263,7 +246,13 @@ def _run_emulated(args, command: list[str]) -> int:
                 from commopt.testbed.mpirun import mpirun_cluster_argv
 
                 argv = cluster.head_argv(mpirun_cluster_argv(cluster, n, k, command))
-                return run_processes([argv], envs=[env], names=["mpirun"], timeout=args.timeout)
+                return run_processes(
+                    [argv],
+                    envs=[env],
+                    names=["mpirun"],
+                    timeout=args.timeout,
+                    check=raise_if_signalled,
+                )
             from commopt.testbed.torch_dist import cluster_rank_specs
 
             specs = cluster_rank_specs(cluster, n, k, command)
@@ -272,6 +261,7 @@ def _run_emulated(args, command: list[str]) -> int:
                 envs=[{**env, **s.env} for s in specs],
                 names=[f"rank {s.rank}" for s in specs],
                 timeout=args.timeout,
+                check=raise_if_signalled,
             )
     except TestbedUnavailable as exc:
         return _fail(f"cannot emulate a cluster here: {exc}")

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 TIMEOUT_EXIT = 124
 GRACE_S = 5.0
@@ -53,15 +54,20 @@ def run_processes(
     envs: list[dict[str, str]] | None = None,
     names: list[str] | None = None,
     timeout: float | None = None,
+    check: Callable[[], None] | None = None,
 ) -> int:
     """Start every argv, wait; return 0, the first non-zero exit code, or 124 on timeout.
 
-    ``envs`` are added to this process's environment, one per argv.
+    ``envs`` are added to this process's environment, one per argv. ``check`` is called
+    before each start and while waiting: an exception it raises stops every process started
+    and propagates (the launcher re-raises there a signal whose exception Python dropped).
     """
     names = names or [f"process {i}" for i in range(len(argvs))]
     procs: list[subprocess.Popen] = []
     try:
         for i, argv in enumerate(argvs):
+            if check is not None:
+                check()
             env = dict(os.environ, **(envs[i] if envs else {}))
             try:
                 procs.append(
@@ -75,6 +81,8 @@ def run_processes(
                 return 127
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if check is not None:
+                check()
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:

@@ -119,3 +119,34 @@ def test_codecs_and_adapters_under_horovodrun(gloo):
             f"rank {r} did not finish its checks (the job exited with 0); its stdout: "
             f"{lines[-5:]}; the launcher's output:\n{whole[-4000:]}"
         )
+
+
+LOST_AFTER_DEPARTURE = """
+import time, commopt
+from commopt.comm import horovod_exit
+comm = commopt.create_communicator("horovod")
+comm.barrier()
+if comm.rank == 1:
+    raise SystemExit(0)  # leaves: its exit notice reaches rank 0, then Horovod shuts down
+# Rank 0 waits, as HandleWork.wait does, for a result that never comes: what an operation
+# queued while the shutdown drains Horovod's queue gets (a race no run can produce on demand).
+watch = horovod_exit.DepartureWatch("allreduce")
+start = time.monotonic()
+while time.monotonic() - start < 60:
+    watch.check()
+    time.sleep(0.01)
+print("unreachable", flush=True)
+"""
+
+
+def test_a_wait_that_gets_no_result_after_a_departure_names_the_rank_that_left():
+    """The departure watch on real ranks (rank 1 really leaves; rank 0's wait is the loop)."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_mpi(LOST_AFTER_DEPARTURE, 2, timeout=120)
+    msg, took = str(failed.value), time.monotonic() - start
+    assert "timed out" not in msg and "unreachable" not in msg, msg
+    named = "rank 0: a Horovod operation failed because another rank left the job (rank 1 "
+    assert f"PeerLeftError: {named}ended without an error" in msg, msg
+    assert "Horovod's allreduce got no result within 5s of the notice" in msg, msg
+    assert took < 50, f"rank 0 should end a grace (5 s) after the notice, took {took:.0f}s"

@@ -276,4 +276,55 @@ def test_launch_imports_no_torch():
     )
     assert r.returncode == 0, r.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line]
-    assert "commopt.commands.launch" in imported and "torch" not in imported
+    # (modules imported with importlib.import_module, as the subcommands are, get no line)
+    assert "commopt.testbed.torch_dist" in imported and "torch" not in imported
+
+
+DROPPED_CTRL_C = """
+import os, signal, sys
+from commopt.commands.signals import install_signal_handlers, raise_if_signalled
+
+install_signal_handlers()
+
+
+class SignalledWhileDeleted:
+    def __del__(self):  # Python drops an exception raised here ("Exception ignored in ...")
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000):
+            pass
+
+
+SignalledWhileDeleted()
+print("the KeyboardInterrupt was dropped", flush=True)
+raise_if_signalled()
+print("lost", flush=True)
+"""
+
+
+def test_a_signal_whose_exception_python_dropped_is_raised_again():
+    r = subprocess.run(
+        [sys.executable, "-c", DROPPED_CTRL_C],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert "Exception ignored in" in r.stderr, r.stderr  # the first KeyboardInterrupt
+    assert r.stdout.splitlines() == ["the KeyboardInterrupt was dropped"], (r.stdout, r.stderr)
+    assert "in raise_if_signalled" in r.stderr and r.returncode != 0, r.stderr
+
+
+def test_a_failing_check_stops_the_processes_already_started():
+    calls = []
+
+    def check():
+        calls.append(time.monotonic())
+        if len(calls) > 3:  # two starts, then the job is running
+            raise KeyboardInterrupt
+
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_processes([["sleep", "30"], ["sleep", "30"]], check=check)
+    assert time.monotonic() - t < 15
+    gone = subprocess.run(["pgrep", "-f", "^sleep 30$"], capture_output=True, text=True)
+    assert gone.stdout == "", f"processes left running: {gone.stdout}"
