@@ -19,8 +19,11 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# Two pytest workers, one test file at a time each (pytest-xdist): the multi-rank tests spend
+# much of their time waiting on timeouts, links and start-up. `make test TEST_WORKERS=` runs serially.
+TEST_WORKERS ?= -n 2 --dist loadfile
 test: setup
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

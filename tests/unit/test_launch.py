@@ -324,7 +324,7 @@ def test_a_failing_check_stops_the_processes_already_started():
 
     t = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        run_processes([["sleep", "30"], ["sleep", "30"]], check=check)
+        run_processes([["sleep", "29.25"], ["sleep", "29.25"]], check=check)
     assert time.monotonic() - t < 15
-    gone = subprocess.run(["pgrep", "-f", "^sleep 30$"], capture_output=True, text=True)
+    gone = subprocess.run(["pgrep", "-f", "^sleep 29.25$"], capture_output=True, text=True)
     assert gone.stdout == "", f"processes left running: {gone.stdout}"
