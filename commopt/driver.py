@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,6 +46,7 @@ __all__ = [
     "driver_for",
     "idle",
     "on_device",
+    "release_queued",
     "release_when_idle",
     "submit",
     "then",
@@ -198,14 +200,35 @@ def idle(comm: Communicator) -> bool:
     return last is None or last.is_completed()
 
 
-def release_when_idle(comm: Communicator) -> None:
-    """``comm.finalize()`` if nothing of ``comm``'s is in flight (else MPI's exit frees it).
+#: Communicators queued by :func:`release_when_idle`, finalized by :func:`release_queued`.
+_QUEUED: deque[Communicator] = deque()
 
-    For a communicator dropped by the garbage collector, which may run on any thread at any
-    time: finalizing one with reductions in flight would strand the peers in a collective.
+
+def release_when_idle(comm: Communicator) -> None:
+    """Queue ``comm`` for :func:`release_queued` (an optimizer's private communicator).
+
+    An optimizer's finalizer: the garbage collector runs it on any thread, at any moment,
+    possibly while that thread holds a lock that releasing needs (a thread that is starting
+    holds threading's own lock, which joining a thread takes), so it only queues; a
+    ``deque.append`` takes no lock.
     """
-    if idle(comm):
-        comm.finalize()
+    _QUEUED.append(comm)
+
+
+def release_queued() -> None:
+    """``finalize()`` the queued communicators with nothing in flight (MPI's exit frees the
+    others: finalizing one with reductions in flight would strand the peers in a collective).
+
+    Called where the calling thread holds no lock: by the optimizer as it is created, steps
+    and closes.
+    """
+    while _QUEUED:
+        try:
+            comm = _QUEUED.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        if idle(comm):
+            comm.finalize()
 
 
 def _drain_all_at_exit() -> None:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -90,10 +91,27 @@ def _base_env(env: dict | None) -> dict:
     return e
 
 
+#: Prepended to every rank script: SIGUSR1 prints every thread's stack (a rank that timed
+#: out says where it waited). Not where the script has ``from __future__`` imports (first).
+_STACKS_ON_USR1 = (
+    "import faulthandler as _fh, signal as _sg; _fh.register(_sg.SIGUSR1, all_threads=True)\n"
+)
+
+
 def _write_script(code: str, workdir: Path) -> Path:
     script = workdir / "rank_script.py"
-    script.write_text(textwrap.dedent(code))
+    body = textwrap.dedent(code)
+    script.write_text(body if "from __future__" in body else _STACKS_ON_USR1 + body)
     return script
+
+
+def _dump_stacks(pgid: int) -> None:
+    """Before a timed-out job is killed: each rank of process group ``pgid`` prints its stacks."""
+    try:
+        os.killpg(pgid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return
+    time.sleep(2.0)
 
 
 def _report(
@@ -104,7 +122,7 @@ def _report(
         lines = [f"{what}: {len(failed)} of {len(results)} ranks failed"]
         for r, rc, out, err in failed:
             why = f"timed out after {timeout:.0f}s" if rc is None else f"exit code {rc}"
-            tail = "\n".join((err or out).strip().splitlines()[-25:])
+            tail = "\n".join((err or out).strip().splitlines()[-(25 if rc is not None else 400) :])
             lines.append(f"--- rank {r}: {why}\n{tail}")
         raise AssertionError("\n".join(lines))
     return [out for _, _, out, _ in results]
@@ -167,6 +185,7 @@ def run_mpi(
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
+            _dump_stacks(proc.pid)
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
         results = []
@@ -222,8 +241,6 @@ def run_torch(
                     start_new_session=True,
                 )
             )
-        import time
-
         deadline = time.monotonic() + timeout
         results = []
         for r, p in enumerate(procs):
@@ -231,6 +248,7 @@ def run_torch(
                 out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
                 results.append((r, p.returncode, out, err))
             except subprocess.TimeoutExpired:
+                _dump_stacks(p.pid)
                 os.killpg(p.pid, signal.SIGKILL)
                 out, err = p.communicate()
                 results.append((r, None, out, err))

@@ -313,6 +313,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 "plain torch optimizer once (use .inner to reach it)"
             )
         check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb)
+        driver.release_queued()  # of optimizers dropped since (see driver.release_when_idle)
         refuse_ddp([p for g in optimizer.param_groups for p in g["params"]], model)
         self._applier = StepApplier(optimizer, rank=comm.rank, clip_grad_norm=clip_grad_norm)
         self._skip_sync = False  # inside skip_synchronize()
@@ -602,6 +603,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
                 part.owned.remove_hooks()
                 if part.release is not None:
                     part.release()
+        driver.release_queued()
         self._parts = [existing.get(plan) or self._new_part(plan) for plan in order]
 
     def _new_part(self, plan: Plan) -> _PlanPart:
@@ -737,6 +739,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             part.owned.remove_hooks()
             if part.release is not None:
                 part.release()
+        driver.release_queued()
         self._parts = []
         self._auto.plan = plan
         self._rules = check_rules(plan.rules())
@@ -890,6 +893,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         ``skipped_steps``). With double buffering the gradients applied are the previous
         step's; the first call applies nothing.
         """
+        driver.release_queued()  # of optimizers dropped since (see driver.release_when_idle)
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         measuring = self._auto is not None and self._auto.measuring
@@ -1149,7 +1153,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             if part.release is not None:
                 part.release()
         if self._release is not None:
-            self._release()  # finalizes the private communicator once (drained above)
+            self._release()  # queues the private communicator once (drained above)
+        driver.release_queued()
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the wrapper stops sending during backward)."""

@@ -1,6 +1,7 @@
 """Optimizers release what they create: constructing N of them over the mpi communicator
-grows neither the threads nor the MPI communicators (close() or dropping them frees their
-private communicator), and finalize() leaves no worker thread (2 real MPI ranks)."""
+grows neither the threads nor the MPI communicators (close() frees their private
+communicator; dropping them queues it, and the next optimizer's creation, step or close frees
+it), and finalize() leaves no worker thread (2 real MPI ranks)."""
 
 import json
 
@@ -41,6 +42,8 @@ for _ in range(6):
 closed = census()
 for _ in range(6):
     make()                # dropped without close()
+gc.collect()              # their finalizers queue their communicators, which the next
+make().close()            # optimizer's creation, step or close releases
 dropped = census()
 sub = comm.split(comm.rank % 2)
 sub.allreduce(torch.ones(3))
