@@ -373,7 +373,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         # NCCL communicator fed in another order could deadlock (docs/design.md).
         private = comm.size > 1 and not getattr(comm, "stream_ordered", False)
         self._data_comm = comm.split(0, comm.rank) if private else comm
-        # The private communicator is released by close(), or when this optimizer is dropped.
+        # The private communicator is released by close(), or, once this optimizer is dropped,
+        # by the next optimizer's creation, step or close (driver.release_when_idle).
         self._release = (
             weakref.finalize(self, driver.release_when_idle, self._data_comm) if private else None
         )
