@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, say=print) -> dict:
-    """Run the stages; the result (also written to ``args.out``)."""
+    """Run the stages; the result (also written to ``args.out``, after every stage: a run
+    stopped from outside leaves the stages it finished)."""
     from commopt.gpu_check.stages import STAGES
 
     budget_s = args.budget_s or (REHEARSAL_BUDGET_S if args.rehearse else BUDGET_S)
@@ -105,8 +106,31 @@ def run(args: argparse.Namespace, say=print) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         ctx = Context(root=ROOT, work=Path(work), rehearse=args.rehearse)
-        stages = run_stages(STAGES, ctx, budget, say=say)
-        _write_logs(args.out / "gpu-check-logs.txt", ctx.logs)
+
+        def write(stages: list[dict], *, final: bool = False) -> dict:
+            result = _result(args, stages, started=started, start=start, budget_s=budget_s)
+            if not final:
+                result["verdict"] += f"; stopped early? {len(stages)} of {len(STAGES)} stages ran"
+            write_results(args.out, result, ctx.logs)
+            return result
+
+        stages = run_stages(STAGES, ctx, budget, say=say, done=write)
+        return write(stages, final=True)
+
+
+def write_results(out: Path, result: dict, logs: list) -> None:
+    """gpu-check.json, gpu-check.md and gpu-check-logs.txt, each replaced whole."""
+    for name, text in (
+        ("gpu-check.json", json.dumps(result, indent=1, default=str) + "\n"),
+        ("gpu-check.md", report.render(result)),
+        ("gpu-check-logs.txt", _logs_text(logs)),
+    ):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
+def _result(args, stages: list[dict], *, started: str, start: float, budget_s: float) -> dict:
     counts = {
         s: sum(1 for x in stages if x["status"] == s) for s in ("passed", "failed", "skipped")
     }
@@ -124,7 +148,6 @@ def run(args: argparse.Namespace, say=print) -> dict:
         "standins_failed": standins.count("failed"),
     }
     result["verdict"] = _verdict(result)
-    (args.out / "gpu-check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     return result
 
 
@@ -136,12 +159,12 @@ def _verdict(result: dict) -> str:
     return text
 
 
-def _write_logs(path: Path, logs: list) -> None:
+def _logs_text(logs: list) -> str:
     parts = [f"===== {job}: {what}\n{output}\n" for job, what, output in logs]
     text = "".join(parts)
     if len(text) > LOG_BYTES:
         text = "[earlier output cut]\n" + text[-LOG_BYTES:]
-    path.write_text(text)
+    return text
 
 
 def exit_status(result: dict) -> int:
@@ -168,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(args, say=lambda msg: print(msg, flush=True))
     text = report.render(result)
-    (args.out / "gpu-check.md").write_text(text)
     if args.report is not None:
         args.report.write_text(text)
     print(text.split("\n## ")[0], flush=True)  # the summary table

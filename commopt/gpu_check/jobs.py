@@ -58,6 +58,7 @@ def job_env(job: Job) -> None:
         except Exception as exc:  # absent, or broken on import: say which
             d[name] = None
             d[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    _probe_mpi(d)
     if d.get("cupy"):
         try:
             from cupy.cuda import nccl
@@ -67,6 +68,23 @@ def job_env(job: Job) -> None:
             d["cupy_nccl"] = False
             d["cupy_nccl_error"] = f"{type(exc).__name__}: {exc}"[:300]
     job.save(ok=True)
+
+
+def _probe_mpi(d: dict) -> None:
+    """Whether mpi4py finds an MPI library (mpi4py installs without one), without starting MPI."""
+    if not d.get("mpi4py"):
+        d["mpi_library"] = None
+        return
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # only the library's name: MPI_Init may start daemons
+        from mpi4py import MPI
+
+        d["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0][:200]
+    except Exception as exc:  # mpi4py without a library: "cannot load MPI library"
+        d["mpi_library"] = None
+        d["mpi_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 JOBS: dict[str, Callable[[Job], None]] = {

@@ -101,13 +101,21 @@ def render(result: dict | None) -> str:
 
 
 def _note(stage: dict) -> str:
-    note = stage.get("reason") or ""
+    """What ran and what did not: the reason, the runs made, the runs left out and why."""
+    parts = [stage.get("reason") or ""]
     standin = stage.get("standin")
     if standin:
-        note += f"; stand-in {standin['status']}"
+        parts.append(f"stand-in {standin['status']}")
         if standin.get("reason"):
-            note += f" ({standin['reason']})"
-    return note.replace("|", "/").replace("\n", " ")[:300]
+            parts[-1] += f" ({standin['reason']})"
+    details = _details(stage)
+    runs = details.get("runs")
+    if isinstance(runs, dict) and runs:
+        parts.append("ran " + ", ".join(runs))
+    if details.get("not_run"):
+        parts.append(details["not_run"])
+    note = "; ".join(p for p in parts if p)
+    return note.replace("|", "/").replace("\n", " ")[:400]
 
 
 def _details(stage: dict) -> dict:

@@ -105,19 +105,39 @@ class Context:
                 f"the environment probe failed ({self.env['probe_failed'][:200]}): the CPU "
                 "stand-in ran in place of the GPU check"
             )
+        if self.env.get("nvidia_smi"):
+            return (
+                f"nvidia-smi lists {self.env['nvidia_smi'][:120]!r} but torch "
+                f"{self.env.get('torch', '?')} sees no CUDA device "
+                f"({self.env.get('cuda_error', 'torch.cuda.is_available() is False')[:200]}): "
+                "the CPU stand-in ran in place of the GPU check"
+            )
         return (
             f"no CUDA device (torch {self.env.get('torch', '?')} sees none): the CPU stand-in "
             "ran in place of the GPU check"
         )
+
+    def gpu_missed(self) -> bool:
+        """nvidia-smi lists a GPU, but the check could not use it (not a rehearsal)."""
+        return bool(self.env.get("nvidia_smi")) and not self.rehearse and not self.on_gpu
 
     def deadline(self) -> float:
         """Seconds a job of this stage may run (its limit, less the reserve)."""
         return max(1.0, self.limit_s - RESERVE_S)
 
 
-def run_stages(stages: list[Stage], ctx: Context, budget: Budget, *, say=print) -> list[dict]:
-    """Run every stage in order, each isolated; the result of each, in order."""
-    results = []
+def run_stages(
+    stages: list[Stage],
+    ctx: Context,
+    budget: Budget,
+    *,
+    say=print,
+    done: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Run every stage in order, each isolated; the result of each, in order. ``done`` is
+    called with the results so far after every stage (a run stopped from outside keeps
+    them)."""
+    results: list[dict] = []
     for i, stage in enumerate(stages):
         weights_left = sum(s.weight for s in stages[i:])
         minimum = stage.minimum_s if ctx.on_gpu else stage.standin_min_s
@@ -140,12 +160,16 @@ def run_stages(stages: list[Stage], ctx: Context, budget: Budget, *, say=print) 
             say(f"[gpu-check] {stage.name}: up to {limit:.0f} s")
             outcome = _attempt(stage, ctx)
             if stage.gpu and not ctx.on_gpu:
-                entry.update(status="skipped", reason=ctx.why_not_gpu(), standin=outcome)
+                # a machine with a GPU that only ran the stand-in has failed the check
+                status = "failed" if ctx.gpu_missed() else "skipped"
+                entry.update(status=status, reason=ctx.why_not_gpu(), standin=outcome)
             else:
                 entry.update(outcome)
         entry["wall_s"] = round(time.monotonic() - start, 2)
         say(f"[gpu-check] {stage.name}: {entry['status']} ({entry['wall_s']:.1f} s)")
         results.append(entry)
+        if done is not None:
+            done(results)
     return results
 
 

@@ -17,6 +17,7 @@ import sysconfig
 
 from commopt.gpu_check.runner import Context, Skip, Stage, StageFailed, require_ok, run_job
 from commopt.gpu_check.training_jobs import CSAN_REPORT, SYNC_WARNING
+from commopt.testbed.mpirun import mpirun_flavour
 
 #: one job's communicator, its torch.distributed backend (or None) and its launcher.
 Run = tuple[str, str | None, str]
@@ -24,15 +25,45 @@ Run = tuple[str, str | None, str]
 
 def environment(ctx: Context) -> dict:
     """Versions, the device, and the tools this machine has (run first: the others read it)."""
-    result = run_job(ctx, "env", {"device": "cpu"})
+    gpu = nvidia_smi()
+    ctx.env["nvidia_smi"] = gpu
+    # A cold start (torch's first import, CUDA's first context) can outlast one try: retried
+    # once with the rest of the stage's time.
+    result = run_job(ctx, "env", {"device": "cpu"}, timeout_s=ctx.limit_s / 2)
+    retried = None
+    if result.failures():
+        retried = "; ".join(result.failures())[:300]
+        result = run_job(ctx, "env", {"device": "cpu"}, timeout_s=ctx.limit_s - result.wall_s)
     try:
         details = require_ok(result, "the environment probe")[0]
     except StageFailed as exc:
         ctx.env["probe_failed"] = str(exc)
         raise
-    details.update(mpirun=shutil.which("mpirun"), compiler=compiler())
+    if retried:
+        details["first_probe_failed"] = retried
+    mpirun = shutil.which("mpirun")
+    details.update(
+        nvidia_smi=gpu,
+        mpirun=mpirun,
+        mpirun_flavour=mpirun_flavour(mpirun) if mpirun else None,
+        compiler=compiler(),
+    )
     ctx.env.update(details)
     return details
+
+
+def nvidia_smi() -> str | None:
+    """The GPUs ``nvidia-smi -L`` lists (None without the tool or a GPU): a machine that has
+    one must not quietly run the CPU stand-ins when torch fails to see it."""
+    path = shutil.which("nvidia-smi")
+    if path is None:
+        return None
+    try:
+        proc = subprocess.run([path, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    listed = proc.stdout.strip()
+    return listed[:300] if proc.returncode == 0 and listed.startswith("GPU") else None
 
 
 def compiler() -> str | None:
@@ -100,22 +131,44 @@ def _mpi_launcher(ctx: Context) -> str:
     return "mpi" if ctx.env.get("mpirun") else "none"
 
 
+def no_mpi(ctx: Context) -> str | None:
+    """Why the runs that need MPI do not run here (None when mpi4py loads an MPI library)."""
+    if ctx.env.get("mpi_library"):
+        return None
+    if not ctx.env.get("mpi4py"):
+        return "no MPI library: mpi4py is not installed"
+    return (
+        f"no MPI library ({ctx.env.get('mpi_error', 'mpi4py found none')[:160]}): carry the "
+        "mpich wheel in .whl/ (docs/benchmarks-gpu.md)"
+    )
+
+
 def world_of_one(ctx: Context) -> dict:
     """pure_nccl and torch+nccl in a world of one, every codec through the collectives
     (stand-ins: MPI and gloo on the CPU)."""
-    runs: list[Run] = (
-        _nccl_runs(ctx)
-        if ctx.on_gpu
-        else [("mpi", None, _mpi_launcher(ctx)), ("torch", "gloo", "torch")]
-    )
-    return _each(ctx, "world_of_one", runs, nprocs=1, missing=_no_cupy(ctx))
+    if ctx.on_gpu:
+        runs = _nccl_runs(ctx)
+        missing = _no_cupy(ctx)
+    else:
+        runs = [("torch", "gloo", "torch")]
+        missing = _missing_mpi(ctx, "mpi")
+        if missing is None:
+            runs.insert(0, ("mpi", None, _mpi_launcher(ctx)))
+    return _each(ctx, "world_of_one", runs, nprocs=1, missing=missing)
+
+
+def _missing_mpi(ctx: Context, what: str) -> str | None:
+    why = no_mpi(ctx)
+    return f"{what} not run: {why}" if why else None
 
 
 def _no_cupy(ctx: Context) -> str | None:
-    if not ctx.on_gpu or ctx.env.get("cupy_nccl"):
+    if not ctx.on_gpu:
         return None
-    why = ctx.env.get("cupy_nccl_error") or ctx.env.get("cupy_error") or "NCCL unavailable"
-    return f"pure_nccl not run: CuPy with NCCL is missing ({why})"
+    if not ctx.env.get("cupy_nccl"):
+        why = ctx.env.get("cupy_nccl_error") or ctx.env.get("cupy_error") or "NCCL unavailable"
+        return f"pure_nccl not run: CuPy with NCCL is missing ({why})"
+    return None
 
 
 def _each(
@@ -183,11 +236,11 @@ def two_ranks(ctx: Context) -> dict:
     """Two ranks on the one GPU over gloo, and over MPI where mpirun exists (NCCL refuses two
     ranks on one device: two-rank NCCL needs two GPUs)."""
     runs: list[Run] = [("torch", "gloo", "torch")]
-    missing = None
-    if ctx.env.get("mpirun"):
-        runs.append(("mpi", None, "mpi"))
-    else:
+    missing = _missing_mpi(ctx, "mpi")
+    if missing is None and not ctx.env.get("mpirun"):
         missing = "mpi not run: mpirun is not installed here"
+    if missing is None:
+        runs.append(("mpi", None, "mpi"))
     return _each(ctx, "two_ranks", runs, nprocs=2, missing=missing)
 
 

@@ -95,7 +95,9 @@ def bucket_steps(m: torch.Tensor, levels: int, scale_bytes: int) -> torch.Tensor
     Returned as float32 (the value the quantiser and decoder use); with 2-byte scales it
     is additionally rounded up to float16.
     """
-    step = m / levels
+    # A tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal,
+    # which is not the correctly rounded quotient the other implementations compute.
+    step = m / torch.full_like(m, levels)
     bump = step.to(torch.float64) * levels < m.to(torch.float64)
     step = torch.where(bump, _next_up(step), step)
     if scale_bytes == 2:

@@ -1,6 +1,6 @@
 """mpirun command lines: N ranks on this machine, or on the hosts of an emulated cluster.
 
-    >>> mpirun_local_argv(2, ["python", "train.py"], is_root=False, ncpus=2)[:5]
+    >>> mpirun_local_argv(2, ["python", "train.py"], is_root=False, ncpus=2, flavour="openmpi")[:5]
     ['mpirun', '-n', '2', '--bind-to', 'none']
 
 On an emulated cluster, mpirun runs on the control network's head and starts one daemon per
@@ -11,8 +11,10 @@ data subnet), while mpirun's own traffic uses the unshaped control network.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 
 from commopt.testbed.agent import agent_script
 from commopt.testbed.netns import EmulatedCluster
@@ -26,6 +28,38 @@ def mpirun_path() -> str:
             "openmpi-bin libopenmpi-dev) or use --launcher torch"
         )
     return path
+
+
+@functools.cache
+def mpirun_flavour(path: str | None = None) -> str:
+    """Which MPI's ``mpirun`` is on the PATH (or at ``path``): ``"openmpi"``, ``"mpich"`` (its
+    Hydra launcher, also Intel MPI's) or ``"unknown"``; their flags differ."""
+    path = path or shutil.which("mpirun")
+    if path is None:
+        return "unknown"
+    try:
+        proc = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return flavour_of(proc.stdout + proc.stderr)
+
+
+def flavour_of(version_text: str) -> str:
+    """The flavour that ``mpirun --version`` printed.
+
+    >>> flavour_of("mpirun (Open MPI) 4.1.4")
+    'openmpi'
+    >>> flavour_of("HYDRA build details:\n    Version: 4.2.0")
+    'mpich'
+    """
+    text = version_text.lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
+        return "mpich"
+    return "unknown"
 
 
 def _common_flags(nprocs: int, *, is_root: bool, ncpus: int) -> list[str]:
@@ -106,13 +140,19 @@ def mpirun_local_argv(
     ranks_per_node: int | None = None,
     is_root: bool | None = None,
     ncpus: int | None = None,
+    flavour: str | None = None,
 ) -> list[str]:
-    """mpirun starting ``nprocs`` ranks here.
+    """mpirun starting ``nprocs`` ranks here, with the flags of its ``flavour`` (default: the
+    ``mpirun`` on the PATH; Open MPI's unless it is MPICH's Hydra).
 
     With ``ranks_per_node`` the ranks are told (COMMOPT_NODE_NAME) that they sit on nodes of
     that many ranks each: node0 has ranks 0..K-1, and so on. One app context per fake node
     gives each its own variable.
     """
+    if flavour is None:
+        flavour = mpirun_flavour()
+    if flavour == "mpich":
+        return _hydra_local_argv(nprocs, command, ranks_per_node)
     is_root = os.geteuid() == 0 if is_root is None else is_root
     ncpus = (os.cpu_count() or 1) if ncpus is None else ncpus
     flags = (
@@ -130,6 +170,25 @@ def mpirun_local_argv(
             contexts.append(":")
         contexts += ["-n", str(count), "-x", f"COMMOPT_NODE_NAME=node{node}", *command]
     return ["mpirun", *flags, *contexts]
+
+
+def _hydra_local_argv(nprocs: int, command: list[str], ranks_per_node: int | None) -> list[str]:
+    """MPICH's Hydra ``mpirun``: ranks inherit this environment (Hydra passes all of it on one
+    machine), run as root without a flag, and are not pinned.
+
+    >>> _hydra_local_argv(4, ["python", "t.py"], 2)  # doctest: +NORMALIZE_WHITESPACE
+    ['mpirun', '-bind-to', 'none', '-n', '2', '-env', 'COMMOPT_NODE_NAME', 'node0', 'python',
+     't.py', ':', '-n', '2', '-env', 'COMMOPT_NODE_NAME', 'node1', 'python', 't.py']
+    """
+    if ranks_per_node is None or ranks_per_node >= nprocs:
+        return ["mpirun", "-bind-to", "none", "-n", str(nprocs), *command]
+    contexts: list[str] = []
+    for node, first in enumerate(range(0, nprocs, ranks_per_node)):
+        if contexts:
+            contexts.append(":")
+        count = min(ranks_per_node, nprocs - first)
+        contexts += ["-n", str(count), "-env", "COMMOPT_NODE_NAME", f"node{node}", *command]
+    return ["mpirun", "-bind-to", "none", *contexts]
 
 
 def mpirun_cluster_argv(
