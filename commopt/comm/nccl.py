@@ -1,12 +1,17 @@
-"""NCCL transport through CuPy's bindings, bootstrapped over MPI ("pure_nccl").
+"""NCCL transport through CuPy's bindings ("pure_nccl"), bootstrapped over MPI, over
+torch.distributed's store, or over nothing in a world of one.
 
     $ mpirun -np 8 python train.py      # each rank: torch.cuda.set_device(local_rank) first
+    $ torchrun --nproc-per-node 8 train.py                     # the same, without MPI
     comm = commopt.create_communicator("pure_nccl", allreduce_grad_dtype="float16")
 
 The NCCL communicator is created lazily, on the first collective, so the user sets the
-CUDA device first (as ChainerMN's pure_nccl did): rank 0 makes the unique id, MPI
-broadcasts it, every rank joins. Object helpers, barrier and split run over the MPI
-communicator used for the bootstrap.
+CUDA device first (as ChainerMN's pure_nccl did): rank 0 makes the unique id, the
+bootstrap broadcasts it, every rank joins. Object helpers, barrier and split run over the
+bootstrap communicator. ``bootstrap=`` chooses it (:data:`BOOTSTRAPS`); ``"auto"`` (the
+default) reads the launcher from the environment: MPI under mpirun or srun, a gloo group
+on torch.distributed's store under torchrun (``env://``: RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), and none for a plain process (a world of one).
 
 Ordering is by CUDA streams, never by host threads (:mod:`commopt.comm.streams`): every
 collective is enqueued from the calling thread. An event recorded on the caller's current
@@ -19,7 +24,7 @@ communication stream, so all their NCCL calls run in one order, the issue order,
 the same on every rank when every rank runs the same program.
 
 Threads: call from one thread at a time, in the same order on every rank.
-``finalize()`` destroys the NCCL communicator and frees the bootstrap MPI communicator.
+``finalize()`` destroys the NCCL communicator and frees the bootstrap communicator.
 """
 
 from __future__ import annotations
@@ -80,11 +85,11 @@ def _cupy_nccl():
 class _NcclStreams(CudaStreams):
     """CUDA streams plus the NCCL communicator's lifetime (what StreamTrace records instead)."""
 
-    def nccl_init(self, size: int, rank: int, boot):
-        nccl = _cupy_nccl()
-        uid = nccl.get_unique_id() if rank == 0 else None
-        uid = boot.bcast_obj(uid, root=0)
-        return nccl.NcclCommunicator(size, uid, rank)
+    def nccl_unique_id(self) -> tuple:
+        return tuple(_cupy_nccl().get_unique_id())
+
+    def nccl_init(self, size: int, rank: int, unique_id: tuple):
+        return _cupy_nccl().NcclCommunicator(size, unique_id, rank)
 
     def nccl_destroy(self, comm) -> None:
         comm.destroy()
@@ -129,9 +134,74 @@ class _Shared:
         return self.stream
 
 
+#: How a pure_nccl communicator's ranks meet: "mpi" (MPI_COMM_WORLD, or ``mpi_comm``),
+#: "store" (a gloo group on torch.distributed's store: torchrun's ``env://`` variables),
+#: "none" (a world of one) and "auto" (chosen from the launcher's environment).
+BOOTSTRAPS = ("auto", "mpi", "store", "none")
+
+
+def choose_bootstrap(bootstrap: str = "auto", *, env=None, mpi_comm=None) -> str:
+    """The bootstrap ``"auto"`` stands for here: MPI under an MPI launcher (or when
+    ``mpi_comm`` is given), the store under torchrun, none for a plain process.
+
+    >>> choose_bootstrap(env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+    'store'
+    >>> choose_bootstrap(env={"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    'mpi'
+    >>> choose_bootstrap(env={})
+    'none'
+    """
+    if bootstrap not in BOOTSTRAPS:
+        raise ValueError(
+            f"pure_nccl bootstrap={bootstrap!r}: choose one of {', '.join(BOOTSTRAPS)}"
+        )
+    if bootstrap != "auto":
+        return bootstrap
+    if mpi_comm is not None:
+        return "mpi"
+    from commopt.comm.launcher import detect_launcher
+
+    info = detect_launcher(env)
+    if info.name == "torchrun":
+        return "store"
+    if info.name == "none" and info.size == 1:
+        return "none"
+    return "mpi"
+
+
+def _bootstrap(kind: str, *, mpi_comm, timeout: float) -> Communicator:
+    """The communicator the ranks meet over (rank, size, nodes, objects, barrier, split)."""
+    if kind == "none":
+        from commopt.comm.local import LocalCommunicator
+
+        return LocalCommunicator()
+    if kind == "store":
+        import torch.distributed as dist
+
+        from commopt.comm.torch_dist import TorchCommunicator
+
+        if not dist.is_initialized():  # a gloo default group on torchrun's store
+            return TorchCommunicator(backend="gloo", timeout=timeout)
+        # the program's own group may be nccl: objects and barriers need a CPU one
+        return TorchCommunicator(group=dist.new_group(backend="gloo"), timeout=timeout)
+    if mpi_comm is None:
+        try:
+            from mpi4py import MPI  # noqa: F401  (mpi4py installs without an MPI library)
+        except (ImportError, RuntimeError) as exc:
+            raise RuntimeError(
+                f"pure_nccl's MPI bootstrap cannot load MPI ({exc}): start the job with "
+                "torchrun (bootstrap='store' or 'auto'), run one process (a world of one "
+                "needs no bootstrap), or install an MPI library for mpi4py"
+            ) from exc
+    from commopt.comm.mpi import MPICommunicator
+
+    return MPICommunicator(mpi_comm=mpi_comm, timeout=timeout)
+
+
 class NcclCommunicator(Communicator):
-    """Communicator over NCCL (CUDA tensors only). Options: ``mpi_comm`` for the bootstrap,
-    ``timeout`` (see :mod:`commopt.comm.timeout`).
+    """Communicator over NCCL (CUDA tensors only). Options: ``bootstrap`` (how the ranks meet,
+    :func:`choose_bootstrap`), ``mpi_comm`` for an MPI bootstrap, ``timeout`` (see
+    :mod:`commopt.comm.timeout`).
 
     Bounded waits: every host wait (``Work.synchronize``, ``barrier``, ``finalize``) polls
     the collective's event and NCCL's asynchronous error; an error, or no completion within
@@ -148,6 +218,7 @@ class NcclCommunicator(Communicator):
         self,
         *,
         allreduce_grad_dtype: torch.dtype | None = None,
+        bootstrap: str = "auto",
         mpi_comm=None,
         timeout: float | str | None = None,
         _streams=None,
@@ -161,15 +232,17 @@ class NcclCommunicator(Communicator):
                 raise RuntimeError(
                     "the 'pure_nccl' communicator needs a CUDA device; use 'mpi' or 'torch' on CPU"
                 )
-        from commopt.comm.mpi import MPICommunicator
-
         self.timeout = comm_timeout(timeout)
         self._shared = _shared if _shared is not None else _Shared(_streams or _NcclStreams())
         self.streams = self._shared.streams
-        # The bootstrap: our own duplicate, or (split) the sub-communicator made for us.
-        self._boot = (
-            _boot if _boot is not None else MPICommunicator(mpi_comm=mpi_comm, timeout=self.timeout)
-        )
+        # The bootstrap: our own (an MPI duplicate, a gloo group, or none), or (split) the
+        # sub-communicator made for us.
+        if _boot is None:
+            self.bootstrap = choose_bootstrap(bootstrap, mpi_comm=mpi_comm)
+            _boot = _bootstrap(self.bootstrap, mpi_comm=mpi_comm, timeout=self.timeout)
+        else:
+            self.bootstrap = "split"
+        self._boot = _boot
         self.rank, self.size = self._boot.rank, self._boot.size
         self.intra_rank, self.intra_size = self._boot.intra_rank, self._boot.intra_size
         self.inter_rank, self.inter_size = self._boot.inter_rank, self._boot.inter_size
@@ -189,7 +262,9 @@ class NcclCommunicator(Communicator):
             raise RuntimeError("this pure_nccl communicator was finalized; create a new one")
         if self._nccl_comm is None:
             self._shared.ensure()
-            self._nccl_comm = self.streams.nccl_init(self.size, self.rank, self._boot)
+            uid = self.streams.nccl_unique_id() if self.rank == 0 else None
+            uid = self._boot.bcast_obj(uid, root=0)
+            self._nccl_comm = self.streams.nccl_init(self.size, self.rank, uid)
         return self._nccl_comm
 
     def _launch(self, tensors, what: str, enqueue) -> Work:
@@ -295,7 +370,7 @@ class NcclCommunicator(Communicator):
         return self._boot.allgather_obj(obj)
 
     def _split(self, color: int, key: int) -> NcclCommunicator:
-        # The MPI sub-communicator becomes the child's bootstrap as it is (no second
+        # The bootstrap's sub-communicator becomes the child's bootstrap as it is (no second
         # duplicate, no orphaned worker); the child enqueues on the parent's stream.
         sub = self._boot.split(color, key)
         child = NcclCommunicator(
@@ -312,7 +387,7 @@ class NcclCommunicator(Communicator):
 
     def _release(self) -> None:
         """Wait for the work in flight; destroy the NCCL communicators (this one and those
-        split from it) and free their bootstrap MPI communicators. Safe to call twice."""
+        split from it) and free their bootstrap communicators. Safe to call twice."""
         if self._finalized:
             return
         self._finalized = True

@@ -69,6 +69,8 @@ class StreamTrace:
 
     device: int = 0
     ops: list = field(default_factory=list)
+    #: the unique id each NCCL communicator was created with (as the bootstrap delivered it)
+    unique_ids: list = field(default_factory=list)
 
     def __post_init__(self):
         self._ids = itertools.count(1)
@@ -189,8 +191,15 @@ class StreamTrace:
         self._log("mark", label)
 
     # -- NCCL communicator lifetime (recorded, never created) ----------------------------
-    def nccl_init(self, size: int, rank: int, boot) -> str:
+    def nccl_unique_id(self) -> tuple:
+        """A made-up NCCL unique id (128 bytes, as ncclGetUniqueId's), different per call."""
+        import random
+
+        return tuple(random.randrange(256) for _ in range(128))
+
+    def nccl_init(self, size: int, rank: int, unique_id: tuple) -> str:
         name = f"nccl{next(self._ids)}"
+        self.unique_ids.append(tuple(unique_id))
         self._log("nccl-init", name, size, rank)
         return name
 

@@ -131,7 +131,7 @@ def init_default_group(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    store = _rendezvous(
+    store = rendezvous_store(
         info.rank,
         info.size,
         env["MASTER_ADDR"],
@@ -175,7 +175,7 @@ def _install_exit_on_error() -> None:
     sys.excepthook = hook
 
 
-def _rendezvous(rank: int, size: int, addr: str, port: int, wait_s: float):
+def rendezvous_store(rank: int, size: int, addr: str, port: int, wait_s: float):
     """The store every rank reached, once all ``size`` ranks have registered in it."""
     from commopt.comm.errors import CommError
 

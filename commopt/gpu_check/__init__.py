@@ -45,7 +45,7 @@ from commopt.gpu_check.runner import Budget, Context, run_stages
 
 #: seconds for the whole check on a GPU machine, and for a rehearsal.
 BUDGET_S = 420.0
-REHEARSAL_BUDGET_S = 120.0
+REHEARSAL_BUDGET_S = 150.0
 #: the most of the children's output kept in the logs file.
 LOG_BYTES = 8 * 2**20
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def _result(args, stages: list[dict], *, started: str, start: float, budget_s: f
         "wall_s": round(time.monotonic() - start, 1),
         "budget_s": budget_s,
         "rehearse": args.rehearse,
-        "environment": next((x.get("details") for x in stages if x["name"] == "environment"), None),
+        "environment": next((x.get("details") for x in stages if x["name"] == "preflight"), None),
         "stages": stages,
         "counts": counts,
         "standins_failed": standins.count("failed"),

@@ -81,7 +81,7 @@ def _probe_mpi(d: dict) -> None:
         mpi4py.rc.initialize = False  # only the library's name: MPI_Init may start daemons
         from mpi4py import MPI
 
-        d["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0][:200]
+        d["mpi_library"] = MPI.Get_library_version().strip("\x00 \n").splitlines()[0][:200]
     except Exception as exc:  # mpi4py without a library: "cannot load MPI library"
         d["mpi_library"] = None
         d["mpi_error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -54,6 +54,10 @@ class Budget:
     def total(self) -> float:
         return self._total
 
+    def extend(self, seconds: float) -> None:
+        """Give back ``seconds`` (a stage with its own time spent them, not the budget)."""
+        self._total += seconds
+
     def left(self) -> float:
         return max(0.0, self._total - (self._clock() - self._start))
 
@@ -75,6 +79,9 @@ class Stage:
     minimum_s: float
     standin_min_s: float
     gpu: bool = True
+    #: seconds of its own, outside the shared budget (the preflight: it must run however
+    #: the rest is shared)
+    own_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -139,9 +146,12 @@ def run_stages(
     them)."""
     results: list[dict] = []
     for i, stage in enumerate(stages):
-        weights_left = sum(s.weight for s in stages[i:])
+        weights_left = sum(s.weight for s in stages[i:] if s.own_s is None)
         minimum = stage.minimum_s if ctx.on_gpu else stage.standin_min_s
-        limit = budget.share(stage.weight, weights_left, minimum=minimum)
+        if stage.own_s is not None:
+            limit = stage.own_s
+        else:
+            limit = budget.share(stage.weight, weights_left, minimum=minimum)
         entry: dict[str, Any] = {
             "name": stage.name,
             "title": stage.title,
@@ -166,6 +176,8 @@ def run_stages(
             else:
                 entry.update(outcome)
         entry["wall_s"] = round(time.monotonic() - start, 2)
+        if stage.own_s is not None:
+            budget.extend(entry["wall_s"])
         say(f"[gpu-check] {stage.name}: {entry['status']} ({entry['wall_s']:.1f} s)")
         results.append(entry)
         if done is not None:

@@ -23,8 +23,11 @@ from commopt.testbed.mpirun import mpirun_flavour
 Run = tuple[str, str | None, str]
 
 
-def environment(ctx: Context) -> dict:
-    """Versions, the device, and the tools this machine has (run first: the others read it)."""
+def preflight(ctx: Context) -> dict:
+    """The machine as it is, first and on its own time (the other stages read it): the
+    interpreter, ``nvidia-smi``, each package imported (``mpi4py.MPI`` too: mpi4py installs
+    without an MPI library), CUDA initialised by torch and CuPy, the C++ compiler, and which
+    MPI's ``mpirun`` is on the PATH."""
     gpu = nvidia_smi()
     ctx.env["nvidia_smi"] = gpu
     # A cold start (torch's first import, CUDA's first context) can outlast one try: retried
@@ -147,8 +150,10 @@ def world_of_one(ctx: Context) -> dict:
     """pure_nccl and torch+nccl in a world of one, every codec through the collectives
     (stand-ins: MPI and gloo on the CPU)."""
     if ctx.on_gpu:
-        runs = _nccl_runs(ctx)
+        runs = _nccl_runs(ctx, bootstraps=True)
         missing = _no_cupy(ctx)
+        if missing is None:
+            missing = _missing_mpi(ctx, "pure_nccl+mpi")
     else:
         runs = [("torch", "gloo", "torch")]
         missing = _missing_mpi(ctx, "mpi")
@@ -244,11 +249,18 @@ def two_ranks(ctx: Context) -> dict:
     return _each(ctx, "two_ranks", runs, nprocs=2, missing=missing)
 
 
-def _nccl_runs(ctx: Context) -> list[Run]:
-    """pure_nccl (when CuPy has NCCL) and torch's nccl, in a world of one."""
+def _nccl_runs(ctx: Context, *, bootstraps: bool = False) -> list[Run]:
+    """pure_nccl (when CuPy has NCCL; a plain process: no bootstrap, no MPI) and torch's
+    nccl, in a world of one. ``bootstraps``: pure_nccl also over torch.distributed's store
+    (the torch launcher's env:// variables) and over MPI (where it loads)."""
     runs: list[Run] = [("torch", "nccl", "torch")]
     if ctx.env.get("cupy_nccl"):
-        runs.insert(0, ("pure_nccl", None, _mpi_launcher(ctx)))
+        pure = [("pure_nccl", "none", "none")]
+        if bootstraps:
+            pure.append(("pure_nccl", "store", "torch"))
+            if no_mpi(ctx) is None:
+                pure.append(("pure_nccl", "mpi", _mpi_launcher(ctx)))
+        runs[:0] = pure
     return runs
 
 
@@ -294,8 +306,11 @@ def recipe_amp(ctx: Context) -> dict:
 #: name, title, function, weight (its part of the budget), the least seconds it needs on a GPU
 #: machine and as a CPU stand-in.
 STAGES = [
-    Stage("environment", "Environment", environment, 2, 30, 4, gpu=False),
-    Stage("native_build", "Native CPU kernels built here", native_build, 1, 20, 4, gpu=False),
+    Stage(
+        "preflight", "Preflight: the machine as it is", preflight, 0, 45, 20, gpu=False, own_s=45
+    ),
+    # the build compiles for about 7 s of CPU when nothing is built yet
+    Stage("native_build", "Native CPU kernels built here", native_build, 1, 25, 20, gpu=False),
     Stage("triton_exact", "Triton kernels bit-exact against the reference", triton_exact, 6, 40, 4),
     Stage("throughput", "Kernel throughput against the copy bandwidth", throughput, 2, 25, 3),
     Stage(

@@ -33,7 +33,9 @@ def _communicator(params: dict):
     import commopt
 
     name = params["comm"]
-    options = {"backend": params["backend"]} if params.get("backend") else {}
+    # the second word of a run's label: torch's backend, or pure_nccl's bootstrap
+    option = "bootstrap" if name == "pure_nccl" else "backend"
+    options = {option: params["backend"]} if params.get("backend") else {}
     return commopt.create_communicator(name, **options)
 
 
@@ -56,7 +58,12 @@ def job_world_of_one(job: Job) -> None:
     _set_device(device)
     comm = _communicator(job.params)
     d = job.details
-    d.update(communicator=comm.name, size=comm.size, backend=getattr(comm, "backend", None))
+    d.update(
+        communicator=comm.name,
+        size=comm.size,
+        backend=getattr(comm, "backend", None),
+        bootstrap=getattr(comm, "bootstrap", None),
+    )
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         t = torch.arange(1031, device=device).to(dtype)
         comm.allreduce(t)

@@ -58,7 +58,7 @@ from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[
 from commopt import collectives, driver
 from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, RngKey, get_codec
 from commopt.codecs.policy import DEFAULT_EXCLUDE, DEFAULT_MIN_COMPRESS_NUMEL
-from commopt.integrations.c10d_comm import C10dCommunicator
+from commopt.comm.c10d import C10dCommunicator
 from commopt.integrations.ddp import CommoptHookState, commopt_hook
 
 __all__ = [

@@ -51,7 +51,7 @@ def flavour_of(version_text: str) -> str:
 
     >>> flavour_of("mpirun (Open MPI) 4.1.4")
     'openmpi'
-    >>> flavour_of("HYDRA build details:\n    Version: 4.2.0")
+    >>> flavour_of("HYDRA build details: Version 4.2.0")
     'mpich'
     """
     text = version_text.lower()

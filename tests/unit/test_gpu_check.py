@@ -15,6 +15,7 @@ import pytest
 from commopt.gpu_check import report
 from commopt.gpu_check.runner import Budget, Context, Skip, Stage, run_stages
 from commopt.gpu_check.stages import STAGES
+from tests.unit.bench_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,7 +104,7 @@ def test_the_rehearsal_reaches_every_stage_and_skips_the_gpu_ones_with_the_reaso
             ), standin
         else:
             assert got["status"] == "passed" or (got["status"] == "skipped" and got["reason"]), got
-    assert stages["environment"]["details"]["cuda"] is False
+    assert stages["preflight"]["details"]["cuda"] is False
     if stages["triton_exact"]["standin"]["status"] == "passed":
         exact = stages["triton_exact"]["standin"]["details"]
         assert exact["run"] == exact["planned"] and all(c["ok"] for c in exact["cases"])
@@ -118,6 +119,17 @@ def test_the_rehearsal_reaches_every_stage_and_skips_the_gpu_ones_with_the_reaso
     assert "===== train" in (tmp_path / "gpu-check-logs.txt").read_text()
 
 
+gpu_bench = load_benchmark("gpu_bench")
+SAMPLE_SIZE = {
+    "mib": 64,
+    "copy_gbs": 1500.0,
+    "copy_ms": 0.04,
+    "timing": "median of triton.testing.do_bench",
+    "rows": [
+        {"codec": "qsgd4", "encode_gbs": 1200.0, "decode_gbs": 1300.0, "wire_ratio": 0.133},
+        {"codec": "fp16", "encode_gbs": 900.0, "decode_gbs": 1000.0, "wire_ratio": 0.5},
+    ],
+}
 SAMPLE_STAGES = [
     {
         "name": "throughput",
@@ -127,17 +139,8 @@ SAMPLE_STAGES = [
         "wall_s": 20.0,
         "details": {
             "target": 0.7,
-            "sizes": [
-                {
-                    "mib": 64,
-                    "copy_gbs": 1500.0,
-                    "copy_ms": 0.04,
-                    "rows": [
-                        {"codec": "qsgd4", "encode_gbs": 1200.0, "decode_gbs": 1300.0},
-                        {"codec": "fp16", "encode_gbs": 900.0, "decode_gbs": 1000.0},
-                    ],
-                }
-            ],
+            "sizes": [SAMPLE_SIZE],
+            "table": gpu_bench.codec_table([SAMPLE_SIZE]),
         },
     },
     {
@@ -187,8 +190,9 @@ def test_the_report_gives_the_figures_and_where_the_syncs_are():
     }
     text = report.render(result)
     assert "NVIDIA H100 80GB HBM3" in text and "1 passed, 1 failed" in text
-    assert "| 64 | qsgd4 | 1200.0 | 80% | 1300.0 | met |" in text
-    assert "| 64 | fp16 | 900.0 | 60% | 1000.0 | missed |" in text
+    assert "| 64 | qsgd4 | 0.133 | 1200.0 | 80% | - | - | 1300.0 | met |" in text
+    assert "| 64 | fp16 | 0.500 | 900.0 | 60% | - | - | 1000.0 | missed |" in text
+    assert "median of triton.testing.do_bench" in text
     assert "2 host syncs in 5 steps" in text and "commopt/reducer/agreement.py:57 x2" in text
     assert "raised at step 0" in text
     assert "## What one GPU proves, and what needs several" in text

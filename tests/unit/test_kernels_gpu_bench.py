@@ -75,8 +75,9 @@ def test_report_from_a_result_file(tmp_path):
     assert gpu_bench.main(["--from", str(src), "--report", str(out)]) == 0
     text = out.read_text()
     assert "NVIDIA H100 80GB HBM3" in text and "1342.2 GB/s" in text
-    assert "| qsgd4 | 0.133 | 1000.0 | 75% | 1100.0 | met |" in text
-    assert "| fp16 | 0.500 | 335.5 | 25% | 1100.0 | missed |" in text
+    # rows without the limit or the lone call (an older result) show dashes there
+    assert "| - | qsgd4 | 0.133 | 1000.0 | 75% | - | - | 1100.0 | met |" in text
+    assert "| - | fp16 | 0.500 | 335.5 | 25% | - | - | 1100.0 | missed |" in text
     assert (
         "same buffer: met" in text
         and "| collectives.allreduce, qsgd4 (scatter_reduce) | 0.900 |" in text
@@ -90,3 +91,25 @@ def test_report_from_a_result_file(tmp_path):
 def test_measuring_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         gpu_bench.main(["--mib", "1"])
+
+
+def test_the_table_gives_each_encode_its_limit_and_its_lone_call():
+    size = {
+        "mib": 256,
+        "copy_gbs": 2000.0,
+        "rows": [
+            {
+                "codec": "qsgd4+ef",
+                "encode_gbs": 400.0,
+                "encode_alone_gbs": 390.0,
+                "decode_gbs": 1500.0,
+                "wire_ratio": 0.1328,
+                "limit": gpu_bench.encode_limit(0.1328, True),
+            }
+        ],
+    }
+    rows = gpu_bench.codec_table([size])
+    assert "| 256 | copy | - | 2000.0 | 100% | - | - | - | - |" in rows
+    assert "| 256 | qsgd4+ef | 0.133 | 400.0 | 20% | 64% | 390.0 | 1500.0 | missed |" in rows
+    # error feedback reads and writes the residual: its limit is below the fp32 copy's
+    assert gpu_bench.encode_limit(0.5, True) < 1 < gpu_bench.encode_limit(0.5, False)

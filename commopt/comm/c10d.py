@@ -5,7 +5,8 @@ commopt's compressed allreduce while torch.distributed is still creating the pro
 so it cannot use a registered group (and :class:`~commopt.comm.torch_dist.TorchCommunicator`
 needs one). This communicator drives c10d backend objects directly: one per device type,
 created from the group's own store under their own prefix, so its traffic never mixes with
-the collectives that pass through to gloo or nccl.
+the collectives that pass through to gloo or nccl. ``pure_nccl`` started by torchrun
+bootstraps over it (gloo only), with no MPI.
 
 It counts what it hands to the transport (``sent_bytes``: the bytes of every send buffer),
 which is how tests and users see that compression happened.
