@@ -85,10 +85,10 @@ def _cupy_nccl():
 class _NcclStreams(CudaStreams):
     """CUDA streams plus the NCCL communicator's lifetime (what StreamTrace records instead)."""
 
-    def nccl_unique_id(self) -> tuple:
-        return tuple(_cupy_nccl().get_unique_id())
+    def nccl_unique_id(self):
+        return _cupy_nccl().get_unique_id()  # bytes (CuPy 14): the bootstrap carries them as is
 
-    def nccl_init(self, size: int, rank: int, unique_id: tuple):
+    def nccl_init(self, size: int, rank: int, unique_id):
         return _cupy_nccl().NcclCommunicator(size, unique_id, rank)
 
     def nccl_destroy(self, comm) -> None:

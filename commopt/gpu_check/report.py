@@ -11,6 +11,8 @@ from __future__ import annotations
 
 COMMAND = "bash scripts/gpu_check.sh"
 RECORDED = "benchmarks/results/gpu-check.json"
+#: what was found about the recorded run after it (fixes, reruns), appended to the page.
+NOTES = "benchmarks/results/gpu-check-notes.md"
 
 SCOPE = """\
 ## What one GPU proves, and what needs several
@@ -39,6 +41,18 @@ Only a machine with several GPUs can show:
   world of one moves no byte;
 - a dead or slow peer during an NCCL collective.
 """
+
+
+def docs_page(root) -> str:
+    """docs/benchmarks-gpu.md: the recorded result's report, then the notes kept beside it."""
+    import json
+    from pathlib import Path
+
+    recorded, notes = Path(root) / RECORDED, Path(root) / NOTES
+    text = render(json.loads(recorded.read_text()) if recorded.exists() else None)
+    if notes.exists():
+        text = text.rstrip("\n") + "\n\n" + notes.read_text()
+    return text
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -218,7 +232,7 @@ def _rank_lines(d: dict) -> list[str]:
         sites = ", ".join(f"{k} x{v}" for k, v in loop.get("sync_sites", {}).items())
         if loop.get("counted") is False:
             lines.append(
-                f"{loop['loop']}: {loop['steps_counted']} steps (host syncs not counted: no CUDA)"
+                f"{loop['loop']}: {loop['steps_counted']} steps (host syncs not counted here)"
             )
             continue
         lines.append(

@@ -375,7 +375,8 @@ TILE = 2048
 #: buckets) 1024 ran 5% faster than 2048 with stochastic rounding and 13% with nearest; wider
 #: tiles ran slower (benchmarks/gpu_bench.py measures the codecs).
 FUSED_TILE = TILE if INTERPRETED else 1024
-_LAUNCH = {} if INTERPRETED else {"enable_fp_fusion": False, "num_warps": 4}
+#: compile options of every launch: exact arithmetic (no multiply-add contraction), 4 warps.
+LAUNCH = {} if INTERPRETED else {"enable_fp_fusion": False, "num_warps": 4}
 
 
 def _i32(word: int) -> int:
@@ -429,7 +430,7 @@ def _steps(x, out, *, bits, levels, bucket_size, norm, scale, scale_bytes):
         WIDTH=width,
         LOG2W=width.bit_length() - 1,
         WIDE=_wide(n, bucket_size),
-        **_LAUNCH,
+        **LAUNCH,
     )
     return steps
 
@@ -471,7 +472,7 @@ def qsgd_encode(
             ROWS=rows,
             WIDTH=width,
             WIDE=_wide(n, bucket_size),
-            **_LAUNCH,
+            **LAUNCH,
         )
         return
     steps = _steps(
@@ -501,7 +502,7 @@ def qsgd_encode(
         PER_BYTE=per_byte,
         BLOCK=BLOCK // per_byte,
         WIDE=_wide(n, bucket_size),
-        **_LAUNCH,
+        **LAUNCH,
     )
 
 
@@ -523,7 +524,7 @@ def qsgd_decode(wire, out, *, bits, levels, bucket_size, accumulate, alpha, scal
         PER_BYTE=8 // bits,
         BLOCK=BLOCK,
         WIDE=_wide(n, bucket_size),
-        **_LAUNCH,
+        **LAUNCH,
     )
 
 
@@ -531,7 +532,7 @@ def cast_encode(x, out, *, scale) -> None:
     n = x.numel()
     if n:
         _cast_encode_kernel[_grid(n, BLOCK)](
-            x, out, n, scale, HAS_SCALE=scale != 1.0, BLOCK=BLOCK, **_LAUNCH
+            x, out, n, scale, HAS_SCALE=scale != 1.0, BLOCK=BLOCK, **LAUNCH
         )
 
 
@@ -546,5 +547,5 @@ def cast_decode(wire, out, *, accumulate, alpha) -> None:
             HAS_ALPHA=alpha != 1.0,
             ACCUMULATE=bool(accumulate),
             BLOCK=BLOCK,
-            **_LAUNCH,
+            **LAUNCH,
         )

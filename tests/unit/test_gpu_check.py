@@ -207,7 +207,6 @@ def test_a_missing_result_file_is_named(tmp_path, capsys):
 
 
 def test_the_docs_page_is_the_rendered_report():
-    recorded = ROOT / report.RECORDED
-    want = report.render(json.loads(recorded.read_text()) if recorded.exists() else None)
+    want = report.docs_page(ROOT)
     page = (ROOT / "docs" / "benchmarks-gpu.md").read_text()
     assert page == want, "docs/benchmarks-gpu.md is generated: python3 -m commopt.gpu_check --docs"

@@ -66,7 +66,7 @@ for name in wanted:
         for c in consts:
             signature = dict(sig, **{k: "constexpr" for k in c})
             k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=c), target=targets[name],
-                               options=dict(tk._LAUNCH))
+                               options=dict(tk.LAUNCH))
             code = k.asm.get("ptx") or k.asm.get("amdgcn")
             binary = k.asm.get("cubin") or k.asm.get("hsaco")
             report.append(dict(target=name, kernel=fn.__name__, constexprs=c, code=code, binary=len(binary)))
