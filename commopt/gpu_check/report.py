@@ -14,6 +14,35 @@ RECORDED = "benchmarks/results/gpu-check.json"
 #: what was found about the recorded run after it (fixes, reruns), appended to the page.
 NOTES = "benchmarks/results/gpu-check-notes.md"
 
+RUNNING = f"""\
+## Running the check
+
+On a machine with a CUDA GPU, as it comes (its `python3`, no network), from the repository's
+root:
+
+    OUT=/tmp/gpu-check {COMMAND}
+
+It uses the `python3` on the PATH (or `$GPU_CHECK_PYTHON`) with this tree on `PYTHONPATH`,
+finishes within 8 minutes (a preflight of up to 45 s, then a 420 s budget the stages share)
+and rewrites `gpu-check.json`, `gpu-check.md` and `gpu-check-logs.txt` in `$OUT` after every
+stage, so a run stopped from outside keeps what it finished. The preflight records the
+interpreter, `nvidia-smi`, each package (`mpi4py.MPI` too), CUDA, the compiler and which MPI's
+`mpirun` is on the PATH; a machine whose `nvidia-smi` lists a GPU that torch cannot use fails
+its GPU stages rather than running their CPU stand-ins. mpi4py installs without an MPI
+library: where none loads, the runs that need MPI say "not run: no MPI library" and the rest
+run (`pure_nccl` needs none in a world of one). To bring MPI along, put the mpich wheel in
+`.whl/` (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+manylinux_2_28_x86_64 -d .whl mpich`): the script then serves MPI singletons from its
+`libmpi.so.12` (`MPI4PY_LIBMPI`). An MPICH `mpirun` gets MPICH's flags. Copy
+`gpu-check.json` to `{RECORDED}` and render this page (with the notes in `{NOTES}`):
+
+    python3 -m commopt.gpu_check --docs
+
+Without a GPU, `python3 -m commopt.gpu_check --rehearse` runs the same stages with CPU
+stand-ins (CI does), and `bash scripts/gpu_rehearsal.sh` does so on the GPU image's versions
+(Python 3.12, torch 2.11.0, triton 3.6.0, NumPy 2.5, mpi4py), with and without an MPI library.
+"""
+
 SCOPE = """\
 ## What one GPU proves, and what needs several
 
@@ -64,27 +93,26 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 def render(result: dict | None) -> str:
-    """The report of one result file's contents; with None, the page before any GPU run."""
+    """The report of one result file's contents; with None, the page before any GPU run.
+    Paths into the checkout the check ran from are shown relative to it."""
+    return _relative(_render(result))
+
+
+def _relative(text: str) -> str:
+    r"""Tracebacks' paths into a checkout, relative to it (the machine's folders say nothing).
+
+    >>> _relative('File "/srv/x/commopt/gpu_check/runner.py", line 3')
+    'File "commopt/gpu_check/runner.py", line 3'
+    """
+    import re
+
+    return re.sub(r'"/[^"\s]*?/((?:commopt|tests|benchmarks|recipes|scripts)/)', r'"\1', text)
+
+
+def _render(result: dict | None) -> str:
     lines = ["# GPU check", ""]
     if result is None:
-        lines += [
-            "No GPU run has been recorded yet. On a machine with a CUDA GPU, from the "
-            "repository's root:",
-            "",
-            "    OUT=/tmp/gpu-check " + COMMAND,
-            "",
-            "It uses the `python3` found on the PATH (or `$GPU_CHECK_PYTHON`) with this tree on "
-            "`PYTHONPATH`, needs no network, finishes within 8 minutes and writes "
-            "`gpu-check.json`, `gpu-check.md` and `gpu-check-logs.txt` into `$OUT`. Copy "
-            f"`gpu-check.json` to `{RECORDED}` and render this page from it:",
-            "",
-            "    python3 -m commopt.gpu_check --docs",
-            "",
-            "Without a GPU, `python3 -m commopt.gpu_check --rehearse` runs the same stages with "
-            "CPU stand-ins (CI does).",
-            "",
-            SCOPE,
-        ]
+        lines += ["No GPU run has been recorded yet.", "", RUNNING, SCOPE]
         return "\n".join(lines)
     env = result.get("environment") or {}
     where = env.get("device") or "no GPU"
@@ -110,7 +138,7 @@ def render(result: dict | None) -> str:
         body = _SECTIONS.get(stage["name"], _generic)(stage)
         if body:
             lines += ["", f"## {stage['title']}", "", *body]
-    lines += ["", SCOPE]
+    lines += ["", RUNNING, SCOPE]
     return "\n".join(lines)
 
 
