@@ -139,7 +139,7 @@ def run_stages(
     budget: Budget,
     *,
     say=print,
-    done: Callable[[list[dict]], None] | None = None,
+    done: Callable[[list[dict]], object] | None = None,
 ) -> list[dict]:
     """Run every stage in order, each isolated; the result of each, in order. ``done`` is
     called with the results so far after every stage (a run stopped from outside keeps
