@@ -159,6 +159,7 @@ def run_stages(
             "limit_s": round(limit, 1),
         }
         start = time.monotonic()
+        left_before = budget.left()
         if limit < minimum:
             entry.update(
                 status="skipped",
@@ -176,8 +177,8 @@ def run_stages(
             else:
                 entry.update(outcome)
         entry["wall_s"] = round(time.monotonic() - start, 2)
-        if stage.own_s is not None:
-            budget.extend(entry["wall_s"])
+        if stage.own_s is not None:  # its time was its own: the shared budget gets it back
+            budget.extend(left_before - budget.left())
         say(f"[gpu-check] {stage.name}: {entry['status']} ({entry['wall_s']:.1f} s)")
         results.append(entry)
         if done is not None:

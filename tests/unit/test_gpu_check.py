@@ -50,6 +50,73 @@ def test_a_failing_stage_is_recorded_and_the_next_one_runs(tmp_path):
     assert "rehearsal" in results[3]["reason"] and results[3]["standin"]["status"] == "passed"
 
 
+def test_a_machine_whose_gpu_torch_cannot_use_fails_its_gpu_stages(tmp_path):
+    # nvidia-smi lists a GPU, torch sees none: the stand-ins run, but the GPU stages fail
+    ctx = Context(root=ROOT, work=tmp_path, rehearse=False)
+    ctx.env.update(nvidia_smi="GPU 0: NVIDIA H200 (UUID: GPU-0)", torch="2.11.0+cu130")
+    stages = [
+        Stage("k", "K", lambda ctx: {}, 1, 0, 0),
+        Stage("e", "E", lambda ctx: {}, 1, 0, 0, gpu=False),
+    ]
+    results = run_stages(stages, ctx, Budget(40.0, clock=lambda: 0.0), say=_quiet)
+    assert results[0]["status"] == "failed" and results[0]["standin"]["status"] == "passed"
+    assert "nvidia-smi lists" in results[0]["reason"] and "NVIDIA H200" in results[0]["reason"]
+    assert results[1]["status"] == "passed"  # not a GPU stage
+
+
+def test_results_are_written_after_every_stage(tmp_path, monkeypatch):
+    from commopt import gpu_check
+    from commopt.gpu_check import stages as stage_module
+
+    seen = []
+
+    def first(ctx):
+        return {"n": 1}
+
+    def second(ctx):
+        # the first stage's result is on disk before the second one starts
+        seen.append(json.loads((tmp_path / "gpu-check.json").read_text()))
+        return {"n": 2}
+
+    monkeypatch.setattr(
+        stage_module,
+        "STAGES",
+        [
+            Stage("first", "F", first, 1, 0, 0, gpu=False),
+            Stage("second", "S", second, 1, 0, 0, gpu=False),
+        ],
+    )
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--rehearse", "--budget-s", "30"])
+    result = gpu_check.run(args, say=_quiet)
+    (early,) = seen
+    assert [s["name"] for s in early["stages"]] == ["first"]
+    assert "stopped early? 1 of 2 stages ran" in early["verdict"]
+    assert (tmp_path / "gpu-check.md").exists() and (tmp_path / "gpu-check-logs.txt").exists()
+    assert [s["name"] for s in result["stages"]] == ["first", "second"]
+    final = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert final["verdict"] == "2 passed, 0 failed, 0 skipped"
+
+
+def test_a_stage_with_its_own_time_leaves_the_shared_budget_whole(tmp_path):
+    now = [0.0]
+
+    def preflight(ctx):
+        now[0] += 20.0
+        return {"limit": ctx.limit_s}
+
+    def shared(ctx):
+        return {"limit": ctx.limit_s}
+
+    stages = [
+        Stage("pre", "P", preflight, 0, 0, 0, gpu=False, own_s=45),
+        Stage("x", "X", shared, 1, 0, 0, gpu=False),
+    ]
+    ctx = Context(root=ROOT, work=tmp_path, rehearse=True)
+    results = run_stages(stages, ctx, Budget(30.0, clock=lambda: now[0]), say=_quiet)
+    assert results[0]["details"]["limit"] == 45
+    assert results[1]["details"]["limit"] == pytest.approx(30.0)  # the preflight's 20 s given back
+
+
 def test_time_left_over_goes_to_later_stages_and_none_left_skips_saying_so(tmp_path):
     now = [0.0]
 
