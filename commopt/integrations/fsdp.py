@@ -413,6 +413,8 @@ class CompressedReplicas:
             self._unsettled = (called, flag)
             if flag is not None:
                 self._mark_nonfinite(called, flag)
+            if not isinstance(flag, torch.Tensor):
+                self._settle()  # known on the host already
         finally:
             for unit in called:
                 unit.output = None
