@@ -199,13 +199,30 @@ model.set_reduce_scatter_unused_params(True)  # the fix the error names
 reps = compress_replicas(model, mesh["replicate"], "fp32")
 model(x).sum().backward()
 assert model.b.weight.grad is not None and reps.step_number == 1
-print("ok", rank)
+
+# the communication timeout: node 1 never reduces; node 0 raises within it, naming the wait
+import time
+from commopt.comm.errors import CommError
+flag = os.path.join(sys.argv[1], "timed-out")
+model = shard(net()); reps = compress_replicas(model, mesh["replicate"], "qsgd4+ef", timeout=2)
+if node == 0:
+    start = time.monotonic()
+    with pytest.raises(CommError, match="made no progress for 2s"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert time.monotonic() - start < 30
+    open(flag + str(rank), "w").close()
+else:  # stays alive (silent) until node 0 has timed out
+    deadline = time.monotonic() + 90
+    while not all(os.path.exists(flag + str(r)) for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+print("ok", rank, flush=True)
+os._exit(0)  # the collective node 0 abandoned is still queued in gloo
 """
 )
 
 
-def test_wrong_set_ups_fail_with_the_fix():
-    out = run_torch(ERRORS, 4, timeout=180)
+def test_wrong_set_ups_fail_with_the_fix_and_a_silent_node_times_out(tmp_path):
+    out = run_torch(ERRORS, 4, timeout=180, args=[str(tmp_path)])
     assert [o.strip().splitlines()[-1] for o in out] == [f"ok {r}" for r in range(4)]
 
 
