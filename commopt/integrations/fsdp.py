@@ -537,6 +537,17 @@ class CompressedReplicas:
         self.applied_steps += 1
         return True
 
+    def wire_bytes(self) -> int:
+        """Bytes this rank hands to the replicas' collectives per reduction: each unit's
+        buckets as their codec encodes them (float32 where none); 0 before the first."""
+        total = 0
+        for unit in self.units:
+            if unit.reducer is None:
+                continue
+            for b in unit.reducer.buckets:
+                total += b.codec.encoded_nbytes(b.numel) if b.codec is not None else 4 * b.numel
+        return total
+
     def wait(self) -> None:
         """Wait for every reduction in flight (none remain once ``backward()`` returned)."""
         driver.drain(self.comm)
