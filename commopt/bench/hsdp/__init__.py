@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -43,10 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", default="1gbit", help="emulated link rate (default 1gbit)")
     parser.add_argument("--no-link", action="store_true", help="plain loopback, unshaped")
     parser.add_argument(
-        "--hidden", type=int, default=4096, help="MLP width (default 4096: 17.1M parameters)"
+        "--model",
+        default="mlp",
+        help="speed: a model of `commopt bench step` (default mlp: 25.2M parameters, "
+        "communication-bound)",
     )
-    parser.add_argument("--layers", type=int, default=1, help="hidden x hidden layers (default 1)")
-    parser.add_argument("--batch", type=int, default=64, help="per-rank batch (default 64)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=4096,
+        help="--accuracy: the digits MLP's width (default 4096: 17.1M parameters)",
+    )
+    parser.add_argument(
+        "--batch", type=int, help="per-rank batch (default: the model's; --accuracy 64)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
@@ -78,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.configs is None:
         args.configs = ACCURACY_CONFIGS if args.accuracy else DEFAULT_CONFIGS
+    if args.batch is None and args.accuracy:
+        args.batch = 64
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // (args.nodes * args.ranks_per_node))
     if args.worker:
@@ -86,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         report = json.loads(Path(args.from_json).read_text())
     else:
         check_configs(args.configs.split(","))
+        from commopt.bench.step.models import MODELS
+
+        if args.model not in MODELS:
+            raise SystemExit(f"commopt bench hsdp: --model is one of {', '.join(MODELS)}")
         if args.nodes < 2 or args.ranks_per_node < 1:
             raise SystemExit("commopt bench hsdp: needs --nodes >= 2 and --ranks-per-node >= 1")
         report = _run_job(args)
@@ -111,8 +128,8 @@ def _run_job(args: argparse.Namespace) -> dict | None:
         worker = [
             sys.executable, "-m", "commopt.bench.hsdp", "--worker", "--result", str(result),
             "--configs", args.configs, "--nodes", str(args.nodes),
-            "--ranks-per-node", str(args.ranks_per_node), "--hidden", str(args.hidden),
-            "--layers", str(args.layers), "--batch", str(args.batch),
+            "--ranks-per-node", str(args.ranks_per_node), "--model", args.model,
+            "--hidden", str(args.hidden),
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--rounds", str(args.rounds), "--seed", str(args.seed), "--budget", str(args.budget),
             "--lr", str(args.lr), "--seeds", args.seeds, "--threads", str(args.threads),
@@ -120,6 +137,8 @@ def _run_job(args: argparse.Namespace) -> dict | None:
         ]  # fmt: skip
         if args.accuracy:
             worker.append("--accuracy")
+        if args.batch:
+            worker += ["--batch", str(args.batch)]
         argv = launch_argv(
             nprocs, "--launcher", "torch", "--ranks-per-host", str(args.ranks_per_node),
             "--timeout", str(args.timeout),
@@ -130,11 +149,16 @@ def _run_job(args: argparse.Namespace) -> dict | None:
         proc = start_job(argv + ["--", *worker], args.threads)
         assert proc.stdout is not None
         tail: list[str] = []
-        for line in proc.stdout:
-            if line.startswith("@hsdp "):
-                print(line[len("@hsdp ") :], end="", flush=True)
-            tail = (tail + [line])[-30:]
-        rc = proc.wait()
+        try:
+            for line in proc.stdout:
+                if line.startswith("@hsdp "):
+                    print(line[len("@hsdp ") :], end="", flush=True)
+                tail = (tail + [line])[-30:]
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: `commopt launch` stops the job on SIGINT
+                proc.send_signal(signal.SIGINT)
+                proc.wait()
         if rc != 0 or not result.exists():
             print(f"commopt bench hsdp: the job failed (exit code {rc}):", file=sys.stderr)
             print("".join(tail), file=sys.stderr)
@@ -149,8 +173,6 @@ def _run_job(args: argparse.Namespace) -> dict | None:
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         cores=os.cpu_count(),
-        model=f"MLP 64-{args.hidden}" + f"-{args.hidden}" * args.layers + "-10",
-        batch=args.batch,
         steps=args.steps,
         rounds=args.rounds,
         budget=args.budget if args.accuracy else None,
@@ -194,7 +216,7 @@ def render(report: dict, *, markdown: bool = False) -> str:
         "node-only ms", "floor ms", "step/floor", f"vs {REFERENCE}", "final loss",
     ]  # fmt: skip
     head = (
-        f"{report['model']} ({report['params'] / 1e6:.1f}M parameters), batch {report['batch']} "
+        f"{report['model']}, batch {report['batch']} "
         f"per rank, {report['nodes']} hosts x {report['ranks_per_node']} ranks, "
         f"{report['link']}; median of {report['rounds']} rounds of {report['steps']} steps; "
         f"the hosts share this machine's {report['cores']} cores"

@@ -9,7 +9,9 @@ the first host). Each configuration shards its own copy of the model:
   all-reduce in fp32 / in bf16 (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``);
 - ``commopt-<codec>``: FSDP2 on the node's ranks, ``compress_replicas`` between nodes.
 
-Speed (default): SGD steps on random batches; each round times ``--steps`` steps of every
+Speed (default): the step benchmark's model (``--model``, default ``mlp``: the wide MLP of
+25.2M parameters at batch 8 per rank, communication-bound) and its batches, SGD with
+momentum; each round times ``--steps`` steps of every
 configuration after ``--warmup`` untimed ones (first round only), every rank at once; a
 step's time is the slowest rank's. Accuracy (``--accuracy``): the digits task of
 ``commopt bench to_accuracy`` (scikit-learn's digits, the wide MLP, Adam), every
@@ -91,15 +93,6 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(hidden: int, layers: int):
-    from torch import nn
-
-    blocks: list[nn.Module] = [nn.Flatten(), nn.Linear(64, hidden), nn.ReLU()]
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
-    return nn.Sequential(*blocks, nn.Linear(hidden, 10))
-
-
 def _shard(model, mesh, config: str, seed: int):
     """Shard ``model`` for ``config``: (model, replicas or None)."""
     import torch
@@ -150,29 +143,34 @@ def _speed(args, mesh, configs: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
+    from commopt.bench.step.models import MODELS
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    spec = MODELS[args.model]
+    batch = args.batch or spec.batch_size
     torch.manual_seed(args.seed)
-    base = _model(args.hidden, args.layers)
+    base = spec.build()
     params = sum(p.numel() for p in base.parameters())
     runs = {}
     for config in configs:
         model, replicas = _shard(_copy(base), mesh, config, args.seed)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
         runs[config] = (model, opt, replicas)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    x = torch.rand(args.batch, 64, generator=gen)
-    y = torch.randint(0, 10, (args.batch,), generator=gen)
     rounds: dict[str, list[float]] = {c: [] for c in configs}
     losses: dict[str, float] = {}
+    steps = dict.fromkeys(configs, 0)  # each configuration sees the same batches
     for r in range(args.rounds):
         for config in configs:
             model, opt, replicas = runs[config]
             for _ in range(args.warmup if r == 0 else 0):
-                _step(model, opt, replicas, x, y)
+                _step(model, opt, replicas, *spec.batch(steps[config], rank, batch))
+                steps[config] += 1
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps):
+                x, y = spec.batch(steps[config], rank, batch)
                 losses[config] = _step(model, opt, replicas, x, y)
+                steps[config] += 1
             took = torch.tensor([(time.perf_counter() - start) / args.steps])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             rounds[config].append(float(took))
@@ -191,6 +189,8 @@ def _speed(args, mesh, configs: list[str]) -> dict:
         }
     return {
         "mode": "speed",
+        "model": spec.description,
+        "batch": batch,
         "params": params,
         "world": world,
         "configs": out,
@@ -240,7 +240,13 @@ def _accuracy(args, mesh, configs: list[str]) -> dict:
                     f"{args.budget} steps ({took:.0f} s)",
                     flush=True,
                 )
-    return {"mode": "accuracy", "task": task.describe(args), "configs": runs}
+    return {
+        "mode": "accuracy",
+        "task": task.describe(args),
+        "batch": args.batch,
+        "lr": args.lr,
+        "configs": runs,
+    }
 
 
 def _copy(model):
