@@ -74,7 +74,7 @@ from commopt.reducer.agreement import has_nonfinite, may_overflow
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-__all__ = ["CompressedReplicas", "compress_replicas"]
+__all__ = ["CompressedReplicas", "compress_replicas", "model_parallel_strategy"]
 
 log = logging.getLogger("commopt")
 
@@ -672,6 +672,43 @@ class CompressedReplicas:
             if fqn.startswith(mine) and isinstance(md, TensorStorageMetadata)
         }
         self._planned = self._template
+
+
+def model_parallel_strategy(**kwargs):
+    """Lightning's ``ModelParallelStrategy(**kwargs)`` that also checkpoints the replicas.
+
+    The LightningModule makes its :class:`CompressedReplicas` in ``configure_model`` and keeps
+    it as an attribute; each checkpoint Lightning writes then carries every rank's residuals
+    (``<checkpoint>/commopt-replicas``, or ``<checkpoint>.commopt-replicas`` for a single-file
+    one), and ``ckpt_path=`` restores them. Lightning's own strategy saves only the model and
+    the optimizers through DCP and the rest from rank 0.
+    """
+    from pathlib import Path
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    def replicas_of(module) -> list[CompressedReplicas]:
+        return [v for v in vars(module).values() if isinstance(v, CompressedReplicas)]
+
+    def part(path: Path, index: int) -> str:
+        name = "commopt-replicas" + (f"-{index}" if index else "")
+        return str(path / name) if path.is_dir() else f"{path}.{name}"
+
+    class CommoptModelParallelStrategy(ModelParallelStrategy):
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            path = Path(self.broadcast(filepath))
+            for i, replicas in enumerate(replicas_of(self.lightning_module)):
+                replicas.save(part(path, i))
+
+        def load_checkpoint(self, checkpoint_path, weights_only=None):
+            out = super().load_checkpoint(checkpoint_path, weights_only)
+            path = Path(self.broadcast(checkpoint_path))
+            for i, replicas in enumerate(replicas_of(self.lightning_module)):
+                replicas.load(part(path, i))
+            return out
+
+    return CommoptModelParallelStrategy(**kwargs)
 
 
 class _Hook:
