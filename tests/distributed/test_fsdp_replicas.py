@@ -9,11 +9,13 @@ and another layout restarts the residuals, said in the log.
 """
 
 import os
+import re
 import signal
+import subprocess
 
 import pytest
 
-from tests.multirank import run_torch
+from tests.multirank import PYTHON, REPO, launcher_free_env, run_torch
 
 pytestmark = pytest.mark.distributed
 
@@ -253,6 +255,10 @@ elif phase == "resume":
     train(whole, range(12), reps, opt=opt)
     whole = local(whole)
     model, reps, opt = build()
+    import pytest
+    with pytest.raises(ValueError, match="load_planner"):  # a fresh job holds no residuals
+        dcp.load(state(model, opt, reps), checkpoint_id=ckpt)
+    model, reps, opt = build()
     sd = state(model, opt, reps)
     dcp.load(sd, checkpoint_id=ckpt, planner=reps.load_planner())
     set_model_state_dict(model, sd["model"]); set_optimizer_state_dict(model, opt, sd["optim"])
@@ -287,3 +293,28 @@ def test_resume_after_kill_is_bit_identical_and_another_layout_resets(tmp_path):
     for r, o in enumerate(resized):
         assert o.strip().splitlines()[-1] == f"ok {r}", o
         assert "residuals restart at zero" in o and "shards=2" in o and "shards=1" in o, o
+
+
+def docs_example() -> str:
+    """The first ```python block of docs/fsdp.md's "## Example" section."""
+    body = (REPO / "docs" / "fsdp.md").read_text().split("\n## Example\n", 1)[1]
+    return re.search(r"```python\n(.*?)```", body.split("\n## ", 1)[0], re.S).group(1)
+
+
+def test_docs_example_trains_checkpoints_and_resumes(tmp_path):
+    script = tmp_path / "train_hsdp.py"
+    script.write_text(docs_example())
+    runs = []
+    for steps in ("60", "70"):  # 60 steps (checkpoint after 50), then resumed to 70
+        env = launcher_free_env() | {
+            "PYTHONPATH": str(REPO), "CKPT": str(tmp_path / "ckpt"), "STEPS": steps,
+        }  # fmt: skip
+        done = subprocess.run(
+            [PYTHON, "-m", "commopt", "launch", "-n", "4", "--ranks-per-host", "2",
+             "--launcher", "torch", "--", PYTHON, str(script)],
+            env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs.append(done.stdout)
+    assert "resumed" not in runs[0] and runs[0].count("step 60, loss") == 4, runs[0]
+    assert runs[1].count("resumed after step 50") == 4 and runs[1].count("step 70") == 4, runs[1]
