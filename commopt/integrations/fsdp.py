@@ -431,7 +431,7 @@ class CompressedReplicas:
         elif (
             unit.output is not None
             and unit.expected is not None
-            and not torch.equal(unit.output, unit.expected)
+            and not _same_bits(unit.output, unit.expected)
         ):
             why = "FSDP changes the hook's tensor afterwards (a post-divide factor)"
         unit.mode = "deferred" if why is None else "blocking"
@@ -875,6 +875,11 @@ def _managed_params(unit, fsdp_type) -> list:
                 ids.add(id(p))
                 params.append(p)
     return params
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN equal to NaN."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _short(text: str, limit: int = 160) -> str:
