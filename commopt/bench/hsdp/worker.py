@@ -34,7 +34,11 @@ PROGRESS = "@hsdp "
 
 
 def _codec_of(config: str) -> str | None:
-    """``commopt-qsgd4-ef`` -> ``qsgd4+ef``; None for the other kinds."""
+    """The codec of a commopt configuration; None for the other kinds.
+
+    >>> _codec_of("commopt-qsgd4-ef"), _codec_of("commopt-bf16"), _codec_of("hsdp-fp32")
+    ('qsgd4+ef', 'bf16', None)
+    """
     if not config.startswith("commopt-"):
         return None
     name = config[len("commopt-") :]
@@ -257,7 +261,11 @@ def _copy(model):
 
 def link_floor_s(wire_bytes_per_rank: float, ranks_per_node: int, nodes: int, rate_bits):
     """Least time the hosts' links need per step: a bandwidth-optimal allreduce among the
-    nodes of every rank's bytes, the node's ranks sharing its link (2(n-1)/n x bytes / rate)."""
+    nodes of every rank's bytes, the node's ranks sharing its link (2(n-1)/n x bytes / rate).
+
+    >>> round(link_floor_s(50e6, 2, 2, 1e9), 3)  # 2 ranks x 50 MB per host, 2 hosts, 1 Gbit/s
+    0.8
+    """
     if rate_bits is None or nodes < 2:
         return None
     return 2 * (nodes - 1) / nodes * wire_bytes_per_rank * ranks_per_node * 8 / rate_bits
