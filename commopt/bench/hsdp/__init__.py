@@ -68,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train the digits task of `commopt bench to_accuracy` instead of timing steps",
     )
     parser.add_argument(
+        "--task",
+        choices=("digits", "text"),
+        default="digits",
+        help="--accuracy: a task of `commopt bench to_accuracy` (default digits)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=16, help="--accuracy, text: characters seen (default 16)"
+    )
+    parser.add_argument(
+        "--valid-windows", type=int, default=2048, help="--accuracy, text: validation windows"
+    )
+    parser.add_argument(
         "--budget", type=int, default=150, help="--accuracy: Adam steps (default 150)"
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="--accuracy: Adam's rate")
@@ -136,7 +148,8 @@ def _run_job(args: argparse.Namespace) -> dict | None:
             "--collective-timeout", str(args.collective_timeout),
         ]  # fmt: skip
         if args.accuracy:
-            worker.append("--accuracy")
+            worker += ["--accuracy", "--task", args.task, "--context", str(args.context)]
+            worker += ["--valid-windows", str(args.valid_windows)]
         if args.batch:
             worker += ["--batch", str(args.batch)]
         argv = launch_argv(
@@ -228,27 +241,39 @@ def _render_accuracy(report: dict, markdown: bool) -> str:
     from commopt._tables import table
 
     configs = report["configs"]
-    ref = {e["seed"]: e["valid_loss"] for e in configs.get(REFERENCE, [])}
+    ref = {e["seed"]: e for e in configs.get(REFERENCE, [])}
     rows = []
+
+    def row(name, seed, loss, gap, top1, points, equal, skipped):
+        rows.append([
+            name, seed, f"{loss:.4f}", "-" if gap is None else f"{gap:+.2f}%",
+            "-" if top1 is None else f"{top1:.2f}", "-" if points is None else f"{points:+.2f}",
+            equal, skipped,
+        ])  # fmt: skip
+
     for name, entries in configs.items():
+        gaps, points = [], []
         for e in entries:
-            gap = (e["valid_loss"] / ref[e["seed"]] - 1) * 100 if e["seed"] in ref else None
-            rows.append([
-                name, str(e["seed"]), f"{e['valid_loss']:.4f}",
-                "-" if gap is None else f"{gap:+.2f}%",
-                "yes" if e["replicas_equal"] else "NO", str(e["skipped_steps"]),
-            ])  # fmt: skip
+            r = ref.get(e["seed"])
+            gap = None if r is None else (e["valid_loss"] / r["valid_loss"] - 1) * 100
+            pts = None if r is None or "top1" not in e else e["top1"] - r["top1"]
+            gaps += [] if gap is None else [gap]
+            points += [] if pts is None else [pts]
+            row(name, str(e["seed"]), e["valid_loss"], gap, e.get("top1"), pts,
+                "yes" if e["replicas_equal"] else "NO", str(e["skipped_steps"]))  # fmt: skip
+        if len(entries) > 1:
+            mean = sum(e["valid_loss"] for e in entries) / len(entries)
+            tops = [e["top1"] for e in entries if "top1" in e]
+            row(f"{name} (mean)", "all", mean, sum(gaps) / len(gaps) if gaps else None,
+                sum(tops) / len(tops) if tops else None,
+                sum(points) / len(points) if points else None, "", "")  # fmt: skip
     head = (
-        f"{report['task']}: {report['budget']} Adam steps per configuration, batch "
-        f"{report['batch']} per rank, {report['nodes']} hosts x {report['ranks_per_node']} ranks "
-        f"({report['link']})"
+        f"{report['task']}: {report['budget']} Adam steps (lr {report.get('lr', '-')}) per "
+        f"configuration, batch {report['batch']} per rank, {report['nodes']} hosts x "
+        f"{report['ranks_per_node']} ranks ({report['link']}); gaps paired by seed"
     )
     headers = [
-        "configuration",
-        "seed",
-        "validation loss",
-        f"vs {REFERENCE}",
-        "replicas equal",
-        "skipped",
-    ]
+        "configuration", "seed", "validation loss", f"vs {REFERENCE}", "top-1 %",
+        "points", "replicas equal", "skipped",
+    ]  # fmt: skip
     return head + "\n\n" + table(headers, rows, markdown=markdown)

@@ -13,8 +13,8 @@ Speed (default): the step benchmark's model (``--model``, default ``mlp``: the w
 25.2M parameters at batch 8 per rank, communication-bound) and its batches, SGD with
 momentum; each round times ``--steps`` steps of every
 configuration after ``--warmup`` untimed ones (first round only), every rank at once; a
-step's time is the slowest rank's. Accuracy (``--accuracy``): the digits task of
-``commopt bench to_accuracy`` (scikit-learn's digits, the wide MLP, Adam), every
+step's time is the slowest rank's. Accuracy (``--accuracy``): a task of ``commopt bench
+to_accuracy`` (``--task``: digits, scikit-learn's digits and the wide MLP, or text; Adam), every
 configuration from the same weights on the same batches for ``--budget`` steps, then the
 validation loss and whether every shard's replicas hold the same weights. Rank 0 writes
 ``--result``.
@@ -206,10 +206,10 @@ def _accuracy(args, mesh, configs: list[str]) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from commopt.bench.to_accuracy_tasks import DigitsTask
+    from commopt.bench.to_accuracy_tasks import TASKS
 
     rank = dist.get_rank()
-    task = DigitsTask(args)
+    task = TASKS[args.task](args)
     vx, vy = task.valid
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -224,7 +224,9 @@ def _accuracy(args, mesh, configs: list[str]) -> dict:
                 _step(model, opt, replicas, x, y)
             took = time.perf_counter() - start
             with torch.no_grad():
-                valid = float(F.cross_entropy(model(vx), vy))
+                logits = model(vx)
+                valid = float(F.cross_entropy(logits, vy))
+                top1 = float((logits.argmax(-1) == vy).float().mean()) * 100
             mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
             peers = [torch.empty_like(mine) for _ in range(args.nodes)]
             dist.all_gather(peers, mine, group=mesh["replicate"].get_group())
@@ -233,6 +235,7 @@ def _accuracy(args, mesh, configs: list[str]) -> dict:
             entry = {
                 "seed": seed,
                 "valid_loss": valid,
+                "top1": top1,
                 "replicas_equal": bool(same.item() == 1.0),
                 "train_s": took,
                 "skipped_steps": replicas.skipped_steps if replicas is not None else 0,
@@ -240,7 +243,8 @@ def _accuracy(args, mesh, configs: list[str]) -> dict:
             runs[config].append(entry)
             if rank == 0:
                 print(
-                    f"{PROGRESS}{config} seed {seed}: validation loss {valid:.4f} after "
+                    f"{PROGRESS}{config} seed {seed}: validation loss {valid:.4f}, top-1 "
+                    f"{top1:.2f}% after "
                     f"{args.budget} steps ({took:.0f} s)",
                     flush=True,
                 )
