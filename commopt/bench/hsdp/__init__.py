@@ -135,6 +135,7 @@ def _run_job(args: argparse.Namespace) -> dict | None:
 
     plan = plan_link(None if args.no_link else args.link)
     nprocs = args.nodes * args.ranks_per_node
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="commopt-hsdp-") as tmp:
         result = Path(tmp) / "result.json"
         worker = [
@@ -186,6 +187,7 @@ def _run_job(args: argparse.Namespace) -> dict | None:
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         cores=os.cpu_count(),
+        load_average=[round(load_start, 2), round(os.getloadavg()[0], 2)],
         steps=args.steps,
         rounds=args.rounds,
         budget=args.budget if args.accuracy else None,
@@ -233,6 +235,12 @@ def render(report: dict, *, markdown: bool = False) -> str:
         f"per rank, {report['nodes']} hosts x {report['ranks_per_node']} ranks, "
         f"{report['link']}; median of {report['rounds']} rounds of {report['steps']} steps; "
         f"the hosts share this machine's {report['cores']} cores"
+        + (
+            f" (load average {report['load_average'][0]:g} at the start, "
+            f"{report['load_average'][1]:g} at the end)"
+            if report.get("load_average")
+            else ""
+        )
     )
     return head + "\n\n" + table(headers, rows, markdown=markdown)
 
