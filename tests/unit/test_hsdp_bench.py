@@ -34,6 +34,7 @@ SPEED = {
         "commopt-qsgd4-ef": {
             "step_s": 0.4,
             "rounds_s": [0.4],
+            "rank_cpu_s": 0.45,
             "wire_bytes_per_rank": 6_600_000,
             "final_loss": 2.0,
         },
@@ -45,8 +46,8 @@ def test_speed_table_gives_the_floors_and_the_speed_up():
     text = render(SPEED, markdown=True)
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
     # hsdp-fp32: 2 ranks x 50 MB per host cross a 1 Gbit/s link: 800 ms; node-only 300 ms
-    assert "| 1200 (1200, 1300) | 95.4 | 800 | 300 | 800 | 1.50 | 1.00x |" in rows["hsdp-fp32"]
-    assert "| 106 | 300 | 300 | 1.33 | 3.00x |" in rows["commopt-qsgd4-ef"]
+    assert "| 1200 (1200, 1300) | - | 95.4 | 800 | 300 | 800 | 1.50 | 1.00x |" in rows["hsdp-fp32"]
+    assert "| 400 (400) | 450 | 12.6 | 106 | 300 | 300 | 1.33 | 3.00x |" in rows["commopt-qsgd4-ef"]
     assert "share this machine's 2 cores" in text
 
 

@@ -218,6 +218,7 @@ def render(report: dict, *, markdown: bool = False) -> str:
         rows.append([
             name,
             f"{c['step_s'] * 1e3:.0f} (" + ", ".join(f"{s * 1e3:.0f}" for s in c["rounds_s"]) + ")",
+            "-" if "rank_cpu_s" not in c else f"{c['rank_cpu_s'] * 1e3:.0f}",
             f"{c['wire_bytes_per_rank'] * report['ranks_per_node'] / 2**20:.1f}",
             "-" if link is None else f"{link * 1e3:.0f}",
             "-" if node_only is None or name == "fsdp-node" else f"{node_only * 1e3:.0f}",
@@ -227,7 +228,7 @@ def render(report: dict, *, markdown: bool = False) -> str:
             f"{c['final_loss']:.4f}",
         ])  # fmt: skip
     headers = [
-        "configuration", "step ms (rounds)", "MiB/host/step", "link floor ms",
+        "configuration", "step ms (rounds)", "rank CPU ms", "MiB/host/step", "link floor ms",
         "node-only ms", "floor ms", "step/floor", f"vs {REFERENCE}", "final loss",
     ]  # fmt: skip
     head = (

@@ -13,7 +13,8 @@ Speed (default): the step benchmark's model (``--model``, default ``mlp``: the w
 25.2M parameters at batch 8 per rank, communication-bound) and its batches, SGD with
 momentum; each round times ``--steps`` steps of every
 configuration after ``--warmup`` untimed ones (first round only), every rank at once; a
-step's time is the slowest rank's. Accuracy (``--accuracy``): a task of ``commopt bench
+step's time is the slowest rank's, its processor time the mean over ranks of each rank's
+(every thread: autograd, commopt's worker, gloo's). Accuracy (``--accuracy``): a task of ``commopt bench
 to_accuracy`` (``--task``: digits, scikit-learn's digits and the wide MLP, or text; Adam), every
 configuration from the same weights on the same batches for ``--budget`` steps, then the
 validation loss and whether every shard's replicas hold the same weights. Rank 0 writes
@@ -161,6 +162,7 @@ def _speed(args, mesh, configs: list[str]) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
         runs[config] = (model, opt, replicas)
     rounds: dict[str, list[float]] = {c: [] for c in configs}
+    cpu_rounds: dict[str, list[float]] = {c: [] for c in configs}
     losses: dict[str, float] = {}
     steps = dict.fromkeys(configs, 0)  # each configuration sees the same batches
     for r in range(args.rounds):
@@ -170,7 +172,7 @@ def _speed(args, mesh, configs: list[str]) -> dict:
                 _step(model, opt, replicas, *spec.batch(steps[config], rank, batch))
                 steps[config] += 1
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 x, y = spec.batch(steps[config], rank, batch)
                 losses[config] = _step(model, opt, replicas, x, y)
@@ -178,6 +180,10 @@ def _speed(args, mesh, configs: list[str]) -> dict:
             took = torch.tensor([(time.perf_counter() - start) / args.steps])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             rounds[config].append(float(took))
+            # every thread of the rank (autograd, commopt's worker, gloo's), mean over ranks
+            used = torch.tensor([(time.process_time() - cpu) / args.steps / world])
+            dist.all_reduce(used)
+            cpu_rounds[config].append(float(used))
             if rank == 0:
                 print(
                     f"{PROGRESS}{config} round {r + 1}: {took.item() * 1e3:.0f} ms/step", flush=True
@@ -188,6 +194,7 @@ def _speed(args, mesh, configs: list[str]) -> dict:
         out[config] = {
             "step_s": statistics.median(rounds[config]),
             "rounds_s": rounds[config],
+            "rank_cpu_s": statistics.median(cpu_rounds[config]),
             "wire_bytes_per_rank": _wire_bytes(model, replicas, config),
             "final_loss": losses[config],
         }
