@@ -69,7 +69,9 @@ def test_accuracy_table_gives_the_gap_to_fp32():
             ],
         },
     }
-    assert "| commopt-qsgd4-ef | 0 | 0.1005 | +0.50% | - | - | yes | 0 |" in render(report, markdown=True)
+    assert "| commopt-qsgd4-ef | 0 | 0.1005 | +0.50% | - | - | yes | 0 |" in render(
+        report, markdown=True
+    )
 
 
 def test_unknown_configuration_is_refused_with_the_list():
