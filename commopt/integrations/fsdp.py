@@ -304,7 +304,7 @@ class CompressedReplicas:
             )
 
     # -- the reduction, from the hooks --------------------------------------------------------
-    def reduce(self, unit: _Unit, output: torch.Tensor) -> None:
+    def _reduce(self, unit: _Unit, output: torch.Tensor) -> None:
         """FSDP's all-reduce hook of ``unit``: average ``output`` over the replicas, in place."""
         if output.numel() != unit.numel:
             raise RuntimeError(
@@ -385,23 +385,23 @@ class CompressedReplicas:
         self._in_backward = True
         self._called = []
         self._number = self.step_number
-        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def end_backward(self) -> None:
+    def _end_backward(self) -> None:
         """Autograd's final callback: every unit's averages are in, then the agreement."""
         self._in_backward = False
         called = self._called
         try:
-            for unit in called:
-                if unit.work is not None:
-                    work, unit.work = unit.work, None
+            deferred = [unit for unit in called if unit.work is not None]
+            for unit in deferred:
+                work, unit.work = unit.work, None
+                if work is not None:
                     work.wait()
             for unit in called:
-                if self.comm.stream_ordered:
-                    pass  # the hook only enqueued: nothing to defer
-                elif unit.mode == "probe":
+                if unit.mode == "probe" and not self.comm.stream_ordered:
                     self._probe(unit)
-                elif unit.mode == "deferred" and not self._aliased(unit):
+            for unit in deferred:
+                if not self._aliased(unit):
                     raise RuntimeError(
                         f"commopt: the sharded gradients of FSDP unit {unit.name!r} stopped "
                         "being the memory the replicas' average was written into (a changed "
@@ -658,7 +658,7 @@ class CompressedReplicas:
         )
 
     # For the planner: fill the template handed out last with this rank's saved residuals.
-    def fill_template(self, state_dict: dict[str, Any], metadata) -> None:
+    def _fill_template(self, state_dict: dict[str, Any], metadata) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         path = _find(state_dict, self._template)
@@ -719,7 +719,7 @@ class _Hook:
         self._unit = unit
 
     def __call__(self, output: torch.Tensor) -> None:
-        self._owner.reduce(self._unit, output)
+        self._owner._reduce(self._unit, output)
 
 
 def _no_hook(output: torch.Tensor) -> None:
@@ -731,7 +731,7 @@ def _make_load_planner(owner: CompressedReplicas, **kwargs):
 
     class ReplicasLoadPlanner(DefaultLoadPlanner):
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-            owner.fill_template(state_dict, metadata)
+            owner._fill_template(state_dict, metadata)
             super().set_up_planner(state_dict, metadata, is_coordinator)
 
     return ReplicasLoadPlanner(**kwargs)

@@ -101,6 +101,23 @@ train(mine, range(20), reps)
 compare("fp32", ref, mine, reps, ["deferred"] * 3)
 assert reps.step_number == 20 and reps.applied_steps == 20 and reps.skipped_steps == 0
 
+# two backwards per step: the second one's gradients are added by FSDP onto the first's
+# (the hook waits for them), as native HSDP adds its two all-reduced ones
+def accumulate(model, replicas=None):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(8):
+        opt.zero_grad()
+        for micro in (2 * step, 2 * step + 1):
+            x, y = batch(micro)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        (replicas.step(opt) if replicas is not None else opt.step())
+
+ref = shard(net(), hsdp=True); accumulate(ref)
+mine = shard(net()); reps = compress_replicas(mine, mesh["replicate"], "fp32", policy=POLICY)
+accumulate(mine, reps)
+compare("fp32 two backwards per step", ref, mine, reps, ["deferred"] * 3)
+assert reps.step_number == 16, reps.step_number
+
 # sums only, FSDP divides after the hook: the hook waits (post-divide seen by the probe)
 ref = shard(net(), hsdp=True); ref.set_force_sum_reduction_for_comms(True)
 for m in ref.modules():
@@ -136,13 +153,14 @@ compare("bf16 reduce dtype", ref, mine, reps, ["blocking"] * 3)
 
 # compressed codecs: every shard's replicas stay equal, the loss close to fp32's
 fp32_losses, _ = train(shard(net(), hsdp=True), range(20))
-for codec in ("fp16", "qsgd4+ef", "qsgd2+ef"):  # (bf16 and qsgd8 take the same paths)
+# (bf16 and qsgd8 take the same paths); the bound: the last 5 losses' sum against fp32's
+for codec, bound in (("fp16", 0.01), ("qsgd4+ef", 0.05), ("qsgd2+ef", 0.15)):
     mine = shard(net())
     reps = compress_replicas(mine, mesh["replicate"], codec, policy=POLICY)
     losses, _ = train(mine, range(20), reps)
     assert replicas_equal(mine), f"rank {rank} {codec}: the replicas of a shard differ"
     gap = abs(sum(losses[-5:]) - sum(fp32_losses[-5:])) / sum(fp32_losses[-5:])
-    assert gap < 0.05, f"rank {rank} {codec}: last losses {losses[-5:]} vs fp32 {fp32_losses[-5:]}"
+    assert gap < bound, f"rank {rank} {codec}: last losses {losses[-5:]} vs fp32 {fp32_losses[-5:]}"
 
 # NaN on one rank at step 4: every rank skips it, bit-identical to leaving the step out
 mine = shard(net()); reps = compress_replicas(mine, mesh["replicate"], "qsgd4+ef", policy=POLICY)
