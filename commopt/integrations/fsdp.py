@@ -333,7 +333,8 @@ class CompressedReplicas:
                 reducer.unpack(b, flats[b.index], keep)
 
         unit.output = output
-        work = driver.then(self.comm, unpack)
+        cuda = output.device if output.device.type == "cuda" else None
+        work = driver.then(self.comm, unpack, device=cuda)  # (ordered with this stream)
         if self.comm.stream_ordered:
             work.wait()  # FSDP's next kernels on this stream run after the unpacking
             return
@@ -486,7 +487,9 @@ class CompressedReplicas:
             comm.allreduce(flags)
             result.append(flags)
 
-        driver.then(comm, local_flags).wait()
+        driver.then(
+            comm, local_flags, device=device if device and device.type == "cuda" else None
+        ).wait()
         flags = result[0]
         if self.shards > 1:
             dist.all_reduce(flags, group=self._shard_group)
