@@ -16,7 +16,8 @@ import sys
 
 HELP = (
     "benchmarks: allreduce (nccl-tests style sweep over communicators and codecs), step "
-    "(training steps, DDP against commopt), to_accuracy (time to a target loss)"
+    "(training steps, DDP against commopt), to_accuracy (time to a target loss), hsdp "
+    "(sharded training: FSDP2's HSDP against commopt between nodes)"
 )
 
 # name -> one-line help; the module is commopt.bench.<name>.
@@ -24,6 +25,7 @@ BENCHMARKS = {
     "allreduce": "allreduce time, algbw, busbw and error over sizes and codecs",
     "step": "training steps side by side: PyTorch DDP and commopt on the same model and link",
     "to_accuracy": "wall time to a target validation loss: DDP against commopt on the link",
+    "hsdp": "FSDP2's HSDP against HSDP with commopt's reduction between nodes, on the link",
 }
 
 
