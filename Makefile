@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo lint test test-unit test-distributed bench clean horovod gpu-check
+.PHONY: setup demo lint test test-unit test-distributed stress bench clean horovod gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,14 @@ test-unit: setup
 
 test-distributed: setup
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
+
+# The multi-rank tests STRESS_N times in a row under a CPU hog on every core, two workers as
+# in `make test`; prints each failure with every rank's stacks (scripts/stress.sh, results in
+# out/stress). Other tests or pytest options: make stress STRESS_ARGS="tests/distributed/x.py -k y".
+STRESS_N ?= 10
+STRESS_ARGS ?=
+stress: setup
+	N=$(STRESS_N) PYTHON=$(PY) bash scripts/stress.sh $(STRESS_ARGS)
 
 # The step benchmark's default comparison: DDP against commopt on both models, every
 # configuration, 3 rounds, 2 emulated hosts on 1 Gbit/s links (root for the link, else loopback,

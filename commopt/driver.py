@@ -216,19 +216,25 @@ def release_when_idle(comm: Communicator) -> None:
 
 
 def release_queued() -> None:
-    """``finalize()`` the queued communicators with nothing in flight (MPI's exit frees the
-    others: finalizing one with reductions in flight would strand the peers in a collective).
+    """``finalize()`` the queued communicators, each as a job on its own worker, and wait.
 
-    Called where the calling thread holds no lock: by the optimizer as it is created, steps
-    and closes.
+    On its worker the release runs after every reduction already submitted on the
+    communicator (a double-buffered one is still in flight when its optimizer is dropped), so
+    it never strands the peers in a collective; it finalizes the communicators the queued one
+    owns too (the hierarchy's intra/inter-node pair, :meth:`Communicator.adopt`). Called
+    where the calling thread holds no lock: by the optimizer as it is created, steps and
+    closes. A release that fails is left to MPI's exit (an unrelated optimizer does not fail).
     """
+    works = []
     while _QUEUED:
         try:
             comm = _QUEUED.popleft()
         except IndexError:  # another thread took the last one
-            return
-        if idle(comm):
-            comm.finalize()
+            break
+        works.append(submit(comm, comm.finalize))
+    for work in works:
+        with contextlib.suppress(Exception):
+            work.wait()
 
 
 def _drain_all_at_exit() -> None:

@@ -13,6 +13,11 @@
 torch.distributed's environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) for gloo.
 Both return each rank's stdout in rank order, or raise AssertionError naming every rank
 that failed with the end of its stderr (the assertion and traceback), or the timeout.
+
+A runner's timeout never reaches the running test's own (pytest-timeout's, recorded for each
+test by tests/conftest.py): it ends :data:`RUNNER_MARGIN_S` seconds before it, so a job that
+hangs is killed by its runner, which first has every rank print its stacks
+(:func:`runner_timeout`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,28 @@ os.environ["COMMOPT_NODE_NAME"] = f"node-{info.rank // per_node}"
 """
 
 
+#: Seconds a runner keeps before the running test's per-test timeout: enough to have every rank
+#: print its stacks (2 s a job), kill the job and read what the ranks wrote.
+RUNNER_MARGIN_S = 20.0
+#: When the running test's per-test timeout fires (``time.monotonic()``), or None.
+_test_deadline: list[float | None] = [None]
+
+
+def set_test_timeout(seconds: float | None) -> None:
+    """The running test's per-test timeout starts now (None or 0: it has none)."""
+    _test_deadline[0] = time.monotonic() + seconds if seconds else None
+
+
+def runner_timeout(timeout: float) -> float:
+    """``timeout``, cut so that it ends :data:`RUNNER_MARGIN_S` before the running test's
+    timeout: a hung job is then ended by its runner, with every rank's stacks, not by pytest
+    (``tests/unit/test_multirank.py``)."""
+    deadline = _test_deadline[0]
+    if deadline is None:
+        return timeout
+    return max(1.0, min(timeout, deadline - time.monotonic() - RUNNER_MARGIN_S))
+
+
 def mpirun_available() -> bool:
     return shutil.which("mpirun") is not None
 
@@ -73,7 +100,7 @@ def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         cwd=str(REPO),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=runner_timeout(timeout),
     )
 
 
@@ -105,13 +132,19 @@ def _write_script(code: str, workdir: Path) -> Path:
     return script
 
 
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False when it is gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _dump_stacks(pgid: int) -> None:
     """Before a timed-out job is killed: each rank of process group ``pgid`` prints its stacks."""
-    try:
-        os.killpg(pgid, signal.SIGUSR1)
-    except ProcessLookupError:
-        return
-    time.sleep(2.0)
+    if _signal_group(pgid, signal.SIGUSR1):
+        time.sleep(2.0)
 
 
 def _report(
@@ -142,6 +175,7 @@ def run_mpi(
         import pytest
 
         pytest.skip("mpirun not found: install Open MPI (make setup does)")
+    timeout = runner_timeout(timeout)
     with tempfile.TemporaryDirectory(prefix="commopt-mpi-") as tmp:
         workdir = Path(tmp)
         script = _write_script(code, workdir)
@@ -215,6 +249,7 @@ def run_torch(
     args: list[str] | tuple = (),
 ) -> list[str]:
     """Run ``code`` as ``nprocs`` processes with torch.distributed's env vars; return stdouts."""
+    timeout = runner_timeout(timeout)
     with tempfile.TemporaryDirectory(prefix="commopt-torch-") as tmp:
         script = _write_script(code, Path(tmp))
         port = free_port()
@@ -242,15 +277,21 @@ def run_torch(
                 )
             )
         deadline = time.monotonic() + timeout
-        results = []
+        results: list[tuple[int, int | None, str, str]] = []
         for r, p in enumerate(procs):
             try:
                 out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
                 results.append((r, p.returncode, out, err))
             except subprocess.TimeoutExpired:
-                _dump_stacks(p.pid)
-                os.killpg(p.pid, signal.SIGKILL)
-                out, err = p.communicate()
-                results.append((r, None, out, err))
+                # Every rank still running prints its stacks at once, then they are all killed.
+                hung = {q for q, proc in enumerate(procs) if q >= r and proc.poll() is None}
+                for q in hung:
+                    _signal_group(procs[q].pid, signal.SIGUSR1)
+                time.sleep(2.0)
+                for q in range(r, nprocs):
+                    _signal_group(procs[q].pid, signal.SIGKILL)
+                    out, err = procs[q].communicate()
+                    results.append((q, None if q in hung else procs[q].returncode, out, err))
+                break
         # A rank that failed makes its peers time out or error: report the root cause first.
         return _report(results, timeout, f"torch.distributed x{nprocs}")

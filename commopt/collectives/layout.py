@@ -18,6 +18,7 @@ __all__ = [
     "PIECE_BYTES",
     "chunk_bounds",
     "chunk_rng",
+    "elements_per_piece",
     "scatter_reduce_layout",
     "sub_key",
 ]
@@ -66,6 +67,17 @@ def scatter_reduce_layout(
     pieces = 1 if not piece_elems else max(1, math.ceil(numel / int(piece_elems)))
     bounds = chunk_bounds(numel, pieces * size, alignment)
     return [bounds[k * size : (k + 1) * size] for k in range(pieces)]
+
+
+def elements_per_piece(piece_bytes: int | None, element_size: int) -> int | None:
+    """Elements per piece of the scatter-reduce pipeline (None: the whole buffer is one piece)
+    for ``piece_bytes`` (None: :data:`PIECE_BYTES`) of elements of ``element_size`` bytes.
+
+        >>> elements_per_piece(None, 4) == PIECE_BYTES // 4, elements_per_piece(0, 4)
+        (True, None)
+    """
+    piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
+    return max(1, piece // element_size) if piece > 0 else None
 
 
 def chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:

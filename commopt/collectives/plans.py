@@ -22,6 +22,7 @@ from commopt.collectives.layout import (
     PIECE_BYTES,
     chunk_bounds,
     chunk_rng,
+    elements_per_piece,
     scatter_reduce_layout,
     sub_key,
 )
@@ -171,12 +172,9 @@ def plan_scatter_reduce(
     travels, so it is never encoded: it enters the sum exactly.
     """
     size, rank = comm.size, comm.rank
-    piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
+    # (commopt.collectives.residuals places error-feedback residuals by the same layout)
     layout = scatter_reduce_layout(
-        flat.numel(),
-        size,
-        codec.alignment,
-        max(1, piece // flat.element_size()) if piece > 0 else None,
+        flat.numel(), size, codec.alignment, elements_per_piece(piece_bytes, flat.element_size())
     )
     first_lo, first_hi = layout[0][0]
     slot = codec.encoded_nbytes(first_hi - first_lo)

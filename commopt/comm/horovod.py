@@ -22,8 +22,8 @@ allgather, broadcast) of bf16 travels as raw 16-bit words.
 A rank that leaves early (``sys.exit``, an early return, an exception) under Horovod over
 MPI is named by its peers: see :mod:`commopt.comm.horovod_exit`.
 
-Bounded waits: each operation's ``wait`` polls it and raises ``CommError`` a timeout after
-its issue. Starting an operation, and ``barrier``, run under a native deadline
+Bounded waits: each operation's ``wait`` (``barrier`` is a one-element allreduce) polls it and
+raises ``CommError`` a timeout after its issue. Starting an operation runs under a native deadline
 (:mod:`commopt.comm.deadline`): Horovod's start functions hold the GIL while they wait for a
 lock its background thread keeps through a blocking MPI exchange (process sets on), so once
 a link is down they freeze every Python thread; the deadline's native thread still ends the
@@ -171,6 +171,9 @@ class HorovodCommunicator(Communicator):
         super().__init__(allreduce_grad_dtype=allreduce_grad_dtype)
         self.timeout = comm_timeout(timeout)
         hvd = self._hvd = _hvd(self.timeout)
+        # Only a communicator not made by split owns Horovod's shutdown (a split over every
+        # rank runs on the global process set too).
+        self._top_level = _process_set is None
         self._ps = hvd.global_process_set if _process_set is None else _process_set
         is_world = self._ps is hvd.global_process_set
         members = list(range(hvd.size())) if is_world else sorted(self._ps.ranks)
@@ -219,7 +222,11 @@ class HorovodCommunicator(Communicator):
         another would freeze this rank before it reports the error it already has.
         """
         self._unless_ending(what)
-        with horovod_exit.naming_departures(), self._deadline(what, "start"):
+        with (
+            horovod_exit.starting(what),
+            horovod_exit.naming_departures(),
+            self._deadline(what, "start"),
+        ):
             return start(*args, **kwargs)
 
     def _unless_ending(self, what: str) -> None:
@@ -339,10 +346,22 @@ class HorovodCommunicator(Communicator):
         return self._handle_work(handle, "broadcast")
 
     def _barrier(self) -> None:
-        # Horovod's barrier waits without a bound: the whole call is under the deadline.
-        self._unless_ending("barrier")
-        with horovod_exit.naming_departures(), self._deadline("barrier", "finish"):
-            self._hvd.barrier(process_set=self._ps)
+        # A one-element allreduce, waited for as every operation is: Horovod's own barrier
+        # blocks in Horovod without a bound, and never returns if it was queued while a
+        # departing peer's shutdown drained Horovod's queue.
+        if self.size == 1:
+            return
+        hvd = self._hvd
+        token = torch.zeros(1, dtype=torch.int32)
+        handle = self._issue(
+            "barrier",
+            hvd.allreduce_async_,
+            token,
+            op=hvd.Sum,
+            name=self._name("barrier"),
+            process_set=self._ps,
+        )
+        self._handle_work(handle, "barrier").wait()
 
     # Objects (bcast_obj/allgather_obj) use the base class's JSON + bytes path over this
     # communicator's own collectives: Horovod's *_object helpers pickle and have no process set.
@@ -389,7 +408,7 @@ class HorovodCommunicator(Communicator):
     def _release(self) -> None:
         """Shut Horovod down if this module started it (top-level communicator only)."""
         global _OWNS_INIT
-        if _OWNS_INIT and self._ps is self._hvd.global_process_set and self._hvd.is_initialized():
+        if _OWNS_INIT and self._top_level and self._hvd.is_initialized():
             self._hvd.shutdown()
             _OWNS_INIT = False
             _PROCESS_SETS.clear()

@@ -4,19 +4,33 @@ Horovod shuts itself down at exit, and a peer waiting in a Horovod operation the
 ``HorovodInternalError: Horovod has been shut down``, which names no rank; and a peer that
 is not in a Horovod operation, or a shutdown that stalls, can leave the job waiting in
 MPI_Finalize. When Horovod runs over MPI, :func:`install` (the first top-level Horovod
-communicator calls it) adds, on a private duplicate of COMM_WORLD:
+communicator calls it) adds, on a private duplicate of COMM_WORLD, one message from every
+rank to every other (a 4-byte code, :func:`departure_reason`), sent when the rank *stops*
+starting Horovod operations: as it leaves (at exit), or as it learns that another rank left.
 
-* at exit, each rank sends every other rank a notice (a 4-byte code: why it leaves), then
-  shuts Horovod down as Horovod would, so peers in an operation fail at once;
-* a peer whose operation fails reads the notices and raises :class:`PeerLeftError`, which
-  names the ranks that left (it is a ``HorovodInternalError`` too, for Horovod's handlers);
-* a peer whose operation neither completes nor fails reads the notices while it waits
-  (:class:`DepartureWatch`): Horovod checks for its shutdown before it queues an
-  operation, so one started while the shutdown drains the queue never gets a result; a
-  notice, then :data:`DEPARTURE_GRACE_S` seconds without a result, raise the same error;
-* then every rank meets the others in a non-blocking barrier, as the ``mpi`` transport's
-  exit handshake does: at a normal end they all arrive at once; a rank left waiting longer
-  than $COMMOPT_EXIT_TIMEOUT seconds (default 30) aborts the job with a message naming itself.
+* A rank that leaves sends its notice, waits until every peer has stopped (sent its own
+  message), then shuts Horovod down as Horovod would at exit, so peers in an operation fail
+  at once; then every rank meets the others in a non-blocking barrier, as the ``mpi``
+  transport's exit handshake does. At a normal end they all arrive at once; a rank left
+  waiting longer than $COMMOPT_EXIT_TIMEOUT seconds (default 30, the stop and the barrier
+  together) aborts the job with a message naming itself.
+* A peer reads the notices before it starts every Horovod operation (:func:`starting`),
+  and while it waits for one (:class:`DepartureWatch`): once one arrived it starts none
+  (it raises :class:`PeerLeftError`, which names the ranks that left; a
+  ``HorovodInternalError`` too, for Horovod's handlers) and sends its own message, "stopped".
+  An operation that fails because Horovod shut down raises the same error.
+* Why a departing rank waits for its peers to stop before it shuts Horovod down: an
+  operation started while Horovod's shutdown finalizes its queue either never gets a result
+  (Horovod checks for its shutdown, then queues, without a lock between the two) or freezes
+  the rank: the starting thread holds the GIL and waits for Horovod's process-set lock,
+  which the shutting-down background thread holds while it frees the queued tensors, which
+  takes the GIL (Horovod 0.28.1, torch 2.x). A frozen rank runs no Python at all. A wait
+  that still gets no result raises a :data:`DEPARTURE_GRACE_S` seconds after the notice.
+* The window left: a peer that neither starts nor waits for a Horovod operation within the
+  exit timeout (a long computation) is not waited for; the departing rank then shuts Horovod
+  down, and if that peer's next operation races the shutdown it may freeze, as above. The
+  departing rank's exit barrier then aborts the job at the bound, with its message naming
+  itself as the rank that left.
 
 Under ``horovodrun --gloo`` (no MPI) nothing is added: Horovod's own shutdown applies.
 
@@ -45,19 +59,25 @@ __all__ = [
     "install",
     "naming_departures",
     "prepare_mpi",
+    "starting",
 ]
 
-_TAG = 7301  # the notices' tag on the private communicator
-_NO_ERROR, _UNCAUGHT = 0, 1
+_TAG = 7301  # the messages' tag on the private communicator
+_NO_ERROR, _UNCAUGHT, _STOPPED = 0, 1, 2
 _REASONS = {
     _NO_ERROR: "ended without an error: its script returned or called sys.exit",
     _UNCAUGHT: "ended with an uncaught exception (its traceback is in its log)",
+    _STOPPED: "stopped: another rank left",
 }
 _comm: Any = None  # the private COMM_WORLD duplicate (mpi4py's Intracomm)
 _hvd_mod: Any = None  # horovod.torch
-_received: dict[int, int] = {}  # source rank -> code of the notices read so far
+_received: dict[int, int] = {}  # source rank -> code of the messages read so far
 _state = {"uncaught": False, "abort": False}
-_lock = threading.Lock()  # one reader of the notices at a time (worker threads may fail together)
+_lock = threading.Lock()  # one reader of the messages at a time (worker threads may fail together)
+#: Held while a Horovod operation starts (:func:`starting`) and while this rank stops: once it
+#: has announced that it stopped, no thread of it is inside, or enters, a Horovod start call.
+_gate = threading.Lock()
+_sends: list[Any] = []  # this rank's message to each peer, once it stopped (MPI requests)
 #: How long an operation may still wait for its result once a peer's departure notice is read:
 #: Horovod's shutdown fails every queued operation at once, so only a lost one waits longer.
 DEPARTURE_GRACE_S = 5.0
@@ -119,7 +139,7 @@ class PeerLeftError(CommError):
 
 
 def _read_notices(wait_s: float) -> None:
-    """Read the notices that arrived (waiting up to ``wait_s`` for a first one)."""
+    """Read the messages that arrived (waiting up to ``wait_s`` for a departure notice)."""
     MPI = sys.modules["mpi4py.MPI"]
     deadline = time.monotonic() + wait_s
     status = MPI.Status()
@@ -136,9 +156,29 @@ def _read_locked(MPI, status, deadline: float) -> None:
             _comm.Recv([code, MPI.INT32_T], source=status.Get_source(), tag=_TAG)
             _received[status.Get_source()] = int(code[0])
             continue
-        if _received or time.monotonic() > deadline:
+        if _left() or time.monotonic() > deadline:
             return
         time.sleep(0.01)
+
+
+def _left() -> dict[int, int]:
+    """The ranks that left (their departure notices read so far): rank -> code."""
+    return {r: c for r, c in _received.items() if c != _STOPPED}
+
+
+def _announce(code: int) -> None:
+    """Send this rank's one message to every peer (once): it starts no Horovod operation from
+    now on. The caller holds ``_gate``, so no thread of this rank is starting one."""
+    if _sends:
+        return
+    import numpy as np
+
+    MPI = sys.modules["mpi4py.MPI"]
+    me, size = _comm.Get_rank(), _comm.Get_size()
+    message = np.array([code], dtype=np.int32)
+    _sends.extend(
+        _comm.Isend([message, MPI.INT32_T], dest=r, tag=_TAG) for r in range(size) if r != me
+    )
 
 
 def explain(exc: BaseException) -> BaseException:
@@ -155,7 +195,11 @@ def explain(exc: BaseException) -> BaseException:
 
 def _departure_message(detail: str) -> str:
     rank = _comm.Get_rank()  # the world rank: Horovod's global rank
-    who = "; ".join(f"rank {r} {departure_reason(c)}" for r, c in sorted(_received.items()))
+    left = _left()
+    if left:
+        who = "; ".join(f"rank {r} {departure_reason(c)}" for r, c in sorted(left.items()))
+    else:  # only peers that stopped because of it so far
+        who = "; ".join(f"rank {r} stopped because a rank left" for r in sorted(_received))
     return (
         f"rank {rank}: a Horovod operation failed because another rank left the job ({who}) "
         f"while this rank still waited for it. Every rank must make the same collective calls: "
@@ -164,13 +208,35 @@ def _departure_message(detail: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def starting(what: str):
+    """Around the call that starts a Horovod operation: it is not made once a peer left (or
+    this rank stopped); PeerLeftError names the rank instead. See the module's docstring."""
+    if _comm is None:
+        yield
+        return
+    with _gate:
+        _read_notices(wait_s=0.0)
+        if _received or _sends:
+            _announce(_STOPPED)
+            if not _left():
+                _read_notices(
+                    wait_s=2.0
+                )  # a peer stopped: the notice of the rank that left follows
+            raise PeerLeftError(
+                _departure_message(f"Horovod's {what} was not started: a peer left the job")
+            )
+        yield
+
+
 class DepartureWatch:
     """While one operation is waited for: whether a peer left and its grace ran out.
 
-    ``check()`` (cheap to call often) reads the notices that arrived, without blocking, and
-    raises PeerLeftError once :data:`DEPARTURE_GRACE_S` have passed since the first one was
-    seen with the operation still unfinished. Nothing happens where the notices are not
-    installed (one rank, Horovod over Gloo).
+    ``check()`` (cheap to call often) reads the messages that arrived, without blocking. The
+    first one makes this rank stop (it tells its peers, so that the rank that left shuts Horovod
+    down and the operation fails at once); :data:`DEPARTURE_GRACE_S` seconds after it, with the
+    operation still unfinished, it raises PeerLeftError. Nothing happens where the messages
+    are not installed (one rank, Horovod over Gloo).
     """
 
     def __init__(self, what: str):
@@ -185,11 +251,13 @@ class DepartureWatch:
             if not _received:
                 return
             self._seen = time.monotonic()
+            with _gate:
+                _announce(_STOPPED)
         if time.monotonic() - self._seen > DEPARTURE_GRACE_S:
             raise PeerLeftError(
                 _departure_message(
                     f"Horovod's {self._what} got no result within {DEPARTURE_GRACE_S:g}s of "
-                    f"the notice: Horovod's shutdown lost it"
+                    f"the notice"
                 )
             )
 
@@ -221,8 +289,6 @@ def aborting() -> bool:
 
 
 def _leave() -> None:
-    import numpy as np
-
     MPI = sys.modules.get("mpi4py.MPI")
     if _comm is None or MPI is None or MPI.Is_finalized():
         return
@@ -234,25 +300,33 @@ def _leave() -> None:
         sys.stderr.flush()
         time.sleep(1.0)  # peers timing out at the same moment print their own error too
         MPI.COMM_WORLD.Abort(1)
-    me, size = _comm.Get_rank(), _comm.Get_size()
-    code = np.array([_UNCAUGHT if _state["uncaught"] else _NO_ERROR], dtype=np.int32)
-    sends = [_comm.Isend([code, MPI.INT32_T], dest=r, tag=_TAG) for r in range(size) if r != me]
-    _hvd_mod.shutdown()  # what Horovod does at exit, now: peers in an operation fail at once
     from commopt.comm.mpi.runtime import EXIT_TIMEOUT_ENV, exit_timeout, wait_or_abort
 
+    me, size = _comm.Get_rank(), _comm.Get_size()
     limit = exit_timeout()
+    deadline = time.monotonic() + limit
+    with _gate:  # (a rank that stopped earlier sent its message then)
+        _announce(_UNCAUGHT if _state["uncaught"] else _NO_ERROR)
+    # Horovod's shutdown must not race a peer's start of an operation (module docstring): wait
+    # until every peer stopped, within the exit timeout.
+    while len(_received) < size - 1 and time.monotonic() < deadline:
+        _read_notices(wait_s=0.0)
+        time.sleep(0.005)
+    _hvd_mod.shutdown()  # what Horovod does at exit, now: peers in an operation fail at once
     wait_or_abort(
         _comm.Ibarrier(),
-        limit,
+        max(0.0, deadline - time.monotonic()),
         f"commopt: rank {me} of {size} left the job (its script returned or called "
         f"sys.exit) and shut Horovod down, but other ranks have not left after "
         f"{limit:g}s (${EXIT_TIMEOUT_ENV}); it aborts the job so that none waits "
         f"forever. Ranks that run out of data early: train inside "
         f"`with commopt.Join(optimizer):`.\n",
     )
-    # Every peer sent its notice before it entered the barrier: read the ones still unread.
+    # Every peer sent its one message before it entered the barrier: read the ones still unread.
+    import numpy as np
+
     for r in range(size):
         if r != me and r not in _received:
             got = np.zeros(1, dtype=np.int32)
             _comm.Recv([got, MPI.INT32_T], source=r, tag=_TAG)
-    MPI.Request.Waitall(sends)
+    MPI.Request.Waitall(_sends)

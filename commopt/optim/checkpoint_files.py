@@ -43,6 +43,7 @@ from commopt.checkpointing.atomic import (
     save_parts,
     verify_part,
 )
+from commopt.collectives.residuals import SAVED_BY_RANKS
 from commopt.optim.checkpoint import (
     drop_codec_state,
     has_codec_state,
@@ -55,10 +56,11 @@ __all__ = ["RESIDUAL_MODES", "checkpoint_bytes", "load_checkpoint", "save_checkp
 REPLICATED = "replicated"
 
 #: What :func:`load_checkpoint` does with error-feedback residuals saved by another number of
-#: ranks: ``refuse`` (raise, the default) or ``drop`` (restart them at zero). They cannot be
-#: carried over: each rank keeps them per chunk of the reduce-scatter it sent or reduced,
-#: and another number of ranks cuts the buckets into other chunks.
-RESIDUAL_MODES = ("refuse", "drop")
+#: ranks: ``reshard`` (the default: each bucket's residuals summed over the saved ranks, element
+#: by element, and handed to this job's ranks, see :mod:`commopt.collectives.residuals`; those
+#: whose place cannot be known are dropped, and rank 0 logs which), ``refuse`` (raise) or
+#: ``drop`` (restart them all at zero).
+RESIDUAL_MODES = ("reshard", "refuse", "drop")
 
 
 def _part_name(rank: int) -> str:
@@ -108,7 +110,7 @@ def load_checkpoint(
     optimizer,
     *,
     reset_codec_state: bool = False,
-    residuals: str = "refuse",
+    residuals: str = "reshard",
 ) -> dict:
     """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``; return ``extra``.
 
@@ -117,8 +119,11 @@ def load_checkpoint(
     restores them. Resuming with another number of ranks restores the replicated part;
     error-feedback residuals, which each rank holds for itself per chunk of the
     reduce-scatter (chunks that another number of ranks cuts differently), follow
-    ``residuals``: ``"refuse"`` raises a ValueError naming both counts, ``"drop"`` restarts
-    them at zero (the error they carried, one step's quantisation error, is lost). State
+    ``residuals``: ``"reshard"`` sums them over the saved ranks and gives each rank of this
+    job its share (the sum is what the mean carries; residuals of the hierarchical plan, whose
+    chunks depend on the node layout, and a low-rank codec's state are dropped, logged on rank
+    0), ``"refuse"`` raises a ValueError naming both counts, ``"drop"`` restarts them all at
+    zero (the error they carried, one step's quantisation error, is lost). State
     saved between steps of compensated double buffering (each rank's predicted weights)
     only resumes with the same number of ranks. ``reset_codec_state=True`` is
     ``residuals="drop"``, at any count.
@@ -144,7 +149,7 @@ def load_checkpoint(
     if ckpt.world_size == size or (ckpt.manifest is None and ckpt.has(_part_name(rank))):
         own = ckpt.read(_part_name(rank))["commopt_rank"]
     else:
-        own = _reshard(ckpt, rank, size, residuals)
+        own = _reshard(ckpt, rank, size, residuals, plans="plans" in optim.get("commopt", {}))
     state = join_rank_state(optim, own)
     if residuals == "drop":
         state = drop_codec_state(state)
@@ -176,8 +181,14 @@ class _Checkpoint:
         return _read(self.directory / part)
 
 
-def _reshard(ckpt: _Checkpoint, rank: int, size: int, residuals: str) -> dict[str, Any]:
-    """This rank's own state from a checkpoint saved by ``ckpt.world_size`` other ranks."""
+def _reshard(
+    ckpt: _Checkpoint, rank: int, size: int, residuals: str, *, plans: bool
+) -> dict[str, Any]:
+    """This rank's own state from a checkpoint saved by ``ckpt.world_size`` other ranks.
+
+    ``reshard``: each codec's state holds every saved rank's (``SAVED_BY_RANKS``), which the
+    optimizer's reducer turns into this rank's share as it loads it; ``plans``: the codec
+    states are keyed by plan first."""
     saved = [ckpt.read(_part_name(r))["commopt_rank"] for r in range(ckpt.world_size)]
     if any(s.get("predicted") is not None for s in saved):
         raise ValueError(
@@ -190,13 +201,26 @@ def _reshard(ckpt: _Checkpoint, rank: int, size: int, residuals: str) -> dict[st
     own: dict[str, Any] = {"rank": rank, "world_size": size, "codec_state": {}}
     if not any(has_codec_state(s) for s in states) or residuals == "drop":
         return own
+    if residuals == "reshard":
+        own["codec_state"] = _saved_by_ranks(states, plans)
+        return own
     raise ValueError(
         f"rank {rank}: the checkpoint holds codec state (error feedback) of "
         f"{ckpt.world_size} ranks but this job has {size}: each rank's residuals belong to "
         f"the chunks {ckpt.world_size} ranks cut the buckets into. Resume with "
-        f"{ckpt.world_size} ranks, or pass residuals='drop' (they restart at zero: one "
-        "step's quantisation error per rank is lost)"
+        f"{ckpt.world_size} ranks, or pass residuals='reshard' (summed over the saved ranks "
+        "and shared out again) or residuals='drop' (they restart at zero: one step's "
+        "quantisation error per rank is lost)"
     )
+
+
+def _saved_by_ranks(states: list[dict[str, Any]], plans: bool) -> dict[str, Any]:
+    """Per codec (per plan first with ``plans``): every saved rank's state, in rank order."""
+    if plans:
+        keys = sorted({k for s in states for k in s})
+        return {k: _saved_by_ranks([s.get(k, {}) for s in states], False) for k in keys}
+    names = sorted({n for s in states for n in s})
+    return {n: {SAVED_BY_RANKS: [s.get(n, {}) for s in states]} for n in names}
 
 
 def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:

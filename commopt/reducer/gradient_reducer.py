@@ -7,18 +7,30 @@ reduces the buffer with :func:`commopt.collectives.allreduce`, writes the averag
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from commopt import collectives, kernels
 from commopt.codecs.base import Codec, RngKey
+from commopt.codecs.error_feedback import ErrorFeedback
+from commopt.collectives.choice import choose_algorithm
+from commopt.collectives.residuals import (
+    SAVED_BY_RANKS,
+    NotReshardable,
+    share,
+    summed_residuals,
+)
 from commopt.comm.base import Communicator, Work
 from commopt.profiling import phase
 from commopt.reducer.layout import Bucket, build_buckets, is_view_of, slot_view
 from commopt.reducer.step import StepReduction
 
 __all__ = ["GradientReducer"]
+
+log = logging.getLogger("commopt")
 
 
 class GradientReducer:
@@ -236,16 +248,81 @@ class GradientReducer:
         return out
 
     def load_codec_states(self, states: dict[str, dict]) -> None:
+        """Restore :meth:`codec_states`. A codec's state may instead hold, under
+        ``SAVED_BY_RANKS``, the states every rank of another world size saved: this rank then
+        takes its share of them (:meth:`_resharded`)."""
         self.pending_discards = 0  # the checkpoint's step counter already accounts for them
         codecs = self._codecs()
         for name, state in states.items():
             if name in codecs:
+                if SAVED_BY_RANKS in state:
+                    state = self._resharded(name, codecs[name], state[SAVED_BY_RANKS])
                 codecs[name].load_state_dict(state)
             elif state:
                 raise ValueError(
                     f"checkpoint holds state for codec {name!r}, which this optimizer "
                     f"does not use (its codecs: {sorted(codecs)})"
                 )
+
+    def _resharded(self, name: str, codec: Codec, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        """This rank's share of the error-feedback residuals that ``len(saved)`` ranks saved
+        (:mod:`commopt.collectives.residuals`): their sum at every element of a bucket is kept.
+        What cannot be carried over (the hierarchical plan's residuals, a low-rank codec's
+        state, a world of one) is dropped, and rank 0 logs what and why."""
+        buckets = [
+            b
+            for b in self.buckets
+            if b.codec is not None and ("compressed" if b.compressed else "plain") == name
+        ]
+        kept = [s.get("residuals", {}) for s in saved]
+        if not isinstance(codec, ErrorFeedback):
+            if any(any(v for v in s.values()) for s in saved):
+                self._log_dropped(
+                    name, codec, ["all"], f"{codec.name} keeps state that is not resharded"
+                )
+            return {}
+        algorithm = (
+            choose_algorithm(self.comm, codec) if self.algorithm == "auto" else self.algorithm
+        )
+        residuals: dict[str, torch.Tensor] = {}
+        dropped: list[str] = []
+        why = ""
+        for b in buckets:
+            try:
+                total = summed_residuals(kept, b.key, numel=b.numel, alignment=codec.alignment)
+                if total is not None:
+                    residuals.update(
+                        share(
+                            total,
+                            algorithm,
+                            rank=self.comm.rank,
+                            size=self.comm.size,
+                            key=b.key,
+                            alignment=codec.alignment,
+                        )
+                    )
+            except NotReshardable as exc:
+                dropped.append(b.key)
+                why = str(exc)
+        ours = {b.key for b in buckets}
+        strays = sorted({k.split("/", 1)[0] for s in kept for k in s} - ours - set(dropped))
+        if strays:
+            dropped += strays
+            why = why or "no bucket of this optimizer has these keys"
+        if dropped:
+            self._log_dropped(name, codec, dropped, why)
+        return {"residuals": residuals}
+
+    def _log_dropped(self, name: str, codec: Codec, keys: list[str], why: str) -> None:
+        if self.comm.rank == 0:
+            log.warning(
+                "commopt: error-feedback state of codec %r (%s) saved by another number of "
+                "ranks was dropped for bucket(s) %s, which restart at zero: %s",
+                name,
+                codec.name,
+                ", ".join(keys),
+                why,
+            )
 
     def _codecs(self) -> dict[str, Codec]:
         found: dict[str, Codec] = {}

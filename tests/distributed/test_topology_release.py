@@ -75,3 +75,61 @@ def test_finalize_frees_the_hierarchy_split_off_a_communicator():
         assert c["pair_finalized"] == [True, True], f"rank {rank}: {c}"
         assert "finalized" in c["hierarchy_after_finalize"], f"rank {rank}: {c}"
         assert c["end"] == [0, 0], f"rank {rank}: the world's finalize() left some: {c}"
+
+
+DROPPED = r"""
+import gc, json, os, threading
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+os.environ["COMMOPT_NODE_NAME"] = f"n{rank // 2}"
+import torch, commopt
+from commopt.comm.mpi.transport import live_mpi_communicators as live
+
+def mpi_threads():
+    return sum(t.name.startswith("commopt-mpi-") for t in threading.enumerate())
+
+world = commopt.create_communicator("mpi")
+base = [live(), mpi_threads()]
+
+def train(double_buffering):
+    model = torch.nn.Linear(64, 64)
+    opt = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), world, model=model,
+        algorithm="hierarchical", double_buffering=double_buffering,
+    )
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()  # double buffering: the last reduction is still in flight when dropped
+    return [live(), mpi_threads()]
+
+out = {"base": base}
+for db in (False, True):
+    out[f"in_use db={db}"] = [train(db) for _ in range(3)]  # each dropped at once
+    gc.collect()
+    model = torch.nn.Linear(4, 4)  # the next optimizer's creation and close release them
+    commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), world, model=model
+    ).close()
+    out[f"left db={db}"] = [live() - base[0], mpi_threads() - base[1]]
+world.finalize()
+print(json.dumps(out))
+"""
+
+
+def test_dropped_hierarchical_optimizers_leave_no_mpi_communicator():
+    """Three hierarchical optimizers dropped (without close(), the last ones with a reduction
+    in flight): their private communicators and each one's intra/inter-node pair are finalized
+    on the private communicator's own worker, after its reductions, by the next optimizer's
+    creation or close (4 real MPI ranks on two fake nodes)."""
+    outs = run_mpi(DROPPED, 4, timeout=240)
+    for rank, text in enumerate(outs):
+        c = json.loads(text.strip().splitlines()[-1])
+        for db in (False, True):
+            in_use = c[f"in_use db={db}"]
+            assert all(comms > c["base"][0] + 2 for comms, _ in in_use), (
+                f"rank {rank}: no private communicator and pair while training: {c}"
+            )
+            assert c[f"left db={db}"] == [0, 0], (
+                f"rank {rank}: 3 dropped hierarchical optimizers (double_buffering={db}) left "
+                f"[MPI communicators, commopt-mpi threads] = {c[f'left db={db}']}: {c}"
+            )

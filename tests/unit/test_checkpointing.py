@@ -211,7 +211,7 @@ def test_a_damaged_latest_pointer_is_an_error_not_a_fresh_start(tmp_path):
 
 def test_bad_residuals_mode_is_refused(saved):
     path, _ = saved
-    with pytest.raises(ValueError, match="residuals='sum': choose one of refuse, drop"):
+    with pytest.raises(ValueError, match="residuals='sum': choose one of reshard, refuse, drop"):
         load_checkpoint(path, *make(), residuals="sum")
 
 

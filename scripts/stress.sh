@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The multi-rank tests N times in a row under a CPU hog, on two pytest workers as CI runs them;
+# at the end, every test that failed in any run, how often, and each failure's text (the
+# rank runners in tests/multirank.py put every rank's stacks in it when a job hangs).
+#
+#   bash scripts/stress.sh                 # N=10 runs of the default set, a hog on every core
+#   N=3 bash scripts/stress.sh             # three runs
+#   HOG=0 bash scripts/stress.sh           # no hog (the machine's own load only)
+#   bash scripts/stress.sh tests/distributed/test_horovod.py -k leave   # other tests / pytest args
+#
+# `make stress` runs it (STRESS_N=, STRESS_ARGS=). Results: $OUT (default out/stress): run-<i>.xml
+# (JUnit), run-<i>.log (pytest's output) and summary.txt. Exit 0 only when every run passed.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+python="${PYTHON:-$root/.venv/bin/python}"
+n="${N:-10}"
+hog="${HOG:-1}"
+workers="${WORKERS:--n 2 --dist loadfile}"
+out="${OUT:-$root/out/stress}"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+# The multi-rank tests whose races cost CI runs: the fault matrix, Horovod, launch, resource
+# release, elastic restart, per-group plans and the optimizer on real ranks.
+default_tests=(
+  tests/distributed/test_fault_matrix.py
+  tests/distributed/test_horovod.py
+  tests/distributed/test_launch_local.py
+  tests/distributed/test_optimizer_release.py
+  tests/distributed/test_topology_release.py
+  tests/distributed/test_elastic_restart.py
+  tests/distributed/test_per_group_plans.py
+  tests/distributed/test_multi_node_optimizer.py
+)
+if [ "$#" -gt 0 ]; then args=("$@"); else args=("${default_tests[@]}"); fi
+
+mkdir -p "$out"
+rm -f "$out"/run-*.xml "$out"/run-*.log "$out"/summary.txt
+
+hogs=()
+stop_hogs() {
+  for pid in "${hogs[@]}"; do kill "$pid" 2>/dev/null; done
+  hogs=()
+}
+trap 'stop_hogs; exit 130' INT TERM
+trap stop_hogs EXIT
+if [ "$hog" != "0" ]; then
+  cores=$(nproc)
+  for _ in $(seq "$cores"); do
+    bash -c 'while :; do :; done' &
+    hogs+=("$!")
+  done
+  echo "[stress] CPU hog: $cores busy processes (pids ${hogs[*]})"
+fi
+
+start=$(date +%s)
+echo "[stress] $n runs of: $python -m pytest -q -p no:cacheprovider $workers ${args[*]}"
+echo "[stress] started $(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+for i in $(seq "$n"); do
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # $workers is a list of options
+  "$python" -m pytest -q -p no:cacheprovider $workers --junitxml="$out/run-$i.xml" \
+    "${args[@]}" >"$out/run-$i.log" 2>&1
+  rc=$?
+  echo "[stress] run $i/$n: exit $rc, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$out/run-$i.log")"
+done
+stop_hogs
+echo "[stress] $n runs in $(( $(date +%s) - start )) s, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+"$python" "$root/scripts/stress_report.py" "$out" | tee "$out/summary.txt"
