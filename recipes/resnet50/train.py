@@ -32,7 +32,7 @@ import torch
 
 from commopt.optim.checkpoint import join_rank_state, split_rank_state
 from commopt.optim.layerwise import LARS
-from commopt.optim.schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
+from commopt.optim.lr_schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
 from recipes.common import (
     RecipeError,
     add_commopt_arguments,
