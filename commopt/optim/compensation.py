@@ -33,26 +33,11 @@ if TYPE_CHECKING:
     from commopt.reducer import GradientReducer
 
 __all__ = [
-    "COMPENSATED",
     "Compensation",
     "LocalGradients",
-    "parse_mode",
     "refuse_prediction",
     "unpack_replaces_grad",
 ]
-
-COMPENSATED = "compensated"
-
-
-def parse_mode(double_buffering) -> tuple[bool, bool]:
-    """``(double buffering on, compensated)`` from the wrapper's ``double_buffering=`` value."""
-    if isinstance(double_buffering, str):
-        if double_buffering != COMPENSATED:
-            raise ValueError(
-                f"double_buffering must be False, True or 'compensated', got {double_buffering!r}"
-            )
-        return True, True
-    return bool(double_buffering), False
 
 
 class LocalGradients:

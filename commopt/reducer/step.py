@@ -151,14 +151,14 @@ class StepReduction:
 
     # -- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The completed reduction (waits for it): its step, averaged buckets and agreed result.
+        """The completed reduction (waits for it): its number, averaged buckets, agreed result.
 
         What a checkpoint keeps of a reduction still pending under double buffering;
         :meth:`load_state_dict` on a fresh StepReduction of the same buckets restores it.
         """
         result = self.wait()
         return {
-            "step": self.step,
+            "reduction": self.step,
             "flats": [f.detach().clone().cpu() for f in self.flats],
             "result": {
                 "nonfinite": result.nonfinite,
@@ -181,7 +181,7 @@ class StepReduction:
         result = StepResult(bool(res["nonfinite"]), list(res["bad_buckets"]), list(res["present"]))
         for dst, src in zip(self.flats, flats):
             dst.copy_(src.to(dst.device))
-        self.step = int(state["step"])
+        self.step = int(state["reduction"] if "reduction" in state else state["step"])  # (1, 2)
         self.issued = len(self.reducer.buckets)
         self.present = list(result.present)
         self._result = result

@@ -31,8 +31,8 @@ def batch(step):
     return torch.arange(5) + step % 5
 
 
-SYNC = "compression=None, double_buffering=False"
-DB = "compression=None, double_buffering=True"
+SYNC = "compression=None, schedule=synchronous"
+DB = "compression=None, schedule=stale"
 
 
 def test_group_keys_and_name_rules_choose_plans_and_buckets_never_mix(comm):
@@ -50,7 +50,7 @@ def test_group_keys_and_name_rules_choose_plans_and_buckets_never_mix(comm):
     )
     assert list(opt.plans) == [
         SYNC,
-        "compression=fp16, double_buffering=True",  # the group's key wins over nothing else
+        "compression=fp16, schedule=stale",  # the group's key wins over nothing else
         DB,
     ]
     assert opt.plan_params(SYNC) == [model.embed.weight]
@@ -287,7 +287,7 @@ class Tied(torch.nn.Module):
         return self.out(torch.tanh(self.hidden(self.embed(idx)))).sum()
 
 
-COMP = "compression=None, double_buffering=compensated"
+COMP = "compression=None, schedule=compensated"
 
 
 def test_compensated_reduces_embeddings_tied_weights_and_1d_tensors_synchronously_by_default(

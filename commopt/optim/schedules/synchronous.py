@@ -12,14 +12,17 @@ backward finishes the reduction, so ``backward()`` returns with the averages in
     >>> import torch, commopt
     >>> from commopt.optim.bucketed_params import BucketedParameters
     >>> from commopt.optim.reduction_counter import ReductionCounter
+    >>> from commopt.optim.schedules.protocol import ScheduleContext
     >>> from commopt.reducer import GradientReducer
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> comm = commopt.create_communicator("local")
-    >>> schedule = SynchronousSchedule(
-    ...     ReductionCounter(), overlap=False, zero_fill=True, ensure_layout=lambda: None
+    >>> owned = BucketedParameters(lambda i: schedule.grad_ready(i), lambda: schedule.backward_end())
+    >>> owned.install(GradientReducer(comm, [w], ["w"]), [w])
+    >>> context = ScheduleContext(
+    ...     owned, ReductionCounter(), torch.optim.SGD([w], lr=0.1), zero_fill=True,
+    ...     ensure_layout=lambda: None, all_params=lambda: [w],
     ... )
-    >>> owned = BucketedParameters(schedule.grad_ready, schedule.backward_end)
-    >>> owned.install(GradientReducer(comm, [w], ["w"]), [w]); schedule.attach(owned)
+    >>> schedule = SynchronousSchedule(context, SynchronousOptions(overlap=False))
     >>> (w * 3).sum().backward(); schedule.stage.value
     'local'
     >>> schedule.synchronize(); schedule.stage.value, w.grad.tolist()
@@ -30,53 +33,44 @@ backward finishes the reduction, so ``backward()`` returns with the averages in
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from commopt.optim.reduction_counter import ReductionCounter
-from commopt.optim.schedule_base import ScheduleBase
+from commopt.optim.schedules.protocol import (
+    ScheduleBase,
+    ScheduleContext,
+    not_synchronized_error,
+)
 from commopt.optim.step_state import Stage, StepState
 from commopt.reducer import StepReduction, StepResult
 
-__all__ = ["SynchronousSchedule", "not_synchronized_error"]
+__all__ = ["SynchronousOptions", "SynchronousSchedule"]
 
 
-def not_synchronized_error() -> RuntimeError:
-    """``step()`` inside ``skip_synchronize()`` before this step's gradients were averaged."""
-    return RuntimeError(
-        "step() inside optimizer.skip_synchronize() but the gradients of this step were not "
-        "averaged yet: call optimizer.synchronize() after backward() and before step()"
-    )
+@dataclass(frozen=True)
+class SynchronousOptions:
+    """``overlap``: send each bucket during backward as its gradients are ready (True), or
+    every bucket in ``step()`` (False)."""
+
+    overlap: bool = True
 
 
 class SynchronousSchedule(ScheduleBase):
     """Each step's averages are applied by that step (``double_buffering=False``)."""
 
-    double_buffered = False
+    name = "synchronous"
+    options = SynchronousOptions
     refused_under = "overlap=False"
-    #: the ``double_buffering=`` value this schedule implements
-    mode: bool | str = False
-    supports_closures = True
-    #: GradScaler unscales ``param.grad`` itself (after the averages landed).
-    unscales_locally = False
+    checkpoint_keys = ("pending",)
 
-    def __init__(
-        self,
-        counter: ReductionCounter,
-        *,
-        overlap: bool,
-        zero_fill: bool,
-        ensure_layout: Callable[[], None],
-    ) -> None:
-        self.counter = counter
-        self.overlap = bool(overlap)
-        self.zero_fill = bool(zero_fill)
-        self._ensure_layout = ensure_layout
-        super().__init__()
+    def __init__(self, context: ScheduleContext, options: SynchronousOptions | None = None):
+        super().__init__(context, options)
+        # (compression="auto" measures the backward pass alone: sent in step())
+        self.overlap = bool(self.settings.overlap) and not context.defer_to_step
+        self._ensure_layout = context.ensure_layout
         self._state = StepState()
         self._averaged: list = []  # param.grad as the last synchronize() left them
 
@@ -150,9 +144,9 @@ class SynchronousSchedule(ScheduleBase):
         red = state.in_flight
         assert red is not None  # (sent just above)
         red.mark_ready(index)
-        if red.issued == len(owned.reducer.buckets) and not owned.hooks.end_queued:
-            # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
-            # finishing at its end is safe, as DDP's reducer does.
+        if red.issued == len(owned.reducer.buckets):
+            # Every gradient is in, though perhaps inside a nested (reentrant checkpoint)
+            # backward: finishing at its end is safe, as DDP's reducer does.
             owned.hooks.queue_end()
 
     def _adds_to_averages(self, index: int) -> bool:
@@ -209,16 +203,10 @@ class SynchronousSchedule(ScheduleBase):
             self.synchronize(explicit=True)
         return self._state.take().result()
 
-    def after_step(self, result: StepResult | None, max_norm: float | None) -> None:
-        """Nothing to do after the inner step."""
-
     def discard(self) -> None:
         """The gradients of the evaluation are consumed (``step(closure)``)."""
         self._drop_unapplied()
         self.guard.clear()
-
-    def flush(self) -> StepResult | None:
-        return None  # nothing is ever pending
 
     def before_layout_change(self) -> None:
         """A reduction the hooks left in flight belongs to the old buckets: forget it.
@@ -229,24 +217,21 @@ class SynchronousSchedule(ScheduleBase):
         if self._state.in_flight is not None:
             self._state.reset()
 
-    @contextlib.contextmanager
-    def true_weights(self) -> Iterator[None]:
-        yield  # the model always holds the true weights
-
     # -- checkpoint, close --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"double_buffering": False, "db_buffer": 0, "pending": None}
+        return {"pending": None}
 
-    def load_state_dict(self, extra: dict[str, Any], rank: int) -> None:
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
         self._state.reset()
-        if extra.get("pending") is not None:
+        if state.get("pending") is not None:
             raise ValueError(
                 "the checkpoint holds pending double-buffered gradients: load it into an "
-                "optimizer with double_buffering=True (or call flush() before saving)"
+                "optimizer with double_buffering=True or 'stale' (a schedule that keeps a "
+                "reduction pending), or call flush() before saving"
             )
         from commopt.optim.compensation import refuse_prediction
 
-        refuse_prediction(extra)
+        refuse_prediction(state)
 
     def close(self) -> None:
         self._state.reset()
