@@ -179,7 +179,7 @@ def test_it_mixes_with_the_synchronous_schedule_in_per_group_plans(accumulate):
 
 
 def test_an_option_no_schedule_declares_is_refused_naming_the_declared_ones():
-    with pytest.raises(TypeError, match="accumulate_every.*overlap"):
+    with pytest.raises(TypeError, match=r"accumulate_every.*overlap"):
         commopt.create_multi_node_optimizer(
             torch.optim.SGD(_model().parameters(), lr=0.1),
             commopt.create_communicator("local"),
