@@ -156,9 +156,11 @@ def upgrade(extra: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
             schedule = "synchronous"
         if len(keys) != 1:
             raise ValueError(
-                f"the checkpoint holds one plan for every parameter (schedule {schedule}) but "
-                f"this optimizer has {len(keys)} ({'; '.join(keys)}): load it into an "
-                "optimizer created with one compression and one schedule for every parameter"
+                f"the checkpoint holds one plan for every parameter (schedule {schedule!r}) "
+                f"but this optimizer has {len(keys)} ({'; '.join(keys)}): load it into an "
+                "optimizer created with one compression and one schedule for every parameter "
+                f"(double_buffering={schedule!r}; the double_buffering=True of the commopt "
+                "that wrote it is 'stale' now)"
             )
         part = {REDUCTION: extra["iteration"], "buckets": extra["buckets"]}
         part.update({k: extra[k] for k in ("db_buffer", "pending", "compensated") if k in extra})

@@ -113,7 +113,7 @@ def unpack_replaces_grad(reducer: GradientReducer) -> Callable[[torch.Tensor], b
 class Compensation:
     """The wrapper's compensated-double-buffering state: the prediction and this step's gradients.
 
-    ``optimizer`` is the inner optimizer (a TypeError naming ``double_buffering=True`` for
+    ``optimizer`` is the inner optimizer (a TypeError naming ``double_buffering="stale"`` for
     one whose update rule cannot be predicted).
     """
 

@@ -99,11 +99,13 @@ def create_multi_node_optimizer(
     is named by ``schedule=`` (any name in ``commopt.optim.schedules.SCHEDULES``) or by
     ``double_buffering``: False (``"synchronous"``: each step applies its own averages; with
     ``overlap=True``, the default, buckets are sent during backward, else in ``step()``),
-    ``"stale"`` (ChainerMN's double buffering: the average of step t is applied at step t+1)
-    or ``"compensated"`` (double buffering whose stale averages are applied at weights
-    predicted from each rank's local gradient; SGD, Adam, AdamW and LARS; between steps the
-    model holds the predicted weights: evaluate inside ``with opt.true_weights():`` or after
-    ``flush()``); True is ``"stale"``. Keyword arguments other than the ones above are the
+    True or ``"compensated"`` (double buffering: the average of step t is applied at step
+    t+1, at weights predicted from each rank's local gradient, which keeps synchronous
+    training's accuracy; SGD, Adam, AdamW and LARS; the embedding tables and 1-D tensors stay
+    synchronous by default; between steps the model holds the predicted weights: evaluate
+    inside ``with opt.true_weights():`` or after ``flush()``) or ``"stale"`` (ChainerMN's plain
+    double buffering: step t's average applied at the weights of step t+1, any optimizer,
+    at an accuracy cost). Keyword arguments other than the ones above are the
     schedules' own options (``overlap``; ``synchronous_embeddings``, ``synchronous_vectors``),
     each given to every schedule that declares it.
 
@@ -489,7 +491,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             ...     torch.optim.SGD(model.parameters(), lr=0.1),
             ...     comm,
             ...     model=model,
-            ...     double_buffering=True,
+            ...     double_buffering="stale",
             ... )
             >>> model(torch.ones(1, 2)).sum().backward()
             >>> opt.step()  # sends this step's gradients; applies nothing yet
@@ -628,6 +630,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         return loss
 
     # -- schedules that predict the weights -----------------------------------------------------
+    @property
+    def predicts_weights(self) -> bool:
+        """Whether a part's schedule moves the model to predicted weights between steps
+        (then evaluate or save inside :meth:`true_weights`)."""
+        return any(part.schedule.predicts_weights for part in self._parts)
+
     @contextlib.contextmanager
     def true_weights(self) -> Iterator[None]:
         """Inside the block the model holds the true (replicated) weights; after it, as before.

@@ -268,7 +268,7 @@ def _predicted_step(
         else:
             raise TypeError(
                 f"compensated double buffering predicts steps of SGD, Adam, AdamW and LARS, "
-                f"not {kind.__name__}; use double_buffering=True (plain) with this optimizer"
+                f"not {kind.__name__}; use double_buffering='stale' (plain) with this optimizer"
             )
         if apply is not None:
             for (group, p), g in zip(pairs, local_grads):

@@ -213,7 +213,7 @@ def _train(model, opt, steps):
         opt.step()
 
 
-@pytest.mark.parametrize("double_buffering", [False, True, "compensated"])
+@pytest.mark.parametrize("double_buffering", [False, "stale", "compensated"])
 def test_the_wrapper_measures_decides_logs_and_resumes_the_recorded_plan(double_buffering, caplog):
     comm = commopt.create_communicator("local")
 

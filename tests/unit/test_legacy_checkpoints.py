@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_legacy_checkpoints_load_and_continue_as_recorded():
     env = {**os.environ, **PINNED_NUMERICS, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.unit.legacy_checkpoints", "--check", "--then"],
+        [sys.executable, "-m", "tests.unit.legacy_checkpoints", "--check"],
         cwd=ROOT,
         env=env,
         capture_output=True,

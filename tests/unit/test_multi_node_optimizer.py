@@ -221,7 +221,10 @@ def test_double_buffering_is_exactly_one_step_stale(comm):
     lr = 0.1
     model, ref = mlp(), mlp()
     opt = create_multi_node_optimizer(
-        torch.optim.SGD(model.parameters(), lr=lr), comm, double_buffering=True, bucket_cap_mb=0.001
+        torch.optim.SGD(model.parameters(), lr=lr),
+        comm,
+        double_buffering="stale",
+        bucket_cap_mb=0.001,
     )
     stale = None
     for step in range(5):
@@ -251,7 +254,7 @@ def test_double_buffering_is_exactly_one_step_stale(comm):
 def test_double_buffering_synchronize_exposes_the_gradients_to_apply(comm):
     model = mlp()
     opt = create_multi_node_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering=True
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering="stale"
     )
     loss(model, 0).backward()
     g0 = [p.grad.clone() for p in model.parameters()]
@@ -270,7 +273,7 @@ def test_double_buffering_synchronize_exposes_the_gradients_to_apply(comm):
 def test_double_buffering_with_grad_scaler_needs_unscale_before_synchronize(comm):
     model = mlp()
     opt = create_multi_node_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering=True
+        torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering="stale"
     )
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(loss(model, 0)).backward()
@@ -303,9 +306,9 @@ def test_nonfinite_gradients_skip_the_step_and_are_reported(comm, caplog):
     "kwargs",
     [
         dict(),
-        dict(double_buffering=True),
+        dict(double_buffering="stale"),
         dict(compression="qsgd4+ef", algorithm="scatter_reduce"),
-        dict(compression="qsgd4+ef", algorithm="scatter_reduce", double_buffering=True),
+        dict(compression="qsgd4+ef", algorithm="scatter_reduce", double_buffering="stale"),
     ],
 )
 def test_state_dict_round_trip_continues_identically(comm, kwargs):
@@ -365,7 +368,7 @@ def test_load_state_dict_rejects_what_does_not_fit(comm):
         opt.load_state_dict(other)
     db_model = mlp()
     db = create_multi_node_optimizer(
-        torch.optim.SGD(db_model.parameters(), lr=0.1), comm, double_buffering=True
+        torch.optim.SGD(db_model.parameters(), lr=0.1), comm, double_buffering="stale"
     )
     loss(db_model, 0).backward()
     db.step()

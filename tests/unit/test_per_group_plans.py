@@ -46,7 +46,7 @@ def test_group_keys_and_name_rules_choose_plans_and_buckets_never_mix(comm):
         lr=0.1,
     )
     opt = commopt.create_multi_node_optimizer(
-        inner, comm, model=model, plans=[("fc.*", {"double_buffering": True})]
+        inner, comm, model=model, plans=[("fc.*", {"double_buffering": "stale"})]
     )
     assert list(opt.plans) == [
         SYNC,
@@ -83,7 +83,7 @@ def _mixed(comm, model, **kw):
         torch.optim.SGD(model.parameters(), lr=0.5),
         comm,
         model=model,
-        plans=[("fc.*", {"double_buffering": True})],
+        plans=[("fc.*", {"double_buffering": "stale"})],
         **kw,
     )
 
@@ -152,7 +152,7 @@ def _train(model, opt, steps):
         opt.step()
 
 
-@pytest.mark.parametrize("db", [True, "compensated"])
+@pytest.mark.parametrize("db", ["stale", "compensated"])
 def test_checkpoint_is_keyed_by_plan_and_resumes_exactly(comm, db):
     def build():
         model = Net()
@@ -340,4 +340,4 @@ def test_compensated_reduces_embeddings_tied_weights_and_1d_tensors_synchronousl
     assert plans_of(plans=[("*", {"double_buffering": "compensated"})]) == [COMP], (
         "a rule wins over the default rule"
     )
-    assert plans_of(db=True) == [DB], "the rule is compensated double buffering's only"
+    assert plans_of(db="stale") == [DB], "the rule is compensated double buffering's only"

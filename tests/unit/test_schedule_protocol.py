@@ -48,9 +48,7 @@ class AccumulateSchedule(ScheduleBase):
 
     def result(self, *, skip_synchronize: bool, scale: Any = None, found_inf: Any = None):
         params = self.bucketed.params
-        grads = [
-            torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params
-        ]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
         if self.accumulated is None:
             self.accumulated = grads
         else:
@@ -205,4 +203,3 @@ def test_every_registered_schedule_declares_what_the_protocol_asks():
         assert set(cls.own_keys) <= set(cls.checkpoint_keys), name
         for event in ("grad_ready", "backward_end", "synchronize", "result", "after_step"):
             assert callable(getattr(cls, event)), (name, event)
-

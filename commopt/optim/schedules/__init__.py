@@ -39,7 +39,7 @@ SCHEDULES: dict[str, str] = {
 #: rule's key); ``schedule=`` names any registered schedule.
 DOUBLE_BUFFERING: dict[object, str] = {
     False: "synchronous",
-    True: "stale",
+    True: "compensated",
     "stale": "stale",
     "compensated": "compensated",
 }
@@ -85,8 +85,9 @@ def schedule_class(name: str) -> Any:
 def schedule_name(double_buffering: object) -> str:
     """The schedule a ``double_buffering=`` value names.
 
-    ``False``: ``"synchronous"``; ``True``: ``"stale"``; ``"stale"`` and ``"compensated"``:
-    themselves.
+    ``False``: ``"synchronous"``; ``True``: ``"compensated"`` (with its default rule: it keeps
+    synchronous training's accuracy); ``"stale"`` (ChainerMN's plain double buffering) and
+    ``"compensated"``: themselves.
     """
     key = double_buffering
     if not isinstance(key, str):

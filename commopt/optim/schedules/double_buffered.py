@@ -206,8 +206,9 @@ class CompensatedOptions:
 
 class CompensatedSchedule(DoubleBufferedSchedule):
     """Double buffering whose stale averages are applied at weights predicted from each rank's
-    local gradient (``"compensated"``; SGD, Adam, AdamW and LARS: a TypeError names
-    ``double_buffering="stale"`` for an update rule it cannot predict)."""
+    local gradient (``"compensated"``, what ``double_buffering=True`` means; SGD, Adam, AdamW
+    and LARS: a TypeError names ``double_buffering="stale"`` for an update rule it cannot
+    predict)."""
 
     name = "compensated"
     options = CompensatedOptions
