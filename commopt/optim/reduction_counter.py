@@ -12,10 +12,10 @@ reduction's first bucket (``commopt.Join`` counts the ranks that still have data
     >>> reducer = GradientReducer(commopt.create_communicator("local"), [w], ["w"])
     >>> counter = ReductionCounter()
     >>> handle = counter.on_start(lambda: print("starting"))
-    >>> counter.start(reducer).step, counter.next
+    >>> counter.start(reducer).number, counter.next
     starting
     (0, 1)
-    >>> handle.remove(); counter.start(reducer).step
+    >>> handle.remove(); counter.start(reducer).number
     1
 """
 
@@ -50,8 +50,8 @@ class ReductionCounter:
     ) -> StepReduction:
         """Start the next reduction of ``reducer``'s buckets into buffer set ``buffer``."""
         self.run_start_callbacks()
-        red = reducer.start(step=self.next, buffer=buffer, scale=scale)
-        self.next = red.step + 1  # a step every rank skipped gave its number back
+        red = reducer.start(number=self.next, buffer=buffer, scale=scale)
+        self.next = red.number + 1  # a reduction every rank skipped gave its number back
         return red
 
     def run_start_callbacks(self) -> None:

@@ -14,7 +14,7 @@ from commopt.optim.reduction_counter import ReductionCounter
 from commopt.optim.schedules.double_buffered import CompensatedSchedule, DoubleBufferedSchedule
 from commopt.optim.schedules.protocol import ScheduleContext
 from commopt.optim.schedules.synchronous import SynchronousOptions, SynchronousSchedule
-from commopt.optim.step_state import Stage
+from commopt.optim.step_progress import Stage
 from commopt.reducer import GradientReducer, StepResult
 
 
@@ -156,7 +156,7 @@ def test_reduction_counter_gives_a_skipped_steps_number_back(comm):
     red.issue_remaining()
     assert red.wait().nonfinite and counter.saved(reducer) == 0  # given back
     w.grad = torch.ones(2)
-    assert counter.start(reducer).step == 0 and calls == [0, 1]
+    assert counter.start(reducer).number == 0 and calls == [0, 1]
     handle.remove()
     counter.start(reducer)
     assert calls == [0, 1]

@@ -1,7 +1,7 @@
 """The synchronous schedule: each step applies the averages of its own gradients.
 
 :class:`SynchronousSchedule` owns the step in progress (a
-:class:`~commopt.optim.step_state.StepState`) and receives the optimizer's events. With
+:class:`~commopt.optim.step_progress.StepProgress`) and receives the optimizer's events. With
 ``overlap=True`` each backward hook marks its gradient ready and the reduction sends every
 bucket whose gradients are all in (:meth:`~SynchronousSchedule.grad_ready`); the end of
 backward finishes the reduction, so ``backward()`` returns with the averages in
@@ -44,7 +44,7 @@ from commopt.optim.schedules.protocol import (
     ScheduleContext,
     not_synchronized_error,
 )
-from commopt.optim.step_state import Stage, StepState
+from commopt.optim.step_progress import Stage, StepProgress
 from commopt.reducer import StepReduction, StepResult
 
 __all__ = ["SynchronousOptions", "SynchronousSchedule"]
@@ -71,40 +71,40 @@ class SynchronousSchedule(ScheduleBase):
         # (compression="auto" measures the backward pass alone: sent in step())
         self.overlap = bool(self.settings.overlap) and not context.defer_to_step
         self._ensure_layout = context.ensure_layout
-        self._state = StepState()
+        self._progress = StepProgress()
         self._averaged: list = []  # param.grad as the last synchronize() left them
 
     # -- inspection ---------------------------------------------------------------------------
     @property
     def stage(self) -> Stage:
-        """Where this step's gradients are (:class:`~commopt.optim.step_state.Stage`)."""
-        return self._state.stage
+        """Where this step's gradients are (:class:`~commopt.optim.step_progress.Stage`)."""
+        return self._progress.stage
 
     @property
     def in_flight(self) -> StepReduction | None:
         """The reduction the backward hooks are sending, else None."""
-        return self._state.in_flight
+        return self._progress.in_flight
 
     @property
     def averages(self) -> StepReduction | None:
         """The finished reduction whose averages are in ``param.grad``, not applied yet."""
-        return self._state.averages
+        return self._progress.averages
 
     @property
     def started(self) -> bool:
         """Whether this step's reduction started (sending, or averaged and not applied)."""
-        return self._state.started
+        return self._progress.started
 
     @property
     def reads_synchronize(self) -> bool:
         """Whether reading ``param_groups`` now should finish the reduction first."""
-        return self._state.has_local
+        return self._progress.has_local
 
     def zero_grad_buffer(self) -> int | None:
         """The buffer set ``zero_grad(set_to_none=False)`` may point ``.grad`` at (None: none)."""
         self._drop_unapplied()  # averages not applied (a skipped step) are discarded
         self.guard.clear()
-        return None if self._state.in_flight is not None else 0
+        return None if self._progress.in_flight is not None else 0
 
     def _drop_unapplied(self) -> None:
         """Forget averages ``step()`` did not apply, once their agreed result is read.
@@ -112,10 +112,10 @@ class SynchronousSchedule(ScheduleBase):
         (Reading it is what discards a skipped step's codec state on stream-ordered
         transports; the averages were written without it.)
         """
-        unapplied = self._state.averages
+        unapplied = self._progress.averages
         if unapplied is not None:
             unapplied.wait()
-        self._state.drop()
+        self._progress.drop()
 
     def applied_params(self) -> list[torch.Tensor]:
         """The parameters whose averages the step applies (clipped together)."""
@@ -124,13 +124,13 @@ class SynchronousSchedule(ScheduleBase):
     # -- events -------------------------------------------------------------------------------
     def grad_ready(self, index: int) -> None:
         """Backward produced parameter ``index``'s gradient (outside ``no_sync()``)."""
-        state = self._state
-        state.wrote()
+        progress = self._progress
+        progress.wrote()
         if not self.overlap:
             return
         owned = self.bucketed
-        if state.in_flight is None:
-            if state.averages is not None and self._adds_to_averages(index):
+        if progress.in_flight is None:
+            if progress.averages is not None and self._adds_to_averages(index):
                 # The averages were not applied (GradScaler skipped the step) and this backward
                 # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
                 raise RuntimeError(
@@ -140,8 +140,8 @@ class SynchronousSchedule(ScheduleBase):
                     "optimizer.no_sync():`."
                 )
             self._drop_unapplied()
-            state.send(self.counter.start(owned.reducer))
-        red = state.in_flight
+            progress.send(self.counter.start(owned.reducer))
+        red = progress.in_flight
         assert red is not None  # (sent just above)
         red.mark_ready(index)
         if red.issued == len(owned.reducer.buckets):
@@ -170,21 +170,21 @@ class SynchronousSchedule(ScheduleBase):
         """Finish this step's reduction (or send it all now): the averages land in ``param.grad``."""
         if explicit:
             self.guard.clear()  # the gradients in .grad now are the ones to send
-        state = self._state
-        if state.stage is Stage.AVERAGED:
+        progress = self._progress
+        if progress.stage is Stage.AVERAGED:
             return  # already averaged since the last backward
         self._ensure_layout()
         owned = self.bucketed
-        if state.averages is not None:
-            state.averages.wait()  # unapplied averages collect() drops: their result is read
-        red = state.collect()  # the one the hooks are sending, if any
+        if progress.averages is not None:
+            progress.averages.wait()  # unapplied averages collect() drops: their result is read
+        red = progress.collect()  # the one the hooks are sending, if any
         if red is None:
             red = self.counter.start(owned.reducer)
         red.issue_remaining()
         # zero_fill=True writes the averages without reading anything on the host: the
         # agreed result (NaN/Inf skip) is read in step(), where it is needed.
         red.write_averages(self.zero_fill)
-        state.averaged(red)
+        progress.averaged(red)
         self._averaged = [  # (the second-backward check)
             None if p.grad is None else weakref.ref(p.grad) for p in owned.params
         ]
@@ -196,12 +196,12 @@ class SynchronousSchedule(ScheduleBase):
 
         (GradScaler's ``scale`` and ``found_inf`` play no part: it unscaled ``param.grad``.)
         """
-        if self._state.stage is not Stage.AVERAGED:
+        if self._progress.stage is not Stage.AVERAGED:
             if skip_synchronize:
                 raise not_synchronized_error()
             self._check_no_local_writes()
             self.synchronize(explicit=True)
-        return self._state.take().result()
+        return self._progress.take().result()
 
     def discard(self) -> None:
         """The gradients of the evaluation are consumed (``step(closure)``)."""
@@ -214,15 +214,15 @@ class SynchronousSchedule(ScheduleBase):
         (The optimizer drained it first.) The gradients count as local again, and the next
         synchronize sends them with the new layout.
         """
-        if self._state.in_flight is not None:
-            self._state.reset()
+        if self._progress.in_flight is not None:
+            self._progress.reset()
 
     # -- checkpoint, close --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"pending": None}
 
     def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
-        self._state.reset()
+        self._progress.reset()
         if state.get("pending") is not None:
             raise ValueError(
                 "the checkpoint holds pending double-buffered gradients: load it into an "
@@ -234,4 +234,4 @@ class SynchronousSchedule(ScheduleBase):
         refuse_prediction(state)
 
     def close(self) -> None:
-        self._state.reset()
+        self._progress.reset()
