@@ -325,7 +325,7 @@ class PowerSGD(Codec):
             self._first_q[key] = first
         return first
 
-    def _state_for(
+    def state_for(
         self, key: Hashable, lay: _Placement, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(first Q, Q to start from, residual or None) of ``key``, checked against ``lay``."""
@@ -346,14 +346,14 @@ class PowerSGD(Codec):
             )
         return first, q.to(flat.device), (None if res is None else res.to(flat.device))
 
-    def _residual_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+    def residual_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """A buffer for ``key``'s new residual: a final step's old one when it fits."""
         spare = self._spare.pop(key, None)
         if spare is None or spare.shape != like.shape or spare.device != like.device:
             return torch.empty_like(like)
         return spare
 
-    def _commit(self, key: Hashable, q: torch.Tensor, res: torch.Tensor | None) -> None:
+    def commit(self, key: Hashable, q: torch.Tensor, res: torch.Tensor | None) -> None:
         if key not in self._undo:
             self._undo[key] = (self._qs.get(key), self._residuals.get(key))
         self._qs[key] = q
@@ -435,7 +435,7 @@ class LowRankReduction:
         size: int,
     ):
         self.codec, self.flat, self.lay, self.key, self.size = codec, flat, lay, key, size
-        first, q_start, res = codec._state_for(key, lay, flat)
+        first, q_start, res = codec.state_for(key, lay, flat)
         self._res = res
         dev = flat.device
         self.p = torch.empty(lay.p_numel, dtype=torch.float32, device=dev)
@@ -514,7 +514,7 @@ class LowRankReduction:
         codec, lay = self.codec, self.lay
         new_res = None
         if codec.error_feedback:
-            new_res = codec._residual_buffer(self.key, self.flat)
+            new_res = codec.residual_buffer(self.key, self.flat)
             for lo, hi in lay.rest:  # sent exactly: nothing to carry
                 new_res[lo:hi].zero_()
         for m in lay.matrices:
@@ -526,4 +526,4 @@ class LowRankReduction:
         torch.nan_to_num_(self.q, nan=0.0, posinf=0.0, neginf=0.0)
         if new_res is not None:
             torch.nan_to_num_(new_res, nan=0.0, posinf=0.0, neginf=0.0)
-        codec._commit(self.key, self.q, new_res)
+        codec.commit(self.key, self.q, new_res)

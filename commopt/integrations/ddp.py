@@ -168,7 +168,7 @@ class CommoptHookState:
                 reducer.load_codec_states(self._pending_codec_state.pop(str(index)))
 
     # -- one reducer per DDP bucket ----------------------------------------------------------
-    def _reducer(self, bucket: dist.GradBucket) -> GradientReducer:
+    def reducer_for(self, bucket: dist.GradBucket) -> GradientReducer:
         index = bucket.index()
         grads = bucket.gradients()
         params = bucket.parameters()
@@ -208,7 +208,7 @@ def commopt_hook(
     state: CommoptHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket`` over DDP's group through commopt's codec."""
-    reducer = state._reducer(bucket)
+    reducer = state.reducer_for(bucket)
     comm = reducer.comm
     # With the bucket's CUDA device named, torch records the current stream when the result
     # is set and makes every consumer's stream wait for it (without: no synchronisation).
