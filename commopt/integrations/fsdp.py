@@ -304,7 +304,7 @@ class CompressedReplicas:
             )
 
     # -- the reduction, from the hooks --------------------------------------------------------
-    def _reduce(self, unit: _Unit, output: torch.Tensor) -> None:
+    def reduce_unit(self, unit: _Unit, output: torch.Tensor) -> None:
         """FSDP's all-reduce hook of ``unit``: average ``output`` over the replicas, in place."""
         if output.numel() != unit.numel:
             raise RuntimeError(
@@ -325,7 +325,7 @@ class CompressedReplicas:
         present = [True] * len(unit.segments)
         unit.bad = [reducer.pack(b, flats[b.index], present) for b in reducer.buckets]
         for b in reducer.buckets:
-            reducer.reduce(b, flats[b.index], reduction.step, 1.0)
+            reducer.reduce(b, flats[b.index], reduction.number, 1.0)
         keep = [True] * len(unit.segments)
 
         def unpack() -> None:
@@ -661,7 +661,7 @@ class CompressedReplicas:
         )
 
     # For the planner: fill the template handed out last with this rank's saved residuals.
-    def _fill_template(self, state_dict: dict[str, Any], metadata) -> None:
+    def fill_load_template(self, state_dict: dict[str, Any], metadata) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         path = _find(state_dict, self._template)
@@ -722,7 +722,7 @@ class _Hook:
         self._unit = unit
 
     def __call__(self, output: torch.Tensor) -> None:
-        self._owner._reduce(self._unit, output)
+        self._owner.reduce_unit(self._unit, output)
 
 
 def _no_hook(output: torch.Tensor) -> None:
@@ -734,7 +734,7 @@ def _make_load_planner(owner: CompressedReplicas, **kwargs):
 
     class ReplicasLoadPlanner(DefaultLoadPlanner):
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-            owner._fill_template(state_dict, metadata)
+            owner.fill_load_template(state_dict, metadata)
             super().set_up_planner(state_dict, metadata, is_coordinator)
 
     return ReplicasLoadPlanner(**kwargs)
