@@ -110,9 +110,7 @@ print("resumed", comm.rank)
 
 
 def residuals(opt):
-    return next(iter(opt.state_dict()["commopt"]["codec_state"].values()))["compressed"][
-        "residuals"
-    ]
+    return opt.state_dict()["commopt"]["codec_state"]["compressed"]["residuals"]
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ def parse(*argv):
     ("argv", "mode", "label"),
     [
         ((), False, "fp32"),
-        (("--double-buffering",), True, "fp32+comp"),
-        (("--double-buffering", "stale"), "stale", "fp32+stale"),
+        (("--double-buffering",), True, "fp32+db"),
         (("--double-buffering", "compensated"), "compensated", "fp32+comp"),
         (
             ("--double-buffering", "compensated", "--no-synchronous-embeddings"),
@@ -30,7 +29,7 @@ def parse(*argv):
             "compensated",
             "fp32+comp+stale-vectors",
         ),
-        (("--compression", "qsgd4+ef", "--double-buffering"), True, "qsgd4+ef+comp"),
+        (("--compression", "qsgd4+ef", "--double-buffering"), True, "qsgd4+ef+db"),
     ],
 )
 def test_double_buffering_modes(argv, mode, label):
@@ -42,4 +41,4 @@ def test_double_buffering_modes(argv, mode, label):
 def test_unknown_double_buffering_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse("--double-buffering", "sometimes")
-    assert "takes no value, 'compensated' or 'stale'" in capsys.readouterr().err
+    assert "takes no value or 'compensated'" in capsys.readouterr().err

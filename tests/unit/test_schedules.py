@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commopt.optim.lr_schedules import (
+from commopt.optim.schedules import (
     CHAINERMN_MILESTONES,
     PolyWarmup,
     StepWarmup,
