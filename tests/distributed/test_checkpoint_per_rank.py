@@ -85,10 +85,11 @@ def test_each_rank_saves_and_loads_only_its_own_residuals(tmp_path):
         env={"COMMOPT_STATE_DICT_TIMEOUT": "5"},
     )
     assert [o.strip() for o in out] == ["per-rank ok 0", "per-rank ok 1"]
-    # Resume the 2-rank checkpoint on 1 rank (this process): an error naming both counts...
+    # Resume the 2-rank checkpoint on 1 rank (this process): refused when asked, naming both
+    # counts...
     model, opt = mlp_opt(commopt.create_communicator("local"))
     with pytest.raises(ValueError, match="of 2 ranks but this job has 1"):
-        load_checkpoint(tmp_path / "ckpt", model, opt)
+        load_checkpoint(tmp_path / "ckpt", model, opt, residuals="refuse")
     # ... or, when asked, everything but the residuals, which restart at zero.
     load_checkpoint(tmp_path / "ckpt", model, opt, reset_codec_state=True)
     assert opt.applied_steps == 2
