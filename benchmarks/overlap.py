@@ -85,7 +85,7 @@ def rank_main(args) -> None:
             inner,
             comm,
             overlap=(mode != "no-overlap"),
-            double_buffering=(mode == "double-buffering"),
+            double_buffering="stale" if mode == "double-buffering" else False,
             compression=args.compression,
             bucket_cap_mb=args.bucket_cap_mb,
         )

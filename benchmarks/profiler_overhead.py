@@ -42,7 +42,7 @@ def main() -> None:
         comm,
         model=model,
         compression="qsgd4+ef",
-        double_buffering=True,
+        double_buffering="stale",
         bucket_cap_mb=1,
     )
     x, y = torch.randn(16, 512), torch.randn(16, 512)

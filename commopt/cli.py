@@ -43,7 +43,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
-        p.set_defaults(_module=module)
+        p.set_defaults(command_module=module)
     return parser
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
     )
     args, rest = parser.parse_known_args(head)
-    if not getattr(args, "_module", None):
+    if not getattr(args, "command_module", None):
         parser.print_help()
         return 2
     sub = _subparser(parser, args.command)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         args.command_args = list(args.command_args or []) + list(rest) + list(tail or [])
     elif tail is not None:
         sub.error(f"unrecognized arguments: -- {' '.join(tail)}")
-    return int(args._module.run(args) or 0)
+    return int(args.command_module.run(args) or 0)
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

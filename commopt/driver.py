@@ -70,6 +70,12 @@ class Driver:
             self._last = work
             return work
 
+    @property
+    def last(self) -> FutureWork | None:
+        """The Work of the job submitted last (None: none yet)."""
+        with self._lock:
+            return self._last
+
     def drain(self) -> None:
         """Wait for everything submitted so far (re-raises the last job's error)."""
         with self._lock:
@@ -196,7 +202,7 @@ def idle(comm: Communicator) -> bool:
     last = _LAST_INLINE.get(comm)
     if last is None:
         drv = _DRIVERS.get(comm)
-        last = drv._last if drv is not None else None
+        last = drv.last if drv is not None else None
     return last is None or last.is_completed()
 
 

@@ -67,20 +67,22 @@ def add_commopt_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=True,
         default=False,
-        type=lambda v: v if v == "compensated" else _bad_mode(v),
-        help="overlap step t's allreduce with step t+1's compute (update uses t-1); "
-        "'--double-buffering compensated' adds the local-step prediction",
+        type=lambda v: v if v in ("compensated", "stale") else _bad_mode(v),
+        help="overlap step t's allreduce with step t+1's compute, each step applying the "
+        "previous step's average at the weights its local gradient predicts (the compensated "
+        "schedule, as '--double-buffering compensated'); '--double-buffering stale': ChainerMN's "
+        "plain schedule (any optimizer, at an accuracy cost)",
     )
     g.add_argument(
         "--no-synchronous-embeddings",
         action="store_true",
-        help="under --double-buffering compensated, double-buffer the embedding tables too "
+        help="under compensated double buffering, double-buffer the embedding tables too "
         "(by default they reduce synchronously)",
     )
     g.add_argument(
         "--no-synchronous-vectors",
         action="store_true",
-        help="under --double-buffering compensated, double-buffer the 1-D tensors (biases, "
+        help="under compensated double buffering, double-buffer the 1-D tensors (biases, "
         "norms) too (by default they reduce synchronously)",
     )
     g.add_argument(
@@ -91,7 +93,7 @@ def add_commopt_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _bad_mode(value: str) -> str:
     raise argparse.ArgumentTypeError(
-        f"--double-buffering takes no value or 'compensated', got {value!r}"
+        f"--double-buffering takes no value, 'compensated' or 'stale', got {value!r}"
     )
 
 
@@ -180,7 +182,8 @@ def config_label(args: argparse.Namespace) -> str:
     """A short name of the communication configuration, e.g. ``qsgd4+db``."""
     parts = [args.compression or args.allreduce_grad_dtype or "fp32"]
     if args.double_buffering:
-        parts.append("comp" if args.double_buffering == "compensated" else "db")
+        # (no value: the compensated schedule, double_buffering=True)
+        parts.append("stale" if args.double_buffering == "stale" else "comp")
         if getattr(args, "no_synchronous_embeddings", False):
             parts.append("stale-embeddings")
         if getattr(args, "no_synchronous_vectors", False):

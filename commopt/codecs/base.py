@@ -35,14 +35,15 @@ class RngKey:
     """Where the random numbers of one ``encode`` come from.
 
     Stochastic rounding draws from a counter-based generator keyed by
-    (seed, rank, step, stream) and counted by bucket and element, so a run is reproducible
-    and independent of threads, kernels and chunking. ``stream`` tells apart the encodes of
-    one step (e.g. the bucket id and the chunk index) so that they do not share numbers.
+    (seed, rank, reduction, stream) and counted by bucket and element, so a run is
+    reproducible and independent of threads, kernels and chunking. ``reduction`` is the
+    reduction number; ``stream`` tells apart the encodes of one reduction (e.g. the bucket id
+    and the chunk index) so that they do not share numbers.
     """
 
     seed: int
     rank: int
-    step: int
+    reduction: int
     stream: int = 0
 
 

@@ -23,7 +23,7 @@ not compress (vectors, or matrices too small for ``rank`` to save a factor
 ``min_compression_rate``) travel exactly, in the first allreduce.
 
 The sums arrive from the peers and are untrusted: given as a buffer of their own
-(``after_p_sum(summed)``, ``after_q_sum(summed)``) a size other than the layout's raises
+(``after_p_sum(summed)``, ``after_q_sum(summed)``) a size other than the placement's raises
 ``ValueError``; a NaN/Inf in a matrix's summed ``P`` makes the orthogonalisation zero that
 column, and one in ``Q`` or in a value sent exactly reaches the result, which the
 reduction re-checks (``can_overflow``): the step's NaN/Inf agreement then skips the step on
@@ -118,7 +118,7 @@ class _Matrix:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Placement:
     matrices: tuple[_Matrix, ...]
     rest: tuple[tuple[int, int], ...]  # (lo, hi) ranges sent exactly
     p_numel: int  # the P's, then the exact ranges
@@ -175,7 +175,7 @@ class PowerSGD(Codec):
         self._qs: dict[Hashable, torch.Tensor] = {}
         self._residuals: dict[Hashable, torch.Tensor] = {}
         self._first_q: dict[Hashable, torch.Tensor] = {}  # not state: derived from the seed
-        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._placements: dict[tuple[Any, ...], _Placement] = {}
         # The step whose updates discard_step() undoes, and each key's state before it.
         self._open_step: int | None = None
         self._undo: dict[Hashable, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
@@ -207,12 +207,13 @@ class PowerSGD(Codec):
     def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
         raise self._flat_use()
 
-    # -- layout ------------------------------------------------------------------------------
-    def layout(self, numel: int, shapes: Shapes) -> _Layout:
-        """Which tensors are compressed (as matrices), which ranges travel exactly."""
+    # -- placement: where each matrix and exact range sits in the buffers ------------------------
+    def placement(self, numel: int, shapes: Shapes) -> _Placement:
+        """Which tensors are compressed (as matrices), which ranges travel exactly, and where
+        each sits in the P and Q buffers."""
         norm = tuple(sorted((int(off), tuple(int(d) for d in shape)) for off, shape in shapes))
         cache_key = (numel, norm)
-        found = self._layouts.get(cache_key)
+        found = self._placements.get(cache_key)
         if found is not None:
             return found
         matrices: list[_Matrix] = []
@@ -250,42 +251,42 @@ class PowerSGD(Codec):
             else:
                 merged.append((lo, hi))
         p_numel = p_at + sum(hi - lo for lo, hi in merged)
-        found = _Layout(tuple(matrices), tuple(merged), p_numel, q_at)
-        self._layouts[cache_key] = found
+        found = _Placement(tuple(matrices), tuple(merged), p_numel, q_at)
+        self._placements[cache_key] = found
         return found
 
     def wire_numel(self, numel: int, shapes: Shapes) -> int:
         """float32 values each rank sends (both allreduces) for a buffer of these tensors."""
-        lay = self.layout(numel, shapes)
+        lay = self.placement(numel, shapes)
         return lay.p_numel + lay.q_numel
 
     # -- one reduction ---------------------------------------------------------------------------
-    def warming_up(self, step: int | None) -> bool:
-        """True when reduction ``step`` travels uncompressed (``step < start_iter``)."""
+    def warming_up(self, reduction: int | None) -> bool:
+        """True when reduction number ``reduction`` travels uncompressed (``< start_iter``)."""
         if not self.start_iter:
             return False
-        if step is None:
+        if reduction is None:
             raise ValueError(
                 f"{self.name} compresses from reduction {self.start_iter} on and needs each "
-                "reduction's number: pass rng=RngKey(seed, rank, step) to allreduce (the "
+                "reduction's number: pass rng=RngKey(seed, rank, reduction) to allreduce (the "
                 "reducer and the optimizer wrapper do)"
             )
-        return step < self.start_iter
+        return reduction < self.start_iter
 
-    def begin_uncompressed(self, step: int) -> None:
+    def begin_uncompressed(self, reduction: int) -> None:
         """A warm-up reduction begins (in issue order, as :meth:`start` would): the previous
         reduction is final, and this one updates nothing (:meth:`discard_step` after it has
         nothing to put back)."""
-        self._close_step(step)
+        self._close_step(reduction)
 
-    def _close_step(self, step: int | None) -> None:
-        """A reduction numbered ``step`` begins: the previous one, if another, is final."""
-        if step is None or step != self._open_step:
+    def _close_step(self, reduction: int | None) -> None:
+        """Reduction number ``reduction`` begins: the previous one, if another, is final."""
+        if reduction is None or reduction != self._open_step:
             for key_, (_, old_res) in self._undo.items():  # the previous step is final
                 if old_res is not None:
                     self._spare[key_] = old_res
             self._undo = {}
-            self._open_step = step
+            self._open_step = reduction
 
     def start(
         self,
@@ -295,22 +296,22 @@ class PowerSGD(Codec):
         key: Hashable,
         factor: float,
         size: int,
-        step: int | None = None,
+        reduction: int | None = None,
     ) -> LowRankReduction:
         """Begin reducing ``flat`` (its tensors at ``shapes``): adds the residual, forms P.
 
         ``factor`` multiplies the gradient before anything else (``1/size`` for a mean);
-        ``size`` is the number of ranks whose contributions are summed. ``step`` numbers
-        the step (:meth:`discard_step` undoes the updates of the latest one).
+        ``size`` is the number of ranks whose contributions are summed. ``reduction`` is the
+        reduction's number (:meth:`discard_step` undoes the updates of the latest one).
         """
         if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError(f"{self.name}: needs a contiguous 1-D float32 buffer")
         if size < 1:
             raise ValueError(f"{self.name}: size must be >= 1, got {size}")
-        self._close_step(step)
-        return LowRankReduction(self, flat, self.layout(flat.numel(), shapes), key, factor, size)
+        self._close_step(reduction)
+        return LowRankReduction(self, flat, self.placement(flat.numel(), shapes), key, factor, size)
 
-    def _initial_q(self, key: Hashable, lay: _Layout, device: torch.device) -> torch.Tensor:
+    def _initial_q(self, key: Hashable, lay: _Placement, device: torch.device) -> torch.Tensor:
         first = self._first_q.get(key)
         if first is None or first.numel() != lay.q_numel or first.device != device:
             gen = torch.Generator().manual_seed(
@@ -324,8 +325,8 @@ class PowerSGD(Codec):
             self._first_q[key] = first
         return first
 
-    def _state_for(
-        self, key: Hashable, lay: _Layout, flat: torch.Tensor
+    def state_for(
+        self, key: Hashable, lay: _Placement, flat: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(first Q, Q to start from, residual or None) of ``key``, checked against ``lay``."""
         first = self._initial_q(key, lay, flat.device)
@@ -345,14 +346,14 @@ class PowerSGD(Codec):
             )
         return first, q.to(flat.device), (None if res is None else res.to(flat.device))
 
-    def _residual_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+    def residual_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """A buffer for ``key``'s new residual: a final step's old one when it fits."""
         spare = self._spare.pop(key, None)
         if spare is None or spare.shape != like.shape or spare.device != like.device:
             return torch.empty_like(like)
         return spare
 
-    def _commit(self, key: Hashable, q: torch.Tensor, res: torch.Tensor | None) -> None:
+    def commit(self, key: Hashable, q: torch.Tensor, res: torch.Tensor | None) -> None:
         if key not in self._undo:
             self._undo[key] = (self._qs.get(key), self._residuals.get(key))
         self._qs[key] = q
@@ -428,13 +429,13 @@ class LowRankReduction:
         self,
         codec: PowerSGD,
         flat: torch.Tensor,
-        lay: _Layout,
+        lay: _Placement,
         key: Hashable,
         factor: float,
         size: int,
     ):
         self.codec, self.flat, self.lay, self.key, self.size = codec, flat, lay, key, size
-        first, q_start, res = codec._state_for(key, lay, flat)
+        first, q_start, res = codec.state_for(key, lay, flat)
         self._res = res
         dev = flat.device
         self.p = torch.empty(lay.p_numel, dtype=torch.float32, device=dev)
@@ -480,7 +481,7 @@ class LowRankReduction:
             unit = "bytes" if raw else "float32 values"
             raise ValueError(
                 f"{name}: the summed {what} of bucket {key!r} is {summed.numel()} {unit}; this "
-                f"bucket's layout needs {need} {unit} ({buf.numel()} float32 values: "
+                f"bucket's placement needs {need} {unit} ({buf.numel()} float32 values: "
                 f"{len(self.lay.matrices)} compressed matrices at rank <= {self.codec.rank}"
                 + (", then the values sent exactly)" if what == "P" else ")")
             )
@@ -513,7 +514,7 @@ class LowRankReduction:
         codec, lay = self.codec, self.lay
         new_res = None
         if codec.error_feedback:
-            new_res = codec._residual_buffer(self.key, self.flat)
+            new_res = codec.residual_buffer(self.key, self.flat)
             for lo, hi in lay.rest:  # sent exactly: nothing to carry
                 new_res[lo:hi].zero_()
         for m in lay.matrices:
@@ -525,4 +526,4 @@ class LowRankReduction:
         torch.nan_to_num_(self.q, nan=0.0, posinf=0.0, neginf=0.0)
         if new_res is not None:
             torch.nan_to_num_(new_res, nan=0.0, posinf=0.0, neginf=0.0)
-        codec._commit(self.key, self.q, new_res)
+        codec.commit(self.key, self.q, new_res)

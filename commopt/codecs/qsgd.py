@@ -17,7 +17,7 @@ docs/codecs.md for the error bound and the random numbers.
     0.1328125
     >>> x = torch.randn(1000)
     >>> wire = torch.empty(codec.encoded_nbytes(1000), dtype=torch.uint8)
-    >>> codec.encode(x, wire, rng=RngKey(seed=0, rank=0, step=0))
+    >>> codec.encode(x, wire, rng=RngKey(seed=0, rank=0, reduction=0))
     >>> out = torch.zeros(1000)
     >>> codec.decode(wire, out)
     >>> bool(((out - x).abs() <= x.abs().max() / 7 * 1.0001).all())
@@ -143,7 +143,7 @@ class QSGD(Codec):
             lo, hi = (int(w) for w in torch.randint(0, 2**32, (2,), dtype=torch.int64))
             words = (lo, hi)
         else:
-            words = kernels.rng_words(rng.seed, rng.rank, rng.step, rng.stream)
+            words = kernels.rng_words(rng.seed, rng.rank, rng.reduction, rng.stream)
         kernels.qsgd_encode(
             flat,
             out,

@@ -47,8 +47,8 @@ def chunk_bounds(numel: int, parts: int, alignment: int = 1) -> list[tuple[int, 
     """
     alignment = max(1, int(alignment))
     units = math.ceil(numel / alignment)
-    step = math.ceil(units / parts) * alignment if units else 0
-    return [(min(i * step, numel), min((i + 1) * step, numel)) for i in range(parts)]
+    width = math.ceil(units / parts) * alignment if units else 0
+    return [(min(i * width, numel), min((i + 1) * width, numel)) for i in range(parts)]
 
 
 def scatter_reduce_layout(
@@ -86,7 +86,7 @@ def chunk_rng(rng: RngKey | None, phase: int, index: int) -> RngKey | None:
     if index >> _CHUNK_BITS:
         raise ValueError(f"too many chunks for one allreduce ({index}); raise piece_bytes")
     stream = (rng.stream << (_CHUNK_BITS + 1)) | (phase << _CHUNK_BITS) | index
-    return RngKey(rng.seed, rng.rank, rng.step, stream)
+    return RngKey(rng.seed, rng.rank, rng.reduction, stream)
 
 
 def sub_key(key: str | None, suffix: str) -> str | None:

@@ -41,18 +41,18 @@ def plan_lowrank(
             "buffer (the reducer and the optimizer wrapper pass them)"
         )
     shapes = [(int(off), tuple(int(d) for d in shape)) for off, shape in shapes]
-    codec.layout(flat.numel(), shapes)  # bad shapes fail here, on the caller's thread
-    step = rng.step if rng is not None else None
-    warm = codec.warming_up(step)  # (raises here, on the caller's thread, without a step)
+    codec.placement(flat.numel(), shapes)  # bad shapes fail here, on the caller's thread
+    number = rng.reduction if rng is not None else None
+    warm = codec.warming_up(number)  # (raises here, on the caller's thread, without a number)
 
     def finish() -> None:
         if warm:  # warm-up: one plain float32 allreduce of everything
-            codec.begin_uncompressed(step)  # type: ignore[arg-type]
+            codec.begin_uncompressed(number)  # type: ignore[arg-type]
             if factor != 1.0:
                 flat.mul_(factor)
             comm.allreduce(flat)
             return
-        job = codec.start(flat, shapes, key=key, factor=factor, size=comm.size, step=step)
+        job = codec.start(flat, shapes, key=key, factor=factor, size=comm.size, reduction=number)
         if job.p.numel():
             comm.allreduce(job.p)
         q = job.after_p_sum()

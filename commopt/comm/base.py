@@ -291,12 +291,12 @@ class Communicator(ABC):
     def _bcast_obj(self, obj: Any, root: int) -> Any:
         from commopt.comm.objects import broadcast_object
 
-        return broadcast_object(self, obj, root)
+        return broadcast_object(self, obj, root, send=self._broadcast)
 
     def _allgather_obj(self, obj: Any) -> list:
         from commopt.comm.objects import allgather_object
 
-        return allgather_object(self, obj)
+        return allgather_object(self, obj, gather=self._allgather)
 
     @abstractmethod
     def _split(self, color: int, key: int) -> Communicator: ...

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -338,8 +339,10 @@ def _encode_or_none(obj: Any) -> tuple[bytes | None, TypeError | None]:
         return None, exc
 
 
-def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
+def broadcast_object(comm, obj: Any, root: int = 0, *, send: Callable[..., Any]) -> Any:
     """``obj`` of rank ``root`` on every rank (the root gets its own object back).
+
+    ``send(buf, root)``: the communicator's own tensor broadcast (returns its Work).
 
     If the root cannot encode ``obj`` it still sends a length (-1), so every rank raises
     instead of the others waiting for bytes that never come.
@@ -347,7 +350,7 @@ def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
     device = getattr(comm, "object_device", "cpu")  # nccl process groups move CUDA tensors only
     data, error = _encode_or_none(obj) if comm.rank == root else (b"", None)
     size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
-    comm._broadcast(size, root).wait()
+    send(size, root).wait()
     n = int(size.item())
     if error is not None:
         raise error
@@ -362,17 +365,20 @@ def broadcast_object(comm, obj: Any, root: int = 0) -> Any:
     else:
         buf = torch.empty(n, dtype=torch.uint8, device=device)
     if n:
-        comm._broadcast(buf, root).wait()
+        send(buf, root).wait()
     return obj if comm.rank == root else decode(buf.cpu().numpy().tobytes(), like=obj)
 
 
-def allgather_object(comm, obj: Any) -> list:
-    """Every rank's ``obj``, in rank order (every rank raises if one cannot send its own)."""
+def allgather_object(comm, obj: Any, *, gather: Callable[..., Any]) -> list:
+    """Every rank's ``obj``, in rank order (every rank raises if one cannot send its own).
+
+    ``gather(send, recv)``: the communicator's own tensor allgather (returns its Work).
+    """
     device = getattr(comm, "object_device", "cpu")
     data, error = _encode_or_none(obj)
     mine = _as_tensor(data or b"", device)
     sizes = torch.zeros(comm.size, dtype=torch.int64, device=device)
-    comm._allgather(
+    gather(
         torch.tensor([-1 if data is None else mine.numel()], dtype=torch.int64, device=device),
         sizes,
     ).wait()
@@ -389,6 +395,6 @@ def allgather_object(comm, obj: Any) -> list:
     padded = torch.zeros(width, dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
     everyone = torch.empty(width * comm.size, dtype=torch.uint8, device=device)
-    comm._allgather(padded, everyone).wait()
+    gather(padded, everyone).wait()
     rows = everyone.cpu().view(comm.size, width)
     return [decode(rows[r, : int(sizes[r])].numpy().tobytes(), like=obj) for r in range(comm.size)]

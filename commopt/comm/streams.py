@@ -183,7 +183,7 @@ def synchronize_bounded(
     if not math.isinf(limit_s):
         deadline = time.monotonic() + limit_s
         pause = 1e-4
-        while not work._streams.query(work._event):
+        while not work.is_completed():
             if check is not None:
                 check()
             if time.monotonic() > deadline:

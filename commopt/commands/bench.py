@@ -50,11 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_text, description=help_text)
         module = _module(name)
         module.add_arguments(p)
-        p.set_defaults(_bench=module, _bench_name=name)
+        p.set_defaults(bench_module=module, bench_name=name)
 
 
 def run(args: argparse.Namespace) -> int:
-    name = getattr(args, "_bench_name", None)
+    name = getattr(args, "bench_name", None)
     if name is None:
         print(
             "commopt bench: name a benchmark: "
@@ -63,4 +63,4 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return int(args._bench.run(args) or 0)
+    return int(args.bench_module.run(args) or 0)

@@ -291,7 +291,7 @@ def _renamed(args) -> str | None:
 
 def _plan_fields(args) -> dict:
     """The plan's fields from --config and the options that override it."""
-    from commopt.sim.plan import config_fields
+    from commopt.sim.configuration import config_fields
 
     config: dict = {}
     if args.config:
@@ -322,7 +322,14 @@ def _plan_fields(args) -> dict:
 
 
 def run(args) -> int:
-    from commopt.sim import Plan, from_benchmark, get_machine, load_profile, parse_sweep, run_sweep
+    from commopt.sim import (
+        Configuration,
+        from_benchmark,
+        get_machine,
+        load_profile,
+        parse_sweep,
+        run_sweep,
+    )
     from commopt.sim.report import format_table, to_json
     from commopt.sim.validation import synthetic_profile
 
@@ -380,7 +387,7 @@ def run(args) -> int:
 
             plan = software_plan(args.software, **fields)
         else:
-            plan = Plan(**fields)
+            plan = Configuration(**fields)
         if args.sweep:
             axis, values = parse_sweep(args.sweep)
         else:

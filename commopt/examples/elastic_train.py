@@ -124,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     p.add_argument("--compression", default=None, help="fp16, qsgd4+ef, ...")
-    p.add_argument("--double-buffering", default="off", choices=("off", "on", "compensated"))
+    p.add_argument(
+        "--double-buffering", default="off", choices=("off", "on", "stale", "compensated")
+    )
     p.add_argument("--out", help="rank 0 saves the final weights here (torch.save)")
     args = p.parse_args(argv)
     comm = commopt.create_communicator(args.comm)
-    db: bool | str = {"off": False, "on": True}.get(args.double_buffering, "compensated")
+    db: bool | str = {"off": False, "on": True}.get(args.double_buffering, args.double_buffering)
     run = ElasticRun(
         comm,
         args.checkpoint_dir,

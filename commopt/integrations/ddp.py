@@ -90,7 +90,7 @@ class CommoptHookState:
         self.process_group = process_group
         self.algorithm = algorithm
         self.seed = int(seed)
-        self.step = 0
+        self.reduction = 0  # the reduction number: the codecs' random key
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._comm: TorchCommunicator | None = None
         self._reducers: dict[int, tuple[tuple, GradientReducer]] = {}
@@ -155,10 +155,11 @@ class CommoptHookState:
         codecs = dict(self._pending_codec_state)
         for index, (_, reducer) in self._reducers.items():
             codecs[str(index)] = reducer.codec_states()
-        return {"step": self.step, "seed": self.seed, "codecs": codecs}
+        return {"reduction": self.reduction, "seed": self.seed, "codecs": codecs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+        # (saved as "step" before the reduction number had one name)
+        self.reduction = int(state["reduction"] if "reduction" in state else state["step"])
         self.seed = int(state["seed"])
         # Residuals are restored into each bucket's reducer when DDP first calls the hook.
         self._pending_codec_state = dict(state.get("codecs", {}))
@@ -167,7 +168,7 @@ class CommoptHookState:
                 reducer.load_codec_states(self._pending_codec_state.pop(str(index)))
 
     # -- one reducer per DDP bucket ----------------------------------------------------------
-    def _reducer(self, bucket: dist.GradBucket) -> GradientReducer:
+    def reducer_for(self, bucket: dist.GradBucket) -> GradientReducer:
         index = bucket.index()
         grads = bucket.gradients()
         params = bucket.parameters()
@@ -207,7 +208,7 @@ def commopt_hook(
     state: CommoptHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket`` over DDP's group through commopt's codec."""
-    reducer = state._reducer(bucket)
+    reducer = state.reducer_for(bucket)
     comm = reducer.comm
     # With the bucket's CUDA device named, torch records the current stream when the result
     # is set and makes every consumer's stream wait for it (without: no synchronisation).
@@ -219,7 +220,7 @@ def commopt_hook(
     present = [True] * len(reducer.params)
     for b in reducer.buckets:
         reducer.pack(b, flats[b.index], present)
-        reducer.reduce(b, flats[b.index], state.step, 1.0)
+        reducer.reduce(b, flats[b.index], state.reduction, 1.0)
     step_done = bucket.is_last()
 
     def finish() -> None:
@@ -234,5 +235,5 @@ def commopt_hook(
     if getattr(comm, "stream_ordered", False):
         work.wait()  # DDP reads the bucket on its current stream: after the unpacking
     if step_done:
-        state.step += 1
+        state.reduction += 1
     return future

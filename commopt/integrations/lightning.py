@@ -30,6 +30,10 @@ its meaning:
   of commopt's state (error-feedback residuals differ per rank) next to it, as
   ``<checkpoint>.commopt-rank<R>.pt``; ``ckpt_path=`` restores each rank's own part.
   With double buffering the last gradients are applied when training ends (``flush()``).
+- compensated double buffering (``double_buffering=True``): between steps the model holds
+  each rank's predicted weights; validation runs, and Lightning's checkpoint file is
+  written, at the true weights (``opt.true_weights()``), and each rank's own part of the
+  checkpoint puts its predicted weights back on resume.
 
 The DDP communication-hook path (:mod:`commopt.integrations.ddp`) is
 :class:`CommoptHookStrategy`: Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a
@@ -160,6 +164,7 @@ def _strategies() -> dict[str, type]:
             self.communicator_options = dict(communicator_options or {})
             self._comm: commopt.Communicator | None = None
             self._moved_clip: tuple[Any, Any] | None = None  # (trainer, its gradient_clip_val)
+            self._true_weights: contextlib.ExitStack | None = None  # inside validation
 
         # -- the model stays unwrapped: commopt's optimizer does the communication -------------
         def configure_ddp(self) -> None:
@@ -233,6 +238,30 @@ def _strategies() -> dict[str, type]:
                 for opt in self._commopt_optimizers():
                     stack.enter_context(opt.no_sync())
                 yield
+
+        # -- compensated double buffering: the true weights where the model is read -------------
+        def on_validation_start(self) -> None:
+            super().on_validation_start()
+            self._true_weights = contextlib.ExitStack()
+            for opt in self._commopt_optimizers():
+                self._true_weights.enter_context(opt.true_weights())
+
+        def on_validation_end(self) -> None:
+            stack, self._true_weights = self._true_weights, None
+            if stack is not None:
+                stack.close()
+            super().on_validation_end()
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            """The model's state at its true weights (each rank's predicted weights are in
+            its own part of the checkpoint)."""
+            predicting = [o for o in self._commopt_optimizers() if o.predicts_weights]
+            if not predicting:
+                return super().lightning_module_state_dict()
+            with contextlib.ExitStack() as stack:
+                for opt in predicting:
+                    stack.enter_context(opt.true_weights())
+                return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
         def on_train_end(self) -> None:
             """With double buffering the last step's gradients are pending: apply them."""

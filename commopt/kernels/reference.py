@@ -63,7 +63,7 @@ def _uniform24(n: int, key: tuple[int, int], device: torch.device | str | None) 
     return u.bitwise_right_shift_(8).to(torch.float32).mul_(2.0**-24)
 
 
-def _bucket_norm(y: torch.Tensor, norm: str) -> torch.Tensor:
+def bucket_norm(y: torch.Tensor, norm: str) -> torch.Tensor:
     """Per-row max-abs (NaN-propagating, via the bit patterns) or l2 norm (fixed order)."""
     if norm == "max":
         # For non-negative floats the int order is the float order, and NaN patterns sort
@@ -141,7 +141,7 @@ def qsgd_encode(
     if padded != n:
         y = torch.nn.functional.pad(y, (0, padded - n))
     yb = y.view(nb, bucket_size)
-    step = bucket_steps(_bucket_norm(yb, norm), levels, scale_bytes)
+    step = bucket_steps(bucket_norm(yb, norm), levels, scale_bytes)
     valid = (step > 0) & (step < float("inf"))
     safe_step = torch.where(valid, step, torch.ones_like(step))
     t = yb.abs() / safe_step[:, None]

@@ -408,7 +408,7 @@ def _steps(x, out, *, bits, levels, bucket_size, norm, scale, scale_bytes):
     if l2 and width > MAX_WIDTH:
         y = x * scale if scale != 1.0 else x
         padded = torch.nn.functional.pad(y, (0, nb * bucket_size - n)).view(nb, bucket_size)
-        norms = _ref._bucket_norm(padded, "l2").contiguous()
+        norms = _ref.bucket_norm(padded, "l2").contiguous()
     width = min(width, MAX_WIDTH)
     rows = max(1, TILE // width)
     _qsgd_steps_kernel[_grid(nb, rows)](

@@ -1,4 +1,4 @@
-"""Optimizers: the multi-node wrapper, LARS and the large-batch LR schedules.
+"""Optimizers: the multi-node wrapper, LARS and the large-batch learning-rate schedules.
 
     >>> import torch, commopt
     >>> from commopt.optim import create_multi_node_optimizer
@@ -30,14 +30,15 @@ _EXPORTS = {
     "LayerwiseAdaptation": "commopt.optim.layerwise",
     "exclude_bias_and_norm": "commopt.optim.layerwise",
     "trust_ratios": "commopt.optim.layerwise",
-    "poly_warmup_lr": "commopt.optim.schedules",
-    "step_warmup_lr": "commopt.optim.schedules",
-    "PolyWarmup": "commopt.optim.schedules",
-    "StepWarmup": "commopt.optim.schedules",
-    "LarsDefaults": "commopt.optim.schedules",
-    "mlperf_lars_defaults": "commopt.optim.schedules",
-    "chainermn_step_lr": "commopt.optim.schedules",
-    "schedules": "commopt.optim.schedules",
+    "poly_warmup_lr": "commopt.optim.lr_schedules",
+    "step_warmup_lr": "commopt.optim.lr_schedules",
+    "PolyWarmup": "commopt.optim.lr_schedules",
+    "StepWarmup": "commopt.optim.lr_schedules",
+    "LarsDefaults": "commopt.optim.lr_schedules",
+    "mlperf_lars_defaults": "commopt.optim.lr_schedules",
+    "chainermn_step_lr": "commopt.optim.lr_schedules",
+    "CHAINERMN_MILESTONES": "commopt.optim.lr_schedules",
+    "lr_schedules": "commopt.optim.lr_schedules",
 }
 
 __all__ = sorted(_EXPORTS)

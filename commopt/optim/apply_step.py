@@ -28,9 +28,22 @@ from commopt.optim import clipping
 if TYPE_CHECKING:
     from commopt.reducer import StepResult
 
-__all__ = ["StepApplier"]
+__all__ = ["StepApplier", "inverse_grad_scale"]
 
 log = logging.getLogger("commopt")
+
+
+def inverse_grad_scale(grad_scale: Any) -> float | torch.Tensor:
+    """1 / GradScaler's scale when GradScaler drives this step (``grad_scale`` None: 1).
+
+    GradScaler's scale is a tensor on the gradients' device: its inverse stays there (a
+    0-dim float64 tensor the reduction multiplies by on the device; never read on the host).
+    """
+    if grad_scale is None:
+        return 1.0
+    if isinstance(grad_scale, torch.Tensor):
+        return torch.reciprocal(grad_scale.detach().to(torch.float64))
+    return 1.0 / float(grad_scale)
 
 
 class StepApplier:
@@ -76,6 +89,21 @@ class StepApplier:
         """``clip_grad_norm=``: clip the averaged gradients about to be applied."""
         if self.clip_grad_norm is not None:
             self.last_grad_norm = clipping.clip_grad_norm(params, self.clip_grad_norm)
+
+    @staticmethod
+    def unscale(params: Sequence[torch.Tensor], scale: Any) -> None:
+        """Divide the gradients of ``params`` by GradScaler's ``scale``, on the device.
+
+        GradScaler handed its scale over (a part unscales locally), so the averages of the
+        parts that do not are still scaled.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            inverse = inverse_grad_scale(scale)
+            if isinstance(inverse, torch.Tensor):
+                torch._foreach_mul_(grads, inverse.to(grads[0].dtype))
+            else:
+                torch._foreach_mul_(grads, inverse)
 
     def counted_closure_step(self) -> None:
         """A ``step(closure)`` ran the inner step (closures are never skipped)."""

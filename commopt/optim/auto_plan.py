@@ -260,7 +260,7 @@ class AutoPlanner:
         if isinstance(codec, PowerSGD):
             if len(tensor.shape) < 2:
                 return None
-            lay = codec.layout(n, [(0, tensor.shape)])
+            lay = codec.placement(n, [(0, tensor.shape)])
             if not lay.matrices:  # too small for this rank to save a factor
                 return None
             return 4 * codec.wire_numel(n, [(0, tensor.shape)])
@@ -408,7 +408,7 @@ def _codec_work(codec, flat, sample: Sequence[tuple[int, ...]], decodes: int):
 
         def low_rank(i: int) -> None:
             flat.copy_(grad)
-            reduction = codec.start(flat, shapes, key="probe", factor=1.0, size=1, step=i)
+            reduction = codec.start(flat, shapes, key="probe", factor=1.0, size=1, reduction=i)
             reduction.after_p_sum()
             reduction.after_q_sum()
 

@@ -1,11 +1,13 @@
 """The hooks into autograd: one per parameter, and one callback per backward.
 
 Each trainable parameter gets a post-accumulate-grad hook that reports "gradient ``index``
-is ready" (the ``on_grad_ready(index)`` callback); the first of a backward queues autograd's
-final callback (``on_backward_end()``), which runs once the whole backward has produced its
-gradients: DDP's contract that the averages are in ``.grad`` when ``backward()`` returns.
-Bound methods are held weakly: an optimizer that is dropped is collected even while its
-hooks stay on the parameters.
+is ready" (the ``on_grad_ready(index)`` callback); the receiver queues autograd's final
+callback (``on_backward_end()``) with :meth:`BackwardHooks.queue_end_of_backward`, once per
+backward: it runs once the whole backward has produced its gradients, DDP's contract that
+the averages are in ``.grad`` when ``backward()`` returns. The hooks own whether that
+callback is queued: they forget it as it runs, or when :meth:`~BackwardHooks.forget_end`
+says the backward raised. Bound methods are held weakly: an optimizer that is dropped is
+collected even while its hooks stay on the parameters.
 
     >>> import torch
     >>> events = []
@@ -18,7 +20,6 @@ hooks stay on the parameters.
     ...         self.hooks.queue_end_of_backward()
     ...
     ...     def done(self):
-    ...         self.hooks.end_queued = False
     ...         events.append("done")
     >>> w = torch.nn.Parameter(torch.ones(2)); b = torch.nn.Parameter(torch.ones(2))
     >>> owner = Owner(); owner.hooks.attach([w, b])
@@ -48,7 +49,16 @@ class BackwardHooks:
         self._ready = _weak(on_grad_ready)
         self._end = _weak(on_backward_end)
         self._handles: list = []
-        self.end_queued = False  # the end-of-backward callback is queued
+        self._end_queued = False  # the end-of-backward callback is queued
+
+    @property
+    def end_queued(self) -> bool:
+        """Whether the end-of-backward callback is queued for the backward running now."""
+        return self._end_queued
+
+    def forget_end(self) -> None:
+        """A backward that raised never ran its final callback: the next one queues afresh."""
+        self._end_queued = False
 
     def attach(self, params: Sequence[torch.Tensor]) -> None:
         """Hook ``params`` (in place of any earlier hooks): ``params[i]`` reports index ``i``."""
@@ -66,16 +76,22 @@ class BackwardHooks:
 
     def queue_end_of_backward(self) -> None:
         """Queue ``on_backward_end`` unless queued, or inside a nested backward."""
-        if not self.end_queued and not in_nested_backward():
+        if not self._end_queued and not in_nested_backward():
             self.queue_end()
 
     def queue_end(self) -> None:
-        """Queue ``on_backward_end`` at the end of the backward running now."""
-        callback = self._end()
-        if callback is None:
+        """Queue ``on_backward_end`` at the end of the backward running now (unless queued;
+        inside a nested backward too: the caller knows every gradient is in)."""
+        if self._end_queued or self._end() is None:
             return
-        self.end_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        self._end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._end_queued = False
+        callback = self._end()
+        if callback is not None:
+            callback()
 
 
 def in_nested_backward() -> bool:

@@ -1,12 +1,20 @@
 """What a MultiNodeOptimizer adds to a checkpoint, and the checks that it fits on load.
 
-The optimizer's ``state_dict()`` stores its part under ``"commopt"``: counters, seed,
-bucket keys, the pending double-buffered reduction (averaged: the same on every rank) and
-*this rank's* codec state (error-feedback residuals differ per rank). Nothing is gathered:
-each rank saves its own communication state, so a checkpoint does not grow with the
+The optimizer's ``state_dict()`` stores its part under ``"commopt"``: counters, seed, and per
+plan part (keyed by the plan's text, ``"plans"``) its reduction number, bucket keys and the
+schedule's own state (a pending double-buffered reduction: averaged, the same on every
+rank); and *this rank's* codec state per part (error-feedback residuals differ per rank),
+with the keys a schedule declares as this rank's own (``own_keys``: compensated double
+buffering's predicted weights) lifted to the top and listed in ``"rank_keys"``. Nothing is
+gathered: each rank saves its own communication state, so a checkpoint does not grow with the
 number of ranks and no rank ever holds a peer's residuals (``save_checkpoint`` in
 :mod:`commopt.optim.checkpoint_files` writes the per-rank part with
 ``torch.distributed.checkpoint``).
+
+Earlier formats still load (:func:`upgrade`): version 2's one-plan state (written flat, with
+the reduction number as ``"iteration"``) and its several-plan state (keyed
+``"compression=..., double_buffering=..."``, where ``True`` meant the plain stale schedule),
+and version 1's codec states of every rank.
 
     >>> extra = {
     ...     "version": STATE_VERSION,
@@ -22,6 +30,8 @@ number of ranks and no rank ever holds a peer's residuals (``save_checkpoint`` i
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -32,20 +42,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE_VERSION",
+    "PartState",
     "check_compatible",
-    "commopt_state",
     "drop_codec_state",
     "has_codec_state",
     "join_rank_state",
-    "load_commopt_state",
     "load_plans_state",
     "own_codec_state",
     "plans_state",
     "split_rank_state",
+    "upgrade",
 ]
 
-#: 2: each rank's own ``codec_state`` (1: ``codec_states`` of every rank, still loadable).
-STATE_VERSION = 2
+#: 3: every optimizer's parts keyed by plan (``"plans"``), the reduction number saved as
+#: ``"reduction"``; 2: each rank's own ``codec_state``; 1: ``codec_states`` of every rank.
+STATE_VERSION = 3
+_READS = (1, 2, STATE_VERSION)
+
+#: What a plan part saves besides its schedule's state.
+REDUCTION = "reduction"
 
 _RESUME_HINT = (
     "resume with the same number of ranks, each rank loading the state it saved "
@@ -55,74 +70,32 @@ _RESUME_HINT = (
 )
 
 
-def commopt_state(
-    *,
-    comm: Communicator,
-    seed: int,
-    counter: ReductionCounter,
-    applier: StepApplier,
-    schedule_state: dict[str, Any],
-    reducer: GradientReducer,
-) -> dict[str, Any]:
-    """The optimizer's part of its state dict, combined from its components' state dicts.
+class PartState:
+    """One plan part as the checkpoint sees it: its key, counter, reducer, and (when saving)
+    its schedule's state and the keys of that state that are this rank's own."""
 
-    ``schedule_state``: the schedule's ``state_dict()``, taken first (it completes the
-    pending reduction, which may give a skipped step's number back).
-    """
-    state = {
-        "version": STATE_VERSION,
-        "world_size": comm.size,
-        "rank": comm.rank,
-        "seed": seed,
-        "iteration": counter.saved(reducer),
-        **applier.state_dict(),
-        **{k: schedule_state[k] for k in ("double_buffering", "db_buffer")},
-        "buckets": [b.key for b in reducer.buckets],
-        "codec_state": reducer.codec_states(),  # this rank's own only
-    }
-    state.update({k: v for k, v in schedule_state.items() if k not in state})
-    return state
-
-
-def load_commopt_state(
-    extra: dict[str, Any],
-    *,
-    comm: Communicator,
-    counter: ReductionCounter,
-    applier: StepApplier,
-    reducer: GradientReducer,
-) -> int:
-    """Restore :func:`commopt_state`'s ``extra`` into the components (checked first).
-
-    Returns the saved seed; the schedule restores its own part afterwards.
-    """
-    if "plans" in extra:
-        raise ValueError(
-            f"the checkpoint holds several plans ({'; '.join(sorted(extra['plans']))}) but "
-            "this optimizer has one plan for every parameter: load it into an optimizer "
-            "created with the same per-group compression and double_buffering"
-        )
-    rank = comm.rank
-    check_compatible(extra, [b.key for b in reducer.buckets], rank=rank, size=comm.size)
-    reducer.load_codec_states(own_codec_state(extra, rank))
-    seed = int(extra["seed"])
-    reducer.seed = seed
-    counter.next = int(extra["iteration"])
-    applier.load_state_dict(extra)
-    return seed
+    def __init__(
+        self,
+        key: str,
+        counter: ReductionCounter,
+        reducer: GradientReducer,
+        schedule_state: dict[str, Any] | None = None,
+        own_keys: Sequence[str] = (),
+    ) -> None:
+        self.key = key
+        self.counter = counter
+        self.reducer = reducer
+        self.schedule_state = schedule_state
+        self.own_keys = tuple(own_keys)
 
 
 def plans_state(
-    *,
-    comm: Communicator,
-    seed: int,
-    applier: StepApplier,
-    parts: list[tuple[str, ReductionCounter, GradientReducer, dict[str, Any]]],
+    *, comm: Communicator, seed: int, applier: StepApplier, parts: Sequence[PartState]
 ) -> dict[str, Any]:
-    """:func:`commopt_state` for an optimizer with several plans: each plan's part keyed by
-    the plan (``"plans"``), this rank's codec state keyed alike (``"codec_state"``).
+    """The optimizer's part of its state dict, combined from its components' state dicts.
 
-    ``parts``: per plan, its key, counter, reducer and schedule state (taken first).
+    ``parts``: per plan part, its schedule's ``state_dict()`` taken first (it completes the
+    pending reduction, which may give a skipped step's number back).
     """
     state: dict[str, Any] = {
         "version": STATE_VERSION,
@@ -132,17 +105,85 @@ def plans_state(
         **applier.state_dict(),
         "plans": {},
         "codec_state": {},
+        "rank_keys": [],
     }
-    for key, counter, reducer, schedule_state in parts:
-        state["plans"][key] = {
-            "iteration": counter.saved(reducer),
-            "buckets": [b.key for b in reducer.buckets],
-            **{k: v for k, v in schedule_state.items() if k != "predicted"},
+    for part in parts:
+        schedule_state = dict(part.schedule_state or {})
+        for k in part.own_keys:
+            value = schedule_state.pop(k, None)
+            if k in state["rank_keys"] and value is not None and state[k] is not None:
+                raise ValueError(f"internal: two plan parts save this rank's {k!r}")
+            if k not in state["rank_keys"]:
+                state["rank_keys"].append(k)
+                state[k] = value
+            elif value is not None:
+                state[k] = value
+        state["plans"][part.key] = {
+            REDUCTION: part.counter.saved(part.reducer),
+            "buckets": [b.key for b in part.reducer.buckets],
+            **schedule_state,
         }
-        state["codec_state"][key] = reducer.codec_states()  # this rank's own only
-        if schedule_state.get("predicted") is not None:  # (one compensated plan at most)
-            state["predicted"] = schedule_state["predicted"]
+        state["codec_state"][part.key] = part.reducer.codec_states()  # this rank's own only
     return state
+
+
+_OLD_KEY = re.compile(r"^compression=(.*), double_buffering=(True|False|compensated)$")
+#: What version 2's ``double_buffering`` meant: ``True`` was the plain stale schedule.
+_OLD_SCHEDULES = {"False": "synchronous", "True": "stale", "compensated": "compensated"}
+
+
+def upgrade(extra: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """Version 1 and 2 states in version 3's shape (``keys``: this optimizer's plan keys).
+
+    A one-plan state (no ``"plans"``) becomes the one part of an optimizer with one part; a
+    several-plan state's keys are renamed (``double_buffering=True`` was the stale schedule).
+    """
+    version = extra.get("version")
+    if version == STATE_VERSION or version not in _READS:
+        return extra
+    out: dict[str, Any] = {
+        k: extra[k] for k in ("version", "rank", "world_size", "seed") if k in extra
+    }
+    out.update({k: extra[k] for k in ("applied_steps", "skipped_steps")})
+    out["rank_keys"] = ["predicted"]
+    out["predicted"] = extra.get("predicted")
+    if "plans" not in extra:
+        if "compensated" in extra:
+            schedule = "compensated"
+        elif extra.get("double_buffering"):
+            schedule = "stale"
+        else:
+            schedule = "synchronous"
+        if len(keys) != 1:
+            raise ValueError(
+                f"the checkpoint holds one plan for every parameter (schedule {schedule!r}) "
+                f"but this optimizer has {len(keys)} ({'; '.join(keys)}): load it into an "
+                "optimizer created with one compression and one schedule for every parameter "
+                f"(double_buffering={schedule!r}; the double_buffering=True of the commopt "
+                "that wrote it is 'stale' now)"
+            )
+        part = {REDUCTION: extra["iteration"], "buckets": extra["buckets"]}
+        part.update({k: extra[k] for k in ("db_buffer", "pending", "compensated") if k in extra})
+        out["plans"] = {keys[0]: part}
+        if version == 1:
+            out["codec_states"] = extra["codec_states"]
+        else:
+            out["codec_state"] = {keys[0]: extra.get("codec_state", {})}
+        return out
+    renamed: dict[str, str] = {}
+    for old in extra["plans"]:
+        match = _OLD_KEY.match(old)
+        if match is None:
+            raise ValueError(f"unknown plan key {old!r} in a version {version} checkpoint")
+        renamed[old] = f"compression={match[1]}, schedule={_OLD_SCHEDULES[match[2]]}"
+    out["plans"] = {}
+    for old, new in renamed.items():
+        part = dict(extra["plans"][old])
+        part[REDUCTION] = part.pop("iteration")
+        out["plans"][new] = part
+    codec_state = extra.get("codec_state", {})
+    out["codec_state"] = {renamed[k]: v for k, v in codec_state.items() if k in renamed}
+    return out
 
 
 def load_plans_state(
@@ -150,40 +191,61 @@ def load_plans_state(
     *,
     comm: Communicator,
     applier: StepApplier,
-    parts: list[tuple[str, ReductionCounter, GradientReducer]],
+    parts: Sequence[PartState],
 ) -> tuple[int, dict[str, dict[str, Any]]]:
-    """Restore :func:`plans_state`'s ``extra`` (every plan checked first).
-
-    Returns the saved seed and, per plan key, the state its schedule restores.
-    """
-    keys = [key for key, _, _ in parts]
-    saved = extra.get("plans")
-    if saved is None or sorted(saved) != sorted(keys):
-        found = "one plan for every parameter" if saved is None else "; ".join(sorted(saved))
-        raise ValueError(
-            f"the checkpoint's plans ({found}) differ from this optimizer's "
-            f"({'; '.join(keys)}): load it into an optimizer created with the same "
-            "per-group compression and double_buffering (under double_buffering="
-            "'compensated' the default rule chooses plans too: synchronous_embeddings= and "
-            "synchronous_vectors= as when it was saved)"
-        )
+    """Restore :func:`plans_state`'s ``extra`` (every part checked first; earlier versions
+    upgraded). Returns the saved seed and, per plan key, the state its schedule restores."""
+    keys = [part.key for part in parts]
+    extra = upgrade(extra, keys)
+    saved = _match_parts(extra.get("plans"), keys)
     codec_state = extra.get("codec_state", {})  # DCP drops empty dicts
     per_part = {}
-    for key, _, reducer in parts:
-        per_part[key] = {
-            **{k: extra[k] for k in ("version", "rank", "world_size") if k in extra},
-            **saved[key],
-            "codec_state": codec_state.get(key, {}),
-        }
-        check_compatible(
-            per_part[key], [b.key for b in reducer.buckets], rank=comm.rank, size=comm.size
-        )
-    for key, counter, reducer in parts:
-        reducer.load_codec_states(per_part[key]["codec_state"])
-        counter.next = int(per_part[key]["iteration"])
-        per_part[key]["predicted"] = extra.get("predicted")
+    for part in parts:
+        own = {**extra["plans"][saved[part.key]]}
+        own.update({k: extra[k] for k in ("version", "rank", "world_size") if k in extra})
+        if extra.get("version") == 1:
+            own["codec_states"] = extra["codec_states"]
+        else:
+            own["codec_state"] = codec_state.get(saved[part.key], {})
+        check_compatible(own, [b.key for b in part.reducer.buckets], rank=comm.rank, size=comm.size)
+        per_part[part.key] = own
+    for part in parts:
+        own = per_part[part.key]
+        part.reducer.load_codec_states(own_codec_state(own, comm.rank))
+        part.counter.next = int(own[REDUCTION])
+        for k in extra.get("rank_keys", []):
+            own[k] = extra.get(k)
     applier.load_state_dict(extra)
     return int(extra["seed"]), per_part
+
+
+def _compression_of(key: str) -> str:
+    return key.rsplit(", schedule=", 1)[0]
+
+
+def _match_parts(saved: dict[str, Any] | None, keys: Sequence[str]) -> dict[str, str]:
+    """This optimizer's plan key -> the checkpoint's part it loads.
+
+    The same plans, or the same compressions part by part, in order: a part saved under
+    another schedule loads when that schedule can take its state (a synchronous part refuses
+    pending double-buffered gradients, a part that does not predict refuses predicted weights,
+    each naming the schedule to use). Anything else is refused here, naming both.
+    """
+    if saved is not None and sorted(saved) == sorted(keys):
+        return {k: k for k in keys}
+    if saved is not None and [_compression_of(k) for k in saved] == [
+        _compression_of(k) for k in keys
+    ]:
+        return dict(zip(keys, saved))
+    found = "none" if saved is None else "; ".join(saved)
+    count = "none" if saved is None else "several plans" if len(saved) > 1 else "one plan"
+    raise ValueError(
+        f"the checkpoint holds {count} ({found}) and this optimizer "
+        f"{'several' if len(keys) > 1 else 'one'} ({'; '.join(keys)}): load it into an "
+        "optimizer created with the same per-group compression and schedule (a default "
+        "schedule that leaves some parameters synchronous chooses plans too: "
+        "synchronous_embeddings= and synchronous_vectors= as when it was saved)"
+    )
 
 
 def has_codec_state(codec_state: dict) -> bool:
@@ -202,10 +264,10 @@ def check_compatible(
 ) -> None:
     """Raise a ValueError saying what to change when ``extra`` cannot be loaded here."""
     version = extra.get("version")
-    if version not in (1, STATE_VERSION):
+    if version not in _READS:
         raise ValueError(
-            f"unknown commopt state version {version!r} (this commopt reads 1 "
-            f"and {STATE_VERSION}): upgrade commopt"
+            f"unknown commopt state version {version!r} (this commopt reads "
+            f"{', '.join(map(str, _READS))}): upgrade commopt"
         )
     if extra["buckets"] != bucket_keys:
         raise ValueError(
@@ -272,8 +334,9 @@ def split_rank_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     replicated = dict(state_dict)
     extra = dict(replicated["commopt"])
     own = {k: extra.pop(k) for k in ("rank", "world_size", "codec_state")}
-    if "predicted" in extra:  # compensated double buffering: this rank's predicted weights
-        own["predicted"] = extra.pop("predicted")
+    for k in extra.get("rank_keys", ["predicted"]):  # e.g. compensated's predicted weights
+        if k in extra:
+            own[k] = extra.pop(k)
     replicated["commopt"] = extra
     return replicated, own
 

@@ -33,26 +33,11 @@ if TYPE_CHECKING:
     from commopt.reducer import GradientReducer
 
 __all__ = [
-    "COMPENSATED",
     "Compensation",
     "LocalGradients",
-    "parse_mode",
     "refuse_prediction",
     "unpack_replaces_grad",
 ]
-
-COMPENSATED = "compensated"
-
-
-def parse_mode(double_buffering) -> tuple[bool, bool]:
-    """``(double buffering on, compensated)`` from the wrapper's ``double_buffering=`` value."""
-    if isinstance(double_buffering, str):
-        if double_buffering != COMPENSATED:
-            raise ValueError(
-                f"double_buffering must be False, True or 'compensated', got {double_buffering!r}"
-            )
-        return True, True
-    return bool(double_buffering), False
 
 
 class LocalGradients:
@@ -128,7 +113,7 @@ def unpack_replaces_grad(reducer: GradientReducer) -> Callable[[torch.Tensor], b
 class Compensation:
     """The wrapper's compensated-double-buffering state: the prediction and this step's gradients.
 
-    ``optimizer`` is the inner optimizer (a TypeError naming ``double_buffering=True`` for
+    ``optimizer`` is the inner optimizer (a TypeError naming ``double_buffering="stale"`` for
     one whose update rule cannot be predicted).
     """
 

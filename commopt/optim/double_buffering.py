@@ -12,7 +12,7 @@ reduction still pending, so a resumed run applies exactly what the original woul
     >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.ones(2)
     >>> reducer = GradientReducer(commopt.create_communicator("local"), [w], ["w"], num_buffers=2)
     >>> db = DoubleBuffer()
-    >>> db.exchange(lambda buffer: reducer.start(step=0, buffer=buffer), reducer, zero_fill=True)
+    >>> db.exchange(lambda buffer: reducer.start(number=0, buffer=buffer), reducer, zero_fill=True)
     >>> db.take() is None  # the first step has nothing to apply yet
     True
     >>> db.flush(zero_fill=True).nonfinite, w.grad.tolist()

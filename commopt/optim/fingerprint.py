@@ -8,70 +8,79 @@ buckets compares them, always (``COMMOPT_DEBUG=1`` still checks every collective
 can change later), and every rank raises the same :class:`SettingsMismatchError` naming
 each differing setting and the ranks on each side.
 
-    >>> import torch, commopt
-    >>> comm = commopt.create_communicator("local")
-    >>> opt = commopt.create_multi_node_optimizer(
-    ...     torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1), comm, compression="qsgd4"
-    ... )
-    >>> wire_settings(opt)["compression"]
-    "QSGD(bits=4, bucket_size=128, scale='max')"
-    >>> check_same_settings(opt, opt.buckets)  # a world of one always agrees
+Built from the wrapper's :class:`~commopt.optim.settings.Settings` and the codecs they
+resolve to (never from the optimizer object):
+
+    >>> import commopt
+    >>> from commopt.codecs import get_codec
+    >>> from commopt.optim.settings import Settings
+    >>> settings = Settings.of(compression="qsgd4")
+    >>> wire = wire_settings(settings, (get_codec("qsgd4"), get_codec("none"), None), [])
+    >>> wire["compression"], wire["double_buffering"]
+    ("QSGD(bits=4, bucket_size=128, scale='max')", "'synchronous'")
+    >>> check_same_settings(commopt.create_communicator("local"), wire)  # one rank agrees
 """
 
 from __future__ import annotations
 
-__all__ = ["SettingsMismatchError", "check_same_plans", "check_same_settings", "wire_settings"]
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from commopt.comm.base import Communicator
+    from commopt.optim.settings import Settings
+
+__all__ = ["SettingsMismatchError", "check_same_settings", "wire_settings"]
 
 
 class SettingsMismatchError(ValueError):
     """The ranks created their optimizers with settings that would not meet on the wire."""
 
 
-def _bucket_layout(buckets) -> list[str]:
+def _bucket_layout(buckets: Sequence[Any]) -> list[str]:
     return [
         f"{b.key} {b.dtype} codec={b.codec!r} slots={[(s.param, s.offset, s.numel) for s in b.slots]}"
         for b in buckets
     ]
 
 
-def wire_settings(opt, buckets=None, plans: dict[str, str] | None = None) -> dict[str, str]:
-    """The settings of ``opt`` (a MultiNodeOptimizer) that every rank must share, as text.
+def wire_settings(
+    settings: Settings,
+    codecs: tuple[Any, Any, Any],
+    buckets: Sequence[Any] | None,
+    plans: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The settings every rank must share, as text.
 
-    ``buckets``: the bucket layout being built (default: ``opt.buckets``); ``plans``: per
-    parameter group, its plans (:func:`~commopt.optim.plans.group_plans`), when groups differ.
+    ``codecs``: the default plan's (compressing codec or None, uncompressed codec, policy);
+    ``buckets``: the bucket layout being built (None: not built yet, left out); ``plans``: per
+    parameter group, its plans (:func:`~commopt.optim.plans.group_plans`).
     """
-    buckets = opt.buckets if buckets is None else buckets
-    return (plans or {}) | {
-        "compression": repr(opt.codec) if opt.codec is not None else "None",
-        "allreduce_grad_dtype (uncompressed codec)": repr(opt.plain_codec),
-        "policy": repr(opt.policy),
-        "bucket_cap_mb": repr(opt.bucket_cap_mb),
-        "bucket layout": "; ".join(_bucket_layout(buckets)),
-        "algorithm": repr(opt.algorithm),
-        "double_buffering": repr(opt.schedule.mode),
+    codec, plain_codec, policy = codecs
+    out = (plans or {}) | {
+        "compression": repr(codec) if codec is not None else "None",
+        "allreduce_grad_dtype (uncompressed codec)": repr(plain_codec),
+        "policy": repr(policy),
+        "bucket_cap_mb": repr(float(settings.bucket_cap_mb)),
+        "algorithm": repr(settings.algorithm),
+        "double_buffering": repr(settings.default_schedule),
     }
+    if buckets is not None:
+        out["bucket layout"] = "; ".join(_bucket_layout(buckets))
+    return out
 
 
-def check_same_plans(comm, plans: dict[str, str]) -> None:
-    """Raise :class:`SettingsMismatchError` on every rank unless all ranks chose the same plan
-    for every parameter group (checked before any communicator is created for a plan)."""
-    if comm.size == 1:
-        return
-    _raise_differences(comm, plans)
+def check_same_settings(comm: Communicator, mine: dict[str, str]) -> None:
+    """Raise :class:`SettingsMismatchError` on every rank unless all ranks' ``mine`` agree.
 
-
-def check_same_settings(opt, buckets, plans: dict[str, str] | None = None) -> None:
-    """Raise :class:`SettingsMismatchError` on every rank unless all ranks' settings agree.
-
-    A collective call on ``opt.comm`` (one allgather of short strings).
+    A collective call on ``comm`` (one allgather of short strings); a world of one agrees.
     """
-    comm = opt.comm
     if comm.size == 1:
         return
-    _raise_differences(comm, wire_settings(opt, buckets, plans))
+    _raise_differences(comm, mine)
 
 
-def _raise_differences(comm, mine: dict[str, str]) -> None:
+def _raise_differences(comm: Communicator, mine: dict[str, str]) -> None:
     everyone = comm.allgather_obj(mine)
     problems = []
     for name in dict.fromkeys(k for theirs in everyone for k in theirs):  # any rank's settings

@@ -1,49 +1,52 @@
 """Per-group plans: which codec and which schedule reduce each parameter.
 
-A *plan* is the pair (``compression``, ``double_buffering``) that reduces a parameter. The
+A *plan* is the pair (``compression``, schedule) that reduces a parameter; the schedule is
+named (:mod:`commopt.optim.schedules`) by ``schedule=`` or by ``double_buffering=``
+(``False``: synchronous, ``True``: compensated, ``"stale"``, ``"compensated"``). The
 wrapper's arguments are the default plan; a parameter group of the inner optimizer may set
-either key for its parameters (torch's idiom for per-group options), and the ``plans=``
-rule list sets them by parameter name (``fnmatch`` patterns against the names of
-``model.named_parameters()``, the first matching rule wins). A group's own keys win over
-the rules, the rules over the wrapper's arguments.
+these keys for its parameters (torch's idiom for per-group options), and the ``plans=`` rule
+list sets them by parameter name (``fnmatch`` patterns against the names of
+``model.named_parameters()``, the first matching rule wins). A group's own keys win over the
+rules, the rules over the wrapper's arguments.
 
-The default rule: under ``double_buffering="compensated"`` the weights of ``nn.Embedding``
-modules, and the parameters tied to them (the same tensor), and the 1-D parameters (biases,
-normalisation scales) reduce synchronously, unless a rule or the group says otherwise
-(:func:`default_synchronous`; the wrapper's
-``synchronous_embeddings=False`` and ``synchronous_vectors=False`` turn its parts off).
+The default rule (:mod:`~commopt.optim.default_rule`): the wrapper's default schedule may
+leave some parameters to the synchronous schedule unless a rule or the group says otherwise
+(compensated double buffering leaves the embedding tables and the 1-D tensors).
 
     >>> import torch
     >>> a, b = torch.zeros(2), torch.zeros(3)
-    >>> groups = [{"params": [a]}, {"params": [b], "double_buffering": True}]
+    >>> groups = [{"params": [a]}, {"params": [b], "double_buffering": "stale"}]
     >>> rules = check_rules([("emb*", {"compression": "fp16"})])
-    >>> [str(p) for p in param_plans(groups, ["emb.weight", "fc.weight"], "qsgd4", False, rules)]
-    ['compression=fp16, double_buffering=False', 'compression=qsgd4, double_buffering=True']
+    >>> [str(p) for p in param_plans(groups, ["emb.weight", "fc.weight"], Plan("qsgd4", False), rules)]
+    ['compression=fp16, schedule=synchronous', 'compression=qsgd4, schedule=stale']
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from commopt.codecs.base import Codec
-from commopt.optim.compensation import parse_mode
+from commopt.optim import schedules
+from commopt.optim.default_rule import default_synchronous, embedding_params, vector_params
 
 __all__ = [
     "PLAN_KEYS",
     "Plan",
+    "check_group",
     "check_rules",
     "default_synchronous",
     "embedding_params",
     "group_plans",
     "param_plans",
+    "plan_key",
     "vector_params",
 ]
 
 #: The keys of a parameter group (or of a ``plans=`` rule) that choose a plan.
-PLAN_KEYS = ("compression", "double_buffering")
+PLAN_KEYS = ("compression", "double_buffering", "schedule")
 
 
 def _compression_text(compression: Codec | str | None) -> str:
@@ -59,21 +62,56 @@ def _compression_text(compression: Codec | str | None) -> str:
     )
 
 
+def _schedule(value: object) -> str:
+    """A registered schedule's name, or the one a ``double_buffering=`` value names."""
+    if isinstance(value, str) and value in schedules.SCHEDULES:
+        return value
+    try:
+        return schedules.schedule_name(value)
+    except ValueError as err:
+        raise ValueError(f"{err} (or schedule= one of {', '.join(schedules.names())})") from None
+
+
 @dataclass(frozen=True)
 class Plan:
-    """How one parameter's gradients are reduced: its codec and its schedule."""
+    """How one parameter's gradients are reduced: its codec and its schedule (a registered
+    name; a ``double_buffering=`` value is taken for the schedule it names)."""
 
     compression: Codec | str | None = field(compare=False, hash=False)
-    double_buffering: bool | str
+    schedule: str
     compression_text: str = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression_text", _compression_text(self.compression))
-        on, compensated = parse_mode(self.double_buffering)
-        object.__setattr__(self, "double_buffering", "compensated" if compensated else on)
+        object.__setattr__(self, "schedule", _schedule(self.schedule))
 
     def __str__(self) -> str:
-        return f"compression={self.compression_text}, double_buffering={self.double_buffering}"
+        return f"compression={self.compression_text}, schedule={self.schedule}"
+
+
+def plan_key(compression_text: str, schedule: str) -> str:
+    """The text of a plan (its checkpoint key) from its parts."""
+    return f"compression={compression_text}, schedule={schedule}"
+
+
+def _chosen(options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A group's or a rule's plan keys, ``double_buffering`` given as ``schedule``."""
+    chosen = {k: options[k] for k in PLAN_KEYS if k in options}
+    if "double_buffering" in chosen:
+        if "schedule" in chosen:
+            raise ValueError(
+                f"{where} sets both schedule and double_buffering: set one (double_buffering="
+                "names a schedule: False synchronous, True compensated, 'stale')"
+            )
+        chosen["schedule"] = chosen.pop("double_buffering")
+    return chosen
+
+
+def check_group(group: Mapping[str, Any], where: str) -> None:
+    """Refuse a parameter group whose plan keys name no codec or no schedule (before it is
+    added to the inner optimizer)."""
+    chosen = _chosen(group, where)
+    Plan(chosen.get("compression"), chosen.get("schedule", False))
 
 
 def check_rules(rules: Sequence | None) -> list[tuple[str, dict[str, Any]]]:
@@ -95,89 +133,41 @@ def check_rules(rules: Sequence | None) -> list[tuple[str, dict[str, Any]]]:
         unknown = sorted(set(rule[1]) - set(PLAN_KEYS))
         if unknown:
             raise ValueError(
-                f"plans[{i}] sets {', '.join(unknown)}: a rule may set only "
-                f"{' and '.join(PLAN_KEYS)}"
+                f"plans[{i}] sets {', '.join(unknown)}: a rule may set only {', '.join(PLAN_KEYS)}"
             )
-        Plan(rule[1].get("compression"), rule[1].get("double_buffering", False))  # checks values
-        checked.append((rule[0], dict(rule[1])))
+        chosen = _chosen(rule[1], f"plans[{i}]")
+        Plan(chosen.get("compression"), chosen.get("schedule", False))  # checks the values
+        checked.append((rule[0], chosen))
     return checked
-
-
-def embedding_params(model) -> set[int]:
-    """The ids of ``model``'s ``nn.Embedding`` weights (a tied parameter is the same tensor).
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 5))
-    >>> model[1].weight = model[0].weight  # tied output projection
-    >>> embedding_params(model) == {id(model[0].weight)}
-    True
-    """
-    import torch
-
-    if model is None:
-        return set()
-    return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-
-
-def vector_params(params) -> set[int]:
-    """The ids of the 1-D (and 0-D) parameters among ``params``: biases, normalisation scales.
-
-    >>> import torch
-    >>> layer = torch.nn.Linear(3, 2)
-    >>> vector_params(layer.parameters()) == {id(layer.bias)}
-    True
-    """
-    return {id(p) for p in params if p.dim() <= 1}
-
-
-def default_synchronous(
-    model, params, *, embeddings: bool = True, vectors: bool = True
-) -> set[int]:
-    """The ids of the parameters the default rule reduces synchronously: ``model``'s
-    embedding tables (:func:`embedding_params`) and the 1-D ``params``
-    (:func:`vector_params`), each part where its flag is on.
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 5))
-    >>> ids = default_synchronous(model, model.parameters())
-    >>> ids == {id(model[0].weight), id(model[1].bias)}
-    True
-    >>> default_synchronous(model, model.parameters(), vectors=False) == {id(model[0].weight)}
-    True
-    """
-    ids = embedding_params(model) if embeddings else set()
-    if vectors:
-        ids |= vector_params(params)
-    return ids
 
 
 def param_plans(
     param_groups: Sequence[dict],
     names: Sequence[str],
-    compression: Codec | str | None,
-    double_buffering: bool | str,
+    default: Plan,
     rules: Sequence[tuple[str, dict[str, Any]]],
     synchronous: Collection[int] = frozenset(),
 ) -> list[Plan]:
     """The plan of every parameter of ``param_groups``, in their order (``names``: theirs).
 
-    ``synchronous``: ids of parameters whose default is ``double_buffering=False`` (the
+    ``synchronous``: ids of parameters whose default schedule is the synchronous one (the
     default rule); a rule or the group's key still wins.
     """
     plans = []
     position = 0
-    for group in param_groups:
+    for gi, group in enumerate(param_groups):
+        own = _chosen(group, f"parameter group {gi}")
         for param in group["params"]:
             options: dict[str, Any] = {
-                "compression": compression,
-                "double_buffering": False if id(param) in synchronous else double_buffering,
+                "compression": default.compression,
+                "schedule": "synchronous" if id(param) in synchronous else default.schedule,
             }
             for pattern, chosen in rules:
                 if fnmatch.fnmatchcase(names[position], pattern):
                     options.update(chosen)
                     break
-            options.update({k: group[k] for k in PLAN_KEYS if k in group})
-            plans.append(Plan(options["compression"], options["double_buffering"]))
+            options.update(own)
+            plans.append(Plan(options["compression"], options["schedule"]))
             position += 1
     return plans
 

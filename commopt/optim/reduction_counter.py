@@ -12,10 +12,10 @@ reduction's first bucket (``commopt.Join`` counts the ranks that still have data
     >>> reducer = GradientReducer(commopt.create_communicator("local"), [w], ["w"])
     >>> counter = ReductionCounter()
     >>> handle = counter.on_start(lambda: print("starting"))
-    >>> counter.start(reducer).step, counter.next
+    >>> counter.start(reducer).number, counter.next
     starting
     (0, 1)
-    >>> handle.remove(); counter.start(reducer).step
+    >>> handle.remove(); counter.start(reducer).number
     1
 """
 
@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commopt.reducer import GradientReducer, StepReduction
 
-__all__ = ["ReductionCounter"]
+__all__ = ["ReductionCounter", "StartCallbacks"]
 
 
 class ReductionCounter:
@@ -50,8 +50,8 @@ class ReductionCounter:
     ) -> StepReduction:
         """Start the next reduction of ``reducer``'s buckets into buffer set ``buffer``."""
         self.run_start_callbacks()
-        red = reducer.start(step=self.next, buffer=buffer, scale=scale)
-        self.next = red.step + 1  # a step every rank skipped gave its number back
+        red = reducer.start(number=self.next, buffer=buffer, scale=scale)
+        self.next = red.number + 1  # a reduction every rank skipped gave its number back
         return red
 
     def run_start_callbacks(self) -> None:
@@ -62,3 +62,37 @@ class ReductionCounter:
     def saved(self, reducer: GradientReducer) -> int:
         """The number to save in a checkpoint (the skipped steps' numbers given back)."""
         return self.next - reducer.pending_discards
+
+
+class StartCallbacks:
+    """The callbacks run once a step, as the first reduction of the step starts.
+
+    The optimizer's ``on_reduction_start`` registers here (``commopt.Join`` counts the ranks
+    that still have data); every part's :class:`ReductionCounter` calls :meth:`starting`,
+    and :meth:`step_done` arms them again for the next step.
+
+        >>> calls = StartCallbacks()
+        >>> handle = calls.add(lambda: print("first reduction of the step"))
+        >>> calls.starting(); calls.starting()
+        first reduction of the step
+        >>> calls.step_done(); calls.starting()
+        first reduction of the step
+    """
+
+    def __init__(self) -> None:
+        self._callbacks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._ran = False  # this step's first reduction started
+
+    def add(self, callback: Callable[[], None]) -> RemovableHandle:
+        handle = RemovableHandle(self._callbacks)
+        self._callbacks[handle.id] = callback
+        return handle
+
+    def starting(self) -> None:
+        if not self._ran:
+            self._ran = True
+            for callback in list(self._callbacks.values()):
+                callback()
+
+    def step_done(self) -> None:
+        self._ran = False

@@ -108,8 +108,8 @@ def _sgd_step(group: dict, state: dict, p: Tensor, g: Tensor, scratch: _Scratch)
         else:
             torch.mul(buf, m, out=nbuf).add_(d, alpha=1 - group["dampening"])
         d = torch.add(d, nbuf, alpha=m, out=out) if group["nesterov"] else nbuf
-    step = d.mul_(group["lr"])
-    return step.neg_() if group.get("maximize") else step
+    delta = d.mul_(group["lr"])
+    return delta.neg_() if group.get("maximize") else delta
 
 
 def _adam_step(
@@ -135,10 +135,10 @@ def _adam_step(
     if group.get("amsgrad") and "max_exp_avg_sq" in state:
         torch.maximum(v, state["max_exp_avg_sq"], out=v)
     denom = v.sqrt_().div_(math.sqrt(1 - b2**n)).add_(eps)
-    step = m.div_(denom).mul_(lr / (1 - b1**n))
+    delta = m.div_(denom).mul_(lr / (1 - b1**n))
     if wd and decoupled:
-        step.add_(p, alpha=lr * wd)
-    return step
+        delta.add_(p, alpha=lr * wd)
+    return delta
 
 
 def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
@@ -268,7 +268,7 @@ def _predicted_step(
         else:
             raise TypeError(
                 f"compensated double buffering predicts steps of SGD, Adam, AdamW and LARS, "
-                f"not {kind.__name__}; use double_buffering=True (plain) with this optimizer"
+                f"not {kind.__name__}; use double_buffering='stale' (plain) with this optimizer"
             )
         if apply is not None:
             for (group, p), g in zip(pairs, local_grads):
@@ -346,10 +346,10 @@ class LocalStepPrediction:
         else:
             self._weights = [p.detach().clone() for p in params]
 
-        def apply(p: Tensor, step: Tensor) -> None:  # w <- w - step, masked where skipped
+        def apply(p: Tensor, delta: Tensor) -> None:  # w <- w - delta, masked where skipped
             if skip is not None:
-                step = step.masked_fill_(skip, 0.0)
-            p.sub_(step.to(p.dtype))
+                delta = delta.masked_fill_(skip, 0.0)
+            p.sub_(delta.to(p.dtype))
 
         with _rates(self.optimizer, lrs):
             _predicted_step(self.optimizer, local_grads, self._scratch, apply)

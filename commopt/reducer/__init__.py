@@ -13,9 +13,9 @@ carries one codec. In a compressed bucket every tensor starts at a multiple of t
     >>> comm = commopt.create_communicator("local")
     >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 2.0)
     >>> reducer = GradientReducer(comm, [w], ["w"])
-    >>> step = reducer.start(step=0)
-    >>> step.issue_remaining()
-    >>> result = step.unpack(zero_fill=True)  # waits, then writes param.grad
+    >>> reduction = reducer.start(number=0)
+    >>> reduction.issue_remaining()
+    >>> result = reduction.unpack(zero_fill=True)  # waits, then writes param.grad
     >>> w.grad.tolist(), result.nonfinite
     ([2.0, 2.0, 2.0], False)
 
@@ -27,7 +27,7 @@ which parameters had a gradient on any rank, so all ranks take the same decision
 
 Modules: :mod:`~commopt.reducer.layout` (buckets and slots),
 :mod:`~commopt.reducer.gradient_reducer` (buffers; pack, reduce, unpack; codec state),
-:mod:`~commopt.reducer.step` (one step's ordered reduction),
+:mod:`~commopt.reducer.reduction` (one step's ordered reduction),
 :mod:`~commopt.reducer.agreement` (the NaN/Inf and presence trailer).
 """
 
@@ -36,6 +36,6 @@ from __future__ import annotations
 from commopt.reducer.agreement import StepResult
 from commopt.reducer.gradient_reducer import GradientReducer
 from commopt.reducer.layout import Bucket, Slot, build_buckets
-from commopt.reducer.step import StepReduction
+from commopt.reducer.reduction import StepReduction
 
 __all__ = ["Bucket", "GradientReducer", "Slot", "StepReduction", "StepResult", "build_buckets"]

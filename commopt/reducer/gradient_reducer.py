@@ -26,7 +26,7 @@ from commopt.collectives.residuals import (
 from commopt.comm.base import Communicator, Work
 from commopt.profiling import phase
 from commopt.reducer.layout import Bucket, build_buckets, is_view_of, slot_view
-from commopt.reducer.step import StepReduction
+from commopt.reducer.reduction import StepReduction
 
 __all__ = ["GradientReducer"]
 
@@ -38,7 +38,7 @@ class GradientReducer:
 
     ``num_buffers=2`` gives double buffering: one set can be in flight while the other
     is filled or read. ``seed`` keys the random numbers of stochastic codecs together
-    with the rank, the step and the bucket. ``grad_views=True``: ``unpack`` points
+    with the rank, the reduction number and the bucket. ``grad_views=True``: ``unpack`` points
     ``param.grad`` at the bucket instead of copying into it, and ``zero_grads_into`` lets
     backward accumulate straight into a bucket.
     """
@@ -89,23 +89,25 @@ class GradientReducer:
     def numel(self) -> int:
         return sum(b.numel for b in self.buckets)
 
-    def start(self, step: int, buffer: int = 0, scale: float | torch.Tensor = 1.0) -> StepReduction:
-        """Begin reducing this step's gradients into buffer set ``buffer``.
+    def start(
+        self, number: int, buffer: int = 0, scale: float | torch.Tensor = 1.0
+    ) -> StepReduction:
+        """Begin reduction ``number`` of this step's gradients into buffer set ``buffer``.
 
         ``scale`` multiplies the averages: a number, or a 0-dim tensor on the buckets'
         device (GradScaler's inverse scale), applied there without a host read.
 
-        ``step`` keys the random numbers; each step discarded since the last start gives its
-        number back (the returned reduction's ``step`` is ``step - pending_discards``), so
-        the caller's counter should continue from ``reduction.step + 1``.
+        ``number`` keys the random numbers; each reduction discarded since the last start gives
+        its number back (the returned reduction's ``number`` is ``number - pending_discards``),
+        so the caller's counter should continue from ``reduction.number + 1``.
         """
-        step -= self.pending_discards
+        number -= self.pending_discards
         self.pending_discards = 0
         for codec in self._codecs().values():
             begin = getattr(codec, "begin_step", None)  # stateful codecs (error feedback)
             if begin is not None:
                 begin()
-        return StepReduction(self, step, buffer, scale)
+        return StepReduction(self, number, buffer, scale)
 
     def discard_step(self) -> None:
         """Undo the codec state of the step every rank agreed to skip (NaN/Inf somewhere).
@@ -175,8 +177,8 @@ class GradientReducer:
         # of an fp32 overflow of huge values).
         return ~torch.isfinite(flat.sum())
 
-    def reduce(self, bucket: Bucket, flat: torch.Tensor, step: int, scale: float) -> Work:
-        rng = RngKey(self.seed, self.comm.rank, int(step), bucket.index)
+    def reduce(self, bucket: Bucket, flat: torch.Tensor, number: int, scale: float) -> Work:
+        rng = RngKey(self.seed, self.comm.rank, int(number), bucket.index)
         return collectives.allreduce(
             self.comm,
             flat,
@@ -251,7 +253,7 @@ class GradientReducer:
         """Restore :meth:`codec_states`. A codec's state may instead hold, under
         ``SAVED_BY_RANKS``, the states every rank of another world size saved: this rank then
         takes its share of them (:meth:`_resharded`)."""
-        self.pending_discards = 0  # the checkpoint's step counter already accounts for them
+        self.pending_discards = 0  # the checkpoint's reduction number accounts for them
         codecs = self._codecs()
         for name, state in states.items():
             if name in codecs:

@@ -4,8 +4,8 @@ Inputs are a model profile (per-layer gradient sizes and backward timings), a ma
 per level, GPUs per node) and a communication plan in the optimizer's names (algorithm,
 compression, bucket_cap_mb, overlap, double_buffering).
 
-    >>> from commopt.sim import simulate, Plan
-    >>> p = simulate("transformer-xl-base", "v100-nvlink-25g", Plan(), gpus=8)
+    >>> from commopt.sim import simulate, Configuration
+    >>> p = simulate("transformer-xl-base", "v100-nvlink-25g", Configuration(), gpus=8)
     >>> round(p.throughput, -3)  # published: 259k tokens/s
     255000.0
 
@@ -19,10 +19,10 @@ from commopt.sim.codec_costs import (
     list_codec_costs,
 )
 from commopt.sim.comm_model import allreduce_time
+from commopt.sim.configuration import Configuration
 from commopt.sim.costs import Link
 from commopt.sim.machines import Machine, get_machine, list_machines
 from commopt.sim.model_profiles import Layer, ModelProfile, list_profiles, load_profile
-from commopt.sim.plan import Plan
 from commopt.sim.software import list_software, software_plan
 from commopt.sim.step import Prediction, simulate
 from commopt.sim.sweep import parse_sweep, run_sweep
@@ -31,11 +31,11 @@ from commopt.sim.transport import TRANSPORTS, Transport, parse_nccl_env
 __all__ = [
     "TRANSPORTS",
     "CodecCost",
+    "Configuration",
     "Layer",
     "Link",
     "Machine",
     "ModelProfile",
-    "Plan",
     "Prediction",
     "Transport",
     "allreduce_time",

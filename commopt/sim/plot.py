@@ -1,7 +1,7 @@
 """Plot a sweep: throughput and parallel efficiency against the swept axis (matplotlib).
 
->>> from commopt.sim import simulate, Plan
->>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Plan(), n)) for n in (8, 16)]
+>>> from commopt.sim import simulate, Configuration
+>>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Configuration(), n)) for n in (8, 16)]
 >>> import tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "s.png")
 >>> plot_sweep(rows, "gpus", path, title="resnet50") == path

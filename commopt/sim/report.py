@@ -1,7 +1,7 @@
 """Tables and JSON for predictions.
 
->>> from commopt.sim import simulate, Plan
->>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Plan(), n)) for n in (1, 8)]
+>>> from commopt.sim import simulate, Configuration
+>>> rows = [(n, simulate("resnet50", "v100-nvlink-25g", Configuration(), n)) for n in (1, 8)]
 >>> format_table(rows, axis="gpus").splitlines()[0].split()[:3]
 ['gpus', 'nodes', 'algorithm']
 """

@@ -1,6 +1,6 @@
 """What named training software did with the gradients: overlap, buffers, copies, wire dtype.
 
-A :class:`Software` preset turns into a :class:`~commopt.sim.plan.Plan`: when its all-reduce
+A :class:`Software` preset turns into a :class:`~commopt.sim.configuration.Configuration`: when its all-reduce
 starts (after the backward pass, during it bucket by bucket, or one step later with double
 buffering), how the gradients are grouped (``bucket_cap_mb``; ``math.inf``: one buffer of all of
 them), how many gradient-sized copies it makes on the compute stream per step (packing into a
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from commopt.sim.plan import Plan
+from commopt.sim.configuration import Configuration
 
 _CHAINERMN_PACK = (
     "ChainerMN 1.3 pure_nccl communicator: packs every gradient into one contiguous GPU "
@@ -61,7 +61,7 @@ class Software:
     algorithm: str = "auto"
     sources: dict = field(default_factory=dict, compare=False)
 
-    def plan(self, **overrides) -> Plan:
+    def plan(self, **overrides) -> Configuration:
         fields: dict[str, Any] = {
             "overlap": self.overlap,
             "double_buffering": self.double_buffering,
@@ -71,7 +71,7 @@ class Software:
             "algorithm": self.algorithm,
         }
         fields.update({k: v for k, v in overrides.items() if v is not None})
-        return Plan(**fields)
+        return Configuration(**fields)
 
 
 SOFTWARE: dict[str, Software] = {
@@ -144,7 +144,7 @@ def list_software() -> list[str]:
     return sorted(SOFTWARE)
 
 
-def software_plan(name: str, **overrides) -> Plan:
+def software_plan(name: str, **overrides) -> Configuration:
     """The plan of software ``name``; keyword arguments (not None) override its fields."""
     if name not in SOFTWARE:
         raise ValueError(f"unknown software {name!r}; choose one of {', '.join(list_software())}")

@@ -1,6 +1,6 @@
 """One training step: compute, buckets of gradients, their all-reduces, and the overlap.
 
-Schedules (:attr:`Plan.schedule`, from the optimizer's ``overlap`` and ``double_buffering``):
+Schedules (:attr:`Configuration.schedule`, from the optimizer's ``overlap`` and ``double_buffering``):
 - ``none`` (``overlap=False``): backward, then every bucket's all-reduce, then the update.
 - ``backward`` (``overlap=True``, the default; DDP-style buckets): a bucket's all-reduce starts once the backward pass has
   produced all its gradients and the previous bucket's all-reduce is done; the step ends
@@ -18,9 +18,9 @@ the backward pass ends later by the codec seconds of every bucket whose all-redu
 before it ends; with ``double-buffering`` the step is the longer of compute + all codec work
 (the core) and the communication (the link, with the codec work the pipeline cannot hide).
 
-    >>> from commopt.sim import simulate, Plan
+    >>> from commopt.sim import simulate, Configuration
     >>> p = simulate(
-    ...     "resnet50", "v100-nvlink-25g", Plan(compression="fp16", double_buffering=True), gpus=32
+    ...     "resnet50", "v100-nvlink-25g", Configuration(compression="fp16", double_buffering=True), gpus=32
     ... )
     >>> p.nodes, p.efficiency > 0.9
     (4, True)
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 
 from commopt.sim.codec_costs import MEMORY_EFFICIENCY
 from commopt.sim.comm_model import allreduce_time
+from commopt.sim.configuration import Configuration
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.model_profiles import ModelProfile, load_profile
-from commopt.sim.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,13 @@ def make_buckets(profile: ModelProfile, bucket_bytes: float, forward_s: float, b
 def simulate(
     model: str | ModelProfile,
     machine: str | Machine,
-    plan: Plan | None = None,
+    plan: Configuration | None = None,
     gpus: int | None = None,
 ) -> Prediction:
     """Predict one step of data-parallel training of ``model`` on ``gpus`` GPUs of ``machine``."""
     profile = load_profile(model)
     machine = get_machine(machine)
-    plan = plan or Plan()
+    plan = plan or Configuration()
     gpus = machine.gpus_per_node if gpus is None else gpus
     nodes, _ = machine.layout(gpus)
 

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
+from commopt.sim.configuration import RENAMED, Configuration
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.model_profiles import ModelProfile, load_profile
-from commopt.sim.plan import RENAMED, Plan
 from commopt.sim.step import Prediction, simulate
 
 NUMERIC = {
@@ -68,7 +68,7 @@ def parse_sweep(spec: str) -> tuple[str, list]:
 def run_sweep(
     model: str | ModelProfile,
     machine: str | Machine,
-    plan: Plan,
+    plan: Configuration,
     gpus: int | None,
     axis: str,
     values: list,

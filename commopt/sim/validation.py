@@ -21,11 +21,11 @@ from typing import Any
 
 from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import allreduce_time
+from commopt.sim.configuration import DEFAULT_PIECE_MB, Configuration
 from commopt.sim.costs import GBIT
 from commopt.sim.machines import Machine, get_machine
 from commopt.sim.model_profiles import Layer, ModelProfile, load_profile
 from commopt.sim.model_specs import V100_FP32_RESNET50
-from commopt.sim.plan import DEFAULT_PIECE_MB, Plan
 from commopt.sim.software import software_plan
 from commopt.sim.step import Prediction, simulate
 
@@ -64,7 +64,7 @@ class PublishedRow:
     gpus: int
     published: float
     unit: str
-    plan: Plan = DDP
+    plan: Configuration = DDP
     known_miss: str | None = None  # outside 15% with defensible parameters: why
     caveat: str | None = None  # within 15%, but only under an unpublished assumption
     source: str = "CGX scaling table (PyTorch + NCCL, no compression)"
@@ -184,7 +184,7 @@ def chainermn_profile(machine: str) -> ModelProfile:
 
 
 def chainermn_efficiency(
-    machine: str | Machine, plan: Plan, small: int = 8, large: int = 32
+    machine: str | Machine, plan: Configuration, small: int = 8, large: int = 32
 ) -> float:
     """Parallel efficiency from ``small`` to ``large`` GPUs, e = t / (t0 n) (published definition)."""
     m = get_machine(machine)
@@ -239,7 +239,7 @@ def cgx_effect(model: str = "transformer-xl-base") -> Effect:
     v100 = {"transformer-xl-base": (259e3, 37e3), "bert-large": (27915, 3830)}[model]
     v100_eff = v100[0] / (8 * v100[1])
     compressed = simulate(
-        model, "rtx3090-pcie", Plan(compression=CGX_BENCHMARK_CODEC), 8
+        model, "rtx3090-pcie", Configuration(compression=CGX_BENCHMARK_CODEC), 8
     ).efficiency
     plain = simulate(model, "rtx3090-pcie", DDP, 8).efficiency
     return Effect(
@@ -328,11 +328,11 @@ def compare_measured(
     compute_s: float,
     grad_bytes: float,
     gpus: int = 2,
-    plan: Plan | None = None,
+    plan: Configuration | None = None,
     machine: str | Machine = "testbed-1gbit",
 ) -> dict:
     """Predicted vs measured step time for a testbed run."""
-    plan = plan or Plan("ring", "none", 25, overlap=False)
+    plan = plan or Configuration("ring", "none", 25, overlap=False)
     machine = get_machine(machine)
     pred = simulate(
         synthetic_profile(compute_s, grad_bytes, device=machine.gpu), machine, plan, gpus
@@ -360,7 +360,7 @@ class Measurement:
     ``not_modelled``: the reason, for a configuration the simulator cannot predict (its row is
     shown, not counted), and ``measured_cpu_s``: the processor time one rank used per step (all
     its threads), shown beside a miss. The plan is a ``create_multi_node_optimizer``
-    configuration (:meth:`Plan.from_config`) with the simulator's ``piece_mb`` where it
+    configuration (:meth:`Configuration.from_config`) with the simulator's ``piece_mb`` where it
     differs; a codec ``<codec>+ef`` (error feedback) is predicted as ``<codec>``: the
     residual's passes over the gradient are not modelled."""
 
@@ -446,7 +446,7 @@ def compare_measurement(m: Measurement, machine: Machine) -> dict:
     where it names none) on ``machine``."""
     config = {"algorithm": "ring", "overlap": False, **m.plan}
     piece_mb = config.pop("piece_mb", DEFAULT_PIECE_MB)
-    plan = Plan.from_config(config, piece_mb=piece_mb)
+    plan = Configuration.from_config(config, piece_mb=piece_mb)
     return compare_measured(
         measured_step_s=m.measured_step_s,
         compute_s=m.compute_s,

@@ -74,7 +74,7 @@ class EmulatedCluster:
     head_ip: str  # the switch's address on the control network
     workdir: Path  # run-private files: hostfile, agent script
     data_ifname: str = DATA_IFNAME
-    _lock_fd: int | None = field(default=None, repr=False)
+    lock_fd: int | None = field(default=None, repr=False)
 
     @property
     def namespaces(self) -> list[str]:
@@ -170,9 +170,9 @@ def teardown(cluster: EmulatedCluster) -> None:
     with _signals_deferred():
         _remove_namespaces(cluster.namespaces)
         shutil.rmtree(cluster.workdir, ignore_errors=True)
-        if cluster._lock_fd is not None:
-            _unlock(cluster.slot, cluster._lock_fd)
-            cluster._lock_fd = None
+        if cluster.lock_fd is not None:
+            _unlock(cluster.slot, cluster.lock_fd)
+            cluster.lock_fd = None
 
 
 def cleanup_stale() -> list[str]:
@@ -312,7 +312,7 @@ def _allocate(n_hosts: int, rate_bits: int | None) -> EmulatedCluster:
             ctl_cidr=f"10.232.{slot}.0/24",
             head_ip=f"10.232.{slot}.254",
             workdir=workdir,
-            _lock_fd=fd,
+            lock_fd=fd,
         )
     raise TestbedUnavailable(f"all {MAX_SLOTS} emulated-cluster slots are in use")
 

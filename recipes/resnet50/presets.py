@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from commopt.optim.schedules import CHAINERMN_MILESTONES
+from commopt.optim.lr_schedules import CHAINERMN_MILESTONES
 
 # ImageNet-1k's sizes: --synthetic on an ImageNet preset keeps the epoch length (and schedule).
 IMAGENET_TRAIN, IMAGENET_VAL = 1_281_167, 50_000

@@ -32,7 +32,7 @@ import torch
 
 from commopt.optim.checkpoint import join_rank_state, split_rank_state
 from commopt.optim.layerwise import LARS
-from commopt.optim.schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
+from commopt.optim.lr_schedules import mlperf_lars_defaults, poly_warmup_lr, step_warmup_lr
 from recipes.common import (
     RecipeError,
     add_commopt_arguments,
@@ -610,7 +610,11 @@ def train(cfg: Config, args: argparse.Namespace, comm, device) -> dict:
             log.event("checkpoint", step=position["global_step"], path=str(path))
 
     def run_eval(final: bool = False):
-        result = paused(lambda: evaluate(model, val_set, cfg, comm, device, precision))
+        def at_true_weights():  # compensated double buffering: predicted weights between steps
+            with opt.true_weights():
+                return evaluate(model, val_set, cfg, comm, device, precision)
+
+        result = paused(at_true_weights)
         now = time.perf_counter()
         log.event(
             "eval",

@@ -76,7 +76,7 @@ for name, algorithm, tol in (
 # QSGD (not linear): scatter-reduce over Horovod's alltoall and allgather.
 out = x.clone()
 work = collectives.allreduce(
-    comm, out, QSGD(bits=4, bucket_size=128), async_op=True, rng=RngKey(seed=7, rank=r, step=0)
+    comm, out, QSGD(bits=4, bucket_size=128), async_op=True, rng=RngKey(seed=7, rank=r, reduction=0)
 )
 work.wait()
 rows = torch.empty(n * out.numel())

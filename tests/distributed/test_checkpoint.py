@@ -25,10 +25,10 @@ r, n = comm.rank, comm.size
 N = 3
 CONFIGS = {
     "sgd-fp32": dict(opt="sgd"),
-    "adam-fp32-double-buffering": dict(opt="adam", double_buffering=True),
+    "adam-fp32-double-buffering": dict(opt="adam", double_buffering="stale"),
     "sgd-qsgd4-ef": dict(opt="sgd", compression="qsgd4+ef"),
-    "adam-qsgd4-ef-double-buffering": dict(opt="adam", compression="qsgd4+ef", double_buffering=True),
-    "sgd-powersgd2-double-buffering": dict(opt="sgd", compression="powersgd2", double_buffering=True),
+    "adam-qsgd4-ef-double-buffering": dict(opt="adam", compression="qsgd4+ef", double_buffering="stale"),
+    "sgd-powersgd2-double-buffering": dict(opt="sgd", compression="powersgd2", double_buffering="stale"),
 }
 
 

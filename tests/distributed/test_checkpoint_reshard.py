@@ -110,7 +110,9 @@ print("resumed", comm.rank)
 
 
 def residuals(opt):
-    return opt.state_dict()["commopt"]["codec_state"]["compressed"]["residuals"]
+    return next(iter(opt.state_dict()["commopt"]["codec_state"].values()))["compressed"][
+        "residuals"
+    ]
 
 
 @pytest.fixture(scope="module")

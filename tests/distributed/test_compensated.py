@@ -93,7 +93,7 @@ for i, (a, b) in enumerate(zip(final, model2.parameters())):
     check(torch.equal(a, b), f"parameter {i} differs after resuming from the checkpoint")
 
 try:
-    build(0, mode="compensated" if r == 0 else True)
+    build(0, mode="compensated" if r == 0 else "stale")
 except SettingsMismatchError as e:
     check("double_buffering" in str(e), e)
 else:

@@ -62,7 +62,7 @@ assert torch.equal(others[0], others[1]), f"rank {rank}: ranks diverged under qs
 # Checkpointable: plain state, no process group; pickling drops the communicator.
 sd = state.state_dict()
 buf = io.BytesIO(); torch.save(sd, buf)
-assert sd["step"] == 30 and any(v for v in sd["codecs"].values()), sd.keys()
+assert sd["reduction"] == 30 and any(v for v in sd["codecs"].values()), sd.keys()
 clone = pickle.loads(pickle.dumps(state))
 assert clone._comm is None and clone.process_group is None and clone.step == 30
 fresh = CommoptHookState("qsgd4+ef"); fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))

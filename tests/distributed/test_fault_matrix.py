@@ -505,7 +505,7 @@ def diff(a, b, where="state"):
     return None if a == b else f"{where}: {a!r} != {b!r}"
 
 for codec in CODECS:
-    for db in (False, True):
+    for db in (False, "stale"):
         got = run(codec, db, "one")
         refs = ["all"] if db else ["never", "all"]
         for ref in refs:

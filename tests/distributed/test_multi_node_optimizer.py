@@ -89,7 +89,7 @@ for name, factory in OPTIMIZERS.items():
 lr = 0.1
 model = make_model(seed=1)
 opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=lr), comm,
-                                  double_buffering=True, model=model, bucket_cap_mb=0.0005)
+                                  double_buffering="stale", model=model, bucket_cap_mb=0.0005)
 ref = copy.deepcopy(model)
 stale = None
 for step in range(4):
@@ -129,8 +129,8 @@ all_same(model, "double buffering")
 checks.append("double-buffering")
 
 # -- zero_grad(set_to_none=False): grads become views of the buckets; same bits as None grads -------
-for overlap, db, compression in ((True, False, None), (False, False, None), (True, True, None),
-                                 (True, True, "qsgd4"), (True, False, "qsgd4+ef")):
+for overlap, db, compression in ((True, False, None), (False, False, None), (True, "stale", None),
+                                 (True, "stale", "qsgd4"), (True, False, "qsgd4+ef")):
     finals = []
     for set_to_none in (True, False):
         what_now = f"overlap={overlap} db={db} {compression} set_to_none={set_to_none}"
@@ -300,7 +300,7 @@ runs = []
 for use_scaler in (False, True):
     model = make_model(seed=7)
     opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                      double_buffering=True, model=model)
+                                      double_buffering="stale", model=model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=use_scaler)
     for step in range(4):
         opt.zero_grad()

@@ -56,8 +56,8 @@ def train(model, opt, use_no_sync, set_to_none, forward=None, steps=3, k=3):
     return [p.detach().clone() for p in model.parameters()]
 
 
-for cfg in [dict(), dict(compression="qsgd4+ef"), dict(double_buffering=True),
-            dict(double_buffering=True, compression="qsgd4+ef")]:
+for cfg in [dict(), dict(compression="qsgd4+ef"), dict(double_buffering="stale"),
+            dict(double_buffering="stale", compression="qsgd4+ef")]:
     for set_to_none in (True, False):
         ref = train(*build(**dict(cfg, overlap=False)), use_no_sync=False, set_to_none=set_to_none)
         model, opt = build(**cfg)

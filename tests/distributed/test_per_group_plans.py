@@ -54,7 +54,7 @@ def build(case, seed, rules=True):
         groups = [{"params": list(model.embed.parameters()), "compression": "fp16"},
                   {"params": list(model.body.parameters())}]
         if rules:
-            groups[1].update(compression="qsgd4", double_buffering=True)
+            groups[1].update(compression="qsgd4", double_buffering="stale")
         opt = create_multi_node_optimizer(
             torch.optim.SGD(groups, lr=0.05, momentum=0.9), comm, model=model, policy=policy)
     return model, opt

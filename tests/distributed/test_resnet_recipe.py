@@ -62,7 +62,7 @@ def test_smoke_two_ranks_qsgd4_ef_double_buffering_resumes_exactly(fast_dir):
         ],
     )
     first = _summary(straight)
-    assert first["world_size"] == 2 and first["steps"] == 3 and first["label"] == "qsgd4+ef+db"
+    assert first["world_size"] == 2 and first["steps"] == 3 and first["label"] == "qsgd4+ef+comp"
     assert straight[1].strip() == ""  # only rank 0 reports
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3]

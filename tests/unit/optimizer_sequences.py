@@ -120,10 +120,13 @@ class _Run:
             )
         else:
             inner = torch.optim.Adam([{"params": main}, {"params": side}], lr=0.01)
+        # The sequences were recorded when double_buffering=True meant the plain schedule,
+        # "stale" since; they replay under that name.
+        schedule = "stale" if mode["double_buffering"] is True else mode["double_buffering"]
         self.opt = commopt.create_multi_node_optimizer(
             inner,
             commopt.create_communicator("local"),
-            double_buffering=mode["double_buffering"],
+            double_buffering=schedule,
             zero_fill=mode["zero_fill"],
             compression=mode["compression"],
             overlap=mode["overlap"],

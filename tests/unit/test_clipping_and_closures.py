@@ -16,7 +16,7 @@ LR, MAX_NORM = 0.1, 1e-3
 MODES = {
     "overlap": {},
     "no-overlap": {"overlap": False},
-    "double-buffering": {"double_buffering": True},
+    "double-buffering": {"double_buffering": "stale"},
 }
 
 
@@ -192,7 +192,7 @@ def test_grad_scaler_with_double_buffering_and_built_in_clip(comm):
     opt = create_multi_node_optimizer(
         torch.optim.SGD(model.parameters(), lr=LR),
         comm,
-        double_buffering=True,
+        double_buffering="stale",
         clip_grad_norm=MAX_NORM,
     )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -262,7 +262,7 @@ def test_lbfgs_closure_world_of_one_equals_plain_lbfgs(comm, mode):
 def test_closure_with_double_buffering_is_refused(comm):
     model = mlp()
     opt = create_multi_node_optimizer(
-        torch.optim.LBFGS(model.parameters()), comm, double_buffering=True
+        torch.optim.LBFGS(model.parameters()), comm, double_buffering="stale"
     )
     with pytest.raises(ValueError, match="double_buffering=False"):
         opt.step(lambda: loss(model, 0))

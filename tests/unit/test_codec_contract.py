@@ -71,7 +71,7 @@ def _bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
 
 def _round_trip(codec, x, *, scale=1.0, key="k"):
     wire = torch.empty(codec.encoded_nbytes(x.numel()), dtype=torch.uint8)
-    codec.encode(x, wire, scale=scale, rng=RngKey(seed=3, rank=1, step=7), key=key)
+    codec.encode(x, wire, scale=scale, rng=RngKey(seed=3, rank=1, reduction=7), key=key)
     out = torch.empty(x.numel())
     codec.decode(wire, out)
     return wire, out
@@ -164,7 +164,7 @@ def test_unaligned_wire_slices_work(codec):
     big = torch.zeros(wire.numel() + 3, dtype=torch.uint8)
     if isinstance(codec, ErrorFeedback):
         codec.reset()
-    codec.encode(x, big[3:], rng=RngKey(seed=3, rank=1, step=7), key="aligned")
+    codec.encode(x, big[3:], rng=RngKey(seed=3, rank=1, reduction=7), key="aligned")
     assert torch.equal(big[3:], wire)
     out = torch.empty(300)
     codec.decode(big[3:], out)

@@ -12,7 +12,7 @@ from commopt.codecs import QSGD, ErrorFeedback, RngKey, get_codec
 
 def _send(codec, x, key="b0", step=0, scale=1.0):
     wire = torch.empty(codec.encoded_nbytes(x.numel()), dtype=torch.uint8)
-    codec.encode(x, wire, scale=scale, rng=RngKey(seed=1, rank=0, step=step), key=key)
+    codec.encode(x, wire, scale=scale, rng=RngKey(seed=1, rank=0, reduction=step), key=key)
     out = torch.empty(x.numel())
     codec.decode(wire, out)
     return wire, out

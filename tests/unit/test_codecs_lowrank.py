@@ -29,7 +29,8 @@ def reduce_once(codecs, xs, shapes, *, key="b0", step=None, average=True):
     flats = [x.clone() for x in xs]
     factor = 1.0 / n if average else 1.0
     jobs = [
-        c.start(f, shapes, key=key, factor=factor, size=n, step=step) for c, f in zip(codecs, flats)
+        c.start(f, shapes, key=key, factor=factor, size=n, reduction=step)
+        for c, f in zip(codecs, flats)
     ]
     p_sum = jobs[0].p.clone()
     for j in jobs[1:]:
@@ -147,7 +148,7 @@ def test_error_feedback_bookkeeping_and_agreement(case, rank, rate, average):
     placed, xs = case
     n = len(xs)
     codecs = [PowerSGD(rank, min_compression_rate=rate, seed=5) for _ in xs]
-    lay = codecs[0].layout(xs[0].numel(), placed)
+    lay = codecs[0].placement(xs[0].numel(), placed)
     factor = 1.0 / n if average else 1.0
     for step in range(2):
         inputs = [x * (step + 1) for x in xs]
@@ -181,7 +182,7 @@ def test_degenerate_shapes_with_compression_forced_are_exact():
         x = torch.randn(math.prod(shape))
         (out,) = reduce_once([codec], [x], [(0, shape)])
         assert torch.allclose(out, x, atol=1e-5), shape
-        assert codec.layout(x.numel(), [(0, shape)]).matrices, f"{shape} was not compressed"
+        assert codec.placement(x.numel(), [(0, shape)]).matrices, f"{shape} was not compressed"
 
 
 def test_zero_gradient_then_gradient_comes_back():
@@ -285,7 +286,7 @@ def test_names_and_refusals():
     with pytest.raises(TypeError, match="whole matrices"):
         codec.encoded_nbytes(10)
     with pytest.raises(ValueError, match="overlaps"):
-        codec.layout(10, [(0, (3, 3)), (5, (2, 2))])
+        codec.placement(10, [(0, (3, 3)), (5, (2, 2))])
     comm = commopt.create_communicator("local")
     with pytest.raises(ValueError, match="needs their shapes"):
         collectives.allreduce(comm, torch.ones(8), codec, algorithm="lowrank")

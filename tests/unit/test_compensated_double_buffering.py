@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import commopt
-from commopt.optim.fingerprint import wire_settings
 from commopt.optim.layerwise import LARS
 from tests.staleness_loop import compensated_by_hand
 
@@ -100,7 +99,7 @@ def test_one_rank_follows_synchronous_training_where_plain_lags(name):
     popt = commopt.create_multi_node_optimizer(
         OPTIMIZERS[name](plain.parameters()),
         commopt.create_communicator("local"),
-        double_buffering=True,
+        double_buffering="stale",
     )
     _train(plain, popt, range(12))
     popt.flush()
@@ -118,7 +117,7 @@ def test_true_weights_flush_and_repr():
     assert any(not torch.equal(a, b) for a, b in zip(predicted, true))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), predicted))
     assert "double_buffering=compensated" in repr(opt)
-    assert wire_settings(opt)["double_buffering"] == "'compensated'"
+    assert opt.wire_settings["double_buffering"] == "'compensated'"
     opt.flush()  # applies the last average at the true weights; the model keeps them
     with opt.true_weights():
         after = [p.detach().clone() for p in model.parameters()]
@@ -130,7 +129,8 @@ def test_state_dict_resume_is_bit_exact(kwargs):
     model, opt = _wrapped("adamw", **kwargs)
     _train(model, opt, range(4))
     sd = copy.deepcopy(opt.state_dict())  # torch's state dict holds live state tensors
-    assert sd["commopt"]["compensated"]["weights"] is not None
+    (part,) = sd["commopt"]["plans"].values()
+    assert part["compensated"]["weights"] is not None
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}  # predicted weights
     _train(model, opt, range(4, 8))
     opt.flush()
@@ -151,11 +151,12 @@ def test_checkpoint_after_flush_loads_into_any_double_buffering_mode(tmp_path):
     _train(model, opt, range(3))
     opt.flush()
     opt.zero_grad()  # flush() leaves the last average in .grad
-    assert opt.state_dict()["commopt"]["compensated"]["weights"] is None
+    (part,) = opt.state_dict()["commopt"]["plans"].values()
+    assert part["compensated"]["weights"] is None
     save_checkpoint(tmp_path / "ck", model, opt)
     _train(model, opt, range(3, 6))
     opt.flush()
-    for mode in ("compensated", True):
+    for mode in ("compensated", "stale"):
         model2 = _model(3)
         opt2 = commopt.create_multi_node_optimizer(
             OPTIMIZERS["sgd"](model2.parameters()),
@@ -227,7 +228,7 @@ def test_no_sync_accumulation_and_nonfinite_skip():
 
 def test_errors_name_the_fix():
     model = _model()
-    with pytest.raises(TypeError, match="double_buffering=True"):
+    with pytest.raises(TypeError, match="double_buffering='stale'"):
         commopt.create_multi_node_optimizer(
             torch.optim.RMSprop(model.parameters()),
             commopt.create_communicator("local"),
@@ -245,7 +246,7 @@ def test_errors_name_the_fix():
     plain = commopt.create_multi_node_optimizer(
         torch.optim.SGD(_model().parameters(), lr=0.1),
         commopt.create_communicator("local"),
-        double_buffering=True,
+        double_buffering="stale",
     )
     with pytest.raises(ValueError, match="double_buffering='compensated'"):
         plain.load_state_dict(sd)

@@ -245,7 +245,7 @@ def test_wrapper_excludes_bias_from_adaptation_and_weight_decay():
 
 
 def test_wrapper_works_with_adam_lr_scheduler_grad_scaler_and_checkpoints():
-    from commopt.optim.schedules import PolyWarmup
+    from commopt.optim.lr_schedules import PolyWarmup
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = lars(torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4), 0.02)

@@ -31,8 +31,8 @@ def batch(step):
     return torch.arange(5) + step % 5
 
 
-SYNC = "compression=None, double_buffering=False"
-DB = "compression=None, double_buffering=True"
+SYNC = "compression=None, schedule=synchronous"
+DB = "compression=None, schedule=stale"
 
 
 def test_group_keys_and_name_rules_choose_plans_and_buckets_never_mix(comm):
@@ -46,11 +46,11 @@ def test_group_keys_and_name_rules_choose_plans_and_buckets_never_mix(comm):
         lr=0.1,
     )
     opt = commopt.create_multi_node_optimizer(
-        inner, comm, model=model, plans=[("fc.*", {"double_buffering": True})]
+        inner, comm, model=model, plans=[("fc.*", {"double_buffering": "stale"})]
     )
     assert list(opt.plans) == [
         SYNC,
-        "compression=fp16, double_buffering=True",  # the group's key wins over nothing else
+        "compression=fp16, schedule=stale",  # the group's key wins over nothing else
         DB,
     ]
     assert opt.plan_params(SYNC) == [model.embed.weight]
@@ -83,7 +83,7 @@ def _mixed(comm, model, **kw):
         torch.optim.SGD(model.parameters(), lr=0.5),
         comm,
         model=model,
-        plans=[("fc.*", {"double_buffering": True})],
+        plans=[("fc.*", {"double_buffering": "stale"})],
         **kw,
     )
 
@@ -152,7 +152,7 @@ def _train(model, opt, steps):
         opt.step()
 
 
-@pytest.mark.parametrize("db", [True, "compensated"])
+@pytest.mark.parametrize("db", ["stale", "compensated"])
 def test_checkpoint_is_keyed_by_plan_and_resumes_exactly(comm, db):
     def build():
         model = Net()
@@ -287,7 +287,7 @@ class Tied(torch.nn.Module):
         return self.out(torch.tanh(self.hidden(self.embed(idx)))).sum()
 
 
-COMP = "compression=None, double_buffering=compensated"
+COMP = "compression=None, schedule=compensated"
 
 
 def test_compensated_reduces_embeddings_tied_weights_and_1d_tensors_synchronously_by_default(
@@ -340,4 +340,4 @@ def test_compensated_reduces_embeddings_tied_weights_and_1d_tensors_synchronousl
     assert plans_of(plans=[("*", {"double_buffering": "compensated"})]) == [COMP], (
         "a rule wins over the default rule"
     )
-    assert plans_of(db=True) == [DB], "the rule is compensated double buffering's only"
+    assert plans_of(db="stale") == [DB], "the rule is compensated double buffering's only"

@@ -17,7 +17,8 @@ def parse(*argv):
     ("argv", "mode", "label"),
     [
         ((), False, "fp32"),
-        (("--double-buffering",), True, "fp32+db"),
+        (("--double-buffering",), True, "fp32+comp"),
+        (("--double-buffering", "stale"), "stale", "fp32+stale"),
         (("--double-buffering", "compensated"), "compensated", "fp32+comp"),
         (
             ("--double-buffering", "compensated", "--no-synchronous-embeddings"),
@@ -29,7 +30,7 @@ def parse(*argv):
             "compensated",
             "fp32+comp+stale-vectors",
         ),
-        (("--compression", "qsgd4+ef", "--double-buffering"), True, "qsgd4+ef+db"),
+        (("--compression", "qsgd4+ef", "--double-buffering"), True, "qsgd4+ef+comp"),
     ],
 )
 def test_double_buffering_modes(argv, mode, label):
@@ -41,4 +42,4 @@ def test_double_buffering_modes(argv, mode, label):
 def test_unknown_double_buffering_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse("--double-buffering", "sometimes")
-    assert "takes no value or 'compensated'" in capsys.readouterr().err
+    assert "takes no value, 'compensated' or 'stale'" in capsys.readouterr().err

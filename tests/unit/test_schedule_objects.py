@@ -10,11 +10,11 @@ import torch
 import commopt
 from commopt.optim.apply_step import StepApplier
 from commopt.optim.bucketed_params import BucketedParameters
-from commopt.optim.compensation import Compensation
-from commopt.optim.double_buffered_step import DoubleBufferedSchedule
 from commopt.optim.reduction_counter import ReductionCounter
-from commopt.optim.step_state import Stage
-from commopt.optim.synchronous_step import SynchronousSchedule
+from commopt.optim.schedules.double_buffered import CompensatedSchedule, DoubleBufferedSchedule
+from commopt.optim.schedules.protocol import ScheduleContext
+from commopt.optim.schedules.synchronous import SynchronousOptions, SynchronousSchedule
+from commopt.optim.step_progress import Stage
 from commopt.reducer import GradientReducer, StepResult
 
 
@@ -28,14 +28,24 @@ def params():
     return [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
 
 
-def wire(schedule, comm, ps, num_buffers=1):
-    owned = BucketedParameters(schedule.grad_ready, schedule.backward_end)
+def wire(cls, comm, ps, options=None, counter=None, inner=None):
+    """A schedule of class ``cls`` over ``ps`` (its buckets, hooks and context)."""
+    made = []
+    owned = BucketedParameters(lambda i: made[0].grad_ready(i), lambda: made[0].backward_end())
     reducer = GradientReducer(
-        comm, ps, ["a", "b"], num_buffers=num_buffers, bucket_cap_mb=1e-5, grad_views=True
+        comm, ps, ["a", "b"], num_buffers=cls.num_buffers, bucket_cap_mb=1e-5, grad_views=True
     )
     owned.install(reducer, ps)
-    schedule.attach(owned)
-    return owned
+    context = ScheduleContext(
+        owned,
+        ReductionCounter() if counter is None else counter,
+        torch.optim.SGD(ps, lr=0.1) if inner is None else inner,
+        zero_fill=True,
+        ensure_layout=lambda: None,
+        all_params=lambda: ps,
+    )
+    made.append(cls(context, options))
+    return made[0], owned
 
 
 def backward(ps, scale=1.0):
@@ -49,8 +59,7 @@ def expected_grads(ps):
 def test_synchronous_with_overlap_sends_during_backward(comm):
     ps = params()
     counter = ReductionCounter()
-    sync = SynchronousSchedule(counter, overlap=True, zero_fill=True, ensure_layout=lambda: None)
-    owned = wire(sync, comm, ps)
+    sync, owned = wire(SynchronousSchedule, comm, ps, SynchronousOptions(overlap=True), counter)
     assert len(owned.reducer.buckets) == 2
     backward(ps)
     # Both buckets left during backward, and the hooks queued the end of backward, which
@@ -65,10 +74,7 @@ def test_synchronous_with_overlap_sends_during_backward(comm):
 
 def test_synchronous_without_overlap_sends_in_step_and_refuses_a_local_clip(comm):
     ps = params()
-    sync = SynchronousSchedule(
-        ReductionCounter(), overlap=False, zero_fill=True, ensure_layout=lambda: None
-    )
-    wire(sync, comm, ps)
+    sync, _ = wire(SynchronousSchedule, comm, ps, SynchronousOptions(overlap=False))
     backward(ps)
     sync.backward_end()
     assert sync.stage is Stage.LOCAL and sync.in_flight is None
@@ -79,16 +85,12 @@ def test_synchronous_without_overlap_sends_in_step_and_refuses_a_local_clip(comm
         sync.result(skip_synchronize=False)
     sync.synchronize()  # an explicit synchronize() accepts what .grad holds now
     assert sync.result(skip_synchronize=True).nonfinite is False
-    assert sync.state_dict() == {"double_buffering": False, "db_buffer": 0, "pending": None}
+    assert sync.state_dict() == {"pending": None}
 
 
 def test_double_buffered_applies_the_previous_steps_averages_and_resumes(comm):
     ps = params()
-    make = lambda counter: DoubleBufferedSchedule(  # noqa: E731
-        counter, zero_fill=True, ensure_layout=lambda: None, all_params=lambda: ps
-    )
-    db = make(ReductionCounter())
-    wire(db, comm, ps, num_buffers=2)
+    db, _ = wire(DoubleBufferedSchedule, comm, ps)
     backward(ps)
     first = expected_grads(ps)
     assert db.result(skip_synchronize=False) is None  # sent; nothing to apply yet
@@ -101,10 +103,9 @@ def test_double_buffered_applies_the_previous_steps_averages_and_resumes(comm):
     for p, g in zip(ps, first):  # step 1 applies step 0's averages
         assert torch.equal(p.grad, g)
     state = db.state_dict()
-    assert state["double_buffering"] is True and state["pending"] is not None
+    assert state["pending"] is not None
     # A fresh schedule on the same buckets resumes with the same pending reduction.
-    again = make(ReductionCounter())
-    wire(again, comm, ps, num_buffers=2)
+    again, _ = wire(DoubleBufferedSchedule, comm, ps)
     again.load_state_dict(state, rank=0)
     assert not again.flush().nonfinite
     for p, g in zip(ps, first):
@@ -115,14 +116,7 @@ def test_double_buffered_applies_the_previous_steps_averages_and_resumes(comm):
 def test_compensated_moves_to_the_prediction_and_back(comm):
     ps = params()
     inner = torch.optim.SGD(ps, lr=0.1)
-    db = DoubleBufferedSchedule(
-        ReductionCounter(),
-        zero_fill=True,
-        ensure_layout=lambda: None,
-        all_params=lambda: ps,
-        compensation=Compensation(inner),
-    )
-    wire(db, comm, ps, num_buffers=2)
+    db, _ = wire(CompensatedSchedule, comm, ps, inner=inner)
     true = [p.detach().clone() for p in ps]
     backward(ps)
     local = expected_grads(ps)
@@ -162,16 +156,26 @@ def test_reduction_counter_gives_a_skipped_steps_number_back(comm):
     red.issue_remaining()
     assert red.wait().nonfinite and counter.saved(reducer) == 0  # given back
     w.grad = torch.ones(2)
-    assert counter.start(reducer).step == 0 and calls == [0, 1]
+    assert counter.start(reducer).number == 0 and calls == [0, 1]
     handle.remove()
     counter.start(reducer)
     assert calls == [0, 1]
 
 
-@pytest.mark.parametrize("key", ["compression", "double_buffering"])
-def test_a_new_group_plan_on_a_one_plan_optimizer_is_refused_not_ignored(comm, key):
+@pytest.mark.parametrize(
+    "key, value, plan",
+    [
+        ("compression", "fp16", "compression=fp16, schedule=synchronous"),
+        ("double_buffering", "stale", "compression=None, schedule=stale"),
+    ],
+)
+def test_a_new_group_plan_on_a_one_plan_optimizer_makes_a_part_of_its_own(comm, key, value, plan):
     a, b = params()
+    c = torch.nn.Parameter(torch.zeros(2))
     opt = commopt.create_multi_node_optimizer(torch.optim.SGD([a], lr=0.1), comm)
-    with pytest.raises(ValueError, match=f"parameter group 1 sets {key}"):
-        opt.add_param_group({"params": [b], key: True})
-    assert len(opt.param_groups) == 1, "the refused group was not added"
+    opt.add_param_group({"params": [b], key: value})
+    assert list(opt.plans) == ["compression=None, schedule=synchronous", plan]
+    assert opt.plan_params(plan) == [b]
+    with pytest.raises(TypeError, match="compression must be"):
+        opt.add_param_group({"params": [c], "compression": True})
+    assert len(opt.param_groups) == 2, "the refused group was not added"

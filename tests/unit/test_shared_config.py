@@ -10,7 +10,7 @@ import torch
 
 import commopt
 from commopt.cli import main
-from commopt.sim.plan import CONFIG_KEYS, Plan
+from commopt.sim.configuration import CONFIG_KEYS, Configuration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "optimizer-config.json"
 
@@ -89,6 +89,6 @@ def test_a_configuration_with_an_unknown_or_renamed_key_fails_clearly(tmp_path, 
     assert main(["simulate", "--config", str(path)]) == 2
     assert "JSON object" in capsys.readouterr().err
     with pytest.raises(TypeError, match="'bucket_cap_mb'"):
-        Plan(bucket_mb=50)
+        Configuration(bucket_mb=50)
     with pytest.raises(ValueError, match="double_buffering=True"):
-        Plan(overlap="double-buffering")
+        Configuration(overlap="double-buffering")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commopt.sim import Plan, allreduce_time, get_machine, load_profile, simulate
+from commopt.sim import Configuration, allreduce_time, get_machine, load_profile, simulate
 from commopt.sim.codec_costs import get_codec_cost
 from commopt.sim.comm_model import hierarchical_time, ring_time, sra_time, tree_time
 from commopt.sim.costs import (
@@ -161,7 +161,7 @@ def test_codecs_shrink_the_wire_and_nonlinear_ones_need_sra():
     with pytest.raises(ValueError, match="not linear"):
         allreduce_time(m, 64, numel=1e8, grad_bytes=4, algorithm="ring", codec="qsgd4")
     with pytest.raises(ValueError, match="not linear"):
-        Plan(algorithm="tree", compression="qsgd8")
+        Configuration(algorithm="tree", compression="qsgd8")
 
 
 def test_fp16_cast_of_fp16_gradients_costs_nothing():
@@ -202,7 +202,7 @@ def test_overlap_is_never_faster_than_the_larger_of_compute_and_communication(
         profile = profile.with_overrides(gpu=m.gpu, step_time=0.2)
     steps = {}
     for overlap, db in ((False, False), (True, False), (True, True)):
-        plan = Plan("auto", codec, bucket, overlap, db)
+        plan = Configuration("auto", codec, bucket, overlap, db)
         p = simulate(profile, m, plan, gpus)
         assert p.step_s >= max(p.compute_s, p.comm_s) * (1 - 1e-12)
         assert 0 < p.efficiency <= 1 + 1e-12
@@ -217,23 +217,23 @@ def test_overlap_is_never_faster_than_the_larger_of_compute_and_communication(
 def test_backward_overlap_hides_early_buckets_but_not_the_last():
     profile = load_profile("resnet50")
     m = get_machine("v100-nvlink-25g")
-    p = simulate(profile, m, Plan("ring", "none", 25.0, True), 8)
-    none = simulate(profile, m, Plan("ring", "none", 25.0, False), 8)
+    p = simulate(profile, m, Configuration("ring", "none", 25.0, True), 8)
+    none = simulate(profile, m, Configuration("ring", "none", 25.0, False), 8)
     assert 0 < p.exposed_comm_s < none.exposed_comm_s
     assert p.buckets >= 4
 
 
 def test_one_gpu_runs_at_the_profile_speed():
-    p = simulate("resnet50", "v100-nvlink-25g", Plan(), 1)
+    p = simulate("resnet50", "v100-nvlink-25g", Configuration(), 1)
     assert p.throughput == pytest.approx(1226.0)
     assert p.efficiency == 1.0 and p.comm_s == 0.0
 
 
 def test_auto_takes_the_fastest_algorithm_per_bucket():
     m = get_machine("v100-nvlink-25g")
-    auto = simulate("bert-large", m, Plan("auto"), 1024)
+    auto = simulate("bert-large", m, Configuration("auto"), 1024)
     for algorithm in ("ring", "tree", "hierarchical"):
-        fixed = simulate("bert-large", m, Plan(algorithm), 1024)
+        fixed = simulate("bert-large", m, Configuration(algorithm), 1024)
         assert auto.comm_s <= fixed.comm_s * (1 + 1e-12)
     assert math.isfinite(auto.step_s)
 
@@ -251,8 +251,8 @@ def test_link_overrides_keep_the_preset_efficiency():
     fast = m.with_overrides(inter_gbps=400)
     assert fast.inter.bandwidth_Bps == pytest.approx(400 * GBIT * m.inter_efficiency)
     assert (
-        simulate("bert-large", fast, Plan(), 256).efficiency
-        > simulate("bert-large", m, Plan(), 256).efficiency
+        simulate("bert-large", fast, Configuration(), 256).efficiency
+        > simulate("bert-large", m, Configuration(), 256).efficiency
     )
     with pytest.raises(ValueError, match="inter-gbps"):
         m.with_overrides(inter_gbps=0)
@@ -293,7 +293,7 @@ def test_one_piece_is_the_unpipelined_sum_and_many_approach_the_larger_of_the_tw
 def test_the_simulated_piece_size_is_commopts():
     collectives = pytest.importorskip("commopt.collectives")
     assert SRA_PIECE_BYTES == collectives.PIECE_BYTES
-    assert Plan(compression="qsgd4").piece_mb * 2**20 == collectives.PIECE_BYTES
+    assert Configuration(compression="qsgd4").piece_mb * 2**20 == collectives.PIECE_BYTES
 
 
 def test_scatter_reduce_codec_work_is_what_commopt_does():
@@ -450,11 +450,11 @@ def test_plan_piece_size_reaches_the_step_and_is_validated():
     from commopt.sim.validation import synthetic_profile
 
     prof = synthetic_profile(0.1, 64 * 2**20)
-    piped = simulate(prof, m, Plan("scatter_reduce", "qsgd4", 64, False), 2)
-    flat = simulate(prof, m, Plan("scatter_reduce", "qsgd4", 64, False, piece_mb=0), 2)
+    piped = simulate(prof, m, Configuration("scatter_reduce", "qsgd4", 64, False), 2)
+    flat = simulate(prof, m, Configuration("scatter_reduce", "qsgd4", 64, False, piece_mb=0), 2)
     assert piped.comm_s < flat.comm_s
-    assert Plan(compression="qsgd4").with_(piece_mb=0).piece_mb == 0.0
+    assert Configuration(compression="qsgd4").with_(piece_mb=0).piece_mb == 0.0
     with pytest.raises(ValueError, match="piece size"):
-        Plan(piece_mb=-1)
+        Configuration(piece_mb=-1)
     with pytest.raises(TypeError, match="no field"):
-        Plan().with_(pieces=3)
+        Configuration().with_(pieces=3)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from commopt.sim import (
+    Configuration,
     ModelProfile,
-    Plan,
     from_benchmark,
     get_codec_cost,
     get_machine,
@@ -109,7 +109,7 @@ def test_machine_files_and_errors(tmp_path):
     )
     m = get_machine(str(path))
     assert m.gpus_per_node == 4 and m.inter.bandwidth_Bps == pytest.approx(100e9 / 8 * 0.9)
-    assert simulate("resnet50", m, Plan(), 16).nodes == 4
+    assert simulate("resnet50", m, Configuration(), 16).nodes == 4
     with pytest.raises(ValueError, match="unknown machine"):
         get_machine("dgx-9000")
     path.write_text(json.dumps({"name": "x", "gpu": "v100", "gpus_per_node": 4, "inter_gbps": 1}))
@@ -133,8 +133,8 @@ def test_codec_speeds_from_the_codec_benchmark(tmp_path):
     assert c.wire_bytes(1000, grad_bytes=4) == pytest.approx(560)
     assert c.encode_s(5e8, memory_GBps=1, grad_bytes=4) == pytest.approx(1.0)  # 2 GB at 2 GB/s
     # Measured 2-4 GB/s is far slower than the memory-bound default on a V100: more comm time.
-    measured = simulate("resnet50", "v100-nvlink-25g", Plan(compression=c), 64)
-    modelled = simulate("resnet50", "v100-nvlink-25g", Plan(compression="qsgd4"), 64)
+    measured = simulate("resnet50", "v100-nvlink-25g", Configuration(compression=c), 64)
+    modelled = simulate("resnet50", "v100-nvlink-25g", Configuration(compression="qsgd4"), 64)
     assert measured.comm_s > modelled.comm_s > 0
     with pytest.raises(ValueError, match="no entry for codec 'qsgd8'"):
         from_benchmark(str(path), "qsgd8")
@@ -157,7 +157,7 @@ def test_profile_a_real_module_on_the_cpu():
     assert all(lay.backward_weight > 0 for lay in prof.layers)
     assert 0 < prof.forward_fraction < 1 and prof.throughput["cpu"] > 0
     # The measured profile drives the simulator on the CPU testbed.
-    assert simulate(prof, "testbed-1gbit", Plan(), 2).comm_s > 0
+    assert simulate(prof, "testbed-1gbit", Configuration(), 2).comm_s > 0
 
 
 def test_profile_named_model_refuses_what_it_cannot_run():

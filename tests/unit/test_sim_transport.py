@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from commopt.sim import Plan, get_machine, simulate
+from commopt.sim import Configuration, get_machine, simulate
 from commopt.sim.machines import PRESETS
 from commopt.sim.software import SOFTWARE, software_plan
 from commopt.sim.transport import SOCKET_MIN_CHUNK, TRANSPORTS, Transport, parse_nccl_env
@@ -141,21 +141,25 @@ def test_software_presets_cite_what_they_set():
 
 
 def test_copies_cost_compute_time_and_one_buffer_waits_for_the_backward_pass():
-    with_copies = simulate("resnet50", "p100-10gbe", Plan(copy_passes=3), 16)
-    without = simulate("resnet50", "p100-10gbe", Plan(), 16)
+    with_copies = simulate("resnet50", "p100-10gbe", Configuration(copy_passes=3), 16)
+    without = simulate("resnet50", "p100-10gbe", Configuration(), 16)
     assert with_copies.compute_s > without.compute_s and with_copies.copy_s > 0
-    assert simulate("resnet50", "p100-10gbe", Plan(copy_passes=3), 1).copy_s == 0
-    one = simulate("resnet50", "p100-10gbe", Plan(bucket_cap_mb=math.inf), 16)
+    assert simulate("resnet50", "p100-10gbe", Configuration(copy_passes=3), 1).copy_s == 0
+    one = simulate("resnet50", "p100-10gbe", Configuration(bucket_cap_mb=math.inf), 16)
     assert one.buckets == 1
     with pytest.raises(ValueError, match="copy passes"):
-        Plan(copy_passes=-1)
+        Configuration(copy_passes=-1)
 
 
 def test_native_algorithm_choice_excludes_the_hierarchical_ring():
-    assert Plan(algorithm="native").candidates() == ("ring", "tree")
+    assert Configuration(algorithm="native").candidates() == ("ring", "tree")
     with pytest.raises(ValueError, match="not linear"):
-        Plan(algorithm="native", compression="qsgd4")  # as the optimizer: the transport sums
-    assert simulate("resnet50", "v100-nvlink-25g", Plan(algorithm="native"), 64).algorithm in (
+        Configuration(
+            algorithm="native", compression="qsgd4"
+        )  # as the optimizer: the transport sums
+    assert simulate(
+        "resnet50", "v100-nvlink-25g", Configuration(algorithm="native"), 64
+    ).algorithm in (
         "ring",
         "tree",
         "ring+tree",
@@ -172,14 +176,16 @@ def test_the_dominant_term_of_each_kind():
     tiny = synthetic_profile(0.01, 4e5, device="v100")
     assert (
         simulate(
-            tiny, "v100-nvlink-25g", Plan("ring", bucket_cap_mb=0.001, overlap=False), 4096
+            tiny, "v100-nvlink-25g", Configuration("ring", bucket_cap_mb=0.001, overlap=False), 4096
         ).dominant
         == "latency"
     )
     big = synthetic_profile(0.001, 4e8, device="cpu")
     fast = get_machine("testbed-1gbit").with_overrides(inter_gbps=1000)
     assert (
-        simulate(big, fast, Plan("scatter_reduce", "qsgd4", overlap=False, piece_mb=0), 2).dominant
+        simulate(
+            big, fast, Configuration("scatter_reduce", "qsgd4", overlap=False, piece_mb=0), 2
+        ).dominant
         == "codec"
     )
 

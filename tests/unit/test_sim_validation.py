@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from commopt.sim import Plan, get_machine, load_profile, simulate
+from commopt.sim import Configuration, get_machine, load_profile, simulate
 from commopt.sim.costs import GBYTE, Link
 from commopt.sim.validation import (
     PUBLISHED_ROWS,
@@ -83,9 +83,9 @@ def test_assumption_dependent_rows_really_depend_on_the_assumption():
 
 
 def test_bert_on_the_3090_is_slower_on_2_gpus_than_on_1_as_published():
-    one = simulate("bert-large", "rtx3090-pcie", Plan(), 1).throughput
-    two = simulate("bert-large", "rtx3090-pcie", Plan(), 2).throughput
-    four = simulate("bert-large", "rtx3090-pcie", Plan(), 4).throughput
+    one = simulate("bert-large", "rtx3090-pcie", Configuration(), 1).throughput
+    two = simulate("bert-large", "rtx3090-pcie", Configuration(), 2).throughput
+    four = simulate("bert-large", "rtx3090-pcie", Configuration(), 4).throughput
     assert four < one and two < 1.1 * one
 
 
@@ -164,7 +164,9 @@ def test_transformer_xl_as_nvidias_script_runs_ddp_misses_the_3090_rows_further(
     beyond 15% too), while the V100 rows stay within 15%."""
     rows = [r for r in PUBLISHED_ROWS if r.model == "transformer-xl-base" and r.gpus > 1]
     no_overlap = {
-        (r.machine, r.source, r.gpus): _predict(replace(r, plan=Plan(overlap=False))).throughput
+        (r.machine, r.source, r.gpus): _predict(
+            replace(r, plan=Configuration(overlap=False))
+        ).throughput
         / r.published
         - 1
         for r in rows

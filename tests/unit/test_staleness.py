@@ -249,7 +249,7 @@ def test_true_weights_context_and_state_without_prediction():
 
 def test_errors_say_what_to_do():
     model = _model()
-    with pytest.raises(TypeError, match="double_buffering=True"):
+    with pytest.raises(TypeError, match="double_buffering='stale'"):
         LocalStepPrediction(torch.optim.RMSprop(model.parameters()))
     comp = LocalStepPrediction(OPTIMIZERS["sgd"](model.parameters()))
     comp.predict(_grads(model, 0))

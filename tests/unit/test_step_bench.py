@@ -426,7 +426,8 @@ def test_bench_step_is_a_real_subcommand_and_a_missing_module_is_an_error(monkey
     bench.add_arguments(parser)
     args = parser.parse_args(["step", "--configs", "ddp-fp32", "--no-link"])
     assert (
-        args._bench is importlib.import_module("commopt.bench.step") and args.configs == "ddp-fp32"
+        args.bench_module is importlib.import_module("commopt.bench.step")
+        and args.configs == "ddp-fp32"
     )
     # A benchmark named in the list whose module is not installed: a broken installation, said so
     # (never a quiet "not available").

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from commopt.bench.step import cli, sim_export
-from commopt.sim import Plan, get_machine, simulate
+from commopt.sim import Configuration, get_machine, simulate
 from commopt.sim.machines import Machine
 from commopt.sim.validation import (
     Measurement,
@@ -160,13 +160,13 @@ def test_link_bound_step_is_compute_plus_exposed_communication():
     back to back: exposed communication = the whole all-reduce."""
     grad, compute = 100_765_760, 0.075
     comm = 8 * ALPHA + grad / BW
-    db = _step(compute, grad, Plan("ring", "none", 25, True, True))
+    db = _step(compute, grad, Configuration("ring", "none", 25, True, True))
     assert db.buckets == 4 and db.step_s == pytest.approx(comm, rel=1e-4)
-    overlap = _step(compute, grad, Plan("ring", "none", 25, True))
+    overlap = _step(compute, grad, Configuration("ring", "none", 25, True))
     first_ready = compute / 3 + (compute * 2 / 3) * 5 / 16
     assert overlap.step_s == pytest.approx(first_ready + comm, rel=1e-4)
     assert overlap.exposed_comm_s == pytest.approx(first_ready + comm - compute, rel=1e-4)
-    none = _step(compute, grad, Plan("ring", "none", 25, False))
+    none = _step(compute, grad, Configuration("ring", "none", 25, False))
     assert none.step_s == pytest.approx(compute + comm, rel=1e-4)
 
 
@@ -176,7 +176,7 @@ def test_the_testbed_core_runs_compute_and_codec_one_after_the_other():
     assert GLOO.codec_shares_compute_core and get_machine("testbed-1gbit").codec_shares_compute_core
     assert not get_machine("v100-nvlink-25g").codec_shares_compute_core
     assert "share the machine's 2 cores" in GLOO.sources["codec_shares_compute_core"]
-    plan = Plan("scatter_reduce", "qsgd4", 25, True, True)
+    plan = Configuration("scatter_reduce", "qsgd4", 25, True, True)
     grad, compute = 100_765_760, 0.300
     shared = _step(compute, grad, plan)
     separate = _step(

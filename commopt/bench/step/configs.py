@@ -49,7 +49,9 @@ POWERSGD_START_ITER = 2
 #: budget: torch's PowerSGDState documentation suggests starting ``start_powerSGD_iter`` at
 #: 10% of the total training steps (and raising it until the accuracy is satisfactory).
 POWERSGD_WARMUP_FRACTION = 0.1
-#: ``double_buffering`` of a configuration: False (overlap), True or "compensated".
+#: ``double_buffering`` of a configuration: False (overlap), "stale" (plain, ChainerMN's; the
+#: ``-db`` configurations, as measured) or "compensated" (``-comp``; ``double_buffering=True``).
+STALE = "stale"
 COMPENSATED = "compensated"
 
 
@@ -63,7 +65,7 @@ class StepConfig:
     wire: str
     label: str
     powersgd_rank: int = 0
-    # commopt's schedule: False (overlap), True (double buffering) or "compensated"
+    # commopt's schedule: False (overlap), "stale" (plain double buffering) or "compensated"
     double_buffering: bool | str = False
     # DDP PowerSGD: plain allreduce for the budget's first POWERSGD_WARMUP_FRACTION
     powersgd_warmup: bool = False
@@ -73,7 +75,7 @@ class StepConfig:
 
 _MODES = (
     (False, "", "overlap"),
-    (True, "-db", "double buffering"),
+    (STALE, "-db", "double buffering"),
     (COMPENSATED, "-comp", "compensated double buffering"),
 )
 
@@ -132,7 +134,7 @@ def _configs() -> dict[str, StepConfig]:
                 wire,
                 f"commopt {label}, double buffering, first/last layer synchronous",
                 powersgd_rank=rank,
-                double_buffering=True,
+                double_buffering=STALE,
                 mixed=True,
             )
         )

@@ -3,18 +3,18 @@
 ``commopt.create_multi_node_optimizer``; ``piece_mb`` (the pipeline's piece size) and
 ``copy_passes`` (gradient-sized copies the software makes) are the simulator's own.
 
-    >>> Plan(compression="fp16", double_buffering=True).compression.name
+    >>> Configuration(compression="fp16", double_buffering=True).compression.name
     'fp16'
-    >>> Plan(compression="qsgd4").piece_mb  # commopt.collectives.PIECE_BYTES, in MiB
+    >>> Configuration(compression="qsgd4").piece_mb  # commopt.collectives.PIECE_BYTES, in MiB
     4.0
-    >>> Plan(algorithm="ring", compression="qsgd4")
+    >>> Configuration(algorithm="ring", compression="qsgd4")
     Traceback (most recent call last):
     ...
     ValueError: codec qsgd4 is not linear: a ring or tree would decode and re-encode at every hop; use algorithm scatter_reduce or hierarchical (or auto)
 
 One JSON configuration serves both the simulator and the optimizer:
 
-    >>> Plan.from_config({"compression": "qsgd4", "double_buffering": True}).describe()
+    >>> Configuration.from_config({"compression": "qsgd4", "double_buffering": True}).describe()
     'auto, codec qsgd4, 25 MB buckets, pieces of 4 MiB, overlap double-buffering'
 
 ``commopt simulate --config FILE`` reads it and ``create_multi_node_optimizer(opt, comm,
@@ -61,7 +61,7 @@ _GRAD_DTYPES = {"float32": "none", "float16": "fp16", "bfloat16": "bf16"}
 
 
 def config_fields(config: dict) -> dict:
-    """The :class:`Plan` fields a ``create_multi_node_optimizer`` configuration sets (the keys
+    """The :class:`Configuration` fields a ``create_multi_node_optimizer`` configuration sets (the keys
     of :data:`CONFIG_KEYS` it holds). ``allreduce_grad_dtype`` stands for the codec where
     ``compression`` is absent or None, as in the optimizer; error feedback (``+ef``) keeps the
     codec's wire format and its residual's passes over the gradient are not modelled.
@@ -120,7 +120,7 @@ def _check_overlap(overlap) -> None:
 
 
 @dataclass(frozen=True, init=False)
-class Plan:
+class Configuration:
     algorithm: str
     compression: CodecCost
     bucket_cap_mb: float
@@ -144,7 +144,7 @@ class Plan:
             name = next(iter(renamed))
             new = RENAMED.get(name)
             raise TypeError(
-                f"Plan() got an unexpected keyword argument {name!r}"
+                f"Configuration() got an unexpected keyword argument {name!r}"
                 + (f"; it is now called {new!r}" if new else "")
             )
         _check_algorithm(algorithm)
@@ -176,7 +176,7 @@ class Plan:
         object.__setattr__(self, "copy_passes", float(copy_passes))
 
     @classmethod
-    def from_config(cls, config: dict, **simulator_only) -> Plan:
+    def from_config(cls, config: dict, **simulator_only) -> Configuration:
         """The plan of a ``create_multi_node_optimizer`` configuration (:func:`config_fields`);
         ``simulator_only``: ``piece_mb``, ``copy_passes``."""
         return cls(**config_fields(config), **simulator_only)
@@ -200,14 +200,14 @@ class Plan:
             return "double-buffering"
         return "backward" if self.overlap else "none"
 
-    def with_(self, **changes) -> Plan:
+    def with_(self, **changes) -> Configuration:
         """A copy with some fields changed: ``plan.with_(bucket_cap_mb=50)``."""
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             name = sorted(unknown)[0]
             new = RENAMED.get(name)
             raise TypeError(
-                f"Plan has no field(s) {', '.join(sorted(unknown))}"
+                f"Configuration has no field(s) {', '.join(sorted(unknown))}"
                 + (f"; {name!r} is now called {new!r}" if new else "")
             )
         return replace(self, **changes)  # through __init__: the changed plan is validated too

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commopt.optim.schedules import (
+from commopt.optim.lr_schedules import (
     CHAINERMN_MILESTONES,
     PolyWarmup,
     StepWarmup,

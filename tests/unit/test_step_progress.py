@@ -1,17 +1,17 @@
-"""The optimizer's step in progress (commopt.optim.step_state): stages, events, invalid events."""
+"""The optimizer's step in progress (commopt.optim.step_progress): stages, events, invalid events."""
 
 from __future__ import annotations
 
 import pytest
 
-from commopt.optim.step_state import Stage, StepState, StepStateError
+from commopt.optim.step_progress import Stage, StageError, StepProgress
 
-RED = object()  # a stand-in reduction: StepState only holds it
+RED = object()  # a stand-in reduction: StepProgress only holds it
 
 
-def in_stage(stage: Stage) -> StepState:
-    """A StepState brought to ``stage`` by the events the optimizer sends."""
-    step = StepState()
+def in_stage(stage: Stage) -> StepProgress:
+    """A StepProgress brought to ``stage`` by the events the optimizer sends."""
+    step = StepProgress()
     if stage is Stage.IDLE:
         return step
     step.wrote()
@@ -30,7 +30,7 @@ def in_stage(stage: Stage) -> StepState:
 
 
 def test_a_step_with_overlap_goes_through_every_stage_in_order():
-    step = StepState()
+    step = StepProgress()
     seen = [step.stage]
     step.wrote()
     seen.append(step.stage)
@@ -120,7 +120,7 @@ INVALID = [
 def test_an_invalid_event_raises_naming_it_and_changes_nothing(event, args, stage):
     step = in_stage(stage)
     before = (step.stage, step.in_flight, step.averages)
-    with pytest.raises(StepStateError, match=rf"{event}\(\).* in stage '{stage.value}'"):
+    with pytest.raises(StageError, match=rf"{event}\(\).* in stage '{stage.value}'"):
         getattr(step, event)(*args)
     assert (step.stage, step.in_flight, step.averages) == before
 

@@ -1,26 +1,31 @@
-"""The double-buffered schedule: each step sends its gradients and applies the previous step's.
+"""The double-buffered schedules: each step sends its gradients and applies the previous step's.
 
 :class:`DoubleBufferedSchedule` owns the reduction in flight between steps (a
 :class:`~commopt.optim.double_buffering.DoubleBuffer`): each step's exchange sends this
 step's gradients and hands back the previous step's averages (one step stale), which the
 step applies; :meth:`~DoubleBufferedSchedule.flush` applies the last pending reduction.
-With ``"compensated"`` it also holds a :class:`~commopt.optim.compensation.Compensation`:
-the model moves to the predicted weights after each step and back to the true ones before
-an average is applied. GradScaler drives these steps through its scale (each rank unscales
+:class:`CompensatedSchedule` (``"compensated"``, what ``double_buffering=True`` means) also
+holds a :class:`~commopt.optim.compensation.Compensation`: the model moves to the predicted
+weights after each step and back to the true ones before an average is applied; as the
+wrapper's default it leaves the embedding tables and 1-D tensors to the synchronous schedule
+(:mod:`~commopt.optim.default_rule`). :class:`DoubleBufferedSchedule` (``"stale"``) is
+ChainerMN's plain double buffering: the stale average is applied at the current weights. GradScaler drives these steps through its scale (each rank unscales
 its own gradients before sending them).
 
     >>> import torch, commopt
     >>> from commopt.optim.bucketed_params import BucketedParameters
     >>> from commopt.optim.reduction_counter import ReductionCounter
+    >>> from commopt.optim.schedules.protocol import ScheduleContext
     >>> from commopt.reducer import GradientReducer
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> comm = commopt.create_communicator("local")
-    >>> schedule = DoubleBufferedSchedule(
-    ...     ReductionCounter(), zero_fill=True, ensure_layout=lambda: None, all_params=lambda: [w]
-    ... )
-    >>> owned = BucketedParameters(schedule.grad_ready, schedule.backward_end)
+    >>> owned = BucketedParameters(lambda i: None, lambda: schedule.backward_end())
     >>> owned.install(GradientReducer(comm, [w], ["w"], num_buffers=2), [w])
-    >>> schedule.attach(owned)
+    >>> context = ScheduleContext(
+    ...     owned, ReductionCounter(), torch.optim.SGD([w], lr=0.1), zero_fill=True,
+    ...     ensure_layout=lambda: None, all_params=lambda: [w],
+    ... )
+    >>> schedule = DoubleBufferedSchedule(context)
     >>> (w * 3).sum().backward()
     >>> schedule.result(skip_synchronize=False) is None  # sent; nothing to apply yet
     True
@@ -31,68 +36,48 @@ its own gradients before sending them).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from commopt.optim.apply_step import inverse_grad_scale
 from commopt.optim.compensation import (
-    COMPENSATED,
     Compensation,
     LocalGradients,
+    refuse_prediction,
     unpack_replaces_grad,
 )
+from commopt.optim.default_rule import default_synchronous
 from commopt.optim.double_buffering import DoubleBuffer
-from commopt.optim.reduction_counter import ReductionCounter
-from commopt.optim.schedule_base import ScheduleBase
-from commopt.optim.synchronous_step import not_synchronized_error
+from commopt.optim.schedules.protocol import (
+    ScheduleBase,
+    ScheduleContext,
+    not_synchronized_error,
+)
 from commopt.reducer import StepResult
 
-__all__ = ["DoubleBufferedSchedule", "inverse_grad_scale"]
-
-
-def inverse_grad_scale(grad_scale: Any) -> float | torch.Tensor:
-    """1 / GradScaler's scale when GradScaler drives this step (``grad_scale`` None: 1).
-
-    GradScaler's scale is a tensor on the gradients' device: its inverse stays there (a
-    0-dim float64 tensor the reduction multiplies by on the device; never read on the host).
-    """
-    if grad_scale is None:
-        return 1.0
-    if isinstance(grad_scale, torch.Tensor):
-        return torch.reciprocal(grad_scale.detach().to(torch.float64))
-    return 1.0 / float(grad_scale)
+__all__ = ["CompensatedOptions", "CompensatedSchedule", "DoubleBufferedSchedule"]
 
 
 class DoubleBufferedSchedule(ScheduleBase):
-    """Step t's averages are applied at step t+1 (``double_buffering=True``/``"compensated"``).
+    """Step t's averages are applied at step t+1, at the current weights (``"stale"``)."""
 
-    ``compensation``: the prediction of ``double_buffering="compensated"`` (None: plain).
-    """
-
-    double_buffered = True
+    name = "stale"
+    num_buffers = 2
+    overlaps_step = True
     refused_under = "double_buffering=True"
     supports_closures = False
     #: GradScaler hands over its scale: each rank unscales its own gradients as it sends them.
     unscales_locally = True
+    checkpoint_keys: ClassVar[tuple[str, ...]] = ("db_buffer", "pending")
 
-    def __init__(
-        self,
-        counter: ReductionCounter,
-        *,
-        zero_fill: bool,
-        ensure_layout: Callable[[], None],
-        all_params: Callable[[], Sequence[torch.Tensor]],
-        compensation: Compensation | None = None,
-    ) -> None:
-        self.counter = counter
-        self.zero_fill = bool(zero_fill)
-        self._ensure_layout = ensure_layout
-        self._all_params = all_params
-        self.compensation = compensation
-        #: the ``double_buffering=`` value this schedule implements
-        self.mode: bool | str = True if compensation is None else COMPENSATED
-        super().__init__()
+    def __init__(self, context: ScheduleContext, options: Any = None) -> None:
+        super().__init__(context, options)
+        self._ensure_layout = context.ensure_layout
+        self._all_params = context.all_params
+        self.compensation: Compensation | None = None
         self._db = DoubleBuffer()
 
     # -- inspection ---------------------------------------------------------------------------
@@ -101,32 +86,12 @@ class DoubleBufferedSchedule(ScheduleBase):
         """The reduction in flight between steps (applied by the next step), else None."""
         return self._db.pending
 
-    @property
-    def started(self) -> bool:
-        """Whether this step's gradients were sent (``no_sync()`` backwards then miss them)."""
-        return False  # (sent as a whole by step() or synchronize(), never during backward)
-
-    @property
-    def reads_synchronize(self) -> bool:
-        return False  # param.grad holds what step() applies only after the exchange
-
     def zero_grad_buffer(self) -> int | None:
         """The buffer set the next backward fills (``zero_grad(set_to_none=False)``)."""
         self.guard.clear()
         return self._db.buffer
 
-    def applied_params(self) -> list[torch.Tensor]:
-        """The parameters whose (stale) averages the step applies (clipped together)."""
-        return self.bucketed.params
-
-    # -- events -------------------------------------------------------------------------------
-    def grad_ready(self, index: int) -> None:
-        """Nothing is sent during backward: the exchange sends the whole step at once."""
-
-    def backward_end(self) -> None:
-        """Remember the gradients' versions: ``step()`` tells a write (a clip) before sending."""
-        self.guard.record(self.bucketed.params)
-
+    # -- events (nothing is sent during backward: the exchange sends the whole step) ---------
     def _exchange(self, scale: float | torch.Tensor) -> None:
         """Send this step's gradients; put the previous step's averages into ``param.grad``."""
         owned = self.bucketed
@@ -183,9 +148,6 @@ class DoubleBufferedSchedule(ScheduleBase):
         local_bad = False if pending is None else pending.local_nonfinite()
         self.compensation.predict(local_bad, max_norm)
 
-    def discard(self) -> None:
-        self.guard.clear()
-
     def flush(self) -> StepResult | None:
         """The last pending averages, unpacked (None: nothing pending); true weights after."""
         comp = self.compensation
@@ -214,22 +176,60 @@ class DoubleBufferedSchedule(ScheduleBase):
     # -- checkpoint, close --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``db_buffer`` and ``pending`` (completed first); compensated: the prediction too."""
-        db = self._db.state_dict()
-        state = {"double_buffering": True, "db_buffer": db["db_buffer"], "pending": db["pending"]}
+        state = self._db.state_dict()
         if self.compensation is not None:
             state.update(self.compensation.state())
         return state
 
-    def load_state_dict(self, extra: dict[str, Any], rank: int) -> None:
-        self._db.load_state_dict(extra, self.bucketed.reducer)
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        self._db.load_state_dict(state, self.bucketed.reducer)
         if self.compensation is None:
-            from commopt.optim.compensation import refuse_prediction
-
-            refuse_prediction(extra)
+            refuse_prediction(state)
         else:
-            self.compensation.load(extra, rank)
+            self.compensation.load(state, rank)
 
     def close(self) -> None:
         self._db.drop()
         if self.compensation is not None:
             self.compensation.restore()
+
+
+@dataclass(frozen=True)
+class CompensatedOptions:
+    """The default rule's parts (as the wrapper's default schedule): ``synchronous_embeddings``,
+    the embedding tables and the parameters tied to them, and ``synchronous_vectors``, the 1-D
+    tensors, reduce synchronously unless a group or a ``plans=`` rule chooses."""
+
+    synchronous_embeddings: bool = True
+    synchronous_vectors: bool = True
+
+
+class CompensatedSchedule(DoubleBufferedSchedule):
+    """Double buffering whose stale averages are applied at weights predicted from each rank's
+    local gradient (``"compensated"``, what ``double_buffering=True`` means; SGD, Adam, AdamW
+    and LARS: a TypeError names ``double_buffering="stale"`` for an update rule it cannot
+    predict)."""
+
+    name = "compensated"
+    options = CompensatedOptions
+    predicts_weights = True
+    checkpoint_keys = ("db_buffer", "pending", "compensated", "predicted")
+    own_keys = ("predicted",)
+
+    def __init__(self, context: ScheduleContext, options: CompensatedOptions | None = None):
+        super().__init__(context, options)
+        self.compensation = Compensation(context.inner)
+
+    @classmethod
+    def synchronous_by_default(
+        cls,
+        options: CompensatedOptions,
+        model: torch.nn.Module | None,
+        params: Sequence[torch.Tensor],
+    ) -> set[int]:
+        return default_synchronous(
+            model,
+            params,
+            embeddings=options.synchronous_embeddings,
+            vectors=options.synchronous_vectors,
+        )

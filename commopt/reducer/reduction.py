@@ -42,7 +42,7 @@ class BucketReducer(Protocol):
         self, bucket: Bucket, flat: torch.Tensor, present: list[bool]
     ) -> torch.Tensor | bool: ...
 
-    def reduce(self, bucket: Bucket, flat: torch.Tensor, step: int, scale: float) -> Work: ...
+    def reduce(self, bucket: Bucket, flat: torch.Tensor, number: int, scale: float) -> Work: ...
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None: ...
 
@@ -52,9 +52,11 @@ class BucketReducer(Protocol):
 class StepReduction:
     """One step's gradients on their way to the average, bucket by bucket, in order."""
 
-    def __init__(self, reducer: BucketReducer, step: int, buffer: int, scale: float | torch.Tensor):
+    def __init__(
+        self, reducer: BucketReducer, number: int, buffer: int, scale: float | torch.Tensor
+    ):
         self.reducer = reducer
-        self.step = step
+        self.number = number  # the reduction number: the codecs' random key
         self.buffer = buffer
         # A tensor scale (GradScaler's, on the device) multiplies each bucket as it is packed,
         # with no host read; the collective then scales by 1.
@@ -97,7 +99,7 @@ class StepReduction:
         self._bad[i] = self.reducer.pack(bucket, flat, self.present)
         if self._grad_factor is not None:
             flat.mul_(self._grad_factor)
-        self.works.append(self.reducer.reduce(bucket, flat, self.step, self.scale))
+        self.works.append(self.reducer.reduce(bucket, flat, self.number, self.scale))
         self.issued = i + 1
 
     def issue_remaining(self) -> None:
@@ -151,14 +153,14 @@ class StepReduction:
 
     # -- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The completed reduction (waits for it): its step, averaged buckets and agreed result.
+        """The completed reduction (waits for it): its number, averaged buckets, agreed result.
 
         What a checkpoint keeps of a reduction still pending under double buffering;
         :meth:`load_state_dict` on a fresh StepReduction of the same buckets restores it.
         """
         result = self.wait()
         return {
-            "step": self.step,
+            "reduction": self.number,
             "flats": [f.detach().clone().cpu() for f in self.flats],
             "result": {
                 "nonfinite": result.nonfinite,
@@ -181,7 +183,8 @@ class StepReduction:
         result = StepResult(bool(res["nonfinite"]), list(res["bad_buckets"]), list(res["present"]))
         for dst, src in zip(self.flats, flats):
             dst.copy_(src.to(dst.device))
-        self.step = int(state["step"])
+        # (state versions 1 and 2 saved the number as "step")
+        self.number = int(state["reduction"] if "reduction" in state else state["step"])
         self.issued = len(self.reducer.buckets)
         self.present = list(result.present)
         self._result = result

@@ -1,10 +1,10 @@
-"""The step in progress: where the current step's gradient reduction stands (no double buffering).
+"""The step in progress: the stage of the current step's gradient reduction (synchronous schedule).
 
 Without double buffering a step's gradients go through a few stages between backward and
-``step()``; :class:`StepState` holds the stage and the reduction that belongs to it, so the
+``step()``; :class:`StepProgress` holds the stage and the reduction that belongs to it, so the
 optimizer asks it instead of combining flags. Each event is one method; an event that cannot
-happen in the present stage raises :class:`StepStateError` (a bug in the caller, never a
-silent state change).
+happen in the present stage raises :class:`StageError` (a bug in the caller, never a
+silent change of stage).
 
 Events and stages (``collect`` and ``averaged`` are ``synchronize()``, ``take`` is ``step()``)::
 
@@ -16,13 +16,13 @@ Events and stages (``collect`` and ``averaged`` are ``synchronize()``, ``take`` 
 unapplied averages; ``reset()`` (``close()``, ``load_state_dict()``) forgets any reduction in
 any stage. Gradients written since the last reduction keep the stage ``LOCAL``.
 
-    >>> step = StepState()
+    >>> step = StepProgress()
     >>> step.wrote(); step.stage
     <Stage.LOCAL: 'local'>
     >>> step.take()
     Traceback (most recent call last):
       ...
-    commopt.optim.step_state.StepStateError: internal: take() (step() applies the averages) in stage 'local'; allowed in: averaged
+    commopt.optim.step_progress.StageError: internal: take() (step() applies the averages) in stage 'local'; allowed in: averaged
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from commopt.reducer import StepReduction
 
-__all__ = ["Stage", "StepState", "StepStateError"]
+__all__ = ["Stage", "StageError", "StepProgress"]
 
 
 class Stage(enum.Enum):
@@ -46,7 +46,7 @@ class Stage(enum.Enum):
     AVERAGED_PLUS_LOCAL = "averaged_plus_local"  # averaged, then a backward wrote again
 
 
-class StepStateError(RuntimeError):
+class StageError(RuntimeError):
     """An event the present stage does not allow (a bug in the caller)."""
 
 
@@ -54,7 +54,7 @@ _AFTER_WRITE = {Stage.IDLE: Stage.LOCAL, Stage.AVERAGED: Stage.AVERAGED_PLUS_LOC
 _AFTER_DROP = {Stage.AVERAGED: Stage.IDLE, Stage.AVERAGED_PLUS_LOCAL: Stage.LOCAL}
 
 
-class StepState:
+class StepProgress:
     """The stage of the current step's reduction and the reduction of that stage."""
 
     def __init__(self) -> None:
@@ -62,7 +62,7 @@ class StepState:
         self._reduction: StepReduction | None = None  # SENDING's or the AVERAGED* stages'
 
     def __repr__(self) -> str:
-        return f"StepState({self._stage.value})"
+        return f"StepProgress({self._stage.value})"
 
     @property
     def stage(self) -> Stage:
@@ -132,7 +132,7 @@ class StepState:
         self._expect("take() (step() applies the averages)", Stage.AVERAGED)
         reduction = self._reduction
         if reduction is None:  # (the AVERAGED stage always holds its reduction)
-            raise StepStateError("internal: stage 'averaged' without its reduction")
+            raise StageError("internal: stage 'averaged' without its reduction")
         self._stage, self._reduction = Stage.IDLE, None
         return reduction
 
@@ -143,7 +143,7 @@ class StepState:
 
     def _expect(self, event: str, *allowed: Stage) -> None:
         if self._stage not in allowed:
-            raise StepStateError(
+            raise StageError(
                 f"internal: {event} in stage {self._stage.value!r}; allowed in: "
                 + ", ".join(s.value for s in allowed)
             )

@@ -1,7 +1,7 @@
 """The synchronous schedule: each step applies the averages of its own gradients.
 
 :class:`SynchronousSchedule` owns the step in progress (a
-:class:`~commopt.optim.step_state.StepState`) and receives the optimizer's events. With
+:class:`~commopt.optim.step_progress.StepProgress`) and receives the optimizer's events. With
 ``overlap=True`` each backward hook marks its gradient ready and the reduction sends every
 bucket whose gradients are all in (:meth:`~SynchronousSchedule.grad_ready`); the end of
 backward finishes the reduction, so ``backward()`` returns with the averages in
@@ -12,14 +12,17 @@ backward finishes the reduction, so ``backward()`` returns with the averages in
     >>> import torch, commopt
     >>> from commopt.optim.bucketed_params import BucketedParameters
     >>> from commopt.optim.reduction_counter import ReductionCounter
+    >>> from commopt.optim.schedules.protocol import ScheduleContext
     >>> from commopt.reducer import GradientReducer
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> comm = commopt.create_communicator("local")
-    >>> schedule = SynchronousSchedule(
-    ...     ReductionCounter(), overlap=False, zero_fill=True, ensure_layout=lambda: None
+    >>> owned = BucketedParameters(lambda i: schedule.grad_ready(i), lambda: schedule.backward_end())
+    >>> owned.install(GradientReducer(comm, [w], ["w"]), [w])
+    >>> context = ScheduleContext(
+    ...     owned, ReductionCounter(), torch.optim.SGD([w], lr=0.1), zero_fill=True,
+    ...     ensure_layout=lambda: None, all_params=lambda: [w],
     ... )
-    >>> owned = BucketedParameters(schedule.grad_ready, schedule.backward_end)
-    >>> owned.install(GradientReducer(comm, [w], ["w"]), [w]); schedule.attach(owned)
+    >>> schedule = SynchronousSchedule(context, SynchronousOptions(overlap=False))
     >>> (w * 3).sum().backward(); schedule.stage.value
     'local'
     >>> schedule.synchronize(); schedule.stage.value, w.grad.tolist()
@@ -30,87 +33,78 @@ backward finishes the reduction, so ``backward()`` returns with the averages in
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from commopt.optim.reduction_counter import ReductionCounter
-from commopt.optim.schedule_base import ScheduleBase
-from commopt.optim.step_state import Stage, StepState
+from commopt.optim.schedules.protocol import (
+    ScheduleBase,
+    ScheduleContext,
+    not_synchronized_error,
+)
+from commopt.optim.step_progress import Stage, StepProgress
 from commopt.reducer import StepReduction, StepResult
 
-__all__ = ["SynchronousSchedule", "not_synchronized_error"]
+__all__ = ["SynchronousOptions", "SynchronousSchedule"]
 
 
-def not_synchronized_error() -> RuntimeError:
-    """``step()`` inside ``skip_synchronize()`` before this step's gradients were averaged."""
-    return RuntimeError(
-        "step() inside optimizer.skip_synchronize() but the gradients of this step were not "
-        "averaged yet: call optimizer.synchronize() after backward() and before step()"
-    )
+@dataclass(frozen=True)
+class SynchronousOptions:
+    """``overlap``: send each bucket during backward as its gradients are ready (True), or
+    every bucket in ``step()`` (False)."""
+
+    overlap: bool = True
 
 
 class SynchronousSchedule(ScheduleBase):
     """Each step's averages are applied by that step (``double_buffering=False``)."""
 
-    double_buffered = False
+    name = "synchronous"
+    options = SynchronousOptions
     refused_under = "overlap=False"
-    #: the ``double_buffering=`` value this schedule implements
-    mode: bool | str = False
-    supports_closures = True
-    #: GradScaler unscales ``param.grad`` itself (after the averages landed).
-    unscales_locally = False
+    checkpoint_keys = ("pending",)
 
-    def __init__(
-        self,
-        counter: ReductionCounter,
-        *,
-        overlap: bool,
-        zero_fill: bool,
-        ensure_layout: Callable[[], None],
-    ) -> None:
-        self.counter = counter
-        self.overlap = bool(overlap)
-        self.zero_fill = bool(zero_fill)
-        self._ensure_layout = ensure_layout
-        super().__init__()
-        self._state = StepState()
+    def __init__(self, context: ScheduleContext, options: SynchronousOptions | None = None):
+        super().__init__(context, options)
+        # (compression="auto" measures the backward pass alone: sent in step())
+        self.overlap = bool(self.settings.overlap) and not context.defer_to_step
+        self._ensure_layout = context.ensure_layout
+        self._progress = StepProgress()
         self._averaged: list = []  # param.grad as the last synchronize() left them
 
     # -- inspection ---------------------------------------------------------------------------
     @property
     def stage(self) -> Stage:
-        """Where this step's gradients are (:class:`~commopt.optim.step_state.Stage`)."""
-        return self._state.stage
+        """Where this step's gradients are (:class:`~commopt.optim.step_progress.Stage`)."""
+        return self._progress.stage
 
     @property
     def in_flight(self) -> StepReduction | None:
         """The reduction the backward hooks are sending, else None."""
-        return self._state.in_flight
+        return self._progress.in_flight
 
     @property
     def averages(self) -> StepReduction | None:
         """The finished reduction whose averages are in ``param.grad``, not applied yet."""
-        return self._state.averages
+        return self._progress.averages
 
     @property
     def started(self) -> bool:
         """Whether this step's reduction started (sending, or averaged and not applied)."""
-        return self._state.started
+        return self._progress.started
 
     @property
     def reads_synchronize(self) -> bool:
         """Whether reading ``param_groups`` now should finish the reduction first."""
-        return self._state.has_local
+        return self._progress.has_local
 
     def zero_grad_buffer(self) -> int | None:
         """The buffer set ``zero_grad(set_to_none=False)`` may point ``.grad`` at (None: none)."""
         self._drop_unapplied()  # averages not applied (a skipped step) are discarded
         self.guard.clear()
-        return None if self._state.in_flight is not None else 0
+        return None if self._progress.in_flight is not None else 0
 
     def _drop_unapplied(self) -> None:
         """Forget averages ``step()`` did not apply, once their agreed result is read.
@@ -118,10 +112,10 @@ class SynchronousSchedule(ScheduleBase):
         (Reading it is what discards a skipped step's codec state on stream-ordered
         transports; the averages were written without it.)
         """
-        unapplied = self._state.averages
+        unapplied = self._progress.averages
         if unapplied is not None:
             unapplied.wait()
-        self._state.drop()
+        self._progress.drop()
 
     def applied_params(self) -> list[torch.Tensor]:
         """The parameters whose averages the step applies (clipped together)."""
@@ -130,13 +124,13 @@ class SynchronousSchedule(ScheduleBase):
     # -- events -------------------------------------------------------------------------------
     def grad_ready(self, index: int) -> None:
         """Backward produced parameter ``index``'s gradient (outside ``no_sync()``)."""
-        state = self._state
-        state.wrote()
+        progress = self._progress
+        progress.wrote()
         if not self.overlap:
             return
         owned = self.bucketed
-        if state.in_flight is None:
-            if state.averages is not None and self._adds_to_averages(index):
+        if progress.in_flight is None:
+            if progress.averages is not None and self._adds_to_averages(index):
                 # The averages were not applied (GradScaler skipped the step) and this backward
                 # adds to them; a gradient set to None (model.zero_grad()) starts afresh.
                 raise RuntimeError(
@@ -146,13 +140,13 @@ class SynchronousSchedule(ScheduleBase):
                     "optimizer.no_sync():`."
                 )
             self._drop_unapplied()
-            state.send(self.counter.start(owned.reducer))
-        red = state.in_flight
+            progress.send(self.counter.start(owned.reducer))
+        red = progress.in_flight
         assert red is not None  # (sent just above)
         red.mark_ready(index)
-        if red.issued == len(owned.reducer.buckets) and not owned.hooks.end_queued:
-            # Every gradient is in, though inside a nested (reentrant checkpoint) backward:
-            # finishing at its end is safe, as DDP's reducer does.
+        if red.issued == len(owned.reducer.buckets):
+            # Every gradient is in, though perhaps inside a nested (reentrant checkpoint)
+            # backward: finishing at its end is safe, as DDP's reducer does.
             owned.hooks.queue_end()
 
     def _adds_to_averages(self, index: int) -> bool:
@@ -176,21 +170,21 @@ class SynchronousSchedule(ScheduleBase):
         """Finish this step's reduction (or send it all now): the averages land in ``param.grad``."""
         if explicit:
             self.guard.clear()  # the gradients in .grad now are the ones to send
-        state = self._state
-        if state.stage is Stage.AVERAGED:
+        progress = self._progress
+        if progress.stage is Stage.AVERAGED:
             return  # already averaged since the last backward
         self._ensure_layout()
         owned = self.bucketed
-        if state.averages is not None:
-            state.averages.wait()  # unapplied averages collect() drops: their result is read
-        red = state.collect()  # the one the hooks are sending, if any
+        if progress.averages is not None:
+            progress.averages.wait()  # unapplied averages collect() drops: their result is read
+        red = progress.collect()  # the one the hooks are sending, if any
         if red is None:
             red = self.counter.start(owned.reducer)
         red.issue_remaining()
         # zero_fill=True writes the averages without reading anything on the host: the
         # agreed result (NaN/Inf skip) is read in step(), where it is needed.
         red.write_averages(self.zero_fill)
-        state.averaged(red)
+        progress.averaged(red)
         self._averaged = [  # (the second-backward check)
             None if p.grad is None else weakref.ref(p.grad) for p in owned.params
         ]
@@ -202,23 +196,17 @@ class SynchronousSchedule(ScheduleBase):
 
         (GradScaler's ``scale`` and ``found_inf`` play no part: it unscaled ``param.grad``.)
         """
-        if self._state.stage is not Stage.AVERAGED:
+        if self._progress.stage is not Stage.AVERAGED:
             if skip_synchronize:
                 raise not_synchronized_error()
             self._check_no_local_writes()
             self.synchronize(explicit=True)
-        return self._state.take().result()
-
-    def after_step(self, result: StepResult | None, max_norm: float | None) -> None:
-        """Nothing to do after the inner step."""
+        return self._progress.take().result()
 
     def discard(self) -> None:
         """The gradients of the evaluation are consumed (``step(closure)``)."""
         self._drop_unapplied()
         self.guard.clear()
-
-    def flush(self) -> StepResult | None:
-        return None  # nothing is ever pending
 
     def before_layout_change(self) -> None:
         """A reduction the hooks left in flight belongs to the old buckets: forget it.
@@ -226,27 +214,24 @@ class SynchronousSchedule(ScheduleBase):
         (The optimizer drained it first.) The gradients count as local again, and the next
         synchronize sends them with the new layout.
         """
-        if self._state.in_flight is not None:
-            self._state.reset()
-
-    @contextlib.contextmanager
-    def true_weights(self) -> Iterator[None]:
-        yield  # the model always holds the true weights
+        if self._progress.in_flight is not None:
+            self._progress.reset()
 
     # -- checkpoint, close --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"double_buffering": False, "db_buffer": 0, "pending": None}
+        return {"pending": None}
 
-    def load_state_dict(self, extra: dict[str, Any], rank: int) -> None:
-        self._state.reset()
-        if extra.get("pending") is not None:
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        self._progress.reset()
+        if state.get("pending") is not None:
             raise ValueError(
                 "the checkpoint holds pending double-buffered gradients: load it into an "
-                "optimizer with double_buffering=True (or call flush() before saving)"
+                "optimizer with double_buffering=True or 'stale' (a schedule that keeps a "
+                "reduction pending), or call flush() before saving"
             )
         from commopt.optim.compensation import refuse_prediction
 
-        refuse_prediction(extra)
+        refuse_prediction(state)
 
     def close(self) -> None:
-        self._state.reset()
+        self._progress.reset()
