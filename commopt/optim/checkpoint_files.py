@@ -66,7 +66,11 @@ def _part_name(rank: int) -> str:
 
 
 def save_checkpoint(
-    path: str | os.PathLike, model, optimizer, *, extra: dict | None = None
+    path: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any,
+    *,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Write ``model``, ``optimizer`` (a MultiNodeOptimizer) and ``extra`` under ``path``.
 
@@ -103,13 +107,13 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
-    model,
-    optimizer,
+    path: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any,
     *,
     reset_codec_state: bool = False,
     residuals: str = "refuse",
-) -> dict:
+) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``; return ``extra``.
 
     Each rank checks the replicated part and its own ``rank{r}`` part against the manifest
@@ -150,7 +154,8 @@ def load_checkpoint(
         state = drop_codec_state(state)
     model.load_state_dict(shared["model"])
     optimizer.load_state_dict(state)
-    return shared.get("extra", {})
+    extra: dict[str, Any] = shared.get("extra", {})
+    return extra
 
 
 class _Checkpoint:
@@ -199,7 +204,7 @@ def _reshard(ckpt: _Checkpoint, rank: int, size: int, residuals: str) -> dict[st
     )
 
 
-def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
+def checkpoint_bytes(path: str | os.PathLike[str]) -> dict[str, int]:
     """Bytes on disk per part (``replicated``, ``rank0``, ...) of a checkpoint directory."""
     path = Path(path)
     return {
@@ -223,13 +228,13 @@ def _read(directory: Path) -> dict[str, Any]:
         _load_state_dict(
             state,
             storage_reader=dcp.FileSystemReader(str(directory)),
-            planner=_EmptyStateDictLoadPlanner(),
+            planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
             no_dist=True,
         )
     return state
 
 
-def _dcp():
+def _dcp() -> Any:
     try:
         import torch.distributed.checkpoint as dcp
     except ImportError as exc:  # torch built without distributed support

@@ -8,6 +8,7 @@ reduces the buffer with :func:`commopt.collectives.allreduce`, writes the averag
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class GradientReducer:
         *,
         codec: Codec | None = None,
         plain_codec: Codec | None = None,
-        policy=None,
+        policy: Any = None,
         bucket_cap_mb: float = 25.0,
         algorithm: str = "auto",
         num_buffers: int = 1,
@@ -230,14 +231,14 @@ class GradientReducer:
             and p.layout == torch.strided
         )
 
-    def codec_states(self) -> dict[str, dict]:
+    def codec_states(self) -> dict[str, dict[str, Any]]:
         """State of each distinct codec of the buckets (error-feedback residuals)."""
-        out: dict[str, dict] = {}
+        out: dict[str, dict[str, Any]] = {}
         for name, codec in self._codecs().items():
             out[name] = codec.state_dict()
         return out
 
-    def load_codec_states(self, states: dict[str, dict]) -> None:
+    def load_codec_states(self, states: dict[str, dict[str, Any]]) -> None:
         self.pending_discards = 0  # the checkpoint's reduction number accounts for them
         codecs = self._codecs()
         for name, state in states.items():
