@@ -19,6 +19,7 @@ name           transport                                       needs
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from commopt.comm.errors import CollectiveMismatchError, CommError
 
@@ -64,7 +65,7 @@ def communicator_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def parse_dtype(value):
+def parse_dtype(value: Any) -> Any:
     """``None``, a torch dtype, a NumPy dtype or one of the names float32/float16/bfloat16."""
     import torch
 

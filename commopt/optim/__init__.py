@@ -16,6 +16,7 @@ while another is missing.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 # name -> module that defines it
 _EXPORTS = {
@@ -44,7 +45,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module_name = _EXPORTS.get(name)
     if module_name is None:
         raise AttributeError(f"module 'commopt.optim' has no attribute {name!r}")
@@ -54,5 +55,5 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))

@@ -9,6 +9,7 @@ second time. They still need the hook tables that ``Optimizer`` methods (``step`
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 _HOOK_TABLES = (
     "_optimizer_step_pre_hooks",
@@ -34,16 +35,16 @@ def inner_attribute(name: str, inner: str) -> property:
     True
     """
 
-    def get(self):
+    def get(self: object) -> Any:
         return getattr(getattr(self, inner), name)
 
-    def set_(self, value) -> None:
+    def set_(self: object, value: Any) -> None:
         setattr(getattr(self, inner), name, value)
 
     return property(get, set_, doc=f"The wrapped optimizer's ``{name}``.")
 
 
-def init_hook_tables(wrapper) -> None:
+def init_hook_tables(wrapper: object) -> None:
     """Give ``wrapper`` the empty hook tables ``torch.optim.Optimizer.__init__`` would."""
     for name in _HOOK_TABLES:
         setattr(wrapper, name, OrderedDict())

@@ -48,8 +48,9 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from commopt._tables import table
 
@@ -239,7 +240,7 @@ class AutoPlanner:
         self.codec_overlaps = bool(codec_overlaps)
         self._codecs: dict[str, object] = {}
 
-    def _codec(self, option: str):
+    def _codec(self, option: str) -> Any:
         from commopt.codecs import get_codec
 
         found = self._codecs.get(option)
@@ -392,7 +393,9 @@ class AutoPlanner:
         )
 
 
-def _codec_work(codec, flat, sample: Sequence[tuple[int, ...]], decodes: int):
+def _codec_work(
+    codec: Any, flat: Any, sample: Sequence[tuple[int, ...]], decodes: int
+) -> Callable[[int], None]:
     """One reduction's codec arithmetic on ``flat`` (the tensors of ``sample`` laid end to
     end), as a function of the step number (random numbers are keyed by it)."""
     import torch
@@ -429,7 +432,7 @@ def measure_codec_costs(
     tensors: Sequence[TensorInfo],
     *,
     size: int,
-    device=None,
+    device: Any = None,
     sample_elements: int = 1 << 21,
     repeats: int = 2,
 ) -> dict[str, float]:
@@ -534,7 +537,9 @@ class ComputeTimer:
         return min(backward, between) if between else backward, between
 
 
-def probe_link_rate(comm, nbytes: int = 4 << 20, repeats: int = 3, device=None) -> float:
+def probe_link_rate(
+    comm: Any, nbytes: int = 4 << 20, repeats: int = 3, device: Any = None
+) -> float:
     """The rate of ``comm``'s float32 allreduce, in bytes of input per second: one
     allreduce of ``nbytes`` to warm up, then the fastest of ``repeats`` (a collective call:
     every rank runs it; each returns its own measurement)."""
@@ -576,7 +581,7 @@ class AutoPlanning:
         exact_bytes_per_element: int = 4,
         *,
         size: int = 2,
-        device=None,
+        device: Any = None,
     ) -> AutoPlan:
         """Rank 0's plan from the measured compute time and the codecs' costs measured now
         on ``device`` (the caller broadcasts it). Codec work overlaps compute on a GPU and

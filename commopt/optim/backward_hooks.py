@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["BackwardHooks", "in_nested_backward"]
 
@@ -48,7 +49,7 @@ class BackwardHooks:
     ) -> None:
         self._ready = _weak(on_grad_ready)
         self._end = _weak(on_backward_end)
-        self._handles: list = []
+        self._handles: list[RemovableHandle] = []
         self._end_queued = False  # the end-of-backward callback is queued
 
     @property
@@ -64,7 +65,7 @@ class BackwardHooks:
         """Hook ``params`` (in place of any earlier hooks): ``params[i]`` reports index ``i``."""
         self.remove()
         self._handles = [
-            p.register_post_accumulate_grad_hook(_GradReady(self._ready, i))
+            p.register_post_accumulate_grad_hook(_GradReady(self._ready, i))  # type: ignore[no-untyped-call]
             for i, p in enumerate(params)
         ]
 
@@ -111,7 +112,7 @@ def in_nested_backward() -> bool:
     return False
 
 
-def _weak(callback: Callable) -> Callable[[], Callable | None]:
+def _weak(callback: Callable[..., None]) -> Callable[[], Callable[..., None] | None]:
     """A weak reference to a bound method (its object may be collected), or a strong one."""
     if isinstance(callback, types.MethodType):
         return weakref.WeakMethod(callback)

@@ -31,7 +31,7 @@ from commopt.reducer import GradientReducer
 __all__ = ["BucketedParameters"]
 
 
-def _signature(params: Sequence[torch.Tensor]) -> tuple:
+def _signature(params: Sequence[torch.Tensor]) -> tuple[tuple[int, bool], ...]:
     return tuple((id(p), p.requires_grad) for p in params)
 
 
@@ -43,7 +43,7 @@ class BucketedParameters:
     ) -> None:
         self.hooks = BackwardHooks(on_grad_ready, on_backward_end)
         self._reducer: GradientReducer | None = None
-        self._signature: tuple | None = None
+        self._signature: tuple[tuple[int, bool], ...] | None = None
 
     @property
     def built(self) -> bool:

@@ -248,12 +248,12 @@ def _match_parts(saved: dict[str, Any] | None, keys: Sequence[str]) -> dict[str,
     )
 
 
-def has_codec_state(codec_state: dict) -> bool:
+def has_codec_state(codec_state: dict[str, Any]) -> bool:
     """Whether a codec state holds anything (error-feedback residuals)."""
     return any(_nonempty(v) for v in codec_state.values())
 
 
-def _nonempty(state) -> bool:
+def _nonempty(state: Any) -> bool:
     if isinstance(state, dict):
         return any(_nonempty(v) for v in state.values())
     return state is not None
@@ -298,12 +298,14 @@ def check_compatible(
         )
 
 
-def own_codec_state(extra: dict[str, Any], rank: int) -> dict:
+def own_codec_state(extra: dict[str, Any], rank: int) -> dict[str, Any]:
     """The codec state this rank restores (version 1: its entry of every rank's)."""
     if extra.get("version") == 1:
         states = extra["codec_states"]
-        return states[rank] if len(states) > 1 else states[0]
-    return extra.get("codec_state", {})  # DCP drops empty dicts
+        own: dict[str, Any] = states[rank] if len(states) > 1 else states[0]
+        return own
+    saved: dict[str, Any] = extra.get("codec_state", {})  # DCP drops empty dicts
+    return saved
 
 
 def drop_codec_state(state_dict: dict[str, Any]) -> dict[str, Any]:

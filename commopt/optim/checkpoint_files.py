@@ -68,7 +68,11 @@ def _part_name(rank: int) -> str:
 
 
 def save_checkpoint(
-    path: str | os.PathLike, model, optimizer, *, extra: dict | None = None
+    path: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any,
+    *,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Write ``model``, ``optimizer`` (a MultiNodeOptimizer) and ``extra`` under ``path``.
 
@@ -105,13 +109,13 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
-    model,
-    optimizer,
+    path: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any,
     *,
     reset_codec_state: bool = False,
     residuals: str = "reshard",
-) -> dict:
+) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``; return ``extra``.
 
     Each rank checks the replicated part and its own ``rank{r}`` part against the manifest
@@ -155,7 +159,8 @@ def load_checkpoint(
         state = drop_codec_state(state)
     model.load_state_dict(shared["model"])
     optimizer.load_state_dict(state)
-    return shared.get("extra", {})
+    extra: dict[str, Any] = shared.get("extra", {})
+    return extra
 
 
 class _Checkpoint:
@@ -223,7 +228,7 @@ def _saved_by_ranks(states: list[dict[str, Any]], plans: bool) -> dict[str, Any]
     return {n: {SAVED_BY_RANKS: [s.get(n, {}) for s in states]} for n in names}
 
 
-def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
+def checkpoint_bytes(path: str | os.PathLike[str]) -> dict[str, int]:
     """Bytes on disk per part (``replicated``, ``rank0``, ...) of a checkpoint directory."""
     path = Path(path)
     return {
@@ -247,13 +252,13 @@ def _read(directory: Path) -> dict[str, Any]:
         _load_state_dict(
             state,
             storage_reader=dcp.FileSystemReader(str(directory)),
-            planner=_EmptyStateDictLoadPlanner(),
+            planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
             no_dist=True,
         )
     return state
 
 
-def _dcp():
+def _dcp() -> Any:
     try:
         import torch.distributed.checkpoint as dcp
     except ImportError as exc:  # torch built without distributed support

@@ -64,7 +64,7 @@ class CheckpointManager:
     collective calls (every rank calls them with the same arguments).
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep: int = 2):
+    def __init__(self, root: str | os.PathLike[str], *, keep: int = 2):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (checkpoints kept), got {keep!r}")
         self.root = Path(root)
@@ -101,7 +101,9 @@ class CheckpointManager:
             )
         return int(m[1])
 
-    def save(self, step: int, model, optimizer, *, extra: dict | None = None) -> Path:
+    def save(
+        self, step: int, model: Any, optimizer: Any, *, extra: dict[str, Any] | None = None
+    ) -> Path:
         """Save checkpoint ``step``, point ``latest`` at it, keep the last ``keep``.
 
         Returns once the checkpoint is complete on disk and ``latest`` names it.
@@ -123,7 +125,7 @@ class CheckpointManager:
             )
         return path
 
-    def load_latest(self, model, optimizer, **kwargs) -> Restored | None:
+    def load_latest(self, model: Any, optimizer: Any, **kwargs: Any) -> Restored | None:
         """Restore the checkpoint ``latest`` names; None (nothing restored) when there is none.
 
         ``kwargs`` go to :func:`commopt.optim.load_checkpoint` (``residuals=...`` to resume
@@ -135,7 +137,7 @@ class CheckpointManager:
             return None
         return self.load(step, model, optimizer, **kwargs)
 
-    def load(self, step: int, model, optimizer, **kwargs) -> Restored:
+    def load(self, step: int, model: Any, optimizer: Any, **kwargs: Any) -> Restored:
         """Restore checkpoint ``step``."""
         path = self.path(step)
         if resolve(path) is None:
@@ -158,7 +160,7 @@ class CheckpointManager:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Check every part of the checkpoint at ``path`` against its manifest; return the manifest.
 
     Raises :class:`CheckpointError` naming the first missing, truncated or altered file.

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 __all__ = ["GradWriteGuard", "check_max_norm", "clip_grad_norm", "write_before_reduction_error"]
 
 
-def check_max_norm(max_norm) -> float | None:
+def check_max_norm(max_norm: Any) -> float | None:
     """``clip_grad_norm=`` as a float (None: no clipping); a ValueError for anything else."""
     if max_norm is None:
         return None
@@ -76,7 +77,7 @@ class GradWriteGuard:
     """
 
     def __init__(self) -> None:
-        self._recorded: list | None = None
+        self._recorded: list[tuple[torch.Tensor, int] | None] | None = None
 
     def record(self, params: Sequence[torch.Tensor]) -> None:
         """Remember the current gradients (end of backward)."""
@@ -96,7 +97,7 @@ class GradWriteGuard:
             if rec is None:
                 if g is not None:
                     out.append(name)
-            elif g is not rec[0] or g._version != rec[1]:
+            elif g is None or g is not rec[0] or g._version != rec[1]:
                 out.append(name)
         return out
 

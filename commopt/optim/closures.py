@@ -39,7 +39,7 @@ def step_with_closure(
     ``synchronize()`` averages the new ones and ``clip()`` clips them (``clip_grad_norm=``).
     """
 
-    def averaged_closure():
+    def averaged_closure() -> Any:
         discard()  # the previous evaluation's gradients are consumed
         with torch.enable_grad():
             loss = closure()

@@ -117,7 +117,7 @@ class Compensation:
     one whose update rule cannot be predicted).
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.prediction = LocalStepPrediction(optimizer)
         self.local: LocalGradients | None = None  # this step's local gradients, sent
         self.aside: list[torch.Tensor] | None = None  # predicted weights, inside true_weights()

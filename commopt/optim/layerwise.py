@@ -30,6 +30,7 @@ No step reads a value back to the host: norms come from ``torch._foreach_norm`` 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,7 +48,7 @@ def exclude_bias_and_norm(param: Tensor) -> bool:
     return param.dim() <= 1
 
 
-def excluded(group: dict, params: list[Tensor], exclude: ExcludeFn | None) -> list[bool]:
+def excluded(group: dict[str, Any], params: list[Tensor], exclude: ExcludeFn | None) -> list[bool]:
     """Which of ``params`` get no adaptation and no weight decay.
 
     A group's ``"lars_skip"`` (True/False) overrides the ``exclude`` rule for the whole group.
@@ -76,7 +77,7 @@ def trust_ratios(
     """
     out: list[Tensor | None] = [None] * len(params)
     # torch.stack needs one device and dtype: group so each group is a few kernels.
-    buckets: dict[tuple, list[int]] = {}
+    buckets: dict[tuple[Any, ...], list[int]] = {}
     for i, (p, g) in enumerate(zip(params, grads)):
         buckets.setdefault((p.device, p.dtype, g.dtype), []).append(i)
     for idx in buckets.values():
@@ -123,7 +124,7 @@ class LARS(Optimizer):
 
     def __init__(
         self,
-        params,
+        params: Any,
         lr: float,
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
@@ -155,7 +156,7 @@ class LARS(Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -243,30 +244,30 @@ class LayerwiseAdaptation(Optimizer):
     state = inner_attribute("state", "optimizer")
     defaults = inner_attribute("defaults", "optimizer")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         mode = "clip" if self.clip else "scale"
         return f"lars({self.optimizer!r}, trust_coefficient={self.trust_coefficient}, mode={mode})"
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
     @torch.no_grad()
-    def _adapt(self) -> list[tuple[dict, object]]:
+    def _adapt(self) -> list[tuple[dict[str, Any], object]]:
         """Rescale gradients in place; return (group, weight_decay) pairs to restore."""
         saved = []
         for group in self.param_groups:
@@ -289,7 +290,7 @@ class LayerwiseAdaptation(Optimizer):
                 group["weight_decay"] = 0.0
         return saved
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -24,8 +24,11 @@ LR, so a recipe can set ``group["lr"]`` itself and resume exactly from a step co
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = [
@@ -73,7 +76,7 @@ def poly_warmup_lr(
     if decay_steps == 0:
         return end_lr
     remaining = max(0.0, 1.0 - (step - warmup_steps) / decay_steps)
-    return end_lr + (base_lr - end_lr) * remaining**power
+    return float(end_lr + (base_lr - end_lr) * remaining**power)
 
 
 def step_warmup_lr(
@@ -109,12 +112,14 @@ def chainermn_step_lr(epoch: float, base_lr: float) -> float:
     return step_warmup_lr(epoch, base_lr=base_lr)
 
 
-def _relative(schedule, base: float, step: int) -> float:
+def _relative(schedule: Callable[[int, float], float], base: float, step: int) -> float:
     """``schedule``'s LR at ``step`` as a multiple of ``base``: what LambdaLR multiplies by."""
     return schedule(step, base) / base if base else 0.0
 
 
-def _lambdas(optimizer, last_epoch: int, schedule) -> list:
+def _lambdas(
+    optimizer: Optimizer, last_epoch: int, schedule: Callable[[int, float], float]
+) -> list[Callable[[int], float]]:
     # LambdaLR multiplies each group's initial LR by its lambda; on resume (last_epoch >= 0)
     # the initial LR is the one torch kept in the group, as for every torch scheduler.
     key = "initial_lr" if last_epoch >= 0 else "lr"
@@ -134,7 +139,7 @@ class PolyWarmup(LambdaLR):
 
     def __init__(
         self,
-        optimizer,
+        optimizer: Optimizer,
         total_steps: int,
         warmup_steps: int = 0,
         power: float = 2.0,
@@ -156,7 +161,7 @@ class StepWarmup(LambdaLR):
 
     def __init__(
         self,
-        optimizer,
+        optimizer: Optimizer,
         steps_per_epoch: int,
         warmup_epochs: float = 5.0,
         warmup_start_factor: float = 0.1,
@@ -178,11 +183,11 @@ class StepWarmup(LambdaLR):
         super().__init__(optimizer, _lambdas(optimizer, last_epoch, schedule), last_epoch)
 
 
-def _poly_at(step, base, **kw):
+def _poly_at(step: int, base: float, **kw: Any) -> float:
     return poly_warmup_lr(step, base_lr=base, **kw)
 
 
-def _step_at(step, base, *, steps_per_epoch, **kw):
+def _step_at(step: int, base: float, *, steps_per_epoch: int, **kw: Any) -> float:
     return step_warmup_lr(step / steps_per_epoch, base_lr=base, **kw)
 
 

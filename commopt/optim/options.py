@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from commopt import collectives
@@ -20,7 +22,9 @@ __all__ = ["check_arguments", "refuse_ddp", "resolve_codecs"]
 _CAST_NAMES = {None: "none", torch.float32: "none", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb) -> None:
+def check_arguments(
+    optimizer: Any, comm: Any, model: Any, algorithm: str, bucket_cap_mb: Any
+) -> None:
     """Raise a TypeError/ValueError naming the fix for a wrong argument of the wrapper."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -42,7 +46,9 @@ def check_arguments(optimizer, comm, model, algorithm, bucket_cap_mb) -> None:
         )
 
 
-def resolve_codecs(comm, allreduce_grad_dtype, compression, policy):
+def resolve_codecs(
+    comm: Any, allreduce_grad_dtype: Any, compression: Any, policy: Any
+) -> tuple[Codec | None, Codec, Any]:
     """(compressing codec or None, uncompressed codec, policy)."""
     from commopt.codecs import CompressionPolicy, get_codec
     from commopt.comm import parse_dtype
@@ -66,7 +72,7 @@ def resolve_codecs(comm, allreduce_grad_dtype, compression, policy):
     return codec, get_codec(policy.uncompressed), policy
 
 
-def refuse_ddp(params, model=None) -> None:
+def refuse_ddp(params: Any, model: Any = None) -> None:
     """Raise a ValueError when ``model`` is, or contains, a DistributedDataParallel.
 
     DDP averages every gradient during backward and commopt averages them again: twice the

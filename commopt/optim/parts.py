@@ -98,7 +98,7 @@ class Part:
         index: int,
         codecs: tuple[Any, Any, Any],
         data_comm: Communicator,
-        release: weakref.finalize | None,
+        release: weakref.finalize[Any, Any] | None,
         gate: Gate,
         make_schedule: Callable[[BucketedParameters, ReductionCounter], Schedule],
         counter: ReductionCounter,
@@ -221,11 +221,12 @@ class Parts:
     ) -> set[int]:
         """The parameters the wrapper's schedule leaves synchronous by default (its rule)."""
         cls = schedule_class(self.final_schedule)
-        return cls.synchronous_by_default(self.settings.options_for(cls), model, params)
+        chosen: set[int] = cls.synchronous_by_default(self.settings.options_for(cls), model, params)
+        return chosen
 
     def build(
         self,
-        groups: Sequence[dict],
+        groups: Sequence[dict[str, Any]],
         params: Sequence[torch.Tensor],
         names: Sequence[str],
         model: torch.nn.Module | None,
@@ -413,7 +414,7 @@ class Parts:
         self.default = Plan(None, self.final_schedule)
 
 
-def _refuse_auto_with_plans(param_groups: list[dict], plans: Any) -> None:
+def _refuse_auto_with_plans(param_groups: list[dict[str, Any]], plans: Any) -> None:
     """``compression="auto"`` chooses every tensor's codec: no rule or group may choose one."""
     if plans:
         raise ValueError(

@@ -114,7 +114,7 @@ def check_group(group: Mapping[str, Any], where: str) -> None:
     Plan(chosen.get("compression"), chosen.get("schedule", False))
 
 
-def check_rules(rules: Sequence | None) -> list[tuple[str, dict[str, Any]]]:
+def check_rules(rules: Sequence[Any] | None) -> list[tuple[str, dict[str, Any]]]:
     """The ``plans=`` argument checked: ``[(pattern, {"compression": ..., ...}), ...]``."""
     if rules is None:
         return []
@@ -142,7 +142,7 @@ def check_rules(rules: Sequence | None) -> list[tuple[str, dict[str, Any]]]:
 
 
 def param_plans(
-    param_groups: Sequence[dict],
+    param_groups: Sequence[dict[str, Any]],
     names: Sequence[str],
     default: Plan,
     rules: Sequence[tuple[str, dict[str, Any]]],
@@ -172,7 +172,7 @@ def param_plans(
     return plans
 
 
-def group_plans(param_groups: Sequence[dict], plans: Sequence[Plan]) -> dict[str, str]:
+def group_plans(param_groups: Sequence[dict[str, Any]], plans: Sequence[Plan]) -> dict[str, str]:
     """Per group, the text of its parameters' plans (what every rank must share)."""
     out = {}
     position = 0

@@ -8,6 +8,7 @@ error names the ranks and tensors that differ), and every rank starts from rank 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ class ModelMismatchError(ValueError):
     """The ranks' optimizers (models) do not hold the same parameters."""
 
 
-def param_names(param_groups: Sequence[dict], model: torch.nn.Module | None) -> list[str]:
+def param_names(param_groups: Sequence[dict[str, Any]], model: torch.nn.Module | None) -> list[str]:
     """``model``'s names of the parameters in ``param_groups`` (what errors and the compression
     policy use), else their positions.
 
@@ -121,7 +122,7 @@ def broadcast_from_root(
         tensors += [
             t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in seen
         ]
-    groups: dict[tuple, list[torch.Tensor]] = {}
+    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((str(t.device), t.dtype), []).append(t)
     for group in groups.values():
@@ -134,5 +135,5 @@ def broadcast_from_root(
             offset += n
 
 
-def _field(sig, what):
+def _field(sig: tuple[Any, ...], what: str) -> Any:
     return {"shape": sig[1], "dtype": sig[2], "requires_grad": sig[3], "name": sig[0]}[what]

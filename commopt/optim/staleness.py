@@ -57,11 +57,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 __all__ = ["LocalStepPrediction", "next_lrs", "predicted_step"]
 
 
-def _params(optimizer) -> list[tuple[dict, Tensor]]:
+def _params(optimizer: Optimizer) -> list[tuple[dict[str, Any], Tensor]]:
     return [(group, p) for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -93,7 +94,9 @@ class _Scratch:
         return a, b, c
 
 
-def _sgd_step(group: dict, state: dict, p: Tensor, g: Tensor, scratch: _Scratch) -> Tensor:
+def _sgd_step(
+    group: dict[str, Any], state: dict[str, Any], p: Tensor, g: Tensor, scratch: _Scratch
+) -> Tensor:
     # torch.optim.SGD: d = g + wd*w; buf = m*buf + (1-dampening)*d (buf = d on the first step)
     d, nbuf, out = scratch.take(p, g)
     if group["weight_decay"]:
@@ -113,7 +116,12 @@ def _sgd_step(group: dict, state: dict, p: Tensor, g: Tensor, scratch: _Scratch)
 
 
 def _adam_step(
-    group: dict, state: dict, p: Tensor, g: Tensor, decoupled: bool, scratch: _Scratch
+    group: dict[str, Any],
+    state: dict[str, Any],
+    p: Tensor,
+    g: Tensor,
+    decoupled: bool,
+    scratch: _Scratch,
 ) -> Tensor:
     # torch.optim.Adam / AdamW, the step the next call would take with gradient g
     if group.get("maximize"):
@@ -141,7 +149,9 @@ def _adam_step(
     return delta
 
 
-def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+def _lars_steps(
+    optimizer: Any, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
+) -> list[Tensor]:
     from commopt.optim.layerwise import excluded, trust_ratios
 
     lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
@@ -158,7 +168,7 @@ def _lars_steps(optimizer, group: dict, params: list[Tensor], grads: list[Tensor
     return out
 
 
-def next_lrs(optimizer, last: Sequence[float] | None) -> list[float]:
+def next_lrs(optimizer: Optimizer, last: Sequence[float] | None) -> list[float]:
     """Each group's learning rate expected at the next step, from its rate now and ``last``.
 
     A rate that rose since ``last`` (the rates at the previous step) is extrapolated
@@ -176,7 +186,7 @@ def next_lrs(optimizer, last: Sequence[float] | None) -> list[float]:
 
 
 @contextlib.contextmanager
-def _rates(optimizer, lrs: Sequence[float] | None) -> Iterator[None]:
+def _rates(optimizer: Optimizer, lrs: Sequence[float] | None) -> Iterator[None]:
     if lrs is None:
         yield
         return
@@ -192,7 +202,7 @@ def _rates(optimizer, lrs: Sequence[float] | None) -> Iterator[None]:
 
 
 def predicted_step(
-    optimizer, local_grads: Sequence[Tensor | None], lrs: Sequence[float] | None = None
+    optimizer: Optimizer, local_grads: Sequence[Tensor | None], lrs: Sequence[float] | None = None
 ) -> list[Tensor | None]:
     """The step ``w - w_next`` that ``optimizer.step()`` would take with ``local_grads``.
 
@@ -213,7 +223,7 @@ def _check_count(local_grads: Sequence[Tensor | None], params: int) -> None:
 
 
 def _predicted_step(
-    optimizer,
+    optimizer: Optimizer,
     local_grads: Sequence[Tensor | None],
     scratch: _Scratch | None = None,
     apply: Callable[[Tensor, Tensor], None] | None = None,
@@ -254,7 +264,7 @@ def _predicted_step(
             return steps
         if kind is torch.optim.SGD:
 
-            def rule(group, state, p, g):
+            def rule(group: dict[str, Any], state: dict[str, Any], p: Tensor, g: Tensor) -> Tensor:
                 return _sgd_step(group, state, p, g, scratch)
 
         elif kind in (torch.optim.Adam, torch.optim.AdamW):
@@ -262,7 +272,7 @@ def _predicted_step(
                 optimizer.defaults.get("decoupled_weight_decay")
             )
 
-            def rule(group, state, p, g):
+            def rule(group: dict[str, Any], state: dict[str, Any], p: Tensor, g: Tensor) -> Tensor:
                 return _adam_step(group, state, p, g, decoupled, scratch)
 
         else:
@@ -288,7 +298,7 @@ class LocalStepPrediction:
     the averaged gradients; see the module docstring for the call order.
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
         predicted_step(optimizer, [None] * len(_params(optimizer)))  # unsupported: fail now
         self._weights: list[Tensor] | None = None  # true weights while the model is predicted

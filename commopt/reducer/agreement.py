@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ def agree(
     comm: Communicator,
     buckets: Sequence[Bucket],
     flats: Sequence[torch.Tensor],
-    bad: Sequence,
+    bad: Sequence[torch.Tensor | bool | None],
     present: Sequence[bool],
     scale: float,
 ) -> StepResult:
@@ -75,8 +76,8 @@ class Agreement:
         self,
         flags: torch.Tensor,
         n_buckets: int,
-        event=None,
-        streams=None,
+        event: Any = None,
+        streams: Any = None,
         marks: torch.Tensor | None = None,
     ):
         self._flags = flags
@@ -103,7 +104,7 @@ def issue_agreement(
     comm: Communicator,
     buckets: Sequence[Bucket],
     flats: Sequence[torch.Tensor],
-    bad: Sequence,
+    bad: Sequence[torch.Tensor | bool | None],
     present: Sequence[bool],
     scale: float | None,
 ) -> Agreement:

@@ -51,7 +51,7 @@ class GradientReducer:
         *,
         codec: Codec | None = None,
         plain_codec: Codec | None = None,
-        policy=None,
+        policy: Any = None,
         bucket_cap_mb: float = 25.0,
         algorithm: str = "auto",
         num_buffers: int = 1,
@@ -242,14 +242,14 @@ class GradientReducer:
             and p.layout == torch.strided
         )
 
-    def codec_states(self) -> dict[str, dict]:
+    def codec_states(self) -> dict[str, dict[str, Any]]:
         """State of each distinct codec of the buckets (error-feedback residuals)."""
-        out: dict[str, dict] = {}
+        out: dict[str, dict[str, Any]] = {}
         for name, codec in self._codecs().items():
             out[name] = codec.state_dict()
         return out
 
-    def load_codec_states(self, states: dict[str, dict]) -> None:
+    def load_codec_states(self, states: dict[str, dict[str, Any]]) -> None:
         """Restore :meth:`codec_states`. A codec's state may instead hold, under
         ``SAVED_BY_RANKS``, the states every rank of another world size saved: this rank then
         takes its share of them (:meth:`_resharded`)."""

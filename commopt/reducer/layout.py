@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def build_buckets(
     *,
     codec: Codec | None,
     plain_codec: Codec | None,
-    policy=None,
+    policy: Any = None,
     bucket_cap_mb: float = 25.0,
 ) -> list[Bucket]:
     """Assign parameters to buckets, last parameter first (roughly backward order).
@@ -79,10 +80,10 @@ def build_buckets(
     """
     cap = max(1, int(bucket_cap_mb * 2**20))
     buckets: list[Bucket] = []
-    open_: dict[tuple, Bucket] = {}
-    order: list[tuple] = []  # kinds in the order their current bucket was opened
+    open_: dict[tuple[str, torch.dtype, bool], Bucket] = {}
+    order: list[tuple[str, torch.dtype, bool]] = []  # kinds in the order their buckets opened
 
-    def close(kind):
+    def close(kind: tuple[str, torch.dtype, bool]) -> None:
         b = open_.pop(kind)
         order.remove(kind)
         b.index = len(buckets)

@@ -14,7 +14,7 @@ anything when every parameter gets a gradient (``zero_fill=True``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -152,7 +152,7 @@ class StepReduction:
         return found | host if host else found
 
     # -- checkpoint -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The completed reduction (waits for it): its number, averaged buckets, agreed result.
 
         What a checkpoint keeps of a reduction still pending under double buffering;
@@ -169,7 +169,7 @@ class StepReduction:
             },
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Become the completed reduction ``state`` describes (from :meth:`state_dict`)."""
         flats = state["flats"]
         if len(flats) != len(self.flats) or any(

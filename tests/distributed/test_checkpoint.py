@@ -66,7 +66,7 @@ for name, cfg in CONFIGS.items():
             torch.save([p.detach().clone() for p in model.parameters()], path + ".final")
         assert state["commopt"]["rank"] == r and state["commopt"]["world_size"] == n
         if cfg.get("compression"):
-            assert state["commopt"]["codec_state"]["compressed"]["residuals"]
+            assert next(iter(state["commopt"]["codec_state"].values()))["compressed"]["residuals"]
     else:
         comm.barrier()
         final = torch.load(path + ".final")

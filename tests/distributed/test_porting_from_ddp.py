@@ -119,7 +119,7 @@ check(model, clipped_sgd_reference(start, 3), "synchronize + clip + skip_synchro
 # 1c. built-in clip_grad_norm= with double buffering: clips the gradients applied (one step stale)
 model = make_model()
 opt = create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=LR), comm, model=model,
-                                  double_buffering=True, clip_grad_norm=MAX_NORM)
+                                  double_buffering="stale", clip_grad_norm=MAX_NORM)
 start = copy.deepcopy(model)
 for step in range(3):
     opt.zero_grad()

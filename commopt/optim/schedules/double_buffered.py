@@ -56,7 +56,7 @@ from commopt.optim.schedules.protocol import (
     ScheduleContext,
     not_synchronized_error,
 )
-from commopt.reducer import StepResult
+from commopt.reducer import StepReduction, StepResult
 
 __all__ = ["CompensatedOptions", "CompensatedSchedule", "DoubleBufferedSchedule"]
 
@@ -82,7 +82,7 @@ class DoubleBufferedSchedule(ScheduleBase):
 
     # -- inspection ---------------------------------------------------------------------------
     @property
-    def pending(self):
+    def pending(self) -> StepReduction | None:
         """The reduction in flight between steps (applied by the next step), else None."""
         return self._db.pending
 

@@ -72,7 +72,7 @@ class SynchronousSchedule(ScheduleBase):
         self.overlap = bool(self.settings.overlap) and not context.defer_to_step
         self._ensure_layout = context.ensure_layout
         self._progress = StepProgress()
-        self._averaged: list = []  # param.grad as the last synchronize() left them
+        self._averaged: list[weakref.ref[torch.Tensor] | None] = []  # .grad after synchronize()
 
     # -- inspection ---------------------------------------------------------------------------
     @property
