@@ -306,7 +306,7 @@ def draw_lowrank_case(data, codec) -> dict:
         shapes.append((at, shape))
         at += math.prod(shape)
     numel = at + data.draw(st.integers(0, 3), label="tail")
-    lay = codec.layout(numel, shapes)
+    lay = codec.placement(numel, shapes)
     stage = data.draw(st.sampled_from(["P", "Q"]), label="stage")
     size = 4 * (lay.p_numel if stage == "P" else lay.q_numel)
     kind = data.draw(
@@ -387,7 +387,7 @@ def check_lowrank(name: str, case: dict) -> str:
 
     def start(flats, step):
         return [
-            c.start(f, shapes, key=LOWRANK_KEY, factor=1.0 / ranks, size=ranks, step=step)
+            c.start(f, shapes, key=LOWRANK_KEY, factor=1.0 / ranks, size=ranks, reduction=step)
             for c, f in zip(codecs, flats, strict=True)
         ]
 
@@ -1025,7 +1025,7 @@ def section(record: dict) -> str:
         "(for random buckets of matrices, convolutions and vectors on 1-3 emulated ranks) is "
         "replaced by random bytes, flipped bits, one NaN/Inf/huge/tiny value, or bytes too few "
         "or too many, and handed at a byte offset to the codec's `after_p_sum`/`after_q_sum`: "
-        "*size rejected* is a `ValueError` naming the bytes the bucket's layout needs; "
+        "*size rejected* is a `ValueError` naming the bytes the bucket's placement needs; "
         "otherwise nothing is written outside the bucket, no NaN/Inf is kept in the codec's Q "
         "or residual, `discard_step` (what a skipped step does) puts both back bit for bit, "
         "and a NaN/Inf in the result (a damaged Q, or a damaged value sent exactly; a NaN in a "

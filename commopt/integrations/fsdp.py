@@ -325,7 +325,7 @@ class CompressedReplicas:
         present = [True] * len(unit.segments)
         unit.bad = [reducer.pack(b, flats[b.index], present) for b in reducer.buckets]
         for b in reducer.buckets:
-            reducer.reduce(b, flats[b.index], reduction.step, 1.0)
+            reducer.reduce(b, flats[b.index], reduction.number, 1.0)
         keep = [True] * len(unit.segments)
 
         def unpack() -> None:

@@ -123,12 +123,13 @@ def test_a_world_of_one_drops_the_residuals_and_logs_which(caplog):
         policy=CompressionPolicy(min_compress_numel=16),
     )
     sd = opt.state_dict()
-    key = max(sd["commopt"]["buckets"], key=lambda k: int(k.split(":")[1]))  # the weight's
+    (part,) = sd["commopt"]["plans"]  # one plan: the optimizer's one part
+    key = max(sd["commopt"]["plans"][part]["buckets"], key=lambda k: int(k.split(":")[1]))
     # Rank 0 of 2: its own chunk and the one it sends (QSGD's 128-element alignment).
     saved = [{"residuals": {f"{key}/ag0": torch.ones(128), f"{key}/rs1": torch.ones(128)}}, {}]
-    sd["commopt"]["codec_state"] = {"compressed": {SAVED_BY_RANKS: saved}}
+    sd["commopt"]["codec_state"] = {part: {"compressed": {SAVED_BY_RANKS: saved}}}
     with caplog.at_level(logging.WARNING, logger="commopt"):
         opt.load_state_dict(sd)
-    assert not opt.state_dict()["commopt"]["codec_state"]["compressed"]["residuals"]
+    assert not opt.state_dict()["commopt"]["codec_state"][part]["compressed"]["residuals"]
     assert f"dropped for bucket(s) {key}" in caplog.text, caplog.text
     assert "a world of one sends nothing through the codec" in caplog.text, caplog.text

@@ -129,10 +129,10 @@ def test_object_message_device_names_no_torch_attribute():
     assert decode(encode(t)).tolist() == [1.0]
 
 
-def _lowrank_job(codec, numel=12 * 40 + 7, step=1):
+def _lowrank_job(codec, numel=12 * 40 + 7, reduction=1):
     shapes = [(0, (12, 40)), (480, (7,))]  # a compressed matrix, then values sent exactly
-    flat = torch.randn(numel, generator=torch.Generator().manual_seed(step))
-    return flat, codec.start(flat, shapes, key="b", factor=1.0, size=1, step=step)
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(reduction))
+    return flat, codec.start(flat, shapes, key="b", factor=1.0, size=1, reduction=reduction)
 
 
 @pytest.mark.parametrize("stage", ["P", "Q"])
@@ -145,7 +145,7 @@ def test_lowrank_refuses_a_sum_of_the_wrong_size(stage, delta):
     with pytest.raises(
         ValueError,
         match=f"powersgd4: the summed {stage} of bucket 'b' is "
-        f"{need + delta} bytes; this bucket's layout needs {need} bytes",
+        f"{need + delta} bytes; this bucket's placement needs {need} bytes",
     ):
         if stage == "P":
             job.after_p_sum(wire)
@@ -163,11 +163,11 @@ def test_lowrank_damaged_q_reaches_the_result_is_rechecked_and_undone(value):
     ``can_overflow`` makes the reduction re-check it; its kept Q and residual stay finite
     and ``discard_step`` (the skipped step) puts back the previous ones bit for bit."""
     codec = PowerSGD(rank=4)
-    flat, job = _lowrank_job(codec, step=0)
+    flat, job = _lowrank_job(codec, reduction=0)
     job.after_p_sum()
     job.after_q_sum()
     q0, res0 = codec.q("b").clone(), codec.residual("b").clone()
-    flat, job = _lowrank_job(codec, step=1)
+    flat, job = _lowrank_job(codec, reduction=1)
     job.after_p_sum()
     wire = job.q.clone()
     wire[5] = value
@@ -189,7 +189,7 @@ def test_lowrank_nan_in_a_p_column_leaves_the_matrix_finite():
     job.after_p_sum(wire)
     job.after_q_sum()
     assert bool(flat[:480].isfinite().all()) and bool(flat[480:].isfinite().all())
-    flat, job = _lowrank_job(codec, step=2)
+    flat, job = _lowrank_job(codec, reduction=2)
     wire = job.p.clone()
     wire[-1] = float("nan")  # the last value sent exactly
     job.after_p_sum(wire)
