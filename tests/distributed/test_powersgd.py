@@ -325,7 +325,7 @@ for step in range(3):
         for s, g in zip(bucket.slots, [grads(step, r)[s.param] for s in bucket.slots]):
             flat[s.offset : s.offset + s.numel] = g.reshape(-1)
         flats.append(flat)
-    jobs = [c.start(f, where, key=bucket.key, factor=1 / size, size=size, step=step)
+    jobs = [c.start(f, where, key=bucket.key, factor=1 / size, size=size, reduction=step)
             for c, f in zip(sims, flats)]
     total = jobs[0].p + jobs[1].p  # two ranks: a sum in either order, the same bits
     for j in jobs:
