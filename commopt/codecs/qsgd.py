@@ -154,9 +154,6 @@ class QSGD(Codec):
             **self._params(),
         )
 
-    def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
-        self.decode_scaled(wire, out, accumulate=accumulate)
-
     def decode_scaled(
         self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
     ) -> None:
@@ -166,6 +163,8 @@ class QSGD(Codec):
         if wire.device.type == "cpu":  # on a GPU the check would wait for the device
             self._check_scales(wire, flat.numel())
         kernels.qsgd_decode(wire, flat, accumulate=accumulate, alpha=alpha, **self._params())
+
+    decode = decode_scaled  # (alpha defaults to 1: the plain decode is the same kernel call)
 
     def _check_scales(self, wire: torch.Tensor, numel: int) -> None:
         """Raise for a scale no encoder writes (one read of the ``numel / bucket_size`` scales).

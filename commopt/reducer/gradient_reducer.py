@@ -126,56 +126,53 @@ class GradientReducer:
     def pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
         """Copy the bucket's gradients into ``flat`` (zeros for None); local NaN/Inf flag."""
         with phase("pack"):
-            return self._pack(bucket, flat, present)
-
-    def _pack(self, bucket: Bucket, flat: torch.Tensor, present: list[bool]) -> torch.Tensor | bool:
-        pieces: list[tuple[torch.Tensor | None, int, int]] = []
-        views: list[torch.Tensor] = []
-        for s in bucket.slots:
-            g = self.params[s.param].grad
-            dst = flat[s.offset : s.offset + s.numel]
-            if g is None:
-                present[s.param] = False
-                pieces.append((None, s.offset, s.numel))
-                continue
-            if g.is_sparse or g.layout != torch.strided:
-                raise RuntimeError(
-                    f"parameter {self.names[s.param]!r} has a sparse gradient: commopt reduces "
-                    "dense gradients only. Use nn.Embedding(..., sparse=False) (or densify the "
-                    "gradient with .to_dense() before step())."
+            pieces: list[tuple[torch.Tensor | None, int, int]] = []
+            views: list[torch.Tensor] = []
+            for s in bucket.slots:
+                g = self.params[s.param].grad
+                dst = flat[s.offset : s.offset + s.numel]
+                if g is None:
+                    present[s.param] = False
+                    pieces.append((None, s.offset, s.numel))
+                    continue
+                if g.is_sparse or g.layout != torch.strided:
+                    raise RuntimeError(
+                        f"parameter {self.names[s.param]!r} has a sparse gradient: commopt reduces "
+                        "dense gradients only. Use nn.Embedding(..., sparse=False) (or densify the "
+                        "gradient with .to_dense() before step())."
+                    )
+                present[s.param] = True
+                if is_view_of(g, dst):  # backward accumulated into the bucket: nothing to copy
+                    views.append(dst)
+                else:
+                    pieces.append((g.reshape(-1), s.offset, s.numel))
+            # a NaN decoded into the padding must not stay there
+            pieces += [
+                (None, s.offset + s.numel, s.padded - s.numel)
+                for s in bucket.slots
+                if s.padded > s.numel
+            ]
+            if (
+                flat.device.type == "cpu"
+                and not self.comm.stream_ordered  # (a recorded stream trace: the device path)
+                and flat.dtype == torch.float32
+                and all(
+                    src is None or (src.dtype == torch.float32 and src.is_contiguous())
+                    for src, _, _ in pieces
                 )
-            present[s.param] = True
-            if is_view_of(g, dst):  # backward accumulated into the bucket: nothing to copy
-                views.append(dst)
-            else:
-                pieces.append((g.reshape(-1), s.offset, s.numel))
-        # a NaN decoded into the padding must not stay there
-        pieces += [
-            (None, s.offset + s.numel, s.padded - s.numel)
-            for s in bucket.slots
-            if s.padded > s.numel
-        ]
-        if (
-            flat.device.type == "cpu"
-            and not self.comm.stream_ordered  # (a recorded stream trace: the device path)
-            and flat.dtype == torch.float32
-            and all(
-                src is None or (src.dtype == torch.float32 and src.is_contiguous())
-                for src, _, _ in pieces
-            )
-        ):
-            # One pass copies and checks (the native kernel); views are checked in place.
-            bad = kernels.pack_nonfinite(pieces, flat)
-            return bad or any(kernels.nonfinite(v) for v in views)
-        for src, offset, numel in pieces:
-            dst = flat[offset : offset + numel]
-            if src is None:
-                dst.zero_()
-            else:
-                dst.copy_(src)
-        # On the device, without a host sync: the sum is NaN/Inf iff some element is (short
-        # of an fp32 overflow of huge values).
-        return ~torch.isfinite(flat.sum())
+            ):
+                # One pass copies and checks (the native kernel); views are checked in place.
+                bad = kernels.pack_nonfinite(pieces, flat)
+                return bad or any(kernels.nonfinite(v) for v in views)
+            for src, offset, numel in pieces:
+                dst = flat[offset : offset + numel]
+                if src is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(src)
+            # On the device, without a host sync: the sum is NaN/Inf iff some element is (short
+            # of an fp32 overflow of huge values).
+            return ~torch.isfinite(flat.sum())
 
     def reduce(self, bucket: Bucket, flat: torch.Tensor, number: int, scale: float) -> Work:
         rng = RngKey(self.seed, self.comm.rank, int(number), bucket.index)
@@ -195,24 +192,21 @@ class GradientReducer:
     def unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
         """Write the reduced values into ``param.grad`` (None where ``keep`` is False)."""
         with phase("unpack"):
-            self._unpack(bucket, flat, keep)
-
-    def _unpack(self, bucket: Bucket, flat: torch.Tensor, keep: Sequence[bool]) -> None:
-        for s in bucket.slots:
-            p = self.params[s.param]
-            if not keep[s.param]:
-                p.grad = None
-                continue
-            src = slot_view(flat, s, p)
-            g = p.grad
-            if self.viewable(p, flat):
-                # The averages stay in the bucket; param.grad looks at them (no copy).
-                if not is_view_of(g, src):
-                    p.grad = src
-            elif g is None or g.shape != p.shape or g.is_sparse:
-                p.grad = src.to(dtype=p.dtype, copy=True)
-            else:
-                g.copy_(src)
+            for s in bucket.slots:
+                p = self.params[s.param]
+                if not keep[s.param]:
+                    p.grad = None
+                    continue
+                src = slot_view(flat, s, p)
+                g = p.grad
+                if self.viewable(p, flat):
+                    # The averages stay in the bucket; param.grad looks at them (no copy).
+                    if not is_view_of(g, src):
+                        p.grad = src
+                elif g is None or g.shape != p.shape or g.is_sparse:
+                    p.grad = src.to(dtype=p.dtype, copy=True)
+                else:
+                    g.copy_(src)
 
     def zero_grads_into(self, buffer: int) -> None:
         """Point every eligible ``param.grad`` at its zeroed slot of buffer set ``buffer``.
