@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from commopt._tables import table
+from commopt.tables import table
 from commopt.commands.launch import launch_argv
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ import time
 import torch
 
 from commopt import kernels
-from commopt._tables import table
+from commopt.tables import table
 from commopt.codecs import get_codec
 
 QSGD_CASES = [  # (label, bits, bucket, norm, stochastic)

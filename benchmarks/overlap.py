@@ -194,7 +194,7 @@ def driver(args) -> None:
     )
     print()
     sys.path.insert(0, str(REPO))  # run as a script from anywhere, like the ranks it starts
-    from commopt._tables import table
+    from commopt.tables import table
 
     print(
         table(

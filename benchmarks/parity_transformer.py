@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 "within_1_bleu": passed,
             }
         )
-    from commopt._tables import table  # the repository is on sys.path by now
+    from commopt.tables import table  # the repository is on sys.path by now
 
     head = [
         "config",

@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from commopt._tables import table
+from commopt.tables import table
 from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
 from commopt.sim.effects import (

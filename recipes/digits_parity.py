@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from commopt._tables import table
+from commopt.tables import table
 from recipes.common import RecipeError, create_communicator, state_digest
 from recipes.digits_data import load_digits_split
 from recipes.resnet50.data import EpochBatches

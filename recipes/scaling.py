@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from commopt._tables import table
+from commopt.tables import table
 from commopt.commands.launch import launch_argv
 from commopt.testbed.mpirun import LOOPBACK_MCA
 

@@ -121,7 +121,7 @@ def profile_table(entries: list[tuple[str, dict, dict]], markdown: bool = False)
         >>> text.splitlines()[-1]
         'x: profiled steps 100 ms on average, the same steps without the profiler 80 ms (+25%); timed step 100 ms; floor 50 ms (timed step / floor 2.00x)'
     """
-    from commopt._tables import table
+    from commopt.tables import table
 
     head = ("thread", *COLUMNS, "CPU", "not running", "switches", "preempted")
     lines, notes = [], []

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from commopt._tables import table
+from commopt.tables import table
 
 HELP = "check versions, interfaces and network variables; print a cloud profile's environment"
 

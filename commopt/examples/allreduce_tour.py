@@ -15,7 +15,7 @@ import time
 import torch
 
 import commopt
-from commopt._tables import table
+from commopt.tables import table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

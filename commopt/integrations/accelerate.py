@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import commopt
+from commopt.comm import create_communicator
 from commopt.optim import MultiNodeOptimizer
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def prepare_optimizer(
     if "model" in options:
         raise TypeError("prepare_optimizer passes the model itself: leave out model=")
     module = accelerator.unwrap_model(model)
-    comm = commopt.create_communicator(communicator, **(communicator_options or {}))
+    comm = create_communicator(communicator, **(communicator_options or {}))
     if comm.size != accelerator.num_processes:
         raise ValueError(
             f"the {communicator!r} communicator has {comm.size} ranks but the Accelerator "

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import commopt
+from commopt.comm import Communicator, create_communicator
 from commopt.integrations.ddp import CommoptHookState, commopt_hook
 from commopt.optim import MultiNodeOptimizer
 
@@ -162,7 +162,7 @@ def _strategies() -> dict[str, type]:
             )
             self.communicator = communicator
             self.communicator_options = dict(communicator_options or {})
-            self._comm: commopt.Communicator | None = None
+            self._comm: Communicator | None = None
             self._moved_clip: tuple[Any, Any] | None = None  # (trainer, its gradient_clip_val)
             self._true_weights: contextlib.ExitStack | None = None  # inside validation
 
@@ -190,9 +190,9 @@ def _strategies() -> dict[str, type]:
                 optimizer, self._communicator(), model=self.lightning_module, **options
             )
 
-        def _communicator(self) -> commopt.Communicator:
+        def _communicator(self) -> Communicator:
             if self._comm is None:
-                self._comm = commopt.create_communicator(
+                self._comm = create_communicator(
                     self.communicator, **self.communicator_options
                 )
             return self._comm

@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from commopt._tables import table
+from commopt.tables import table
 from commopt.network.doctor import NCCL_MAX_SOCKET_THREADS, NCCL_MAX_SOCKETS
 
 # The default sweeps. NCCL over sockets: threads x sockets per thread (64 sockets at most).

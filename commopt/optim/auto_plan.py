@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from commopt._tables import table
+from commopt.tables import table
 
 __all__ = [
     "CODEC_SECONDS_PER_ELEMENT",

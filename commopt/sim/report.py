@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from commopt._tables import table
+from commopt.tables import table
 from commopt.sim.step import Prediction
 
 _COLUMNS = (

@@ -1,8 +1,8 @@
-"""commopt._tables: the one table printer, with tabulate and with its plain fallback."""
+"""commopt.tables: the one table printer, with tabulate and with its plain fallback."""
 
 import pytest
 
-from commopt._tables import table
+from commopt.tables import table
 
 HEADERS = ["configuration", "step ms", "speed-up"]
 ROWS = [

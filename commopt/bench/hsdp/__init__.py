@@ -197,7 +197,7 @@ def _run_job(args: argparse.Namespace) -> dict | None:
 
 def render(report: dict, *, markdown: bool = False) -> str:
     """The report's table (terminal text or markdown), with what it ran on."""
-    from commopt._tables import table
+    from commopt.tables import table
 
     if report["mode"] == "accuracy":
         return _render_accuracy(report, markdown)
@@ -247,7 +247,7 @@ def render(report: dict, *, markdown: bool = False) -> str:
 
 
 def _render_accuracy(report: dict, markdown: bool) -> str:
-    from commopt._tables import table
+    from commopt.tables import table
 
     configs = report["configs"]
     ref = {e["seed"]: e for e in configs.get(REFERENCE, [])}

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from commopt._tables import table
+from commopt.tables import table
 from commopt.bench.step.figures import Row
 from commopt.bench.step.sim_export import sim_measurements
 
