@@ -9,7 +9,10 @@
 #   bash scripts/stress.sh tests/distributed/test_horovod.py -k leave   # other tests / pytest args
 #
 # `make stress` runs it (STRESS_N=, STRESS_ARGS=). Results: $OUT (default out/stress): run-<i>.xml
-# (JUnit), run-<i>.log (pytest's output) and summary.txt. Exit 0 only when every run passed.
+# (JUnit), run-<i>.log (pytest's output), runs.tsv (exit code, seconds, load average of each run),
+# stress.json (scripts/stress_report.py's record) and summary.txt. Exit 0 only when every run
+# passed. Record a result in docs/reliability.md:
+#   python scripts/stress_report.py --from-json out/stress/stress.json --docs docs/reliability.md
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -36,9 +39,10 @@ default_tests=(
 if [ "$#" -gt 0 ]; then args=("$@"); else args=("${default_tests[@]}"); fi
 
 mkdir -p "$out"
-rm -f "$out"/run-*.xml "$out"/run-*.log "$out"/summary.txt
+rm -f "$out"/run-*.xml "$out"/run-*.log "$out"/summary.txt "$out"/runs.tsv "$out"/stress.json
 
 hogs=()
+hogs_started=()
 stop_hogs() {
   for pid in "${hogs[@]}"; do kill "$pid" 2>/dev/null; done
   hogs=()
@@ -51,20 +55,27 @@ if [ "$hog" != "0" ]; then
     bash -c 'while :; do :; done' &
     hogs+=("$!")
   done
+  hogs_started=("${hogs[@]}")
   echo "[stress] CPU hog: $cores busy processes (pids ${hogs[*]})"
 fi
 
 start=$(date +%s)
+started=$(date -u '+%Y-%m-%d %H:%M UTC')
 echo "[stress] $n runs of: $python -m pytest -q -p no:cacheprovider $workers ${args[*]}"
-echo "[stress] started $(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "[stress] started $started, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for i in $(seq "$n"); do
   t0=$(date +%s)
   # shellcheck disable=SC2086  # $workers is a list of options
   "$python" -m pytest -q -p no:cacheprovider $workers --junitxml="$out/run-$i.xml" \
     "${args[@]}" >"$out/run-$i.log" 2>&1
   rc=$?
-  echo "[stress] run $i/$n: exit $rc, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$out/run-$i.log")"
+  took=$(( $(date +%s) - t0 ))
+  printf '%s\t%s\t%s\t%s\n' "$i" "$rc" "$took" "$(cut -d' ' -f1-3 /proc/loadavg)" >>"$out/runs.tsv"
+  echo "[stress] run $i/$n: exit $rc, $took s, $(tail -n 1 "$out/run-$i.log")"
 done
 stop_hogs
 echo "[stress] $n runs in $(( $(date +%s) - start )) s, load average $(cut -d' ' -f1-3 /proc/loadavg)"
-"$python" "$root/scripts/stress_report.py" "$out" | tee "$out/summary.txt"
+printf '%s\n' "${args[@]}" >"$out/args.txt"
+STRESS_COMMAND="N=$n HOG=$hog bash scripts/stress.sh${*:+ $*}" STRESS_STARTED="$started" \
+  STRESS_HOG="${#hogs_started[@]}" STRESS_WORKERS="$workers" \
+  "$python" "$root/scripts/stress_report.py" "$out" --json "$out/stress.json" | tee "$out/summary.txt"

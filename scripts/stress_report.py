@@ -1,25 +1,40 @@
 """The failures of ``scripts/stress.sh``'s runs, per test: how often, in which runs, and each
-failure's text (with every rank's stacks where a job hung).
+failure's text (with every rank's stacks where a job hung); its record, and the section of
+docs/reliability.md made from that record.
 
-    python scripts/stress_report.py out/stress      # reads out/stress/run-*.xml (JUnit)
+    python scripts/stress_report.py out/stress --json out/stress/stress.json
+    python scripts/stress_report.py --from-json benchmarks/results/stress.json --docs docs/reliability.md
 
-Exits 1 when a test failed (or errored) in any run, or a run wrote no result.
+Reads ``run-*.xml`` (JUnit), ``runs.tsv`` and ``args.txt`` of a stress directory; the command,
+start and hog come from $STRESS_COMMAND, $STRESS_STARTED, $STRESS_HOG and $STRESS_WORKERS
+(stress.sh sets them). Exits 1 when a test failed (or errored) in any run, or a run wrote no
+result.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
 import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+#: The Horovod cases in which a rank leaves early (the departure race): reported on their own.
+LEAVE_EARLY = re.compile(r"test_a_rank_that_leaves_early_ends_the_job\[horovod-")
+BEGIN, END = "<!-- stress: begin -->", "<!-- stress: end -->"
 
-def read_run(path: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """(counts of passed/failed/skipped tests, {failed test id: its failure text})."""
+
+def read_run(path: Path) -> tuple[dict[str, int], dict[str, str], dict[str, float]]:
+    """(counts of passed/failed/skipped tests, {failed test: its failure text}, {test: s})."""
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        seconds[test] = float(case.get("time", "0") or 0)
         bad = [c for c in case if c.tag in ("failure", "error")]
         if bad:
             counts["failed"] += 1
@@ -30,7 +45,7 @@ def read_run(path: Path) -> tuple[dict[str, int], dict[str, str]]:
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return counts, failures
+    return counts, failures, seconds
 
 
 def _run_number(path: Path) -> int:
@@ -38,32 +53,170 @@ def _run_number(path: Path) -> int:
     return int(found.group(1)) if found else 0
 
 
-def main(directory: str) -> int:
-    runs = sorted(Path(directory).glob("run-*.xml"), key=_run_number)
-    logs = sorted(Path(directory).glob("run-*.log"), key=_run_number)
-    missing = [p for p in logs if not p.with_suffix(".xml").exists()]
-    failed: dict[str, list[tuple[int, str]]] = {}
-    for path in runs:
-        counts, failures = read_run(path)
-        print(f"run {_run_number(path)}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+def collect(directory: Path) -> tuple[dict, dict[str, list[tuple[int, str]]]]:
+    """The record of a stress directory, and every failure's text by test."""
+    tsv = directory / "runs.tsv"
+    walls = {}
+    for line in tsv.read_text().splitlines() if tsv.exists() else []:
+        run, rc, took, load = line.split("\t")
+        walls[int(run)] = {"exit": int(rc), "seconds": int(took), "load_average": load}
+    args = (
+        (directory / "args.txt").read_text().split("\n")
+        if (directory / "args.txt").exists()
+        else []
+    )
+    record: dict = {
+        "command": os.environ.get("STRESS_COMMAND", ""),
+        "started": os.environ.get("STRESS_STARTED", ""),
+        "hog_processes": int(os.environ.get("STRESS_HOG", "0") or 0),
+        "workers": os.environ.get("STRESS_WORKERS", ""),
+        "tests": [a for a in args if a],
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "runs": [],
+        "failures": {},
+        "leave_early": {"runs_passed": 0, "cases": 0, "max_seconds": 0.0},
+    }
+    texts: dict[str, list[tuple[int, str]]] = {}
+    logs = sorted(directory.glob("run-*.log"), key=_run_number)
+    for log in logs:
+        run = _run_number(log)
+        xml = log.with_suffix(".xml")
+        entry = {"run": run, **walls.get(run, {})}
+        if not xml.exists():
+            entry["result"] = "no result (pytest did not finish)"
+            record["runs"].append(entry)
+            continue
+        counts, failures, seconds = read_run(xml)
+        entry.update(counts)
+        record["runs"].append(entry)
         for test, text in failures.items():
-            failed.setdefault(test, []).append((_run_number(path), text))
-    for path in missing:
-        print(f"run {_run_number(path)}: no result (pytest did not finish): see {path}")
-    if not failed:
-        print(
-            f"{len(runs)} runs, no failure"
-            + (f"; {len(missing)} without a result" if missing else "")
+            texts.setdefault(test, []).append((run, text))
+            record["failures"].setdefault(test, []).append(run)
+        leave = {t: s for t, s in seconds.items() if LEAVE_EARLY.search(t)}
+        if leave and not any(LEAVE_EARLY.search(t) for t in failures):
+            record["leave_early"]["runs_passed"] += 1
+        record["leave_early"]["cases"] = max(record["leave_early"]["cases"], len(leave))
+        record["leave_early"]["max_seconds"] = max(
+            [record["leave_early"]["max_seconds"], *leave.values()]
         )
-        return 1 if missing or not runs else 0
-    print(f"\n{len(failed)} tests failed in {len(runs)} runs:")
-    for test, where in sorted(failed.items(), key=lambda kv: -len(kv[1])):
-        print(f"  {len(where)}x {test} (runs {', '.join(str(r) for r, _ in where)})")
-    for test, where in failed.items():
-        for run, text in where:
-            print(f"\n===== {test}, run {run} =====\n{text}")
-    return 1
+    return record, texts
+
+
+def summary(record: dict, texts: dict[str, list[tuple[int, str]]]) -> tuple[str, bool]:
+    lines = []
+    for r in record["runs"]:
+        what = r.get("result") or ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "skipped"))
+        lines.append(f"run {r['run']}: {what}")
+    missing = [r for r in record["runs"] if "result" in r]
+    ok = bool(record["runs"]) and not record["failures"] and not missing
+    if not record["failures"]:
+        lines.append(f"{len(record['runs'])} runs, no failure")
+    else:
+        lines.append(f"\n{len(record['failures'])} tests failed in {len(record['runs'])} runs:")
+        for test, runs in sorted(record["failures"].items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"  {len(runs)}x {test} (runs {', '.join(map(str, runs))})")
+        for test, where in texts.items():
+            for run, text in where:
+                lines.append(f"\n===== {test}, run {run} =====\n{text}")
+    return "\n".join(lines), ok
+
+
+def section(record: dict, result_file: str) -> str:
+    """The stress section of docs/reliability.md, from a record alone."""
+    runs = record["runs"]
+    finished = [r for r in runs if "result" not in r]
+    passed = sum(r["passed"] for r in finished)
+    failed = sum(r["failed"] for r in finished)
+    loads = [r["load_average"].split()[0] for r in runs if r.get("load_average")]
+    walls = [r["seconds"] for r in runs if "seconds" in r]
+    hog = (
+        f"a busy process on each of the {record['hog_processes']} cores"
+        if record["hog_processes"]
+        else "no hog"
+    )
+    out = [
+        BEGIN,
+        "## Stress: the multi-rank tests, again and again, under load",
+        "",
+        f"`{record['command']}` on {record['started']}: {', '.join(f'`{t}`' for t in record['tests'])}, "
+        f"each run as CI runs the suite (`pytest {record['workers']}`), with {hog} for the whole "
+        f"time, on one {record['machine']} host of {record['cores']} cores shared with other work "
+        f"(load average at the end of each run {min(loads, default='?')}-{max(loads, default='?')}), "
+        f"Python {record['python']}; {sum(walls)} s in all. Result file: `{result_file}`.",
+        "",
+        f"**{len(runs)} runs: {passed} test cases passed, {failed} failed"
+        + (
+            f", {len(runs) - len(finished)} runs without a result"
+            if len(finished) < len(runs)
+            else ""
+        )
+        + ".**",
+        "",
+        "| run | passed | failed | skipped | wall (s) | load average (1, 5, 15 min) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        if "result" in r:
+            out.append(
+                f"| {r['run']} | {r['result']} | | | {r.get('seconds', '')} | {r.get('load_average', '')} |"
+            )
+        else:
+            out.append(
+                f"| {r['run']} | {r['passed']} | {r['failed']} | {r['skipped']} | "
+                f"{r.get('seconds', '')} | {r.get('load_average', '')} |"
+            )
+    if record["failures"]:
+        out += ["", "Failed:"]
+        out += [
+            f"- `{t}`: runs {', '.join(map(str, rs))}"
+            for t, rs in sorted(record["failures"].items())
+        ]
+    le = record["leave_early"]
+    out += [
+        "",
+        f"The Horovod cases in which rank 1 leaves early ({le['cases']}: `sys.exit(1)`, "
+        f"`sys.exit(0)`, an early return, and `sys.exit(1)` on 4 ranks; each checks that every "
+        f"other rank names rank 1 and that the job ends within 60 s of the departure) passed in "
+        f"{le['runs_passed']} of {len(runs)} runs; the longest took {le['max_seconds']:.1f} s "
+        "from its start (start-up included, on the loaded cores).",
+        END,
+    ]
+    return "\n".join(out) + "\n"
+
+
+def write_section(page: Path, text: str) -> None:
+    doc = page.read_text()
+    if BEGIN in doc:
+        doc = doc[: doc.index(BEGIN)] + text + doc[doc.index(END) + len(END) + 1 :]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    page.write_text(doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", nargs="?", default="out/stress")
+    parser.add_argument("--json", help="write the record here")
+    parser.add_argument("--from-json", help="read this record instead of a directory")
+    parser.add_argument("--docs", help="write the stress section of this page (reliability.md)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        record, texts = json.loads(Path(args.from_json).read_text()), {}
+        result_file = args.from_json
+    else:
+        record, texts = collect(Path(args.directory))
+        result_file = args.json or ""
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    text, ok = summary(record, texts)
+    print(text)
+    if args.docs:
+        write_section(Path(args.docs), section(record, result_file))
+        print(f"wrote the stress section of {args.docs}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "out/stress"))
+    sys.exit(main())

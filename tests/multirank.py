@@ -22,6 +22,7 @@ hangs is killed by its runner, which first has every rank print its stacks
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -141,6 +142,26 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _dump_stacks(pgid: int) -> None:
     """Before a timed-out job is killed: each rank of process group ``pgid`` prints its stacks."""
     if _signal_group(pgid, signal.SIGUSR1):
@@ -219,8 +240,13 @@ def run_mpi(
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
+            ranks = _descendants(proc.pid)  # before mpirun dies and they are orphans
             _dump_stacks(proc.pid)
-            os.killpg(proc.pid, signal.SIGKILL)
+            # mpirun's ranks run in process groups of their own: the group's SIGKILL misses them.
+            for pid in [*ranks, proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _signal_group(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
         results = []
         for r in range(nprocs):

@@ -150,3 +150,59 @@ def test_a_wait_that_gets_no_result_after_a_departure_names_the_rank_that_left()
     assert f"PeerLeftError: {named}ended without an error" in msg, msg
     assert "Horovod's allreduce got no result within 5s of the notice" in msg, msg
     assert took < 50, f"rank 0 should end a grace (5 s) after the notice, took {took:.0f}s"
+
+
+AFTER_A_DEPARTURE = """
+import sys, time, torch, commopt
+comm = commopt.create_communicator("horovod")
+t = torch.ones(16)
+comm.allreduce(t)
+if comm.rank == 1:
+    sys.exit(0)  # leaves: its notice reaches rank 0 at once
+time.sleep(3)  # computes, in no Horovod operation, while rank 1 leaves
+comm.allreduce(t)
+print("unreachable", flush=True)
+"""
+
+
+def test_no_operation_starts_after_a_departure_and_horovod_is_not_shut_down_under_it():
+    """Rank 0 starts its next operation 3 s after rank 1 left: it starts none (it raises,
+    naming rank 1), and Horovod was not shut down while rank 0 could still start one (rank 1
+    waits for rank 0 to stop first): an operation started while Horovod's shutdown frees its
+    queue gets no result, or freezes the rank (the GIL against Horovod's process-set lock)."""
+    with pytest.raises(AssertionError) as failed:
+        run_mpi(AFTER_A_DEPARTURE, 2, timeout=120)
+    msg = str(failed.value)
+    assert "timed out" not in msg and "unreachable" not in msg, msg
+    named = "rank 0: a Horovod operation failed because another rank left the job (rank 1 "
+    assert f"PeerLeftError: {named}ended without an error" in msg, msg
+    assert "[Horovod's allreduce was not started: a peer left the job]" in msg, msg
+
+
+CLOSED = """
+import gc, torch, commopt
+comm = commopt.create_communicator("horovod")
+for close in (True, False):
+    model = torch.nn.Linear(4, 2)
+    opt = commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    if close:
+        opt.close()
+    del opt
+    gc.collect()
+model = torch.nn.Linear(4, 2)  # its creation releases the dropped one's communicator
+commopt.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, model=model)
+t = torch.ones(3)
+comm.allreduce(t)
+comm.barrier()
+print("horovod still runs", comm.rank, t.tolist())
+"""
+
+
+def test_closing_or_dropping_an_optimizer_keeps_horovod_running():
+    """An optimizer's private communicator (a split over every rank, Horovod's global
+    process set) is released without shutting Horovod down: only the top-level
+    communicator owns that."""
+    out = run_mpi(CLOSED, 2, timeout=150)
+    assert [o.strip() for o in out] == [f"horovod still runs {r} [2.0, 2.0, 2.0]" for r in (0, 1)]
