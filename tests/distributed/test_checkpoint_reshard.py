@@ -48,7 +48,7 @@ def train(model, opt, comm, steps):
 
 
 def residuals(opt):
-    return opt.state_dict()["commopt"]["codec_state"]["compressed"]["residuals"]
+    return next(iter(opt.state_dict()["commopt"]["codec_state"].values()))["compressed"]["residuals"]
 """
 
 RANK_SCRIPT = (

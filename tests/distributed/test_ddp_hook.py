@@ -64,9 +64,9 @@ sd = state.state_dict()
 buf = io.BytesIO(); torch.save(sd, buf)
 assert sd["reduction"] == 30 and any(v for v in sd["codecs"].values()), sd.keys()
 clone = pickle.loads(pickle.dumps(state))
-assert clone._comm is None and clone.process_group is None and clone.step == 30
+assert clone._comm is None and clone.process_group is None and clone.reduction == 30
 fresh = CommoptHookState("qsgd4+ef"); fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
-assert fresh.step == 30
+assert fresh.reduction == 30
 print("ok", rank)
 """
 

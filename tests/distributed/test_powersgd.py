@@ -112,7 +112,7 @@ reducer = GradientReducer(comm, plist, plist_names, codec=codec, plain_codec=Non
                           bucket_cap_mb=100)
 (bucket,) = [b for b in reducer.buckets if b.compressed]
 by_offset = sorted(bucket.slots, key=lambda s: s.offset)
-lay = codec.layout(bucket.numel, [(s.offset, plist[s.param].shape) for s in by_offset])
+lay = codec.placement(bucket.numel, [(s.offset, plist[s.param].shape) for s in by_offset])
 low = {m.offset for m in lay.matrices}
 mine = [plist_names[s.param] for s in by_offset if s.offset in low]
 assert sorted(mine) == sorted(compressed), (mine, compressed)
