@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from commopt.tables import table
 from commopt.commands.launch import launch_argv
+from commopt.tables import table
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable

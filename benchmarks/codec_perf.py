@@ -25,8 +25,8 @@ import time
 import torch
 
 from commopt import kernels
-from commopt.tables import table
 from commopt.codecs import get_codec
+from commopt.tables import table
 
 QSGD_CASES = [  # (label, bits, bucket, norm, stochastic)
     ("qsgd4 b128 max stochastic", 4, 128, "max", True),

@@ -23,7 +23,6 @@ import re
 import sys
 from pathlib import Path
 
-from commopt.tables import table
 from commopt.sim import simulate
 from commopt.sim.codec_costs import from_benchmark
 from commopt.sim.effects import (
@@ -43,6 +42,7 @@ from commopt.sim.validation import (
     load_measurements,
     published_comparison,
 )
+from commopt.tables import table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Allreduce rows (benchmarks/allreduce_link.py) and training-step rows (commopt bench step).

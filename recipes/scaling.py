@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from commopt.tables import table
 from commopt.commands.launch import launch_argv
+from commopt.tables import table
 from commopt.testbed.mpirun import LOOPBACK_MCA
 
 DEFAULT_CONFIGS = ("fp32", "fp16", "qsgd4", "fp32+db", "fp16+db", "qsgd4+db")

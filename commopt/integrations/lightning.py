@@ -192,9 +192,7 @@ def _strategies() -> dict[str, type]:
 
         def _communicator(self) -> Communicator:
             if self._comm is None:
-                self._comm = create_communicator(
-                    self.communicator, **self.communicator_options
-                )
+                self._comm = create_communicator(self.communicator, **self.communicator_options)
             return self._comm
 
         def _options_for(self, trainer) -> dict[str, Any]:

@@ -29,8 +29,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from commopt.tables import table
 from commopt.network.doctor import NCCL_MAX_SOCKET_THREADS, NCCL_MAX_SOCKETS
+from commopt.tables import table
 
 # The default sweeps. NCCL over sockets: threads x sockets per thread (64 sockets at most).
 # Open MPI over TCP: TCP connections per peer, and the eager/rendezvous switch-over size

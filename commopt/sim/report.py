@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from commopt.tables import table
 from commopt.sim.step import Prediction
+from commopt.tables import table
 
 _COLUMNS = (
     "nodes",

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from commopt.tables import table
 from commopt.bench.step.figures import Row
 from commopt.bench.step.sim_export import sim_measurements
+from commopt.tables import table
 
 if TYPE_CHECKING:  # matplotlib is optional and imported where a plot is drawn
     from matplotlib.artist import Artist
