@@ -41,6 +41,7 @@ from commopt.tables import table
 
 __all__ = [
     "RankJobFailed",
+    "append_run",
     "bench_command_line",
     "best_seconds",
     "command_line",
@@ -132,6 +133,15 @@ def write_json(path: str | os.PathLike[str], doc: Any, *, indent: int = 1) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=indent) + "\n")
     return out
+
+
+def append_run(path: str | os.PathLike[str], run: dict[str, Any]) -> None:
+    """Add ``run`` to the ``runs`` list of the result file at ``path`` (made if missing), so
+    that an interrupted grid keeps what it finished and a rerun can skip it."""
+    out = Path(path)
+    data = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    data["runs"].append(run)
+    write_json(out, data)
 
 
 # -- timing -----------------------------------------------------------------------------------
