@@ -48,7 +48,7 @@ DEFAULT_CONFIGS = (
 #: DEFAULT_BUDGET_FACTOR x as many).
 DEFAULT_BUDGET = 150
 #: On the text task PowerSGD rank 1, even after its warm-up, needs about 3x fp32's steps
-#: (docs/benchmarks.md): the peers get that many before they count as not reaching it.
+#: (docs/benchmarks-accuracy.md): the peers get that many before they count as not reaching it.
 DEFAULT_BUDGET_FACTOR = 3.0
 
 
