@@ -21,9 +21,9 @@ import commopt
 from commopt import profiling
 from commopt.bench import harness
 from commopt.collectives import plans
-from commopt.reducer import gradient_reducer, step
+from commopt.reducer import gradient_reducer, reduction
 
-MODULES = (plans, gradient_reducer, step)
+MODULES = (plans, gradient_reducer, reduction)
 
 
 def main() -> None:
