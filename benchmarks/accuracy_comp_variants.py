@@ -20,7 +20,6 @@ local half last average. ``sembonly``: the token-embedding table reduced synchro
 and position tables so. Results: docs/accuracy.md.
 """
 
-import json
 import math
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from commopt.bench import harness
 from commopt.optim.staleness import predicted_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -211,10 +211,7 @@ if __name__ == "__main__":
         "lr": t.lr[opt],
         **r,
     }
-    p = Path(out)
-    data = json.loads(p.read_text()) if p.exists() else {"runs": []}
-    data["runs"].append(rec)
-    p.write_text(json.dumps(data, indent=1))
+    harness.append_run(out, rec)
     fin = r["final"][t.metric] if r["final"] else float("nan")
     print(
         task,

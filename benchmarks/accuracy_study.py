@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from commopt.bench import harness
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy_sim as sim
 
@@ -26,15 +28,9 @@ REMEDIES = ("fp32", "db", "db-lastupd", "db-mom", "comp")
 LR_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
-def _append(path: Path, record: dict) -> None:
-    data = json.loads(path.read_text()) if path.exists() else {"runs": []}
-    data["runs"].append(record)
-    path.write_text(json.dumps(data, indent=1))
-
-
 def record_run(out: Path, label: str, t, r: dict, **fields) -> None:
     """Append one run (``fields``, the task's steps and metric, ``r``) to ``out``; print it."""
-    _append(out, {**fields, "steps": t.steps, "metric": t.metric, **r})
+    harness.append_run(out, {**fields, "steps": t.steps, "metric": t.metric, **r})
     fin = r["final"][t.metric] if r["final"] else float("nan")
     print(f"{label}: {t.metric} {fin:.4f} diverged={r['diverged']} ({r['seconds']} s)", flush=True)
 

@@ -29,13 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from commopt.commands.launch import launch_argv
+from commopt.bench import harness
 from commopt.tables import table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,23 +98,17 @@ def bench_command(args, comm: str, codecs: str) -> list[str]:
     ]
 
 
-def launch_command(args, launcher: str, bench: list[str]) -> list[str]:
-    cmd = launch_argv(args.nprocs, "--link", args.link, "--timeout", str(args.timeout))
-    if launcher == "torch":
-        cmd += ["--launcher", "torch"]
-    return cmd + ["--"] + bench
-
-
 def run_once(args, name: str) -> dict:
     launcher, comm, extra, fp32_only = CONFIGS[name]
     codecs = "fp32" if fp32_only else args.codecs
+    launch = dict(link=args.link, launcher="torch" if launcher == "torch" else None)
+    bench = bench_command(args, comm, codecs) + ["--json"]
+    shown = harness.launch_command(
+        args.nprocs, bench + ["OUT.json"], timeout=args.timeout, **launch
+    )
     with tempfile.TemporaryDirectory(prefix="commopt-arlink-") as tmp:
         out = Path(tmp) / "bench.json"
-        shown = launch_command(
-            args, launcher, bench_command(args, comm, codecs) + ["--json", "OUT.json"]
-        )
-        cmd = shown[:-1] + [str(out)]
-        env = {**os.environ, **extra}
+        env = dict(extra)
         cwd = REPO
         if name.endswith("-before"):
             if not args.before:
@@ -124,11 +117,19 @@ def run_once(args, name: str) -> dict:
                 )
             cwd = Path(args.before).resolve()
             env["PYTHONPATH"] = str(cwd)
-        proc = subprocess.run(
-            cmd, env=env, cwd=str(cwd), capture_output=True, text=True, timeout=args.timeout + 60
-        )
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{name}: exit code {proc.returncode}\n{proc.stderr[-3000:]}")
+        try:
+            harness.launch(
+                args.nprocs,
+                bench + [str(out)],
+                timeout=args.timeout,
+                env=env,
+                cwd=cwd,
+                **launch,
+            )
+        except harness.RankJobFailed as exc:
+            raise RuntimeError(f"{name}: {exc}") from None
+        if not out.exists():
+            raise RuntimeError(f"{name}: the ranks wrote no {out.name}")
         doc = json.loads(out.read_text())
     doc["config"] = name
     doc["environment"] = extra
@@ -532,7 +533,7 @@ def main(argv=None) -> int:
     data["summary"] = summary
     data["targets"] = targets(data, summary)
     if args.out and not args.from_:
-        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        harness.write_json(args.out, data)
     if args.markdown:
         print(markdown(data, summary))
     else:
@@ -542,9 +543,7 @@ def main(argv=None) -> int:
         from commopt.bench.sizes import parse_size
 
         sizes = [parse_size(x) for x in args.sim_sizes.split(",")] if args.sim_sizes else None
-        Path(args.sim_measurements).write_text(
-            json.dumps(sim_measurements(data, summary, sizes), indent=1) + "\n"
-        )
+        harness.write_json(args.sim_measurements, sim_measurements(data, summary, sizes))
     if args.plots:
         for p in plot(summary, Path(args.plots)):
             print(f"wrote {p}", file=sys.stderr)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import commopt
+from commopt.bench import harness
 from commopt.codecs import CompressionPolicy
 from commopt.optim import create_multi_node_optimizer
 
@@ -82,7 +83,7 @@ def main() -> None:
         if args.out:
             path = Path(args.out)
             records = json.loads(path.read_text()) if path.exists() else []
-            path.write_text(json.dumps(records + [rec], indent=1) + "\n")
+            harness.write_json(path, records + [rec])
 
 
 if __name__ == "__main__":

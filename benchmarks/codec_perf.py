@@ -18,15 +18,18 @@ bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
 
 import torch
 
 from commopt import kernels
+from commopt.bench.harness import (
+    best_seconds,
+    cpu_model,
+    interleaved_best,
+    table,
+    write_json,
+)
 from commopt.codecs import get_codec
-from commopt.tables import table
 
 QSGD_CASES = [  # (label, bits, bucket, norm, stochastic)
     ("qsgd4 b128 max stochastic", 4, 128, "max", True),
@@ -36,42 +39,6 @@ QSGD_CASES = [  # (label, bits, bucket, norm, stochastic)
     ("qsgd4 b128 max nearest", 4, 128, "max", False),
 ]
 CAST_CASES = [("fp16", torch.float16), ("bf16", torch.bfloat16)]
-
-
-def best_seconds(fn, reps: int, sync=lambda: None) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def interleaved_best(fns: dict, reps: int) -> dict:
-    """Best time of each function, taken in alternation so that load from other processes
-    hits all of them alike (the memcpy limit is measured beside every kernel)."""
-    for fn in fns.values():
-        fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def qsgd_calls(x, wire, out, bits: int, bucket: int, norm: str, stochastic: bool, **extra):
@@ -146,7 +113,7 @@ def run_cuda(numel: int, reps: int) -> dict | None:
     dst = torch.empty_like(x)
     sync = torch.cuda.synchronize
     # a copy reads and writes every byte: device bandwidth = 2 * bytes / time
-    copy_s = best_seconds(lambda: dst.copy_(x), reps, sync)
+    copy_s = best_seconds(lambda: dst.copy_(x), reps, sync=sync)
     rows = []
     for label, bits, bucket, norm, stochastic in QSGD_CASES:
         wire = torch.empty(
@@ -156,8 +123,8 @@ def run_cuda(numel: int, reps: int) -> dict | None:
         )
         out = torch.zeros(numel, device="cuda")
         encode, decode = qsgd_calls(x, wire, out, bits, bucket, norm, stochastic)
-        enc = best_seconds(encode, reps, sync)
-        dec = best_seconds(decode, reps, sync)
+        enc = best_seconds(encode, reps, sync=sync)
+        dec = best_seconds(decode, reps, sync=sync)
         # bytes the encode must move: read x, write the wire
         rows.append(
             {
@@ -283,19 +250,9 @@ def main(argv=None) -> int:
     cuda = run_cuda(numel, args.reps)
     print(render(cpu, cuda))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "cpu": cpu,
-                    "cuda": cuda,
-                    "codecs": {
-                        n: get_codec(n).encoded_nbytes(numel) / (4 * numel)
-                        for n in ("none", "fp16", "qsgd2", "qsgd4", "qsgd8")
-                    },
-                },
-                fh,
-                indent=2,
-            )
+        codecs = ("none", "fp16", "qsgd2", "qsgd4", "qsgd8")
+        ratios = {n: get_codec(n).encoded_nbytes(numel) / (4 * numel) for n in codecs}
+        write_json(args.json, {"cpu": cpu, "cuda": cuda, "codecs": ratios}, indent=2)
     return 0
 
 

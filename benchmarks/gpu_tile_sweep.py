@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 TILES = (1024, 2048, 4096, 8192)
@@ -96,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_tile_sweep needs a CUDA device (torch.cuda.is_available() is False)")
-    result = dict(measure(args.mib), command="python " + " ".join(sys.argv))
-    text = json.dumps(result, indent=1)
+    from commopt.bench import harness
+
+    result = dict(measure(args.mib), command=harness.command_line(__file__, argv))
     if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+        harness.write_json(args.json, result)
+    print(json.dumps(result, indent=1))
     return 0
 
 

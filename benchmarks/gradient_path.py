@@ -209,10 +209,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.launch:
-        from tests.multirank import run_torch
+        from commopt.bench import harness
 
-        out = run_torch(Path(__file__).read_text(), 2, timeout=600, args=["--comm", "torch"])
-        print(out[0], end="")
+        rank = [sys.executable, str(Path(__file__).resolve()), "--comm", "torch"]
+        harness.launch(2, rank, launcher="torch", timeout=600, capture=False)
         return
     record = trace_one_gradient(args.comm)
     if _rank() == 0:

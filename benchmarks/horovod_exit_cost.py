@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from commopt.bench import harness
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = r"""
@@ -45,12 +45,14 @@ print(f"exit_ms {1e3 * (time.perf_counter() - t0):.3f}", flush=True)
 
 
 def one_job(mode: str, script: Path) -> tuple[list[float], float]:
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "--bind-to", "none"]
-    cmd += ["--mca", "btl", "self,tcp,vader", "--mca", "btl_tcp_if_include", "lo"]
-    cmd += ["--mca", "mpi_yield_when_idle", "1", sys.executable, str(script), mode]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = {
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "OMPI_MCA_btl": "self,tcp,vader",
+        "OMPI_MCA_mpi_yield_when_idle": "1",
+    }
     t = time.monotonic()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True)
+    out = harness.mpirun(2, [sys.executable, str(script), mode], env=env, timeout=300)
     wall = time.monotonic() - t
     return [float(x) for x in re.findall(r"exit_ms ([\d.]+)", out.stdout)], wall
 
@@ -73,8 +75,8 @@ def main() -> None:
                 rows[mode]["exit_ms"] += ms
                 rows[mode]["job_wall_s"].append(round(wall, 2))
     result = {
-        "command": "python benchmarks/horovod_exit_cost.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "command": harness.command_line(__file__),
+        "machine": harness.machine(),
         "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
         "limit": "Horovod's shutdown cycle; commopt adds a 4-byte message per peer and a barrier",
         "modes": {
@@ -85,7 +87,7 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -289,20 +289,21 @@ def main(argv: list[str] | None = None) -> int:
             (r["resumed_step"] or 0) > r["last_seen_committed"] for r in results
         ),
     }
-    doc = {
-        "command": "python benchmarks/kill_during_save.py " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "load_average": [round(x, 1) for x in os.getloadavg()],
-        "ranks": args.ranks,
-        "wall_s": round(time.monotonic() - start, 1),
-        "summary": summary,
-        "trials": results,
-    }
+    from commopt.bench import harness
+
+    doc = harness.record(
+        __file__,
+        argv,
+        machine=f"{harness.machine()}, Python {platform.python_version()}",
+        load_average=[round(x, 1) for x in os.getloadavg()],
+        ranks=args.ranks,
+        wall_s=round(time.monotonic() - start, 1),
+        summary=summary,
+        trials=results,
+    )
     print(json.dumps(summary))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        harness.write_json(args.out, doc)
     return 0 if summary["loadable"] == summary["trials"] and not summary["wrong_resumes"] else 1
 
 

@@ -23,15 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from commopt.commands.launch import launch_argv
+from commopt.bench import harness
 
-REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 VARIANTS = {  # polled is the default
     "polled": {"COMMOPT_MPI_WAIT": "polled"},
@@ -82,20 +80,13 @@ def run_once(args, variant: str, link: str) -> dict:
         out = Path(tmp) / "out.json"
         script = Path(tmp) / "rank.py"
         script.write_text(RANK)
-        cmd = [
-            *launch_argv(2, "--link", link, "--timeout", "300", "--"),
-            PY,
-            str(script),
-            str(args.size),
-            str(args.iters),
-            str(out),
-        ]
-        env = {**os.environ, **VARIANTS[variant]}
-        proc = subprocess.run(
-            cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=400
-        )
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{variant} {link}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        rank = [PY, str(script), str(args.size), str(args.iters), str(out)]
+        try:
+            harness.launch(2, rank, link=link, timeout=300, env=VARIANTS[variant])
+        except harness.RankJobFailed as exc:
+            raise RuntimeError(f"{variant} {link}: {exc}") from None
+        if not out.exists():
+            raise RuntimeError(f"{variant} {link}: the ranks wrote no {out.name}")
         ranks = json.loads(out.read_text())
     return {
         "variant": variant,
@@ -132,16 +123,20 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [
-        "| link | wait | wall ms / allreduce | rank CPU ms / allreduce | wake-ups / allreduce | load |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines.extend(
-        f"| {r['link']} | {r['variant']} | {r['wall_ms']:.1f} | {r['cpu_ms']:.1f} | "
-        f"{r['wakes']:.0f} | {', '.join(map(str, r['load']))} |"
+    head = ["link", "wait", "wall ms / allreduce", "rank CPU ms / allreduce"]
+    head += ["wake-ups / allreduce", "load"]
+    cells = [
+        [
+            r["link"],
+            r["variant"],
+            f"{r['wall_ms']:.1f}",
+            f"{r['cpu_ms']:.1f}",
+            f"{r['wakes']:.0f}",
+            ", ".join(map(str, r["load"])),
+        ]
         for r in rows
-    )
-    return "\n".join(lines)
+    ]
+    return harness.table(head, cells, markdown=True, align="l" * len(head))
 
 
 def main(argv=None) -> int:
@@ -175,7 +170,7 @@ def main(argv=None) -> int:
                         flush=True,
                     )
         doc = {
-            "command": " ".join(["python", "benchmarks/mpi_wait_cpu.py"] + (argv or sys.argv[1:])),
+            "command": harness.command_line(__file__, argv),
             "size": args.size,
             "iters": args.iters,
             "started": started,
@@ -184,7 +179,7 @@ def main(argv=None) -> int:
         }
         doc["summary"] = summarize(runs)
         if args.out:
-            Path(args.out).write_text(json.dumps(doc, indent=1))
+            harness.write_json(args.out, doc)
     print(markdown(doc.get("summary") or summarize(doc["runs"])))
     return 0
 

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from commopt.commands.launch import launch_argv
+from commopt.bench import harness
 
 REPO = Path(__file__).resolve().parents[1]
 TIMED_MODES = ("compute", "communication", "no-overlap", "overlap", "double-buffering", "ddp")
@@ -140,39 +138,23 @@ def rank_main(args) -> None:
 
 # -- the driver: starts the jobs, prints the table ------------------------------------------------
 def launch(args, rank_args: list[str], out: str) -> dict:
-    cmd = launch_argv(args.ranks, "--launcher", "torch")
-    if args.link:
-        cmd += ["--link", args.link]
-    cmd += [
-        "--timeout",
-        str(args.timeout),
-        "--",
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--out",
-        out,
-        "--comm",
-        args.comm,
-        "--width",
-        str(args.width),
-        "--depth",
-        str(args.depth),
-        "--batch",
-        str(args.batch),
-        "--steps",
-        str(args.steps),
-        "--repeats",
-        str(args.repeats),
-        "--bucket-cap-mb",
-        str(args.bucket_cap_mb),
-        *rank_args,
-    ]
+    rank = [sys.executable, str(Path(__file__).resolve()), "--out", out, "--comm", args.comm]
+    rank += ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
+    rank += ["--steps", str(args.steps), "--repeats", str(args.repeats)]
+    rank += ["--bucket-cap-mb", str(args.bucket_cap_mb), *rank_args]
     if args.compression:
-        cmd += ["--compression", args.compression]
-    env = dict(
-        os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0"
+        rank += ["--compression", args.compression]
+    # glibc hands large blocks back at once: the peak RSS follows the live tensors.
+    env = dict(PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    harness.launch(
+        args.ranks,
+        rank,
+        launcher="torch",
+        link=args.link or None,
+        timeout=args.timeout,
+        env=env,
+        capture=False,
     )
-    subprocess.run(cmd, check=True, env=env, cwd=str(REPO))
     return json.loads(Path(out).read_text())
 
 
@@ -193,11 +175,8 @@ def driver(args) -> None:
         f"bucket_cap_mb {args.bucket_cap_mb:g}"
     )
     print()
-    sys.path.insert(0, str(REPO))  # run as a script from anywhere, like the ranks it starts
-    from commopt.tables import table
-
     print(
-        table(
+        harness.table(
             ["mode", "step time (ms)", "/ max(compute, communication)"],
             [
                 [mode, f"{med[mode] * 1e3:.0f}", f"{med[mode] / bound:.2f}"]
@@ -217,7 +196,7 @@ def driver(args) -> None:
     grad = memory["ddp"]["grad_mb"]
     peaks = {mode: max(memory[mode]["peak_mb"]) for mode in MEMORY_MODES}
     print(
-        table(
+        harness.table(
             [
                 "mode",
                 "peak RSS per rank (MiB, max over ranks)",

@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -101,36 +100,14 @@ def _run_seed(
         )
     spec = work / f"runs-seed{seed}.json"
     spec.write_text(json.dumps(runs))
-    from commopt.testbed.mpirun import LOOPBACK_MCA  # the repository is on sys.path by now
+    from commopt.bench import harness  # the repository is on sys.path by now
 
-    cmd = [
-        "mpirun",
-        "--allow-run-as-root",
-        "-np",
-        "2",
-        "--bind-to",
-        "none",
-        "--mca",
-        "btl",
-        "self,tcp,vader",
-        *LOOPBACK_MCA,
-        "-x",
-        "OMP_NUM_THREADS=1",
-        "-x",
-        "PYTHONPATH",
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        str(spec),
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run(
-        cmd,
-        check=True,
-        cwd=REPO,
-        env=env,
+    harness.mpirun(
+        2,
+        [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)],
+        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "OMPI_MCA_btl": "self,tcp,vader"},
         timeout=timeout,
-        stdout=subprocess.DEVNULL if not os.environ.get("PARITY_VERBOSE") else None,
+        capture=not os.environ.get("PARITY_VERBOSE"),
     )
 
 
@@ -200,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 "within_1_bleu": passed,
             }
         )
-    from commopt.tables import table  # the repository is on sys.path by now
+    from commopt.bench import harness  # the repository is on sys.path by now
 
     head = [
         "config",
@@ -213,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "within 1 BLEU",
     ]
     print(
-        table(
+        harness.table(
             head,
             [
                 [
@@ -237,22 +214,19 @@ def main(argv: list[str] | None = None) -> int:
         from recipes.transformer.presets import PRESETS
 
         smoke = PRESETS["smoke"]
-        given = argv if argv is not None else sys.argv[1:]
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "command": " ".join(["python", "benchmarks/parity_transformer.py", *given]),
-                    "seeds": args.seeds,
-                    "extra": args.extra,
-                    "preset": {
-                        k: smoke[k] for k in ("lr", "warmup_updates", "max_update", "max_tokens")
-                    },
-                    "cpu_cores": os.cpu_count(),
-                    "wall_s": round(time.time() - started),
-                    "rows": rows,
+        harness.write_json(
+            args.json,
+            {
+                "command": harness.command_line(__file__, argv),
+                "seeds": args.seeds,
+                "extra": args.extra,
+                "preset": {
+                    k: smoke[k] for k in ("lr", "warmup_updates", "max_update", "max_tokens")
                 },
-                indent=1,
-            )
+                "cpu_cores": os.cpu_count(),
+                "wall_s": round(time.time() - started),
+                "rows": rows,
+            },
         )
     return 0 if ok else 1
 

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 import timeit
 
@@ -20,10 +19,11 @@ import torch
 
 import commopt
 from commopt import profiling
+from commopt.bench import harness
 from commopt.collectives import plans
-from commopt.reducer import gradient_reducer, step
+from commopt.reducer import gradient_reducer, reduction
 
-MODULES = (plans, gradient_reducer, step)
+MODULES = (plans, gradient_reducer, reduction)
 
 
 def main() -> None:
@@ -95,11 +95,10 @@ def main() -> None:
     }
     outs = comm.allgather_obj(result)
     if comm.rank == 0:
-        text = json.dumps({"command": " ".join(sys.argv), "ranks": outs}, indent=1)
-        print(text)
+        doc = {"command": harness.command_line(__file__), "ranks": outs}
+        print(json.dumps(doc, indent=1))
         if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+            harness.write_json(args.out, doc)
 
 
 if __name__ == "__main__":

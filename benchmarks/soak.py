@@ -34,12 +34,13 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from commopt.bench import harness
 
 MODES = ("overlap", "double_buffering", "compensated", "qsgd4+ef", "hierarchical")
 METRICS = ("rss_kib", "os_threads", "py_threads", "open_fds", "mpi_comms")
@@ -218,33 +219,33 @@ def judge(ranks: list[dict], warmup: int, tolerance: float) -> dict:
 
 
 def launch(args: argparse.Namespace) -> dict:
-    from commopt.testbed.mpirun import mpirun_local_argv
-
     script = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     script += ["--modes", ",".join(args.modes), "--steps", str(args.steps)]
     script += ["--every", str(args.every), "--width", str(args.width)]
     script += ["--warmup", str(args.warmup)]
     records = Path(tempfile.mkdtemp(prefix="commopt-soak-"))
     script += ["--records", str(records)]
-    argv = mpirun_local_argv(args.ranks, script)
-    env = dict(os.environ)
-    env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1]))}
     load0 = os.getloadavg()[0]
     start = time.perf_counter()
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        harness.mpirun(args.ranks, script, env=env, timeout=args.timeout)
+        failure = ""
+    except harness.RankJobFailed as exc:
+        failure = str(exc)
     wall = time.perf_counter() - start
     ranks = [json.loads(path.read_text()) for path in sorted(records.glob("rank*.json"))]
     shutil.rmtree(records, ignore_errors=True)
-    if proc.returncode != 0 or len(ranks) != args.ranks:
+    if failure or len(ranks) != args.ranks:
         raise SystemExit(
-            f"soak: mpirun exited {proc.returncode} with {len(ranks)} of {args.ranks} ranks' "
-            f"results\n{proc.stderr[-4000:]}"
+            f"soak: {len(ranks)} of {args.ranks} ranks' results; "
+            f"{failure[-4000:] or 'mpirun exited 0'}"
         )
     ranks.sort(key=lambda r: r["rank"])
     verdict = judge(ranks, args.warmup, args.tolerance)
     return {
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": harness.command_line(__file__),
+        "date": harness.utc_now(),
         "host": {
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     record = launch(args)
     if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        harness.write_json(args.out, record)
     for mode, entry in record["modes"].items():
         kept = entry["mpi_comms_kept"]
         print(

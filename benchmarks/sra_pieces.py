@@ -36,6 +36,7 @@ def main(argv=None) -> int:
 
     import commopt
     from commopt import collectives
+    from commopt.bench import harness
     from commopt.codecs import RngKey, get_codec
 
     torch.set_num_threads(1)
@@ -86,10 +87,16 @@ def main(argv=None) -> int:
             f"# {args.codec}, {args.mib:g} MiB of fp32 ({wire / 2**20:.2f} MiB of wire), "
             f"{comm.size} ranks, comm {args.comm}{limit}"
         )
-        print("buckets  piece MiB  median ms  rounds ms")
-        for (buckets, piece), ts in times.items():
-            rounds = ", ".join(f"{t * 1e3:.1f}" for t in ts)
-            print(f"{buckets:7d}  {piece / 2**20:9g}  {statistics.median(ts) * 1e3:9.1f}  {rounds}")
+        rows = [
+            [
+                str(buckets),
+                f"{piece / 2**20:g}",
+                f"{statistics.median(ts) * 1e3:.1f}",
+                ", ".join(f"{t * 1e3:.1f}" for t in ts),
+            ]
+            for (buckets, piece), ts in times.items()
+        ]
+        print(harness.table(["buckets", "piece MiB", "median ms", "rounds ms"], rows, align="rrrl"))
     return 0
 
 

@@ -48,7 +48,7 @@ DEFAULT_CONFIGS = (
 #: DEFAULT_BUDGET_FACTOR x as many).
 DEFAULT_BUDGET = 150
 #: On the text task PowerSGD rank 1, even after its warm-up, needs about 3x fp32's steps
-#: (docs/benchmarks.md): the peers get that many before they count as not reaching it.
+#: (docs/benchmarks-accuracy.md): the peers get that many before they count as not reaching it.
 DEFAULT_BUDGET_FACTOR = 3.0
 
 
@@ -181,10 +181,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_driver(args: argparse.Namespace) -> dict:
     """Launch the job, one configuration after another; the report with every curve."""
+    from commopt.bench.harness import machine, threads_per_rank
     from commopt.bench.step.configs import CONFIGS
     from commopt.bench.step.driver import (
-        _machine,
-        _threads_per_rank,
         plan_link,
         root_cause,
         start_job,
@@ -215,7 +214,7 @@ def run_driver(args: argparse.Namespace) -> dict:
             "0 <= --powersgd-warmup < 1"
         )
     plan = plan_link(None if args.no_link else args.link)
-    threads = args.threads or _threads_per_rank(args.nprocs)
+    threads = args.threads or threads_per_rank(args.nprocs)
     argv_cmd = sys.argv[1:]
     command = (
         "commopt " + " ".join(map(shlex.quote, argv_cmd))
@@ -228,7 +227,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         "rate_bits": plan.rate_bits,
         "nprocs": args.nprocs,
         "threads_per_rank": threads,
-        "machine": _machine(),
+        "machine": machine(),
         "load_average_start": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "task": args.task,

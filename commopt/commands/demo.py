@@ -215,6 +215,6 @@ def _summary(rows: dict, info: dict, report: dict, steps: int = 30) -> str:
         )
     lines.append(
         "More: `commopt bench step` runs every configuration (DDP fp16 and PowerSGD too) "
-        "on this model and on a compute-bound CNN; docs/benchmarks.md has the results."
+        "on this model and on a compute-bound CNN; docs/benchmarks-step.md has the results."
     )
     return "\n".join(lines)

@@ -76,7 +76,7 @@ __all__ = [
 #: uncompressed accuracy on their image and language tasks and rank 1 slightly below, with
 #: error feedback; error feedback is added to QSGD at 4 and 2 bits, where the noise is large.
 #: Low rank comes after QSGD 4 bits with error feedback as measured by the time-to-accuracy
-#: benchmark (docs/benchmarks.md): to the same target, DDP's PowerSGD rank 4 with its warm-up
+#: benchmark (docs/benchmarks-accuracy.md): to the same target, DDP's PowerSGD rank 4 with its warm-up
 #: needed 215 steps on the text task and 160 on digits, QSGD 4 bits with error feedback 150
 #: and 155; rank 1 did not reach the text target in 300 steps.
 OPTIONS = ("none", "bf16", "qsgd8", "qsgd4+ef", "powersgd4", "powersgd2", "powersgd1", "qsgd2+ef")

@@ -80,7 +80,7 @@ def _common_flags(nprocs: int, *, is_root: bool, ncpus: int) -> list[str]:
 #: a link send large messages at once (every 2-rank allreduce, alltoall, allgather), one
 #: direction waits for the other and the exchange takes twice the link's time. Messages
 #: under the eager limit need no reply; the mpi communicator cuts large transfers into
-#: segments just under it (commopt/comm/mpi/settings.py, docs/benchmarks.md). The default
+#: segments just under it (commopt/comm/mpi/settings.py, docs/benchmarks-allreduce.md). The default
 #: 64 KiB also works, with 16x more segments and more per-segment overhead.
 TCP_EAGER_LIMIT = 1 << 20
 

@@ -140,7 +140,7 @@ def test_a_costly_codec_on_the_way_does_not_stop_the_greedy_short_of_a_cheaper_o
 
 
 def test_the_error_order_puts_quantisation_to_4_bits_before_low_rank():
-    """The order the time-to-accuracy benchmark measured (docs/benchmarks.md): QSGD 4 bits
+    """The order the time-to-accuracy benchmark measured (docs/benchmarks-accuracy.md): QSGD 4 bits
     with error feedback needed fewer steps than PowerSGD rank 4 on both real tasks."""
     assert OPTIONS.index("qsgd4+ef") < OPTIONS.index("powersgd4") < OPTIONS.index("powersgd1")
     # A matrix where both fit: the planner takes QSGD 4 bits (less error), not low rank.

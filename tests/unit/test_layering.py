@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("codecs", {"codecs"}),
     ("codec kernels", {"kernels"}),
     ("transports", {"comm"}),
-    ("shared utilities", {"_tables", "units", "memory", "profiling", "native_libraries"}),
+    ("shared utilities", {"tables", "units", "memory", "profiling", "native_libraries"}),
 ]
 LEVEL = {name: level for level, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -26,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from commopt.bench.harness import bench_command_line, machine, threads_per_rank
 from commopt.bench.step.configs import CONFIGS, allreduce_limit_s, parse_rate
 from commopt.bench.step.figures import check_targets, merge_rounds, summarize
 from commopt.bench.step.models import MODELS
@@ -243,23 +242,6 @@ def run_model(
     return results
 
 
-def _threads_per_rank(nprocs: int) -> int:
-    # The emulated hosts share this machine's cores: one share each.
-    return max(1, (os.cpu_count() or 1) // nprocs)
-
-
-def _machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
 def run_driver(args: argparse.Namespace) -> dict:
     """Run every (model, configuration); print and return the report."""
     import torch
@@ -270,7 +252,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         plan = plan_link(None if args.no_link else args.link)
     except ValueError as exc:
         raise SystemExit(f"commopt bench step: {exc}") from None
-    threads = args.threads or _threads_per_rank(args.nprocs)
+    threads = args.threads or threads_per_rank(args.nprocs)
     report = {
         "command": _command_line(args),
         "link": plan.description,
@@ -280,7 +262,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         "threads_per_rank": threads,
         "launcher": args.launcher,
         "commopt_comm": args.comm,
-        "machine": _machine(),
+        "machine": machine(),
         "torch": torch.__version__,
         "load_average_start": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -355,10 +337,7 @@ def _command_line(args) -> str:
     """How this run was started, for the record."""
     if getattr(args, "command_line", None):  # set by a caller such as `commopt demo`
         return args.command_line
-    argv = sys.argv[1:]
-    if argv[:2] == ["bench", "step"]:
-        return " ".join(["commopt", *map(shlex.quote, argv)])
-    return "commopt bench step (from " + " ".join(map(shlex.quote, sys.argv)) + ")"
+    return bench_command_line("step")
 
 
 def _split(text: str, valid: dict, what: str) -> list[str]:

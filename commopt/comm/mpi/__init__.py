@@ -27,7 +27,7 @@ spinning in MPI_Wait. With Open MPI's TCP transport (4.1) a large exchange other
 carried its two directions one after the other (a rendezvous handshake waited behind the
 other direction's bulk data), and spinning ranks took the cores that the peers and the
 kernel's network processing needed: a 2-rank allreduce took about twice the link's time
-(docs/benchmarks.md). Eager-sized segments need no handshake, and keeping many in
+(docs/benchmarks-allreduce.md). Eager-sized segments need no handshake, and keeping many in
 flight fills both directions at once. ``pipeline="off"`` (or ``COMMOPT_MPI_PIPELINE=off``)
 restores MPI's own blocking collectives everywhere; ``"on"`` uses the pipelined path within
 a node too. Extra memory: one scratch buffer of 1/size of the largest allreduce.
