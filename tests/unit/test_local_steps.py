@@ -59,7 +59,12 @@ def test_the_options_reach_the_schedule():
 
 def test_an_outer_optimizer_factory_is_used_per_fragment():
     model = _model()
-    opt = _opt(model, sync_every=2, fragments=2, outer_optimizer=functools.partial(torch.optim.Adam, lr=0.01))
+    opt = _opt(
+        model,
+        sync_every=2,
+        fragments=2,
+        outer_optimizer=functools.partial(torch.optim.Adam, lr=0.01),
+    )
     _train(model, opt, range(4))
     assert [type(f.outer) for f in opt.schedule.fragments] == [torch.optim.Adam] * 2
     assert all(f.outer.state for f in opt.schedule.fragments)  # each stepped
@@ -119,7 +124,9 @@ def test_the_anchor_can_live_in_cpu_memory_with_the_same_result():
 def test_a_checkpoint_mid_cycle_resumes_exactly():
     def build():
         model = _model()
-        return model, _opt(model, sync_every=4, fragments=2, overlap_steps=1, compression="qsgd4+ef")
+        return model, _opt(
+            model, sync_every=4, fragments=2, overlap_steps=1, compression="qsgd4+ef"
+        )
 
     m1, o1 = build()
     _train(m1, o1, range(6))

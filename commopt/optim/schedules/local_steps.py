@@ -112,8 +112,10 @@ def _check_options(o: LocalStepsOptions) -> None:
         )
     for name in ("outer_lr", "outer_momentum"):
         value = getattr(o, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value >= 0)
         ):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     alpha = o.fragment_alpha
@@ -392,7 +394,9 @@ class LocalStepsSchedule(ScheduleBase):
                     for p, a in zip(f.params, f.anchors):
                         p.copy_(a.to(p.device, non_blocking=True))
                 else:
-                    mixed = [a.to(p.device) * (1.0 - self.alpha) for p, a in zip(f.params, f.anchors)]
+                    mixed = [
+                        a.to(p.device) * (1.0 - self.alpha) for p, a in zip(f.params, f.anchors)
+                    ]
                     for p, m in zip(f.params, mixed):
                         p.mul_(self.alpha).add_(m)
             for a in f.anchors:
@@ -476,9 +480,7 @@ class LocalStepsSchedule(ScheduleBase):
         fragments = self._ensure_fragments()
         anchors = self.anchor
         saved = state["anchor"]
-        if len(saved) != len(anchors) or any(
-            a.shape != s.shape for a, s in zip(anchors, saved)
-        ):
+        if len(saved) != len(anchors) or any(a.shape != s.shape for a, s in zip(anchors, saved)):
             raise ValueError(
                 "the checkpoint's anchor does not match this local-steps part's parameters "
                 "(a different model or plan?)"
