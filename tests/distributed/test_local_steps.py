@@ -12,7 +12,8 @@ One script per launch checks, on every rank:
     ``alpha * weights + (1 - alpha) * anchor``), matches this rank's weights: bit for bit on 2
     ranks (a sum of two has one order), within float rounding on 4;
 (c) a run saved mid-cycle, with a fragment's reduction in flight and 4-bit outer gradients
-    with error feedback, resumed from each rank's own state dicts, ends bit for bit where the
+    with error feedback, resumed from each rank's own state dicts and from ``save_checkpoint``
+    (each rank's weights and AdamW state in its own part), ends bit for bit where the
     uninterrupted run ends;
 (d) a parameter group reducing every step with the synchronous schedule beside the
     local-steps part: the group's weights are identical on every rank after every step,
@@ -32,9 +33,9 @@ import copy, sys
 import torch
 import commopt
 from commopt.codecs import CompressionPolicy
-from commopt.optim import create_multi_node_optimizer
+from commopt.optim import create_multi_node_optimizer, load_checkpoint, save_checkpoint
 
-backend = sys.argv[1]
+backend, path = sys.argv[1], sys.argv[2]
 comm = commopt.create_communicator(backend)
 r, n = comm.rank, comm.size
 torch.use_deterministic_algorithms(True)
@@ -158,6 +159,7 @@ train(m1, o1, range(6))                  # fragment 0 started at step 6: in flig
 if o1.schedule.in_flight != [0]:
     fail(f"expected fragment 0 in flight at the save, got {o1.schedule.in_flight}")
 saved = copy.deepcopy({"model": m1.state_dict(), "opt": o1.state_dict()})
+save_checkpoint(path, m1, o1)            # each rank's own part: its weights and AdamW state
 residuals = saved["opt"]["commopt"]["outer_residuals"]
 if not any(s for s in residuals):
     fail("no error-feedback residuals of the outer gradients in the checkpoint")
@@ -168,8 +170,13 @@ o2.load_state_dict(saved["opt"])
 train(m2, o2, range(6, 15))
 if not all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters())):
     fail("the resumed run does not end where the uninterrupted run ends")
+m3, o3 = build()
+load_checkpoint(path, m3, o3)
+train(m3, o3, range(6, 15))
+if not all(torch.equal(x, y) for x, y in zip(m1.parameters(), m3.parameters())):
+    fail("the run resumed from save_checkpoint does not end where the uninterrupted run ends")
 print(f"rank {r} resume ok")
-o1.close(); o2.close()
+o1.close(); o2.close(); o3.close()
 
 # (d) a synchronous group beside the local-steps part.
 model = net()
@@ -204,10 +211,10 @@ def _check(out, n):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2, 4])
-def test_torch_gloo_local_steps(n):
-    _check(run_torch(SCRIPT, n, args=["torch"], timeout=200), n)
+def test_torch_gloo_local_steps(tmp_path, n):
+    _check(run_torch(SCRIPT, n, args=["torch", str(tmp_path / "ckpt")], timeout=200), n)
 
 
 @pytest.mark.timeout(240)
-def test_mpi_local_steps():
-    _check(run_mpi(SCRIPT, 2, args=["mpi"], timeout=200), 2)
+def test_mpi_local_steps(tmp_path):
+    _check(run_mpi(SCRIPT, 2, args=["mpi", str(tmp_path / "ckpt")], timeout=200), 2)

@@ -173,8 +173,10 @@ class LocalStepsSchedule(ScheduleBase):
     name = "local_steps"
     options = LocalStepsOptions
     supports_closures = False
-    checkpoint_keys = ("anchor", "outer_state", "cycle", "outer_residuals")
-    own_keys = ("outer_residuals",)
+    checkpoint_keys = ("anchor", "outer_state", "cycle", "outer_residuals", "local_state")
+    #: this rank's own: its error feedback of the outer gradients, and its weights and inner
+    #: optimizer state of the part (they differ between ranks between synchronisations)
+    own_keys = ("outer_residuals", "local_state")
 
     def __init__(self, context: ScheduleContext, options: LocalStepsOptions | None = None):
         super().__init__(context, options)
@@ -441,7 +443,7 @@ class LocalStepsSchedule(ScheduleBase):
         reduction in flight (completed, not applied: the resumed run applies it when due),
         and this rank's error-feedback residuals of the outer gradients (its own)."""
         if not self.fragments:
-            return {"anchor": None, "outer_state": None, "cycle": None, "outer_residuals": None}
+            return dict.fromkeys(self.checkpoint_keys)
         in_flight = {}
         for f in self.fragments:
             if f.in_flight is not None:
@@ -458,7 +460,53 @@ class LocalStepsSchedule(ScheduleBase):
                 "local_skipped_steps": self.local_skipped_steps,
             },
             "outer_residuals": [f.reducer.codec_states() for f in self.fragments],
+            "local_state": self._local_state(),
         }
+
+    def _local_state(self) -> dict[str, Any]:
+        """This rank's weights of the part and its inner optimizer's state for them."""
+        params = self.bucketed.params
+        state = self.context.inner.state
+        return {
+            "weights": [p.detach().to("cpu", copy=True) for p in params],
+            "inner": [
+                {
+                    k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in state.get(p, {}).items()
+                }
+                for p in params
+            ],
+        }
+
+    def _load_local_state(self, local: dict[str, Any] | None) -> None:
+        """Put back this rank's weights and inner state (the model and the inner optimizer
+        were loaded with what every rank saved alike: rank 0's)."""
+        if not local:
+            return
+        params = self.bucketed.params
+        weights, inner = local.get("weights") or [], local.get("inner") or []
+        if len(weights) != len(params) or any(w.shape != p.shape for w, p in zip(weights, params)):
+            raise ValueError(
+                "the checkpoint's local weights do not match this local-steps part's "
+                "parameters (a different model or plan?)"
+            )
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w.to(p.device))
+        state = self.context.inner.state
+        for p, saved in zip(params, inner):
+            if not saved:
+                continue
+            state[p] = {
+                k: (
+                    v.to(p.device, dtype=p.dtype, copy=True)
+                    if isinstance(v, torch.Tensor) and k != "step" and v.is_floating_point()
+                    else v.clone()
+                    if isinstance(v, torch.Tensor)
+                    else v
+                )
+                for k, v in saved.items()
+            }
 
     def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
         for f in self.fragments:
@@ -489,6 +537,8 @@ class LocalStepsSchedule(ScheduleBase):
             for a, s in zip(anchors, saved):
                 a.copy_(s.to(a.device))
         for f, outer in zip(fragments, state["outer_state"]):
+            # (torch.distributed.checkpoint stores the state's integer keys as text)
+            outer = {**outer, "state": {int(k): v for k, v in outer.get("state", {}).items()}}
             f.outer.load_state_dict(outer)
         residuals = state.get("outer_residuals") or [{}] * len(fragments)
         for f, codec_state, discards in zip(fragments, residuals, cycle["discards"]):
@@ -497,8 +547,11 @@ class LocalStepsSchedule(ScheduleBase):
         for key, pending in cycle["in_flight"].items():
             f = fragments[int(key)]
             red = StepReduction(f.reducer, 0, 0, 1.0)
-            red.load_state_dict(pending["reduction"])
+            saved_reduction = dict(pending["reduction"])  # (DCP drops an empty list)
+            saved_reduction["result"] = {"bad_buckets": [], **saved_reduction["result"]}
+            red.load_state_dict(saved_reduction)
             f.in_flight, f.due = red, int(pending["due"])
+        self._load_local_state(state.get("local_state"))
         self.position = int(cycle["position"])
         self.local_skipped_steps = int(cycle.get("local_skipped_steps", 0))
 
