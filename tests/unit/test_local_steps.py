@@ -195,3 +195,27 @@ def test_closures_are_refused():
     opt = _opt(model, sync_every=2)
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: model(torch.ones(1, 4)).sum())
+
+
+def test_bucket_view_gradients_and_accumulation_give_the_same_weights():
+    def run(set_to_none, accumulate):
+        model = _model()
+        opt = _opt(model, sync_every=3, fragments=2, overlap_steps=1)
+        for step in range(7):
+            opt.zero_grad(set_to_none=set_to_none)
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+            if accumulate:  # two micro-batches, the first inside no_sync()
+                with opt.no_sync():
+                    (
+                        torch.nn.functional.mse_loss(model(x[:3]), y[:3], reduction="sum") / 12
+                    ).backward()
+                (torch.nn.functional.mse_loss(model(x[3:]), y[3:], reduction="sum") / 12).backward()
+            else:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = run(True, False)
+    assert all(torch.equal(a, b) for a, b in zip(plain, run(False, False)))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, run(True, True)))

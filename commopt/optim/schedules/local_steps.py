@@ -360,7 +360,7 @@ class LocalStepsSchedule(ScheduleBase):
         """Send the fragment's outer gradient, ``anchor - weights``."""
         with torch.no_grad():
             for a, p, c in zip(f.anchors, f.params, f.carriers):
-                c.grad = a.to(p.device, non_blocking=True) - p.detach()
+                c.grad = a.to(p.device) - p.detach()
             f.in_flight = self.counter.start(f.reducer)
             f.in_flight.issue_remaining()  # (packed: the stand-ins' gradients can go)
             if f.carriers is not f.anchors:
@@ -394,7 +394,7 @@ class LocalStepsSchedule(ScheduleBase):
                 f.outer.step()
                 if self.overlap_steps == 0 or self.alpha == 0.0:
                     for p, a in zip(f.params, f.anchors):
-                        p.copy_(a.to(p.device, non_blocking=True))
+                        p.copy_(a.to(p.device))
                 else:
                     mixed = [
                         a.to(p.device) * (1.0 - self.alpha) for p, a in zip(f.params, f.anchors)
