@@ -8,7 +8,8 @@ One script per launch checks, on every rank:
 (b) a one-process reference of the K replicas, written below from the DiLoCo and Streaming
     DiLoCo equations (inner steps alone; every ``H`` steps per fragment, staggered, the
     outer gradient ``anchor - weights`` averaged over the replicas; Nesterov momentum on the
-    anchor; with overlap ``tau`` the result applied ``tau`` steps later, merged as
+    anchor; with overlap ``tau`` the outer gradient sent ``tau`` steps before the fragment's
+    slot and the result applied at the slot, merged as
     ``alpha * weights + (1 - alpha) * anchor``), matches this rank's weights: bit for bit on 2
     ranks (a sum of two has one order), within float rounding on 4;
 (c) a run saved mid-cycle, with a fragment's reduction in flight and 4-bit outer gradients
@@ -99,7 +100,7 @@ def reference(n, steps):
                 _, delta = flight.pop(f)
                 apply(f, delta, frag, anchor, buf, tensors)
         for f in range(P):
-            if t % H == offset[f]:
+            if (t + TAU) % H == offset[f]:             # sent TAU steps before its slot
                 delta = {}
                 for i in range(count):
                     if frag[i] == f:
@@ -155,7 +156,7 @@ def build():
 
 
 m1, o1 = build()
-train(m1, o1, range(6))                  # fragment 0 started at step 6: in flight
+train(m1, o1, range(5))                  # fragment 0 sent after step 5: in flight
 if o1.schedule.in_flight != [0]:
     fail(f"expected fragment 0 in flight at the save, got {o1.schedule.in_flight}")
 saved = copy.deepcopy({"model": m1.state_dict(), "opt": o1.state_dict()})
@@ -163,16 +164,16 @@ save_checkpoint(path, m1, o1)            # each rank's own part: its weights and
 residuals = saved["opt"]["commopt"]["outer_residuals"]
 if not any(s for s in residuals):
     fail("no error-feedback residuals of the outer gradients in the checkpoint")
-train(m1, o1, range(6, 15))
+train(m1, o1, range(5, 15))
 m2, o2 = build()
 m2.load_state_dict(saved["model"])
 o2.load_state_dict(saved["opt"])
-train(m2, o2, range(6, 15))
+train(m2, o2, range(5, 15))
 if not all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters())):
     fail("the resumed run does not end where the uninterrupted run ends")
 m3, o3 = build()
 load_checkpoint(path, m3, o3)
-train(m3, o3, range(6, 15))
+train(m3, o3, range(5, 15))
 if not all(torch.equal(x, y) for x, y in zip(m1.parameters(), m3.parameters())):
     fail("the run resumed from save_checkpoint does not end where the uninterrupted run ends")
 print(f"rank {r} resume ok")

@@ -79,8 +79,9 @@ def test_fragments_synchronise_on_a_staggered_cycle():
     for step in range(8):
         _train(model, opt, [step])
         seen.append(opt.schedule.in_flight)
-    # fragment 0 starts after steps 2 and 6, fragment 1 after 4 and 8; each lands one step later
-    assert seen == [[], [0], [], [1], [], [0], [], [1]]
+    # fragment 0 synchronises after steps 2 and 6, fragment 1 after 4 and 8; each reduction
+    # starts one step before
+    assert seen == [[0], [], [1], [], [0], [], [1], []]
 
 
 def test_one_rank_with_plain_sgd_outer_steps_keeps_the_local_weights():
@@ -97,7 +98,7 @@ def test_one_rank_with_plain_sgd_outer_steps_keeps_the_local_weights():
 def test_true_weights_shows_the_anchor_and_flush_applies_what_is_in_flight():
     model = _model()
     opt = _opt(model, sync_every=4, overlap_steps=2)
-    _train(model, opt, range(5))  # synchronised after step 4: in flight until step 6
+    _train(model, opt, range(3))  # sent after step 2, to be applied after step 4
     assert opt.schedule.in_flight == [0]
     local = [p.detach().clone() for p in model.parameters()]
     with opt.true_weights():
@@ -129,16 +130,16 @@ def test_a_checkpoint_mid_cycle_resumes_exactly():
         )
 
     m1, o1 = build()
-    _train(m1, o1, range(6))
+    _train(m1, o1, range(5))  # fragment 0 sent after step 5, applied after step 6
     saved = copy.deepcopy({"model": m1.state_dict(), "opt": o1.state_dict()})
     (part,) = saved["opt"]["commopt"]["plans"].values()
-    assert part["cycle"]["position"] == 6 and list(part["cycle"]["in_flight"]) == ["0"]
+    assert part["cycle"]["position"] == 5 and list(part["cycle"]["in_flight"]) == ["0"]
     assert "outer_residuals" in saved["opt"]["commopt"]["rank_keys"]
-    _train(m1, o1, range(6, 13))
+    _train(m1, o1, range(5, 13))
     m2, o2 = build()
     m2.load_state_dict(saved["model"])
     o2.load_state_dict(saved["opt"])
-    _train(m2, o2, range(6, 13))
+    _train(m2, o2, range(5, 13))
     assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
 
 

@@ -10,12 +10,12 @@ fragment ``i % fragments``); fragment ``f`` synchronises after the inner steps `
 ``t % sync_every == (f + 1) * sync_every // fragments % sync_every`` (staggered; one fragment:
 every ``sync_every`` steps). A synchronisation:
 
-1. the outer gradient ``anchor - weights`` of the fragment is reduced (averaged over the
-   ranks) with the part's codecs, each fragment with error feedback of its own where the
-   codec has it;
-2. ``overlap_steps`` inner steps later (0: at once) the outer optimizer (default: SGD with
-   Nesterov momentum, ``outer_lr=0.7``, ``outer_momentum=0.9``) steps the anchor with that
-   average;
+1. ``overlap_steps`` inner steps before (0: then), the outer gradient ``anchor - weights`` of
+   the fragment is sent to be averaged over the ranks, with the part's codecs, each fragment
+   with error feedback of its own where the codec has it (a slot whose start would come
+   before the first step is skipped);
+2. after step ``t`` the outer optimizer (default: SGD with Nesterov momentum,
+   ``outer_lr=0.7``, ``outer_momentum=0.9``) steps the anchor with that average;
 3. the weights become the anchor (``overlap_steps=0``), or, with overlap, the mix
    ``fragment_alpha * weights + (1 - fragment_alpha) * anchor`` of the weights the inner
    steps reached meanwhile and the new anchor.
@@ -349,7 +349,7 @@ class LocalStepsSchedule(ScheduleBase):
             if f.in_flight is not None and f.due <= t:
                 self._finish(f)
         for f in fragments:
-            if t % self.sync_every == f.offset:
+            if (t + self.overlap_steps) % self.sync_every == f.offset:
                 self._start(f)
                 if self.overlap_steps == 0:
                     self._finish(f)
@@ -563,7 +563,8 @@ class LocalStepsSchedule(ScheduleBase):
 
 
 def sync_steps(fragment: int, fragments: int, sync_every: int, steps: int) -> Sequence[int]:
-    """The inner steps (1-based, up to ``steps``) after which ``fragment`` starts a reduction.
+    """The inner steps (1-based, up to ``steps``) after which ``fragment`` synchronises (its
+    reduction starts ``overlap_steps`` steps before).
 
     >>> sync_steps(0, 2, 4, 12), sync_steps(1, 2, 4, 12)
     ([2, 6, 10], [4, 8, 12])
