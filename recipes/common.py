@@ -159,8 +159,11 @@ def set_cpu_threads(requested: int | None, ranks_per_node: int) -> int:
     return requested
 
 
-def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=None, seed=None):
-    """``commopt.create_multi_node_optimizer`` with the recipe's command-line options."""
+def multi_node_optimizer(
+    optimizer, comm, args: argparse.Namespace, *, model=None, seed=None, **options
+):
+    """``commopt.create_multi_node_optimizer`` with the recipe's command-line options
+    (``options``: more keyword arguments, e.g. a schedule's own)."""
     import commopt
 
     return commopt.create_multi_node_optimizer(
@@ -175,6 +178,7 @@ def multi_node_optimizer(optimizer, comm, args: argparse.Namespace, *, model=Non
         seed=seed,
         synchronous_embeddings=not getattr(args, "no_synchronous_embeddings", False),
         synchronous_vectors=not getattr(args, "no_synchronous_vectors", False),
+        **options,
     )
 
 

@@ -82,6 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commopt_arguments(p)
 
+    g = p.add_argument_group("local steps (DiLoCo; docs/local-steps.md)")
+    g.add_argument(
+        "--sync-every",
+        type=int,
+        help="take local steps and average the weights' changes every N updates (the "
+        "local_steps schedule; default: average the gradients every update)",
+    )
+    g.add_argument(
+        "--fragments", type=int, help="fragments synchronised on a staggered schedule (default 1)"
+    )
+    g.add_argument(
+        "--overlap-steps",
+        type=int,
+        help="updates a fragment's reduction overlaps before it is applied (default 0)",
+    )
+    g.add_argument("--outer-lr", type=float, help="the outer Nesterov SGD's learning rate (0.7)")
+
     g = p.add_argument_group("checkpoints, validation and logging")
     g.add_argument(
         "--save-interval-updates", type=int, help="save every N updates (0: end of epoch only)"
@@ -212,3 +229,44 @@ def validate(args: argparse.Namespace, *, given: set[str], world_size: int | Non
         raise ValueError(f"--average-last must be >= 1, got {args.average_last}")
     if args.compression in ("", "none", "None"):
         args.compression = None
+    _validate_local_steps(args)
+
+
+#: the local-steps options of the command line and the optimizer's keyword for each
+LOCAL_STEPS = {
+    "sync_every": "sync_every",
+    "fragments": "fragments",
+    "overlap_steps": "overlap_steps",
+    "outer_lr": "outer_lr",
+}
+
+
+def _validate_local_steps(args: argparse.Namespace) -> None:
+    given = [k for k in LOCAL_STEPS if k != "sync_every" and getattr(args, k, None) is not None]
+    if args.sync_every is None:
+        if given:
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} is an option of local steps: give --sync-every N"
+            )
+        return
+    if args.sync_every < 1:
+        raise ValueError(f"--sync-every must be >= 1, got {args.sync_every}")
+    if args.double_buffering:
+        raise ValueError("give --sync-every or --double-buffering, not both")
+    if args.precision == "fp16":
+        raise ValueError(
+            "--sync-every with --precision fp16: GradScaler skips a step on one rank only, "
+            "which would put the ranks' synchronisations out of step; use bf16 or fp32"
+        )
+
+
+def local_steps_options(args: argparse.Namespace) -> dict[str, object]:
+    """The optimizer's keyword arguments for the local-steps options given (none: {})."""
+    if getattr(args, "sync_every", None) is None:
+        return {}
+    out: dict[str, object] = {"schedule": "local_steps"}
+    for flag, keyword in LOCAL_STEPS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[keyword] = value
+    return out

@@ -55,7 +55,7 @@ from recipes.transformer.model import (
     count_parameters,
     label_smoothed_nll_loss,
 )
-from recipes.transformer.options import build_parser, parse_args
+from recipes.transformer.options import build_parser, local_steps_options, parse_args
 from recipes.transformer.schedule import inverse_sqrt_lr, set_lr
 
 LN2 = math.log(2.0)
@@ -184,7 +184,9 @@ class Trainer:
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
         )
-        self.optimizer = multi_node_optimizer(base, comm, args, model=self.model, seed=args.seed)
+        self.optimizer = multi_node_optimizer(
+            base, comm, args, model=self.model, seed=args.seed, **local_steps_options(args)
+        )
         self.precision = MixedPrecision.resolve(args.precision, device)
         self.scaler = self.precision.scaler
         batch_sentences = None
@@ -481,7 +483,7 @@ class Trainer:
                     if not a.save_interval_updates:
                         self.save()
                         last_saved = self.num_updates
-        if a.double_buffering:
+        if a.double_buffering or a.sync_every:
             self.optimizer.flush()  # apply the gradients still pending: the model is final only now
             last_validated = last_saved = -1
         if last_validated != self.num_updates:
@@ -650,6 +652,7 @@ def run(argv: list[str] | None = None) -> Trainer:
             compression=args.compression,
             allreduce_grad_dtype=args.allreduce_grad_dtype,
             double_buffering=args.double_buffering,
+            **local_steps_options(args),
             overlap=not args.no_overlap,
             max_tokens=args.max_tokens,
             batch_size=args.batch_size,

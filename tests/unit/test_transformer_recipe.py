@@ -399,3 +399,36 @@ def test_resume_is_exact_on_cpu(tmp_path, smoke_dir, in_process_training):
         assert torch.equal(v, sb["model"][k]), k
     assert _train_losses(a) == _train_losses(b)
     assert any(json.loads(line)["event"] == "resume" for line in open(b / "log.jsonl"))
+
+
+# -- local steps ----------------------------------------------------------------------------------------
+def test_local_steps_options_reach_the_optimizer(tmp_path, smoke_dir, in_process_training):
+    from commopt.optim.schedules.local_steps import LocalStepsSchedule
+
+    flags = ["--sync-every", "4", "--fragments", "2", "--overlap-steps", "1", "--outer-lr", "0.5"]
+    trainer = in_process_training(
+        _train_args(flags + ["--max-update", "2", "--no-save"], smoke_dir, tmp_path)
+    )
+    schedule = trainer.optimizer.schedule
+    assert isinstance(schedule, LocalStepsSchedule)
+    assert (schedule.sync_every, schedule.num_fragments, schedule.overlap_steps) == (4, 2, 1)
+    assert {f.outer.param_groups[0]["lr"] for f in schedule.fragments} == {0.5}
+    assert schedule.position == 2
+    config = next(
+        json.loads(line)
+        for line in open(tmp_path / "log.jsonl")
+        if json.loads(line)["event"] == "config"
+    )
+    assert config["schedule"] == "local_steps" and config["sync_every"] == 4
+
+
+def test_local_steps_options_are_checked(capsys, smoke_dir):
+    err = _error_of(["--preset", "smoke", "--data", str(smoke_dir), "--fragments", "2"], capsys)
+    assert "--fragments is an option of local steps: give --sync-every N" in err
+    err = _error_of(["--preset", "smoke", "--data", str(smoke_dir), "--sync-every", "0"], capsys)
+    assert "--sync-every must be >= 1" in err
+    err = _error_of(
+        ["--preset", "smoke", "--data", str(smoke_dir), "--sync-every", "4", "--double-buffering"],
+        capsys,
+    )
+    assert "not both" in err

@@ -33,6 +33,7 @@ SCHEDULES: dict[str, str] = {
     "synchronous": "commopt.optim.schedules.synchronous:SynchronousSchedule",
     "stale": "commopt.optim.schedules.double_buffered:DoubleBufferedSchedule",
     "compensated": "commopt.optim.schedules.double_buffered:CompensatedSchedule",
+    "local_steps": "commopt.optim.schedules.local_steps:LocalStepsSchedule",
 }
 
 #: The schedule each ``double_buffering=`` value names (the wrapper's argument, a group's or a
