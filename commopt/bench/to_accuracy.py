@@ -185,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
         table = write_multipliers(args.from_json, out)
         for section in ("codecs", "schedules"):
             for name, entry in sorted(table[section].items()):
-                print(f"{section[:-1]} {name}: x{entry['multiplier']:g} ({entry.get('source', '')})")
+                print(
+                    f"{section[:-1]} {name}: x{entry['multiplier']:g} ({entry.get('source', '')})"
+                )
         print(f"wrote {out}", flush=True)
         return 0
     if args.from_json:

@@ -85,8 +85,16 @@ def ratios(report: dict) -> list[tuple[str, str, str, float, int, bool]]:
         if local:
             found = ratio(row, base)
             if found:
-                out.append(("schedules", f"local_steps:{local.group(1)}", task, *found[:1],
-                            seeds, found[1]))
+                out.append(
+                    (
+                        "schedules",
+                        f"local_steps:{local.group(1)}",
+                        task,
+                        *found[:1],
+                        seeds,
+                        found[1],
+                    )
+                )
             continue
         codec = _codec_of(name)
         if codec is not None:
@@ -148,9 +156,7 @@ def write_multipliers(paths: list[str], out: str | Path | None = None) -> dict[s
     """Rewrite the table at ``out`` (default: the package's) from ``paths``; checked by
     loading it back. Returns the table."""
     out = Path(out) if out is not None else TABLE_PATH
-    previous = json.loads(out.read_text()) if out.exists() else (
-        json.loads(TABLE_PATH.read_text())
-    )
+    previous = json.loads(out.read_text()) if out.exists() else (json.loads(TABLE_PATH.read_text()))
     table = build_table(paths, previous)
     StepMultipliers.from_dict(table)  # every multiplier readable and positive
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

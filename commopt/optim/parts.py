@@ -41,13 +41,13 @@ import torch
 
 from commopt import driver
 from commopt.comm.base import Communicator
+from commopt.optim import schedules
 from commopt.optim.auto_plan import AutoPlan, AutoPlanning, ComputeTimer, TensorInfo
 from commopt.optim.bucketed_params import BucketedParameters
 from commopt.optim.fingerprint import check_same_settings, wire_settings
 from commopt.optim.options import resolve_codecs
 from commopt.optim.plans import Plan, check_rules, group_plans, param_plans
 from commopt.optim.reduction_counter import ReductionCounter, StartCallbacks
-from commopt.optim import schedules
 from commopt.optim.schedules import schedule_class
 from commopt.optim.schedules.protocol import Schedule, ScheduleContext
 from commopt.optim.settings import Settings

@@ -24,7 +24,7 @@ from commopt.optim.step_multipliers import TABLE_PATH, StepMultipliers
 
 GBIT = 125e6
 ROOT = Path(__file__).resolve().parents[2]
-FREE = {k: 0.0 for k in CODEC_SECONDS_PER_ELEMENT}  # no codec time
+FREE = dict.fromkeys(CODEC_SECONDS_PER_ELEMENT, 0.0)  # no codec time
 BIG = [TensorInfo("w", (4096, 4096)), TensorInfo("b", (4096,), compressible=False)]
 
 
@@ -90,7 +90,7 @@ def test_the_multipliers_drive_the_choice():
     assert chosen.choices == {"w": "qsgd4+ef", "b": "none"}, chosen.choices
     numel = sum(t.numel for t in BIG)
     assert chosen.expected_s["chosen"] == pytest.approx(0.4 * (1 + 0.1 * 4096 * 4096 / numel))
-    costly = table({k: 10.0 for k in table().codecs})
+    costly = table(dict.fromkeys(table().codecs, 10.0))
     keep = AutoPlanner(multipliers=costly, codec_overlaps=False, codec_seconds_per_element=FREE)
     chosen = keep.plan(BIG, link_rate=GBIT, backward_s=0.2, step_s=0.4)
     assert set(chosen.choices.values()) == {"none"} and not chosen.fits
@@ -109,7 +109,7 @@ def test_the_schedule_multiplier_counts_for_the_double_buffered_tensors():
 
 def test_local_steps_are_a_candidate_only_where_priced_and_win_only_when_sooner():
     vectors = [TensorInfo(f"v{i}", (1 << 20,)) for i in range(4)]  # 16 MB exact
-    t = table({k: 4.0 for k in ("qsgd8", "bf16", "qsgd4+ef", "qsgd2+ef")}, {"local_steps:8": 1.3})
+    t = table(dict.fromkeys(("qsgd8", "bf16", "qsgd4+ef", "qsgd2+ef"), 4.0), {"local_steps:8": 1.3})
     planner = AutoPlanner(multipliers=t, codec_overlaps=False, codec_seconds_per_element=FREE)
     slow = planner.plan(vectors, link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=8)
     # per step: 0.05 s + 0.134 s of exposed wire exact, 4x the steps compressed; local steps:
@@ -181,7 +181,10 @@ def test_write_multipliers_from_synthetic_result_files(tmp_path):
     cmd = [sys.executable, "-m", "commopt", "bench", "to_accuracy", *paths]
     done = subprocess.run(
         [*cmd, "--write-multipliers", str(out)],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     written = json.loads(out.read_text())
@@ -200,9 +203,11 @@ def test_write_multipliers_from_synthetic_result_files(tmp_path):
     assert scheds["local_steps:4"] == package["schedules"]["local_steps:4"]
     assert StepMultipliers.load(out).codec("powersgd4") == 1.5
     refused = subprocess.run(
-        [sys.executable, "-m", "commopt", "bench", "to_accuracy", "--write-multipliers",
-         str(out)],
-        env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "commopt", "bench", "to_accuracy", "--write-multipliers", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert refused.returncode != 0 and "--from-json" in refused.stderr
 
@@ -271,7 +276,9 @@ def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
     assert chosen is not None and chosen.schedule == "local_steps", chosen
     assert chosen.inputs["local_steps"] == 16.0
     assert any(key.endswith("schedule=local_steps") for key in opt.plans), list(opt.plans)
-    logged = [r.getMessage() for r in caplog.records if "compression='auto' chose" in r.getMessage()]
+    logged = [
+        r.getMessage() for r in caplog.records if "compression='auto' chose" in r.getMessage()
+    ]
     assert len(logged) == 1 and "local_steps" in logged[0] and "step multipliers" in logged[0]
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
