@@ -17,6 +17,8 @@ step. Runs from a checkout (the tasks' data live in ``recipes/``).
           --json benchmarks/results/tta-text-1gbit.json --markdown /tmp/tta-text.md \\
           --plot docs/plots/tta-text-1gbit.png
     $ commopt bench to_accuracy --from-json benchmarks/results/tta-text-1gbit.json --markdown x.md
+    $ commopt bench to_accuracy --from-json benchmarks/results/tta-text-1gbit.json \\
+          --from-json benchmarks/results/tta-digits-1gbit.json --write-multipliers
 
 Runs of one task made by several commands (say, every configuration on seed 0 and the
 headline's configurations on more seeds) are reported together by giving ``--from-json``
@@ -149,6 +151,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are merged (each configuration and seed in one of them only); PATH#CONFIG,CONFIG "
         "takes only those configurations' runs from PATH",
     )
+    parser.add_argument(
+        "--write-multipliers",
+        metavar="PATH",
+        nargs="?",
+        const="",
+        help="with --from-json: run nothing, rewrite compression='auto''s step multipliers "
+        "(steps to the target relative to DDP fp32) from the given result files, at PATH "
+        "(default: the package's commopt/optim/step_multipliers.json)",
+    )
     from commopt.bench.to_accuracy_worker import add_worker_arguments
 
     add_worker_arguments(parser)
@@ -161,6 +172,24 @@ def run(args: argparse.Namespace) -> int:
         from commopt.bench.to_accuracy_worker import run_worker
 
         return run_worker(args)
+    if getattr(args, "write_multipliers", None) is not None:
+        if not args.from_json:
+            raise SystemExit(
+                "commopt bench to_accuracy: --write-multipliers reads result files: give them "
+                "with --from-json PATH (once per file)"
+            )
+        from commopt.bench.to_accuracy_multipliers import write_multipliers
+        from commopt.optim.step_multipliers import TABLE_PATH
+
+        out = args.write_multipliers or TABLE_PATH
+        table = write_multipliers(args.from_json, out)
+        for section in ("codecs", "schedules"):
+            for name, entry in sorted(table[section].items()):
+                print(
+                    f"{section[:-1]} {name}: x{entry['multiplier']:g} ({entry.get('source', '')})"
+                )
+        print(f"wrote {out}", flush=True)
+        return 0
     if args.from_json:
         report = report_mod.merge_reports([report_mod.read_report(p) for p in args.from_json])
         report["rendered_by"] = "commopt " + " ".join(map(shlex.quote, sys.argv[1:]))

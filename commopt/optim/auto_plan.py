@@ -6,29 +6,33 @@ the link's rate and the measured compute time, it returns an :class:`AutoPlan`, 
 per tensor, which serialises to JSON. The optimizer wrapper measures, asks rank 0's planner,
 broadcasts the JSON and turns it into ``plans=`` rules (one per tensor).
 
-The cost model (documented in docs/optimizer.md):
+The cost model (documented in docs/optimizer.md): a plan's *expected time to the target* is
+its seconds per step on this link and compute times its *step multiplier*, the steps it needs
+to the target relative to fp32's (:mod:`commopt.optim.step_multipliers`: a table the
+time-to-accuracy benchmark records, shipped with the package).
 
-- the options, in a fixed order of compression error (:data:`OPTIONS`): ``none`` (exact: the
-  uncompressed codec) < ``bf16`` < ``qsgd8`` < ``qsgd4+ef`` < ``powersgd4`` < ``powersgd2``
-  < ``powersgd1`` < ``qsgd2+ef``; QSGD applies to tensors the compression policy lets
-  through, low rank to those and only to matrices that rank ``r`` shrinks by at least
-  ``PowerSGD.min_compression_rate``;
+- the options (:data:`OPTIONS`): ``none`` (the uncompressed codec), ``bf16``, ``qsgd8``,
+  ``qsgd4+ef``, ``powersgd4``, ``powersgd2``, ``powersgd1``, ``qsgd2+ef``; QSGD applies to
+  tensors the compression policy lets through, low rank to those and only to matrices that
+  rank ``r`` shrinks by at least ``PowerSGD.min_compression_rate``;
 - a tensor's wire time under an option: its wire bytes (the codec's ``encoded_nbytes``, or
   the low-rank codec's ``wire_numel``) over the link's rate; its codec time: its elements
   times the option's codec cost per element, measured on the parameters' device when the
   wrapper decides (:func:`measure_codec_costs`; :data:`CODEC_SECONDS_PER_ELEMENT` without a
   measurement);
-- what must fit: the synchronous tensors' time under the backward pass (they overlap it),
-  and every tensor's time under the step (double-buffered tensors overlap a whole step);
-- where the codec runs: on a GPU it overlaps compute like the wire does (its time counts in
-  the budgets); on a CPU it takes the cores compute uses (``codec_overlaps=False``), so its
-  time is added to the step instead;
-- the cost of a plan: the time each budget is exceeded by, plus the codec time that does not
-  overlap; greedy: start with every tensor exact; while a budget is exceeded, move the tensor
-  (among those in an exceeded budget) to the cheaper option, of any of its own, that lowers
-  the cost the most per step of error to that option; stop when everything fits or no move
-  lowers the cost by more than 0.1% of the step. Ties go to the earlier tensor, so the plan
-  is deterministic.
+- seconds per step: the compute time between two steps, plus the synchronous tensors' time
+  beyond the backward pass they overlap, at least every tensor's time (the link carries it
+  all each step; double-buffered tensors overlap a whole step), plus the codec time that does
+  not overlap compute (on a GPU codec kernels overlap compute like the wire; on a CPU they
+  take compute's cores, ``codec_overlaps=False``);
+- the step multiplier: the element-weighted mean over the tensors of their option's
+  multiplier, times the schedule's for the double-buffered tensors;
+- greedy: start with every tensor exact; move the one tensor (or tied group) to the option
+  that lowers the expected time the most, until no move lowers it by more than 0.1%. Ties go
+  to the earlier tensor, so the plan is deterministic;
+- local steps (a schedule registered as ``local_steps``, with ``H`` steps between averages):
+  every tensor exact, one synchronous average every ``H`` steps, its multiplier from the
+  table; chosen when its expected time is lower than the best per-step plan's.
 
     >>> planner = AutoPlanner()
     >>> tensors = [TensorInfo("fc.weight", (1024, 1024)), TensorInfo("fc.bias", (1024,))]
@@ -52,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from commopt.optim.step_multipliers import StepMultipliers
 from commopt.tables import table
 
 __all__ = [
@@ -68,17 +73,10 @@ __all__ = [
     "probe_link_rate",
 ]
 
-#: The options, lowest compression error first. The order's sources: a cast to bf16 keeps 8
-#: bits of mantissa (a relative error of at most 2**-9 per element, and float32's range);
-#: QSGD's published variance bound, min(d/s**2, sqrt(d)/s) times the squared norm of a bucket
-#: of d=128 elements with s levels, is 0.008 at 8 bits (s=127), 1.6 at 4 bits (s=7) and 11 at
-#: 2 bits (s=1); PowerSGD's authors (Vogels et al.) report ranks 2 to 4 reaching the
-#: uncompressed accuracy on their image and language tasks and rank 1 slightly below, with
-#: error feedback; error feedback is added to QSGD at 4 and 2 bits, where the noise is large.
-#: Low rank comes after QSGD 4 bits with error feedback as measured by the time-to-accuracy
-#: benchmark (docs/benchmarks-accuracy.md): to the same target, DDP's PowerSGD rank 4 with its warm-up
-#: needed 215 steps on the text task and 160 on digits, QSGD 4 bits with error feedback 150
-#: and 155; rank 1 did not reach the text target in 300 steps.
+#: The codecs the planner chooses from (their step multipliers: the package's table,
+#: :mod:`commopt.optim.step_multipliers`). fp16 and QSGD without error feedback are left
+#: out: bf16 and QSGD with error feedback move the same bytes with float32's range and with
+#: the error carried to the next step.
 OPTIONS = ("none", "bf16", "qsgd8", "qsgd4+ef", "powersgd4", "powersgd2", "powersgd1", "qsgd2+ef")
 
 #: The codec's own work per gradient element, encode and decode of one reduction (seconds):
@@ -157,6 +155,12 @@ class AutoPlan:
     wire_bytes: dict[str, int] = field(default_factory=dict)
     inputs: dict[str, float] = field(default_factory=dict)
     fits: bool = True
+    #: the schedule the plan chose for the default plan (None: the wrapper's own)
+    schedule: str | None = None
+    #: expected seconds to the target relative to fp32's steps, per candidate: ``exact``
+    #: (every tensor exact), ``per_step`` (the best per-step plan), ``local_steps`` (where
+    #: priced) and ``chosen``
+    expected_s: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -166,6 +170,8 @@ class AutoPlan:
                 "wire_bytes": self.wire_bytes,
                 "inputs": self.inputs,
                 "fits": self.fits,
+                "schedule": self.schedule,
+                "expected_s": self.expected_s,
             },
             sort_keys=True,
         )
@@ -182,6 +188,9 @@ class AutoPlan:
                 wire_bytes={str(k): int(v) for k, v in data["wire_bytes"].items()},
                 inputs={str(k): float(v) for k, v in data["inputs"].items()},
                 fits=bool(data["fits"]),
+                # (absent from plans saved before the cost model: the wrapper's schedule)
+                schedule=None if data.get("schedule") is None else str(data["schedule"]),
+                expected_s={str(k): float(v) for k, v in data.get("expected_s", {}).items()},
             )
         except (TypeError, KeyError, AttributeError, ValueError) as err:
             raise ValueError(
@@ -212,15 +221,31 @@ class AutoPlan:
         ]
         return table(["tensor", "shape", "choice", "bytes"], rows, plain=True)
 
+    def summary(self) -> str:
+        """The expected times and the step multipliers they used, one line each."""
+        expected = ", ".join(f"{k} {v:.4g} s" for k, v in sorted(self.expected_s.items()))
+        used = ", ".join(
+            f"{k.removeprefix('multiplier.')} x{v:g}"
+            for k, v in sorted(self.inputs.items())
+            if k.startswith("multiplier.")
+        )
+        return (
+            f"schedule: {self.schedule or 'as given'}; expected time to the target, in "
+            f"seconds per fp32 step to it (seconds per step x step multiplier): {expected}\n"
+            f"step multipliers: {used}"
+        )
+
 
 def _compression(option: str) -> str | None:
     return None if option == "none" else option
 
 
 class AutoPlanner:
-    """Chooses each tensor's option (:data:`OPTIONS`) so the reduction fits the compute time.
+    """Chooses each tensor's option (:data:`OPTIONS`), and where priced the local-steps
+    schedule, for the least expected time to the target.
 
-    ``codec_seconds_per_element``: the codec cost per element of each option (default
+    ``multipliers``: the step multipliers (default: the package's table,
+    :class:`~commopt.optim.step_multipliers.StepMultipliers`); ``codec_seconds_per_element``: the codec cost per element of each option (default
     :data:`CODEC_SECONDS_PER_ELEMENT`); ``exact_bytes_per_element``: the uncompressed
     codec's (4: float32); ``codec_overlaps``: whether codec work overlaps compute (True on a
     GPU; False where the codec shares the processor compute runs on, as on a CPU).
@@ -232,7 +257,9 @@ class AutoPlanner:
         codec_seconds_per_element: Mapping[str, float] | None = None,
         exact_bytes_per_element: int = 4,
         codec_overlaps: bool = True,
+        multipliers: StepMultipliers | None = None,
     ) -> None:
+        self.multipliers = StepMultipliers.load() if multipliers is None else multipliers
         self.codec_cost = dict(CODEC_SECONDS_PER_ELEMENT)
         if codec_seconds_per_element is not None:
             self.codec_cost.update(codec_seconds_per_element)
@@ -274,14 +301,22 @@ class AutoPlanner:
         link_rate: float,
         backward_s: float,
         step_s: float,
+        schedule: str = "synchronous",
+        local_steps: int | None = None,
     ) -> AutoPlan:
         """The plan for ``tensors`` on a link of ``link_rate`` bytes/s, with a backward pass
-        of ``backward_s`` and a step (compute between two reductions) of ``step_s`` seconds."""
+        of ``backward_s`` and a step (compute between two reductions) of ``step_s`` seconds:
+        the one of least expected time to the target (seconds per step x the step
+        multiplier). ``schedule``: the double-buffered tensors' schedule (its multiplier
+        counts for them); ``local_steps``: the steps between averages of the local-steps
+        schedule, priced as a candidate beside the per-step plans (None: not a candidate)."""
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise ValueError("the planner needs one name per tensor; some names repeat")
         if not link_rate > 0:
             raise ValueError(f"link_rate must be > 0 bytes/s, got {link_rate!r}")
+        table = self.multipliers
+        sched_m = table.schedule(schedule)
         # The units that move together: a tensor, or the tensors that share a ``tie``.
         units: list[list[int]] = []
         tied: dict[str, list[int]] = {}
@@ -293,15 +328,15 @@ class AutoPlanner:
             else:
                 tied[t.tie] = [i]
                 units.append(tied[t.tie])
-        # Each unit's applicable options, in error order, each faster than the one before:
-        # (error rank, option, each member's wire bytes, time in the budgets, codec time
-        # outside them). A tied member that an option does not apply to travels exactly under
-        # it (as the compression policy does).
-        Rung = tuple[int, str, list[int], float, float]
-        ladders: list[list[Rung]] = []
+        # Each unit's applicable options: (option, each member's wire bytes, time that
+        # overlaps compute, codec time that does not, elements x step multiplier). A tied
+        # member that an option does not apply to travels exactly under it (as the
+        # compression policy does). The first is always ``none``.
+        Choice = tuple[str, list[int], float, float, float]
+        menus: list[list[Choice]] = []
         for unit in units:
-            ladder: list[Rung] = []
-            for rank, option in enumerate(OPTIONS):
+            menu: list[Choice] = []
+            for option in OPTIONS:
                 sizes = [self.wire_bytes(option, tensors[i]) for i in unit]
                 if all(b is None for b in sizes):
                     continue
@@ -316,80 +351,102 @@ class AutoPlanner:
                     for i, size in zip(unit, sizes)
                     if size is not None
                 )
+                mass = sum(
+                    tensors[i].numel
+                    * (table.codec(option) if size is not None else 1.0)
+                    * (sched_m if tensors[i].double_buffered else 1.0)
+                    for i, size in zip(unit, sizes)
+                )
                 inside, outside = (
                     (wire_s + codec_s, 0.0) if self.codec_overlaps else (wire_s, codec_s)
                 )
-                if not ladder or inside + outside < ladder[-1][3] + ladder[-1][4]:
-                    ladder.append((rank, option, wire, inside, outside))
-            ladders.append(ladder)
+                menu.append((option, wire, inside, outside, mass))
+            menus.append(menu)
+        synchronous = [not tensors[unit[0]].double_buffered for unit in units]
+        total_numel = sum(t.numel for t in tensors)
+
+        def expected(sync_in: float, all_in: float, outside: float, mass: float) -> float:
+            # Seconds per step: compute, plus the synchronous reduction's time beyond the
+            # backward pass it overlaps; the link cannot carry more than its time per step
+            # (everything it moves); codec time outside compute adds. Times the plan's step
+            # multiplier: the element-weighted mean of its tensors'.
+            period = max(step_s + max(0.0, sync_in - backward_s), all_in) + outside
+            return period * (mass / total_numel if total_numel else sched_m)
+
         at = [0] * len(units)
-        budgets = [
-            (
-                backward_s,
-                [u for u, unit in enumerate(units) if not tensors[unit[0]].double_buffered],
-            ),
-            (step_s, list(range(len(units)))),
+        totals = [
+            sum(menus[u][0][2] for u in range(len(units)) if synchronous[u]),
+            sum(menus[u][0][2] for u in range(len(units))),
+            sum(menus[u][0][3] for u in range(len(units))),
+            sum(menus[u][0][4] for u in range(len(units))),
         ]
-
-        member_of: list[list[int]] = [[] for _ in units]  # each unit's budgets
-        for b, (_, members) in enumerate(budgets):
-            for u in members:
-                member_of[u].append(b)
-
-        fits = True
-        while True:
-            # The plan's cost: the seconds each budget is exceeded by, plus the codec time
-            # outside the budgets; a move's gain is its change, from the budgets' sums (one
-            # pass per move, not one per candidate).
-            sums = [sum(ladders[u][at[u]][3] for u in members) for _, members in budgets]
-            excess = [max(0.0, total - budget) for total, (budget, _) in zip(sums, budgets)]
-            over = sorted(
-                {u for b, (_, members) in enumerate(budgets) if excess[b] > 0 for u in members}
-            )
-            if not over:
-                break
-            best: tuple[float, int, int] | None = None
-            for u in over:
-                cur = ladders[u][at[u]]
-                # Any cheaper option, not only the next: an option whose codec costs more
-                # than the wire it saves must not hide a cheaper one further down.
-                for j in range(at[u] + 1, len(ladders[u])):
-                    nxt = ladders[u][j]
-                    gain = (
-                        cur[4]
-                        - nxt[4]
-                        + sum(
-                            excess[b] - max(0.0, sums[b] + nxt[3] - cur[3] - budgets[b][0])
-                            for b in member_of[u]
-                        )
-                    )
-                    if gain <= 1e-3 * step_s or gain <= 1e-12:  # too little to pay error for
+        exact_s = now = expected(*totals)
+        # Greedy: the one change of one unit's option that lowers the expected time the most,
+        # until none lowers it by more than 0.1%. Each move lowers it, so this ends; ties go
+        # to the earlier unit and option, so the plan is deterministic.
+        for _ in range(len(units) * len(OPTIONS) * 4 + 1):
+            best: tuple[float, int, int, list[float]] | None = None
+            for u, menu in enumerate(menus):
+                cur = menu[at[u]]
+                for j, nxt in enumerate(menu):
+                    if j == at[u]:
                         continue
-                    score = gain / (nxt[0] - cur[0])
-                    if best is None or score > best[0]:
-                        best = (score, u, j)
-            if best is None:  # no cheaper option of an exceeded budget's units lowers the cost
-                fits = False
+                    d_in, d_out, d_mass = nxt[2] - cur[2], nxt[3] - cur[3], nxt[4] - cur[4]
+                    moved = [
+                        totals[0] + (d_in if synchronous[u] else 0.0),
+                        totals[1] + d_in,
+                        totals[2] + d_out,
+                        totals[3] + d_mass,
+                    ]
+                    gain = now - expected(*moved)
+                    if gain <= 1e-3 * now or gain <= 1e-12:
+                        continue
+                    if best is None or gain > best[0]:
+                        best = (gain, u, j, moved)
+            if best is None:
                 break
-            at[best[1]] = best[2]
+            at[best[1]], totals = best[2], best[3]
+            now = expected(*totals)
+        fits = totals[0] <= backward_s * (1 + 1e-9) and totals[1] <= step_s * (1 + 1e-9)
+        priced: dict[str, float] = {"exact": exact_s, "per_step": now}
+        chosen_schedule: str | None = None
+        if local_steps is not None:
+            m_local = table.local_steps(int(local_steps))
+            if m_local is not None:
+                # Local steps: every tensor exact, one synchronous average every H steps,
+                # nothing overlapped (a conservative price).
+                exact_wire = sum(t.numel * self.exact_bytes for t in tensors) / link_rate
+                local_s = (step_s + exact_wire / int(local_steps)) * m_local
+                priced["local_steps"] = local_s
+                if local_s < now * (1 - 1e-3):
+                    chosen_schedule, now = "local_steps", local_s
+                    at = [0] * len(units)
+                    fits = step_s + exact_wire / int(local_steps) <= step_s * (1 + 1e-9)
+        priced["chosen"] = now
         choices: dict[str, str] = {}
         wire_bytes: dict[str, int] = {}
         for u, unit in enumerate(units):
-            _, option, wire, _, _ = ladders[u][at[u]]
+            option, wire, _, _, _ = menus[u][at[u]]
             for i, b in zip(unit, wire):
                 choices[tensors[i].name], wire_bytes[tensors[i].name] = option, b
+        inputs = {
+            "link_rate": float(link_rate),
+            "backward_s": backward_s,
+            "step_s": step_s,
+            "codec_overlaps": float(self.codec_overlaps),
+            **{f"codec_s_per_element.{k}": float(v) for k, v in self.codec_cost.items()},
+            **table.as_inputs(),
+        }
+        if local_steps is not None:
+            inputs["local_steps"] = float(local_steps)
         return AutoPlan(
             choices={t.name: choices[t.name] for t in tensors},
             shapes={t.name: t.shape for t in tensors},
             wire_bytes={t.name: wire_bytes[t.name] for t in tensors},
-            inputs={
-                "link_rate": float(link_rate),
-                "backward_s": backward_s,
-                "step_s": step_s,
-                "codec_overlaps": float(self.codec_overlaps),
-                **{f"codec_s_per_element.{k}": float(v) for k, v in self.codec_cost.items()},
-            },
+            inputs=inputs,
             fits=fits,
+            schedule=chosen_schedule,
+            expected_s=priced,
         )
 
 
@@ -565,8 +622,19 @@ class AutoPlanning:
     """The wrapper's ``compression="auto"``: the link's rate, the compute timer while the
     first steps reduce exactly, and the plan once chosen (None until then)."""
 
-    def __init__(self, link_rate: float, measure_steps: int) -> None:
+    def __init__(
+        self,
+        link_rate: float,
+        measure_steps: int,
+        *,
+        schedule: str = "synchronous",
+        local_steps: int | None = None,
+    ) -> None:
         self.link_rate = float(link_rate)
+        #: the wrapper's schedule (the double-buffered tensors' multiplier) and the local-steps
+        #: schedule's steps between averages (None: not a candidate)
+        self.schedule = schedule
+        self.local_steps = local_steps
         self.timer = ComputeTimer(measure_steps)
         self.plan: AutoPlan | None = None
         self.logged = False
@@ -595,13 +663,21 @@ class AutoPlanning:
             codec_seconds_per_element=measure_codec_costs(tensors, size=size, device=device),
             codec_overlaps=device.type != "cpu",
         )
-        return planner.plan(tensors, link_rate=self.link_rate, backward_s=backward_s, step_s=step_s)
+        return planner.plan(
+            tensors,
+            link_rate=self.link_rate,
+            backward_s=backward_s,
+            step_s=step_s,
+            schedule=self.schedule,
+            local_steps=self.local_steps,
+        )
 
     def describe(self) -> str:
         """What every rank must share (compared with the other settings)."""
         if self.plan is None:
             return f"auto, measuring {self.timer.steps} steps"
-        return "auto: " + "; ".join(f"{k}={v}" for k, v in self.plan.choices.items())
+        schedule = f"schedule={self.plan.schedule}; " if self.plan.schedule else ""
+        return "auto: " + schedule + "; ".join(f"{k}={v}" for k, v in self.plan.choices.items())
 
 
 def link_rate_setting(value: object, world_size: int, environ: Mapping[str, str]) -> float | None:

@@ -122,8 +122,10 @@ def create_multi_node_optimizer(
 
     ``compression="auto"``: a codec per tensor, chosen by rank 0 after the first
     ``1 + auto_measure_steps`` steps (reduced exactly, in ``step()``, while the backward pass
-    and the time between steps are measured) so that the reduction fits under the backward
-    pass (under the step for double-buffered tensors) on a link of ``auto_link_rate`` (bytes/s,
+    and the time between steps are measured) for the least expected time to the target: seconds
+    per step on a link of ``auto_link_rate`` x the steps each option needs relative to fp32
+    (the package's step multipliers; a registered ``local_steps`` schedule is priced too when
+    the wrapper's schedule is the synchronous one) (``auto_link_rate``: bytes/s,
     or a text such as ``"1gbit"``; default: the ``COMMOPT_LINK_RATE`` environment variable,
     else a short probe of the link at construction). Rank 0 broadcasts the plan as JSON, logs
     it as a table once, and the checkpoint records it (``opt.auto_plan``; docs/optimizer.md).
@@ -431,12 +433,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             auto.logged = True
             log.info(
                 "commopt: compression='auto' chose (allreduce rate %.3g bytes/s, backward "
-                "%.3g s, step %.3g s%s):\n%s",
+                "%.3g s, step %.3g s%s):\n%s\n%s",
                 plan.inputs.get("link_rate", 0.0),
                 plan.inputs.get("backward_s", 0.0),
                 plan.inputs.get("step_s", 0.0),
-                "" if plan.fits else "; the reduction does not fit even at the cheapest options",
+                "" if plan.fits else "; the reduction is not hidden under compute",
                 plan.table(),
+                plan.summary(),
             )
 
     # -- gradient hooks -----------------------------------------------------------------------

@@ -31,6 +31,7 @@ event to its schedule.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ import torch
 
 from commopt import driver
 from commopt.comm.base import Communicator
+from commopt.optim import schedules
 from commopt.optim.auto_plan import AutoPlan, AutoPlanning, ComputeTimer, TensorInfo
 from commopt.optim.bucketed_params import BucketedParameters
 from commopt.optim.fingerprint import check_same_settings, wire_settings
@@ -182,7 +184,12 @@ class Parts:
         self.auto: AutoPlanning | None = None
         if isinstance(compression, str) and compression.strip().lower() == "auto":
             _refuse_auto_with_plans(inner.param_groups, settings.plans)
-            self.auto = AutoPlanning(0.0, settings.auto_measure_steps)  # (the rate: later)
+            self.auto = AutoPlanning(  # (the rate: later)
+                0.0,
+                settings.auto_measure_steps,
+                schedule=self.final_schedule,
+                local_steps=_local_steps(settings, self.final_schedule),
+            )
             self.gate.timer = self.auto.timer
             compression = None
         self.codecs = resolve_codecs(
@@ -411,7 +418,23 @@ class Parts:
         self.auto.plan = plan
         self.gate.timer = None
         self.rules = check_rules(plan.rules())
-        self.default = Plan(None, self.final_schedule)
+        self.default = Plan(None, plan.schedule or self.final_schedule)
+
+
+def _local_steps(settings: Settings, schedule: str) -> int | None:
+    """The steps between averages of a schedule registered as ``local_steps``, which
+    ``compression="auto"`` prices beside the per-step plans when the wrapper's own schedule is
+    the synchronous one (a schedule given is kept); None without one, or when its options do
+    not hold exactly one integer (the steps between averages)."""
+    if schedule != "synchronous" or "local_steps" not in schedules.SCHEDULES:
+        return None
+    options = settings.options_for(schedules.schedule_class("local_steps"))
+    counts = [
+        value
+        for f in dataclasses.fields(options)
+        if isinstance(value := getattr(options, f.name), int) and not isinstance(value, bool)
+    ]
+    return counts[0] if len(counts) == 1 and counts[0] >= 1 else None
 
 
 def _refuse_auto_with_plans(param_groups: list[dict[str, Any]], plans: Any) -> None:

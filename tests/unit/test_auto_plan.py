@@ -50,26 +50,40 @@ def test_a_slow_link_compresses_the_big_matrices_and_keeps_small_and_1d_tensors_
         assert chosen.choices[name] != "none", (name, chosen.choices)
     for name in ("block.attn.bias", "block.norm.weight"):
         assert chosen.choices[name] == "none", (name, chosen.choices)
-    assert chosen.fits
+    # Priced in expected time to the target: some communication stays exposed (0.05 s of
+    # backward cannot hide it without options that need many more steps), and the plan is
+    # faster to the target than exact.
+    assert chosen.expected_s["chosen"] < chosen.expected_s["exact"]
     exact = sum(t.numel * 4 for t in MODEL)
     assert sum(chosen.wire_bytes.values()) < exact / 4
 
 
-def test_the_plan_fits_and_is_the_least_compressed_step_that_does():
-    """Every budget holds, and moving any one tensor back up one option breaks it (greedy
-    stops as soon as it fits)."""
+def test_the_plan_is_a_local_minimum_of_the_expected_time_to_the_target():
+    """The expected time, recomputed here from its definition (seconds per step x the
+    element-weighted step multiplier), is the plan's, and no single tensor's other option
+    lowers it by more than the greedy's 0.1%."""
     planner = AutoPlanner()
     chosen = planner.plan(MODEL, link_rate=GBIT, backward_s=0.05, step_s=0.15)
+    table = planner.multipliers
 
-    def seconds(choices):
-        return sum(
+    def expected(choices):
+        sync = sum(
             planner.wire_bytes(choices[t.name], t) / GBIT
             + planner.codec_cost[choices[t.name]] * t.numel
             for t in MODEL
         )
+        period = max(0.15 + max(0.0, sync - 0.05), sync)
+        mass = sum(t.numel * table.codec(choices[t.name]) for t in MODEL)
+        return period * mass / sum(t.numel for t in MODEL)
 
-    assert seconds(chosen.choices) <= 0.05
-    assert seconds({t.name: "none" for t in MODEL}) > 0.05
+    assert expected(chosen.choices) == pytest.approx(chosen.expected_s["chosen"])
+    assert expected({t.name: "none" for t in MODEL}) == pytest.approx(chosen.expected_s["exact"])
+    for t in MODEL:
+        for option in OPTIONS:
+            if planner.wire_bytes(option, t) is None:
+                continue
+            other = dict(chosen.choices, **{t.name: option})
+            assert expected(other) >= expected(chosen.choices) * (1 - 1e-3), (t.name, option)
 
 
 def test_double_buffering_allows_more_exact():
@@ -139,11 +153,13 @@ def test_a_costly_codec_on_the_way_does_not_stop_the_greedy_short_of_a_cheaper_o
     assert chosen.choices == {"w": "qsgd8"} and chosen.fits
 
 
-def test_the_error_order_puts_quantisation_to_4_bits_before_low_rank():
-    """The order the time-to-accuracy benchmark measured (docs/benchmarks-accuracy.md): QSGD 4 bits
-    with error feedback needed fewer steps than PowerSGD rank 4 on both real tasks."""
-    assert OPTIONS.index("qsgd4+ef") < OPTIONS.index("powersgd4") < OPTIONS.index("powersgd1")
-    # A matrix where both fit: the planner takes QSGD 4 bits (less error), not low rank.
+def test_the_measured_multipliers_put_quantisation_to_4_bits_before_low_rank():
+    """What the time-to-accuracy benchmark measured (docs/benchmarks-accuracy.md): QSGD 4 bits
+    with error feedback needed fewer steps than PowerSGD rank 4 on both real tasks, rank 1
+    more still; the package's table says so."""
+    table = AutoPlanner().multipliers
+    assert table.codec("qsgd4+ef") < table.codec("powersgd4") < table.codec("powersgd1")
+    # A matrix where both fit: the planner takes QSGD 4 bits (fewer steps), not low rank.
     big = [TensorInfo("w", (4096, 4096))]
     costs = {"qsgd8": 1e-9, "qsgd4+ef": 1e-9, "powersgd4": 1e-9}
     chosen = plan(GBIT, 0.1, 0.3, big, codec_seconds_per_element=costs, codec_overlaps=False)

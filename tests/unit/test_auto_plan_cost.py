@@ -1,0 +1,291 @@
+"""``compression="auto"``'s cost model: the step multipliers' table, the command that writes it
+from result files (synthetic ones here), the choices the multipliers drive, local steps as a
+candidate, and the plan's expected times in its JSON and the wrapper's log and checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import commopt
+from commopt.optim import schedules, step_multipliers
+from commopt.optim.auto_plan import CODEC_SECONDS_PER_ELEMENT, AutoPlan, AutoPlanner, TensorInfo
+from commopt.optim.schedules.synchronous import SynchronousOptions, SynchronousSchedule
+from commopt.optim.step_multipliers import TABLE_PATH, StepMultipliers
+
+GBIT = 125e6
+ROOT = Path(__file__).resolve().parents[2]
+FREE = dict.fromkeys(CODEC_SECONDS_PER_ELEMENT, 0.0)  # no codec time
+BIG = [TensorInfo("w", (4096, 4096)), TensorInfo("b", (4096,), compressible=False)]
+
+
+def table(codecs=None, schedules_=None):
+    entries = {"qsgd8": 1.0, "bf16": 1.0, "qsgd4+ef": 1.0, "qsgd2+ef": 1.0}
+    entries.update({f"powersgd{r}": 1.0 for r in (1, 2, 4)})
+    entries.update(codecs or {})
+    return StepMultipliers.from_dict(
+        {
+            "codecs": {k: {"multiplier": v} for k, v in entries.items()},
+            "schedules": {k: {"multiplier": v} for k, v in (schedules_ or {}).items()},
+        }
+    )
+
+
+def test_the_package_table_loads_and_names_a_source_for_every_entry():
+    data = json.loads(TABLE_PATH.read_text())
+    loaded = StepMultipliers.load()
+    for option in ("bf16", "fp16", "qsgd8", "qsgd4+ef", "qsgd2+ef", "qsgd4", "qsgd2"):
+        assert loaded.codec(option) >= 1.0
+    for option in ("powersgd1", "powersgd2", "powersgd4"):
+        assert loaded.codec(option) > 1.0
+    assert loaded.schedule("stale") > 1.0 and loaded.schedule("compensated") >= 1.0
+    for section in ("codecs", "schedules"):
+        for name, entry in data[section].items():
+            assert entry["source"].startswith(("measured: ", "estimate: ")), name
+            if entry["source"].startswith("measured: "):
+                for path in entry["source"].removeprefix("measured: ").split(", "):
+                    assert (ROOT / path).exists(), (name, path)
+
+
+def test_multipliers_floor_at_one_interpolate_local_steps_and_refuse_what_they_lack(tmp_path):
+    t = table({"qsgd8": 0.9}, {"local_steps:2": 1.2, "local_steps:8": 1.8})
+    assert t.codec("qsgd8") == 1.0  # fewer steps than fp32: noise
+    assert t.local_steps(1) == 1.0 and t.local_steps(2) == 1.2
+    assert t.local_steps(4) == pytest.approx(1.5)  # halfway in log2 between 2 and 8
+    assert t.local_steps(16) is None  # beyond the table: not priced
+    assert t.schedule("synchronous") == 1.0 and t.schedule("unpriced") == 1.0
+    with pytest.raises(ValueError, match="no entry for the codec 'zip9'"):
+        t.codec("zip9")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"codecs": {"qsgd8": {"multiplier": -1}}, "schedules": {}}')
+    with pytest.raises(ValueError, match="write-multipliers"):
+        StepMultipliers.load(bad)
+
+
+def test_the_multipliers_drive_the_choice():
+    """One matrix, a link too slow for its exact gradient under the backward pass: with every
+    multiplier 1 any option that hides the wire is as good (the step is compute); when the
+    codecs cost steps the planner takes the one of least expected time, bf16 with 0.07 s
+    exposed (0.47 s) losing to qsgd4+ef hidden at 1.1x (0.44 s) and qsgd8 at 1.3x (0.52 s);
+    when every codec costs 10x the steps, exact."""
+    free = AutoPlanner(multipliers=table(), codec_overlaps=False, codec_seconds_per_element=FREE)
+    chosen = free.plan(BIG, link_rate=GBIT, backward_s=0.2, step_s=0.4)
+    assert chosen.choices["w"] != "none" and chosen.fits
+    assert chosen.expected_s["chosen"] == pytest.approx(0.4)
+    steps = {"qsgd8": 1.3, "qsgd4+ef": 1.1, "powersgd4": 1.6, "powersgd2": 2.0}
+    steps.update({"powersgd1": 3.0, "qsgd2+ef": 2.0})
+    priced = AutoPlanner(
+        multipliers=table(steps), codec_overlaps=False, codec_seconds_per_element=FREE
+    )
+    chosen = priced.plan(BIG, link_rate=GBIT, backward_s=0.2, step_s=0.4)
+    assert chosen.choices == {"w": "qsgd4+ef", "b": "none"}, chosen.choices
+    numel = sum(t.numel for t in BIG)
+    assert chosen.expected_s["chosen"] == pytest.approx(0.4 * (1 + 0.1 * 4096 * 4096 / numel))
+    costly = table(dict.fromkeys(table().codecs, 10.0))
+    keep = AutoPlanner(multipliers=costly, codec_overlaps=False, codec_seconds_per_element=FREE)
+    chosen = keep.plan(BIG, link_rate=GBIT, backward_s=0.2, step_s=0.4)
+    assert set(chosen.choices.values()) == {"none"} and not chosen.fits
+    assert chosen.expected_s["chosen"] == chosen.expected_s["exact"]
+
+
+def test_the_schedule_multiplier_counts_for_the_double_buffered_tensors():
+    db = [dataclasses.replace(t, double_buffered=True) for t in BIG]
+    planner = AutoPlanner(multipliers=table(schedules_={"stale": 1.5}), codec_overlaps=False)
+    stale = planner.plan(db, link_rate=1e12, backward_s=0.2, step_s=0.4, schedule="stale")
+    sync = planner.plan(db, link_rate=1e12, backward_s=0.2, step_s=0.4)
+    assert stale.expected_s["chosen"] == pytest.approx(0.4 * 1.5)
+    assert sync.expected_s["chosen"] == pytest.approx(0.4)
+    assert stale.inputs["multiplier.schedule.stale"] == 1.5
+
+
+def test_local_steps_are_a_candidate_only_where_priced_and_win_only_when_sooner():
+    vectors = [TensorInfo(f"v{i}", (1 << 20,)) for i in range(4)]  # 16 MB exact
+    t = table(dict.fromkeys(("qsgd8", "bf16", "qsgd4+ef", "qsgd2+ef"), 4.0), {"local_steps:8": 1.3})
+    planner = AutoPlanner(multipliers=t, codec_overlaps=False, codec_seconds_per_element=FREE)
+    slow = planner.plan(vectors, link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=8)
+    # per step: 0.05 s + 0.134 s of exposed wire exact, 4x the steps compressed; local steps:
+    # (0.05 + 0.134 / 8) x 1.3 = 0.087 s.
+    assert slow.schedule == "local_steps" and set(slow.choices.values()) == {"none"}
+    assert slow.expected_s["chosen"] == slow.expected_s["local_steps"]
+    assert slow.expected_s["local_steps"] == pytest.approx((0.05 + (16 << 20) / GBIT / 8) * 1.3)
+    fast = planner.plan(vectors, link_rate=1e12, backward_s=0.02, step_s=0.05, local_steps=8)
+    assert fast.schedule is None and fast.expected_s["local_steps"] > fast.expected_s["chosen"]
+    unpriced = planner.plan(vectors, link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=64)
+    assert unpriced.schedule is None and "local_steps" not in unpriced.expected_s
+    none = planner.plan(vectors, link_rate=GBIT, backward_s=0.02, step_s=0.05)
+    assert none.schedule is None and "local_steps" not in none.expected_s
+
+
+def test_the_plans_json_keeps_its_schedule_and_expected_times_and_reads_older_plans():
+    planner = AutoPlanner(multipliers=table(schedules_={"local_steps:4": 1.1}))
+    chosen = planner.plan(BIG, link_rate=1e6, backward_s=0.01, step_s=0.02, local_steps=4)
+    assert AutoPlan.from_json(chosen.to_json()) == chosen
+    assert "expected time to the target" in chosen.summary()
+    older = json.loads(chosen.to_json())
+    del older["schedule"], older["expected_s"]
+    old = AutoPlan.from_json(json.dumps(older))
+    assert old.schedule is None and old.expected_s == {} and old.choices == chosen.choices
+
+
+def _synthetic_report(task, rows, budget_factor=2.0):
+    return {"task": task, "budget_factor": budget_factor, "rows": rows, "runs": {}}
+
+
+def _row(config, steps, seeds=1, reached=True):
+    return {
+        "config": config,
+        "reached": reached,
+        "steps_to_target": steps if reached else None,
+        "seeds_run": seeds,
+        "seeds_reached": seeds if reached else 0,
+    }
+
+
+def test_write_multipliers_from_synthetic_result_files(tmp_path):
+    text = _synthetic_report(
+        "text",
+        [
+            _row("ddp-fp32", 100.0),
+            _row("ddp-fp16", 100.0),
+            _row("ddp-powersgd4-warm", 150.0),
+            _row("ddp-powersgd4", 400.0),  # no warm-up: measures nothing
+            _row("ddp-powersgd1-warm", None, reached=False),
+            _row("commopt-qsgd4+ef", 110.0),
+            _row("commopt-qsgd4+ef-db", 165.0),
+            _row("commopt-qsgd4+ef-comp", 110.0),
+            _row("commopt-auto", 90.0),  # auto measures nothing
+        ],
+    )
+    digits = _synthetic_report(
+        "digits",
+        [_row("ddp-fp32", 100.0, 2), _row("commopt-qsgd4+ef", 130.0, 2)],
+    )
+    digits_more = _synthetic_report(
+        "digits", [_row("ddp-fp32", 100.0), _row("commopt-qsgd4+ef", 100.0)]
+    )
+    paths = []
+    for name, report in (("t.json", text), ("d.json", digits), ("d2.json", digits_more)):
+        (tmp_path / name).write_text(json.dumps(report))
+        paths += ["--from-json", str(tmp_path / name)]
+    out = tmp_path / "multipliers.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "commopt", "bench", "to_accuracy", *paths]
+    done = subprocess.run(
+        [*cmd, "--write-multipliers", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    written = json.loads(out.read_text())
+    codecs, scheds = written["codecs"], written["schedules"]
+    assert codecs["fp16"]["measured"] == {"text": 1.0}
+    assert codecs["powersgd4"]["multiplier"] == 1.5
+    assert codecs["powersgd1"]["multiplier"] == 2.0 and codecs["powersgd1"]["censored"] == ["text"]
+    # digits: 1.3 on 2 seeds, 1.0 on 1 -> 1.2; text 1.1; the mean over the tasks 1.15
+    assert codecs["qsgd4+ef"]["measured"] == {"digits": 1.2, "text": 1.1}
+    assert codecs["qsgd4+ef"]["multiplier"] == pytest.approx(1.15)
+    assert str(tmp_path / "t.json") in codecs["qsgd4+ef"]["source"]
+    assert scheds["stale"]["multiplier"] == 1.5 and scheds["compensated"]["multiplier"] == 1.0
+    # entries no file measures keep the package's estimate and its source
+    package = json.loads(TABLE_PATH.read_text())
+    assert codecs["qsgd8"] == package["codecs"]["qsgd8"]
+    assert scheds["local_steps:4"] == package["schedules"]["local_steps:4"]
+    assert StepMultipliers.load(out).codec("powersgd4") == 1.5
+    refused = subprocess.run(
+        [sys.executable, "-m", "commopt", "bench", "to_accuracy", "--write-multipliers", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "--from-json" in refused.stderr
+
+
+@dataclasses.dataclass(frozen=True)
+class _Every(SynchronousOptions):
+    sync_every: int = 16
+
+
+class _LocalSteps(SynchronousSchedule):
+    """A stand-in registered as ``local_steps`` (it reduces every step, as the synchronous
+    schedule does): the wrapper's wiring of the planner's choice, not local steps' training."""
+
+    name = "local_steps"
+    options = _Every
+
+
+@pytest.fixture
+def local_steps_registered(tmp_path, monkeypatch):
+    schedules.register_schedule("local_steps", _LocalSteps)
+    # Codecs that cost many steps, local steps few: local steps win on a slow link.
+    data = json.loads(TABLE_PATH.read_text())
+    for entry in data["codecs"].values():
+        entry["multiplier"] = 10.0
+    data["schedules"]["local_steps:16"]["multiplier"] = 1.1
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(step_multipliers, "TABLE_PATH", path)
+    yield
+    schedules.unregister_schedule("local_steps")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
+    local_steps_registered, caplog
+):
+    comm = commopt.create_communicator("local")
+
+    def build(model):
+        return commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            comm,
+            model=model,
+            compression="auto",
+            auto_link_rate="100kbit",
+            auto_measure_steps=1,
+        )
+
+    model = _model()
+    opt = build(model)
+    with caplog.at_level(logging.INFO, logger="commopt"):
+        _train(model, opt, range(3))
+    chosen = opt.auto_plan
+    assert chosen is not None and chosen.schedule == "local_steps", chosen
+    assert chosen.inputs["local_steps"] == 16.0
+    assert any(key.endswith("schedule=local_steps") for key in opt.plans), list(opt.plans)
+    logged = [
+        r.getMessage() for r in caplog.records if "compression='auto' chose" in r.getMessage()
+    ]
+    assert len(logged) == 1 and "local_steps" in logged[0] and "step multipliers" in logged[0]
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    assert json.loads(opt.state_dict()["commopt"]["auto_plan"])["expected_s"]["local_steps"] > 0
+    model2 = _model()
+    opt2 = build(model2)
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    assert opt2.auto_plan == chosen
+    assert any(key.endswith("schedule=local_steps") for key in opt2.plans), list(opt2.plans)
