@@ -31,7 +31,6 @@ event to its schedule.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -422,19 +421,17 @@ class Parts:
 
 
 def _local_steps(settings: Settings, schedule: str) -> int | None:
-    """The steps between averages of a schedule registered as ``local_steps``, which
-    ``compression="auto"`` prices beside the per-step plans when the wrapper's own schedule is
-    the synchronous one (a schedule given is kept); None without one, or when its options do
-    not hold exactly one integer (the steps between averages)."""
+    """The steps between averages (``sync_every``) of a schedule registered as
+    ``local_steps``, which ``compression="auto"`` prices beside the per-step plans when the
+    wrapper's own schedule is the synchronous one (a schedule given is kept); None without
+    one, or when its options hold no ``sync_every``."""
     if schedule != "synchronous" or "local_steps" not in schedules.SCHEDULES:
         return None
     options = settings.options_for(schedules.schedule_class("local_steps"))
-    counts = [
-        value
-        for f in dataclasses.fields(options)
-        if isinstance(value := getattr(options, f.name), int) and not isinstance(value, bool)
-    ]
-    return counts[0] if len(counts) == 1 and counts[0] >= 1 else None
+    value = getattr(options, "sync_every", None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
 
 
 def _refuse_auto_with_plans(param_groups: list[dict[str, Any]], plans: Any) -> None:

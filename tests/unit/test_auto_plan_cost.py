@@ -19,7 +19,6 @@ import torch
 import commopt
 from commopt.optim import schedules, step_multipliers
 from commopt.optim.auto_plan import CODEC_SECONDS_PER_ELEMENT, AutoPlan, AutoPlanner, TensorInfo
-from commopt.optim.schedules.synchronous import SynchronousOptions, SynchronousSchedule
 from commopt.optim.step_multipliers import TABLE_PATH, StepMultipliers
 
 GBIT = 125e6
@@ -212,22 +211,9 @@ def test_write_multipliers_from_synthetic_result_files(tmp_path):
     assert refused.returncode != 0 and "--from-json" in refused.stderr
 
 
-@dataclasses.dataclass(frozen=True)
-class _Every(SynchronousOptions):
-    sync_every: int = 16
-
-
-class _LocalSteps(SynchronousSchedule):
-    """A stand-in registered as ``local_steps`` (it reduces every step, as the synchronous
-    schedule does): the wrapper's wiring of the planner's choice, not local steps' training."""
-
-    name = "local_steps"
-    options = _Every
-
-
 @pytest.fixture
 def local_steps_registered(tmp_path, monkeypatch):
-    schedules.register_schedule("local_steps", _LocalSteps)
+    assert "local_steps" in schedules.SCHEDULES  # the local-steps schedule
     # Codecs that cost many steps, local steps few: local steps win on a slow link.
     data = json.loads(TABLE_PATH.read_text())
     for entry in data["codecs"].values():
@@ -236,8 +222,6 @@ def local_steps_registered(tmp_path, monkeypatch):
     path = tmp_path / "table.json"
     path.write_text(json.dumps(data))
     monkeypatch.setattr(step_multipliers, "TABLE_PATH", path)
-    yield
-    schedules.unregister_schedule("local_steps")
 
 
 def _model():
@@ -266,6 +250,7 @@ def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
             compression="auto",
             auto_link_rate="100kbit",
             auto_measure_steps=1,
+            sync_every=16,
         )
 
     model = _model()
