@@ -76,6 +76,7 @@ done
 stop_hogs
 echo "[stress] $n runs in $(( $(date +%s) - start )) s, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%s\n' "${args[@]}" >"$out/args.txt"
-STRESS_COMMAND="N=$n HOG=$hog bash scripts/stress.sh${*:+ $*}" STRESS_STARTED="$started" \
+quoted="$(printf ' %q' "$@")"  # the command as it can be typed again
+STRESS_COMMAND="N=$n HOG=$hog bash scripts/stress.sh${*:+$quoted}" STRESS_STARTED="$started" \
   STRESS_HOG="${#hogs_started[@]}" STRESS_WORKERS="$workers" \
   "$python" "$root/scripts/stress_report.py" "$out" --json "$out/stress.json" | tee "$out/summary.txt"

@@ -129,7 +129,7 @@ def section(record: dict, result_file: str) -> str:
     finished = [r for r in runs if "result" not in r]
     passed = sum(r["passed"] for r in finished)
     failed = sum(r["failed"] for r in finished)
-    loads = [r["load_average"].split()[0] for r in runs if r.get("load_average")]
+    loads = [float(r["load_average"].split()[0]) for r in runs if r.get("load_average")]
     walls = [r["seconds"] for r in runs if "seconds" in r]
     hog = (
         f"a busy process on each of the {record['hog_processes']} cores"
