@@ -105,9 +105,14 @@ def create_multi_node_optimizer(
     synchronous by default; between steps the model holds the predicted weights: evaluate
     inside ``with opt.true_weights():`` or after ``flush()``) or ``"stale"`` (ChainerMN's plain
     double buffering: step t's average applied at the weights of step t+1, any optimizer,
-    at an accuracy cost). Keyword arguments other than the ones above are the
-    schedules' own options (``overlap``; ``synchronous_embeddings``, ``synchronous_vectors``),
-    each given to every schedule that declares it.
+    at an accuracy cost). ``schedule="local_steps"`` (DiLoCo and Streaming DiLoCo;
+    docs/local-steps.md): each rank takes ``sync_every`` inner steps alone, then the mean of
+    the ranks' outer gradients (anchor minus weights) updates the anchor through an outer
+    optimizer, fragment by fragment. Keyword arguments other than the ones above are the
+    schedules' own options (``overlap``; ``synchronous_embeddings``, ``synchronous_vectors``;
+    ``sync_every``, ``outer_lr``, ``outer_momentum``, ``outer_nesterov``,
+    ``outer_optimizer``, ``fragments``, ``overlap_steps``, ``fragment_alpha``,
+    ``offload_anchor``), each given to every schedule that declares it.
 
     Per-group plans: a parameter group of ``optimizer`` may set its own ``compression`` and
     schedule (``schedule`` or ``double_buffering``; the arguments above are the defaults);
@@ -601,11 +606,16 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._parts.start_callbacks.step_done()
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
-        if not all(p.schedule.supports_closures for p in self._parts):
+        refusing = sorted(
+            {p.schedule.name for p in self._parts if not p.schedule.supports_closures}
+        )
+        if refusing:
             raise ValueError(
-                "step(closure) re-evaluates the gradients within the step, which double "
-                "buffering (gradients applied one step late) cannot do: create the optimizer "
-                "with double_buffering=False for closure optimizers such as LBFGS"
+                "step(closure) re-evaluates the gradients within the step and applies their "
+                f"averages in it, which the {' and '.join(refusing)} schedule cannot do (it "
+                "applies averages one step late, or only every few steps): create the optimizer "
+                "with double_buffering=False for closure optimizers such as LBFGS (the "
+                "synchronous schedule, the default)"
             )
         if self._skip_sync:
             raise RuntimeError(

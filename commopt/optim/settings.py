@@ -15,7 +15,7 @@ fingerprint of the settings (:mod:`commopt.optim.fingerprint`) is built from thi
     >>> Settings.of(overlapp=True)
     Traceback (most recent call last):
       ...
-    TypeError: create_multi_node_optimizer() got an unexpected keyword argument 'overlapp' (its settings: double_buffering, zero_fill, schedule, allreduce_grad_dtype, compression, bucket_cap_mb, policy, model, seed, algorithm, clip_grad_norm, plans, auto_link_rate, auto_measure_steps; the schedules' options: overlap, synchronous_embeddings, synchronous_vectors)
+    TypeError: create_multi_node_optimizer() got an unexpected keyword argument 'overlapp' (its settings: ...; the schedules' options: overlap, ...)
 """
 
 from __future__ import annotations
