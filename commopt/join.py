@@ -50,6 +50,14 @@ class Join:
                 "Join takes the optimizer create_multi_node_optimizer returned, got "
                 f"{type(optimizer).__name__}"
             )
+        local = sorted({s.name for s in optimizer.plans.values() if not s.reduces_every_step})
+        if local:
+            raise ValueError(
+                f"Join shadows the other ranks' reductions step by step, but the {local[0]} "
+                "schedule does not reduce at every step: give every rank the same number of "
+                "steps (drop the last uneven batch, e.g. DataLoader(..., drop_last=True) with a "
+                "DistributedSampler), or train with a schedule that reduces every step"
+            )
         self.optimizer = optimizer
         self.comm = optimizer.comm
         self.shadow_steps = 0  # steps this rank took with zero gradients after its data ended

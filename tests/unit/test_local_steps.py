@@ -198,6 +198,18 @@ def test_closures_are_refused():
         opt.step(lambda: model(torch.ones(1, 4)).sum())
 
 
+def test_join_is_refused_with_what_to_do_instead():
+    model = _model()
+    with pytest.raises(ValueError, match="local_steps schedule does not reduce at every step"):
+        commopt.Join(_opt(model, sync_every=2))
+    sync = _model()
+    commopt.Join(  # the synchronous schedule: accepted
+        commopt.create_multi_node_optimizer(
+            torch.optim.SGD(sync.parameters(), lr=0.1), commopt.create_communicator("local")
+        )
+    )
+
+
 def test_bucket_view_gradients_and_accumulation_give_the_same_weights():
     def run(set_to_none, accumulate):
         model = _model()

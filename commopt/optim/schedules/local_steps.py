@@ -173,6 +173,7 @@ class LocalStepsSchedule(ScheduleBase):
     name = "local_steps"
     options = LocalStepsOptions
     supports_closures = False
+    reduces_every_step = False  # inner steps send nothing
     checkpoint_keys = ("anchor", "outer_state", "cycle", "outer_residuals", "local_state")
     #: this rank's own: its error feedback of the outer gradients, and its weights and inner
     #: optimizer state of the part (they differ between ranks between synchronisations)

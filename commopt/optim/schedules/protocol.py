@@ -23,7 +23,9 @@ of the schedule's own keyword arguments of ``create_multi_node_optimizer``, with
 ``num_buffers`` (bucket buffer sets), ``predicts_weights`` (the model holds predicted
 weights between steps: ``true_weights()`` matters, and at most one part may predict),
 ``overlaps_step`` (a reduction overlaps a whole step, not only the backward: what the
-``"auto"`` planner budgets), ``supports_closures``, ``unscales_locally`` (GradScaler hands
+``"auto"`` planner budgets), ``supports_closures``, ``reduces_every_step`` (every
+``step()`` starts a reduction on every rank: what ``commopt.Join`` counts on to shadow the
+others' steps), ``unscales_locally`` (GradScaler hands
 its scale over and each rank unscales as it sends), ``checkpoint_keys`` and
 ``own_keys`` (those of its keys that are this rank's own, saved in the rank's part).
 
@@ -90,6 +92,7 @@ class Schedule(Protocol):
     predicts_weights: ClassVar[bool]
     overlaps_step: ClassVar[bool]
     supports_closures: ClassVar[bool]
+    reduces_every_step: ClassVar[bool]
     unscales_locally: ClassVar[bool]
     checkpoint_keys: ClassVar[tuple[str, ...]]
     own_keys: ClassVar[tuple[str, ...]]
@@ -165,6 +168,7 @@ class ScheduleBase:
     predicts_weights: ClassVar[bool] = False
     overlaps_step: ClassVar[bool] = False
     supports_closures: ClassVar[bool] = True
+    reduces_every_step: ClassVar[bool] = True
     unscales_locally: ClassVar[bool] = False
     checkpoint_keys: ClassVar[tuple[str, ...]] = ()
     own_keys: ClassVar[tuple[str, ...]] = ()
