@@ -25,6 +25,7 @@ import argparse
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -33,7 +34,9 @@ import commopt
 from commopt.checkpointing import CheckpointManager
 
 
-def build(comm, *, compression: str | None, double_buffering: bool | str, plans=None):
+def build(
+    comm, *, compression: str | None, double_buffering: bool | str, plans=None, **options: Any
+):
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = commopt.create_multi_node_optimizer(
@@ -44,6 +47,7 @@ def build(comm, *, compression: str | None, double_buffering: bool | str, plans=
         double_buffering=double_buffering,
         plans=plans,  # per-name rules, e.g. [("0.*", {"double_buffering": False})]
         bucket_cap_mb=0.002,  # a few buckets even for this small model
+        **options,  # a schedule and its options, e.g. schedule="local_steps", sync_every=4
     )
     return model, opt
 
@@ -72,9 +76,14 @@ class ElasticRun:
         compression: str | None = None,
         double_buffering: bool | str = False,
         plans=None,
+        **options: Any,
     ):
         self.model, self.opt = build(
-            comm, compression=compression, double_buffering=double_buffering, plans=plans
+            comm,
+            compression=compression,
+            double_buffering=double_buffering,
+            plans=plans,
+            **options,
         )
         self.steps, self.every = steps, every
         data = dataset()

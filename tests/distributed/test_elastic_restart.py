@@ -2,8 +2,10 @@
 
 Runs of ``commopt.examples.elastic_train.ElasticRun`` (no codec, fp16, bf16, qsgd4+ef,
 qsgd4+ef with double buffering, fp16 with compensated double buffering, a mixed per-group
-plan, and the low-rank powersgd4, whose warm-start Q and residual are per-rank state: plain,
-with double buffering, and with a warm-up that ends after the restart) train side by side
+plan, the low-rank powersgd4, whose warm-start Q and residual are per-rank state: plain,
+with double buffering, and with a warm-up that ends after the restart, and local steps with
+two fragments and an overlapped reduction, whose weights and inner state are per-rank) train
+side by side
 on 2 ranks, a checkpoint every 5 steps, the data through a shuffling DistributedSampler over two
 epochs. Rank 1 SIGKILLs itself after step 7 of the first attempt; the launcher starts every
 rank again (``torchrun --max-restarts 1``, or a second ``mpirun`` as a requeue loop does),
@@ -43,6 +45,11 @@ CONFIGS = {
     "powersgd4-start6": ("powersgd4-start6", False),
     # a mixed plan: the first layer synchronous, the rest compensated qsgd4+ef
     "mixed": ("qsgd4+ef", "compensated", [("0.*", {"double_buffering": False})]),
+    # local steps: 2 fragments, H=4, one step of overlap; killed mid-cycle with a fragment's
+    # reduction in flight at the step-5 checkpoint
+    "local_steps": ("qsgd4+ef", False, None,
+                    {"schedule": "local_steps", "sync_every": 4, "fragments": 2,
+                     "overlap_steps": 1}),
 }
 KILL_AFTER = 7
 comm = commopt.create_communicator(comm_name)
@@ -52,7 +59,8 @@ def start(root):
     return {
         name: ElasticRun(comm, root / name, steps=12, every=5, compression=CONFIGS[name][0],
                          double_buffering=CONFIGS[name][1],
-                         plans=CONFIGS[name][2] if len(CONFIGS[name]) > 2 else None)
+                         plans=CONFIGS[name][2] if len(CONFIGS[name]) > 2 else None,
+                         **(CONFIGS[name][3] if len(CONFIGS[name]) > 3 else {}))
         for name in configs
     }
 
@@ -77,7 +85,7 @@ print(f"rank {comm.rank} started at steps {starts}")
 
 ALL = (
     "none,fp16,bf16,qsgd4+ef,qsgd4+ef+db,fp16+compensated,mixed,"
-    "powersgd4,powersgd4+db,powersgd4-start6"
+    "powersgd4,powersgd4+db,powersgd4-start6,local_steps"
 )
 
 
@@ -112,7 +120,7 @@ def test_torchrun_max_restarts_resumes_bit_identically(tmp_path):
 
 
 def test_mpirun_requeue_loop_resumes_bit_identically(tmp_path):
-    args = ["mpi", str(tmp_path), "qsgd4+ef+db,fp16+compensated,mixed,powersgd4+db"]
+    args = ["mpi", str(tmp_path), "qsgd4+ef+db,fp16+compensated,mixed,powersgd4+db,local_steps"]
     with pytest.raises(AssertionError):  # the first attempt: rank 1 is killed after step 7
         run_mpi(RANK_SCRIPT, 2, args=args, timeout=300)
     assert (tmp_path / "killed").exists()
