@@ -213,7 +213,11 @@ import sys, time, torch, commopt
 comm = commopt.create_communicator(sys.argv[1])
 how = sys.argv[2]
 m = torch.nn.Linear(256, 256)
-opt = commopt.create_multi_node_optimizer(torch.optim.SGD(m.parameters(), lr=0.01), comm, model=m)
+sync_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # >0: local steps, H = sync_every
+options = {"schedule": "local_steps", "sync_every": sync_every} if sync_every else {}
+opt = commopt.create_multi_node_optimizer(
+    torch.optim.SGD(m.parameters(), lr=0.01), comm, model=m, **options
+)
 for step in range(100):
     if comm.rank == 1 and step == 5:
         with open(sys.argv[3], "w") as f:
@@ -265,6 +269,34 @@ def test_a_rank_that_leaves_early_ends_the_job(case, transport, nprocs, how, tim
             assert r == 1 or f"PeerLeftError: {named}rank 1 ended without an error" in msg, (
                 f"rank {r} did not name rank 1:\n{msg}"
             )
+    else:
+        assert "another rank left the job (rank 1 ended without an error" in msg, msg
+    assert "unreachable" not in msg, msg
+    took = ended - float(left.read_text())
+    assert took < 60, f"the job ended {took:.0f}s after rank 1 left:\n{msg}"
+
+
+@pytest.mark.parametrize("transport", ["mpi", "torch"])
+def test_a_rank_that_leaves_between_local_steps_syncs_ends_the_job(case, transport, tmp_path):
+    c = case(
+        "local steps (sync_every=4): rank 1 calls sys.exit(1) at step 5, between two syncs",
+        "every rank ends, within 60 s of the departure, naming rank 1: the others find it gone "
+        f"at their next synchronisation ({PEERS_LEARN[transport].format(bound='10 s')})",
+        transport,
+        2,
+    )
+    left = tmp_path / "left"
+    msg = c.ranks_failed(
+        transport,
+        LEAVES,
+        2,
+        timeout=150,
+        env={"COMMOPT_EXIT_TIMEOUT": "10"},
+        args=["1", str(left), "4"],
+    )
+    ended = time.time()
+    if transport == "mpi":
+        assert "commopt: rank 1 of 2 left the job" in msg, msg
     else:
         assert "another rank left the job (rank 1 ended without an error" in msg, msg
     assert "unreachable" not in msg, msg
