@@ -253,11 +253,6 @@ def _validate_local_steps(args: argparse.Namespace) -> None:
         raise ValueError(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.double_buffering:
         raise ValueError("give --sync-every or --double-buffering, not both")
-    if args.precision == "fp16":
-        raise ValueError(
-            "--sync-every with --precision fp16: GradScaler skips a step on one rank only, "
-            "which would put the ranks' synchronisations out of step; use bf16 or fp32"
-        )
 
 
 def local_steps_options(args: argparse.Namespace) -> dict[str, object]:

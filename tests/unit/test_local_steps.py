@@ -198,6 +198,43 @@ def test_closures_are_refused():
         opt.step(lambda: model(torch.ones(1, 4)).sum())
 
 
+def test_grad_scaler_steps_every_rank_and_a_rank_with_inf_skips_only_its_inner_step():
+    """GradScaler hands its scale over: step() runs on every rank whatever its gradients hold
+    (the ranks' synchronisations stay in step), the gradients are unscaled exactly (a power
+    of two), and Inf skips this rank's inner step only."""
+
+    def run(scaler, inf_at=None):
+        model = _model()
+        opt = _opt(model, sync_every=2)
+        calls = []
+        opt.register_step_post_hook(lambda *_: calls.append(1))
+        for step in range(6):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+                continue
+            scaler.scale(loss).backward()
+            if step == inf_at:
+                model[0].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        opt.flush()
+        return {k: v.clone() for k, v in model.state_dict().items()}, opt, len(calls)
+
+    plain, _, _ = run(None)
+    scaled, opt, calls = run(torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    assert calls == 6 and opt.schedule.local_skipped_steps == 0
+    for k in plain:
+        assert torch.equal(plain[k], scaled[k]), k
+    _, opt, calls = run(torch.amp.GradScaler("cpu", init_scale=2.0**10), inf_at=3)
+    assert calls == 6, "GradScaler skipped step() on this rank: its syncs would fall out of step"
+    assert opt.schedule.local_skipped_steps == 1
+
+
 def test_join_is_refused_with_what_to_do_instead():
     model = _model()
     with pytest.raises(ValueError, match="local_steps schedule does not reduce at every step"):

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from commopt.optim.apply_step import inverse_grad_scale
 from commopt.optim.schedules.protocol import ScheduleBase, ScheduleContext
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
@@ -174,6 +175,10 @@ class LocalStepsSchedule(ScheduleBase):
     options = LocalStepsOptions
     supports_closures = False
     reduces_every_step = False  # inner steps send nothing
+    #: GradScaler hands over its scale and calls ``step()`` on every rank, whatever this
+    #: rank's gradients hold: each rank unscales its own gradients and skips its own inner step
+    #: on NaN/Inf, so the ranks' step counts, and with them their synchronisations, stay equal.
+    unscales_locally = True
     checkpoint_keys = ("anchor", "outer_state", "cycle", "outer_residuals", "local_state")
     #: this rank's own: its error feedback of the outer gradients, and its weights and inner
     #: optimizer state of the part (they differ between ranks between synchronisations)
@@ -316,7 +321,8 @@ class LocalStepsSchedule(ScheduleBase):
         """This rank's own gradients, reduced with no one: the inner step applies them.
 
         A rank whose gradients hold NaN/Inf skips its inner step on this part (its gradients
-        set to None; ``local_skipped_steps`` counts it); the other ranks step on.
+        set to None; ``local_skipped_steps`` counts it); the other ranks step on. ``scale``:
+        GradScaler's scale when it drives this step (the gradients are unscaled here first).
         """
         self._ensure_fragments()
         if not self._checked:
@@ -325,6 +331,10 @@ class LocalStepsSchedule(ScheduleBase):
         self.guard.clear()
         params = self.bucketed.params
         grads = [p.grad for p in params if p.grad is not None]
+        if scale is not None:
+            inverse = inverse_grad_scale(scale)
+            for g in grads:
+                g.mul_(inverse)
         if grads:
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
             if not bool(finite):
