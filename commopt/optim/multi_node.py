@@ -606,16 +606,12 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._parts.start_callbacks.step_done()
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
-        refusing = sorted(
-            {p.schedule.name for p in self._parts if not p.schedule.supports_closures}
-        )
+        refusing = [p.schedule for p in self._parts if not p.schedule.supports_closures]
         if refusing:
             raise ValueError(
-                "step(closure) re-evaluates the gradients within the step and applies their "
-                f"averages in it, which the {' and '.join(refusing)} schedule cannot do (it "
-                "applies averages one step late, or only every few steps): create the optimizer "
-                "with double_buffering=False for closure optimizers such as LBFGS (the "
-                "synchronous schedule, the default)"
+                "step(closure) re-evaluates the gradients within the step, which "
+                f"{refusing[0].closure_refusal} cannot do: create the optimizer with "
+                "double_buffering=False for closure optimizers such as LBFGS"
             )
         if self._skip_sync:
             raise RuntimeError(

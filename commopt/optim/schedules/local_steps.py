@@ -174,6 +174,7 @@ class LocalStepsSchedule(ScheduleBase):
     name = "local_steps"
     options = LocalStepsOptions
     supports_closures = False
+    closure_refusal = "local steps (averages applied only every few steps)"
     reduces_every_step = False  # inner steps send nothing
     #: GradScaler hands over its scale and calls ``step()`` on every rank, whatever this
     #: rank's gradients hold: each rank unscales its own gradients and skips its own inner step

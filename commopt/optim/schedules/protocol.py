@@ -23,7 +23,8 @@ of the schedule's own keyword arguments of ``create_multi_node_optimizer``, with
 ``num_buffers`` (bucket buffer sets), ``predicts_weights`` (the model holds predicted
 weights between steps: ``true_weights()`` matters, and at most one part may predict),
 ``overlaps_step`` (a reduction overlaps a whole step, not only the backward: what the
-``"auto"`` planner budgets), ``supports_closures``, ``reduces_every_step`` (every
+``"auto"`` planner budgets), ``supports_closures`` (and, where False, ``closure_refusal``:
+what the schedule does that ``step(closure)`` cannot live with), ``reduces_every_step`` (every
 ``step()`` starts a reduction on every rank: what ``commopt.Join`` counts on to shadow the
 others' steps), ``unscales_locally`` (GradScaler hands
 its scale over and each rank unscales as it sends), ``checkpoint_keys`` and
@@ -92,6 +93,7 @@ class Schedule(Protocol):
     predicts_weights: ClassVar[bool]
     overlaps_step: ClassVar[bool]
     supports_closures: ClassVar[bool]
+    closure_refusal: ClassVar[str]
     reduces_every_step: ClassVar[bool]
     unscales_locally: ClassVar[bool]
     checkpoint_keys: ClassVar[tuple[str, ...]]
@@ -168,6 +170,7 @@ class ScheduleBase:
     predicts_weights: ClassVar[bool] = False
     overlaps_step: ClassVar[bool] = False
     supports_closures: ClassVar[bool] = True
+    closure_refusal: ClassVar[str] = "this schedule"
     reduces_every_step: ClassVar[bool] = True
     unscales_locally: ClassVar[bool] = False
     checkpoint_keys: ClassVar[tuple[str, ...]] = ()
