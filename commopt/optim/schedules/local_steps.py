@@ -497,14 +497,7 @@ class LocalStepsSchedule(ScheduleBase):
             return
         params = self.bucketed.params
         weights, inner = local.get("weights") or [], local.get("inner") or []
-        if len(weights) != len(params) or any(w.shape != p.shape for w, p in zip(weights, params)):
-            raise ValueError(
-                "the checkpoint's local weights do not match this local-steps part's "
-                "parameters (a different model or plan?)"
-            )
-        with torch.no_grad():
-            for p, w in zip(params, weights):
-                p.copy_(w.to(p.device))
+        _copy_saved(params, weights, "local weights do")
         state = self.context.inner.state
         for p, saved in zip(params, inner):
             if not saved:
@@ -540,14 +533,7 @@ class LocalStepsSchedule(ScheduleBase):
         fragments = self._ensure_fragments()
         anchors = self.anchor
         saved = state["anchor"]
-        if len(saved) != len(anchors) or any(a.shape != s.shape for a, s in zip(anchors, saved)):
-            raise ValueError(
-                "the checkpoint's anchor does not match this local-steps part's parameters "
-                "(a different model or plan?)"
-            )
-        with torch.no_grad():
-            for a, s in zip(anchors, saved):
-                a.copy_(s.to(a.device))
+        _copy_saved(anchors, saved, "anchor does")
         for f, outer in zip(fragments, state["outer_state"]):
             # (torch.distributed.checkpoint stores the state's integer keys as text)
             outer = {**outer, "state": {int(k): v for k, v in outer.get("state", {}).items()}}
@@ -572,6 +558,19 @@ class LocalStepsSchedule(ScheduleBase):
             if f.in_flight is not None:
                 f.in_flight.wait()
                 f.in_flight = None
+
+
+def _copy_saved(tensors: Sequence[torch.Tensor], saved: Sequence[Any], what: str) -> None:
+    """Copy a checkpoint's tensors into ``tensors``, refusing a count or shape that differs
+    (``what``: the saved tensors' name with its verb, for the message)."""
+    if len(saved) != len(tensors) or any(t.shape != s.shape for t, s in zip(tensors, saved)):
+        raise ValueError(
+            f"the checkpoint's {what} not match this local-steps part's parameters "
+            "(a different model or plan?)"
+        )
+    with torch.no_grad():
+        for t, s in zip(tensors, saved):
+            t.copy_(s.to(t.device))
 
 
 def sync_steps(fragment: int, fragments: int, sync_every: int, steps: int) -> Sequence[int]:
