@@ -246,10 +246,11 @@ def render(doc: dict) -> str:
         "",
         "The rows on the emulated cluster (`commopt launch -n 2 --link 1gbit`, one rank per",
         "host; the emulated hosts share this machine's 2 cores) break host1's data link from",
-        "inside its namespace mid-run, with `COMMOPT_COMM_TIMEOUT=5`: `ip link set data0",
-        "down` for good, down 2 s then up, down 1 s and up 1 s three times, or its `tbf`",
-        "rate cut from 1 Gbit/s to 10 Mbit/s. Runs that survive an outage are compared with",
-        "a run without it: the final weights' digests must be equal. `horovod` runs over",
+        "inside its namespace mid-run: `ip link set data0 down` for good, or its `tbf` rate",
+        "cut from 1 Gbit/s to 10 Mbit/s, with `COMMOPT_COMM_TIMEOUT=5`; down 2 s then up, or",
+        "down 1 s and up 1 s three times, with `COMMOPT_COMM_TIMEOUT=60`. Runs that survive",
+        "an outage are compared with a run without it: the final weights' digests must be",
+        "equal. " + _outage_silence() + " `horovod` runs over",
         "mpirun (`--launcher mpi`); it has no slow-link rows: its clock counts from an",
         "operation's issue, so one operation slower than the timeout would trip it. The GPU",
         "transports have no rows here: this machine has no GPU.",
@@ -260,6 +261,32 @@ def render(doc: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+OUTAGE_JSON = REPO / "benchmarks" / "results" / "outage-silence.json"
+
+
+def _outage_silence() -> str:
+    """What benchmarks/outage_silence.py measured: how long a link that came back left the
+    transports silent, the reason the rows that survive an outage run with a longer timeout."""
+    if not OUTAGE_JSON.exists():
+        return ""
+    rec = json.loads(OUTAGE_JSON.read_text())
+    worst = {k: v["max_s"] for k, v in rec["summary"].items()}
+    runs = {v["runs"] for v in rec["summary"].values()}
+    loads = [r["load_average_1m"] for r in rec["runs"]]
+    return (
+        "A link that comes back can leave the transport silent far longer than the outage"
+        " (TCP backs its retransmission timer off while the link is down; the `mpi` transport,"
+        " over Open MPI's TCP layer, resumed later than gloo): the longest"
+        " step around the outage, over "
+        + "/".join(str(n) for n in sorted(runs))
+        + " runs each, was "
+        + ", ".join(f"{s:.1f} s ({k})" for k, s in sorted(worst.items()))
+        + f" (load average {min(loads):.0f}-{max(loads):.0f}; `{rec['command']}`,"
+        " `benchmarks/results/outage-silence.json`). Set the timeout well above the longest"
+        " outage a job should ride out."
+    )
 
 
 KILL_JSON = REPO / "benchmarks" / "results" / "kill-during-save.json"
