@@ -872,6 +872,7 @@ LINK_FAULT = r"""
 import hashlib, os, subprocess, sys, time, torch, commopt
 from commopt.optim import create_multi_node_optimizer
 transport, fault, width, steps, at = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+schedule = sys.argv[6] if len(sys.argv) > 6 else "synchronous"
 # Everything slow to start (the model, torch's optimizer, whose first construction imports
 # torch._dynamo: tens of seconds on a loaded machine) comes before the communicator, whose
 # start aligns the ranks: the short timeout then bounds the fault, not one rank's start-up.
@@ -887,7 +888,10 @@ FAULTS = {
     "flap": f"for i in 1 2 3; do {down}; sleep 1; {up}; sleep 1; done",
     "slow": f"tc qdisc change dev {dev} root tbf rate {rate // 100}bit burst 65536 latency 200ms",
 }
-opt = create_multi_node_optimizer(inner, comm, model=model)
+# local steps: two fragments, each synced every 4 steps, its reduction overlapping one step
+LOCAL = dict(sync_every=4, fragments=2, overlap_steps=1, compression="qsgd4+ef")
+opt = create_multi_node_optimizer(
+    inner, comm, model=model, **({"schedule": schedule, **LOCAL} if schedule != "synchronous" else {}))
 xs = torch.randn(steps, 8, width, generator=torch.Generator().manual_seed(comm.rank))
 fault_t = None
 for step in range(steps):
@@ -937,6 +941,7 @@ def _on_testbed(
     run: tuple[str, str, str],
     timeout: float,
     comm_timeout: float = LINK_TIMEOUT,
+    schedule: str = "synchronous",
 ):
     """(exit code, stdout, stderr, seconds from the fault to the job's end or None)."""
     launcher = "torch" if transport == "torch" else "mpi"  # Horovod over MPI: mpirun
@@ -945,7 +950,7 @@ def _on_testbed(
     env = dict(launcher_free_env(), PYTHONPATH=str(REPO), COMMOPT_COMM_TIMEOUT=str(comm_timeout))
     argv = launch_argv(2, "--link", "1gbit", "--launcher", launcher, "--timeout", str(timeout))
     r = subprocess.run(
-        [*argv, "--", PY, str(script), transport, fault, *run],
+        [*argv, "--", PY, str(script), transport, fault, *run, schedule],
         env=env,
         capture_output=True,
         text=True,
@@ -974,17 +979,31 @@ LINK_TRANSPORTS = ["mpi", "torch", "horovod"]
 
 
 @pytest.mark.netns
-@pytest.mark.parametrize("transport", LINK_TRANSPORTS)
-def test_a_link_down_for_good_ends_every_rank_naming_the_peer(case, transport):
+@pytest.mark.parametrize(
+    "transport, schedule",
+    [
+        *(pytest.param(t, "synchronous", id=t) for t in LINK_TRANSPORTS),
+        pytest.param("mpi", "local_steps", id="mpi-local_steps"),
+        pytest.param("torch", "local_steps", id="torch-local_steps"),
+    ],
+)
+def test_a_link_down_for_good_ends_every_rank_naming_the_peer(case, transport, schedule):
     _testbed_or_skip(transport)
+    during = {
+        "synchronous": "mid-run",
+        "local_steps": "between local steps' syncs (2 fragments, each every 4 steps, its "
+        "reduction overlapping 1 step, qsgd4+ef)",
+    }[schedule]
     c = case(
-        f"host1's data link down for good mid-run (COMMOPT_COMM_TIMEOUT={LINK_TIMEOUT})",
+        f"host1's data link down for good {during} (COMMOPT_COMM_TIMEOUT={LINK_TIMEOUT})",
         "every rank ends within the timeout + 10 s of the fault; each rank's error names its "
         "silent peer and the collective (time: fault to the job's end)",
         transport,
         2,
     )
-    code, _, err, after = c.run(_on_testbed, transport, "down", SHORT_RUN, 120)
+    code, _, err, after = c.run(
+        _on_testbed, transport, "down", SHORT_RUN, 120, LINK_TIMEOUT, schedule
+    )
     c.seconds = after
     assert code not in (0, 124), f"the job should have failed on its own (exit {code}):\n{err}"
     assert after is not None and after <= LINK_TIMEOUT + 10, f"ended {after}s after the fault"
