@@ -472,7 +472,8 @@ def markdown(report: dict, rows: list[dict]) -> str:
     text = head + note + "\n".join(lines) + "\n"
     if failed:
         text += "\n" + "\n".join(f"- {f}" for f in failed) + "\n"
-    return text + _headline_text(rows)
+    traffic = _traffic_lines(rows)
+    return text + _headline_text(rows) + "".join(f"{line}\n" for line in traffic)
 
 
 def _headline_text(rows: list[dict]) -> str:
@@ -520,7 +521,6 @@ def _headline_text(rows: list[dict]) -> str:
         for r in rows
         if r["config"].endswith("-comp") and "error" not in r
     ]
-    lines += _traffic_lines(rows)
     return "\n".join(lines) + "\n"
 
 
