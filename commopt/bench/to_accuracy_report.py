@@ -282,9 +282,7 @@ def summarize(report: dict) -> list[dict]:
     return rows
 
 
-def _mean_wall(
-    row: dict, seeds: list[str], key: str = "wall_to_target_s"
-) -> float | None:
+def _mean_wall(row: dict, seeds: list[str], key: str = "wall_to_target_s") -> float | None:
     """``row``'s mean wall time (or ``key``) to the target over ``seeds`` (None: not run on
     all of them)."""
     per = row.get("seeds", {})

@@ -42,7 +42,7 @@ def require_torchft() -> Any:
     pip command."""
     try:
         import torchft
-        import torchft.local_sgd  # noqa: F401  (DiLoCo)
+        import torchft.local_sgd
     except Exception as exc:  # ImportError, or a broken native extension
         raise TorchftUnavailable(
             f"unavailable: torchft does not import ({type(exc).__name__}: {exc}); install "
@@ -67,11 +67,10 @@ class TorchftDiLoCo:
     def __init__(self, model, inner, comm, cfg, seed: int, timeout_s: float = 120.0) -> None:
         torchft = require_torchft()
         import torch
+        from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
-
-        from torchft._torchft import LighthouseServer
 
         if cfg.fragments != 1 or cfg.overlap_steps:
             raise ValueError(f"{cfg.name}: the torchft peer is configured with one fragment")

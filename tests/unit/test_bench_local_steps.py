@@ -13,7 +13,8 @@ from commopt.bench import torchft_peer
 from commopt.bench.step import configs
 from commopt.bench.step.figures import robust_step, summarize
 from commopt.bench.step.worker import cycle_blocks, step_seconds
-from commopt.bench.to_accuracy_report import bytes_to, markdown, summarize as tta_summarize
+from commopt.bench.to_accuracy_report import bytes_to, markdown
+from commopt.bench.to_accuracy_report import summarize as tta_summarize
 from recipes.text_lm.wide import WideCharMLP
 
 C = configs.CONFIGS
@@ -43,7 +44,12 @@ def _train(name, steps):
 def test_configurations_parse_into_the_schedules_options():
     plain, ef = C["commopt-local-steps16"], C["commopt-local-steps16-qsgd4+ef"]
     stream, ft = C["commopt-local-steps16-stream-qsgd4+ef"], C["torchft-diloco16"]
-    assert (plain.wire, plain.sync_every, plain.fragments, plain.overlap_steps) == ("fp32", 16, 1, 0)
+    assert (plain.wire, plain.sync_every, plain.fragments, plain.overlap_steps) == (
+        "fp32",
+        16,
+        1,
+        0,
+    )
     assert ef.wire == "qsgd4+ef" and C["commopt-local-steps32-qsgd4+ef"].sync_every == 32
     assert (stream.fragments, stream.overlap_steps) == (2, 1) and stream.cycle == 16
     assert ft.kind == "torchft" and ft.local_steps and ft.cycle == 16
@@ -51,7 +57,7 @@ def test_configurations_parse_into_the_schedules_options():
     # the step benchmark's default list stays per-step; the local-steps ones are named
     assert not set(configs.STEP_DEFAULT_CONFIGS) & set(configs.LOCAL_STEPS_CONFIGS)
     assert "torchft-diloco16" in configs.LOCAL_STEPS_CONFIGS
-    model, opt = _train("commopt-local-steps16-stream-qsgd4+ef", 1)
+    _, opt = _train("commopt-local-steps16-stream-qsgd4+ef", 1)
     try:
         (schedule,) = opt.plans.values()
         assert schedule.name == "local_steps"
@@ -80,7 +86,7 @@ def test_local_steps_send_only_on_their_synchronising_steps():
 
 
 def test_streaming_fragments_send_tau_steps_before_their_slot():
-    model, opt = _train("commopt-local-steps16-stream-qsgd4+ef", 2)
+    _, opt = _train("commopt-local-steps16-stream-qsgd4+ef", 2)
     try:
         sent = {t: configs.commopt_sent_bytes(opt, t) for t in range(1, 33)}
         # fragment 0 synchronises at 8, 24 (sends at 7, 23), fragment 1 at 16, 32 (15, 31)

@@ -196,16 +196,16 @@ def local_steps_configs() -> list[StepConfig]:
             sync_every=h,
         )
     ]
-    for every in (h, 2 * h):
-        out.append(
-            StepConfig(
-                f"commopt-local-steps{every}-qsgd4+ef",
-                "commopt",
-                "qsgd4+ef",
-                f"commopt local steps H={every}, qsgd4+EF outer gradients",
-                sync_every=every,
-            )
+    out.extend(
+        StepConfig(
+            f"commopt-local-steps{every}-qsgd4+ef",
+            "commopt",
+            "qsgd4+ef",
+            f"commopt local steps H={every}, qsgd4+EF outer gradients",
+            sync_every=every,
         )
+        for every in (h, 2 * h)
+    )
     out.append(
         StepConfig(
             f"commopt-local-steps{h}-stream-qsgd4+ef",

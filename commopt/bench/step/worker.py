@@ -247,8 +247,9 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     # once (the same sharing of the cores as the compute twin), nothing in flight.
     gloo.allgather_obj(None)
     codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
-    with torch.no_grad(), (
-        commopt_opt.true_weights() if cfg.local_steps and commopt_opt else contextlib.nullcontext()
+    with (
+        torch.no_grad(),
+        commopt_opt.true_weights() if cfg.local_steps and commopt_opt else contextlib.nullcontext(),
     ):  # local steps: at the anchor, the weights the ranks agreed on
         ex, ey = spec.eval_batch()
         eval_loss = float(F.cross_entropy(model(ex), ey))
