@@ -204,3 +204,29 @@ def test_torchft_missing_is_reported_unavailable_with_the_pip_command(monkeypatc
         str(r.get("error", "")).startswith("exit code") for r in rows
     )  # what to_accuracy's exit status counts
     assert math.isfinite(rows[0]["target"])
+
+
+def test_only_plain_local_steps_measure_the_schedules_step_multiplier():
+    from commopt.bench.to_accuracy_multipliers import ratios
+
+    def row(name, steps):
+        return {
+            "config": name,
+            "steps_to_target": steps,
+            "seeds_reached": 1,
+            "seeds_run": 1,
+            "reached": True,
+        }
+
+    report = {
+        "task": "text",
+        "budget_factor": 3,
+        "rows": [
+            row("ddp-fp32", 100.0),
+            row("commopt-local-steps16", 150.0),
+            row("commopt-local-steps16-qsgd4+ef", 160.0),
+            row("commopt-local-steps16-stream-qsgd4+ef", 170.0),
+            row("torchft-diloco16", 150.0),
+        ],
+    }
+    assert ratios(report) == [("schedules", "local_steps:16", "text", 1.5, 1, False)]
