@@ -414,7 +414,13 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"Command: `{report['command']}`{again}  \n{report['nprocs']} ranks, {report['link']}; "
         f"task {report.get('task', 'text')}: {report['model']}; seeds "
         f"{', '.join(seeds)}; DDP fp32 trains {budget} steps{others}{warm_text}; evaluation "
-        f"every {report['eval_every']}; target = {REFERENCE}'s validation loss at the budget "
+        f"every {report['eval_every']}; "
+        + (
+            f"local steps' outer learning rate {report['outer_lr']:g}; "
+            if report.get("outer_lr") is not None
+            else ""
+        )
+        + f"target = {REFERENCE}'s validation loss at the budget "
         f"+ {100 * report.get('tolerance', 0):g}% ({per_seed}); {report['machine']}, load "
         f"average {report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
     )

@@ -126,7 +126,7 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
             if cfg.wire == "powersgd":
                 extra["powersgd_start_iter"] = start_iter
         else:
-            opt = commopt_opt = wrap_commopt(inner, comm, model, cfg)
+            opt = commopt_opt = wrap_commopt(inner, comm, model, cfg, args.outer_lr)
             wire = commopt_wire_bytes(opt)
             extra["plans"] = list(commopt_opt.plans)
     except Exception as exc:  # the same on every rank: recorded, and the job goes on

@@ -230,3 +230,21 @@ def test_only_plain_local_steps_measure_the_schedules_step_multiplier():
         ],
     }
     assert ratios(report) == [("schedules", "local_steps:16", "text", 1.5, 1, False)]
+
+
+def test_to_accuracys_outer_lr_reaches_the_outer_optimizer():
+    model = _model()
+    opt = configs.wrap_commopt(
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        commopt.create_communicator("local"),
+        model,
+        C["commopt-local-steps16-qsgd4+ef"],
+        outer_lr=0.35,
+    )
+    try:
+        model(torch.randint(0, 40, (8, 4))).sum().backward()
+        opt.step()
+        (schedule,) = opt.plans.values()
+        assert [g["lr"] for f in schedule.fragments for g in f.outer.param_groups] == [0.35]
+    finally:
+        opt.close()

@@ -386,8 +386,11 @@ def mixed_plan_rules(model) -> list[tuple[str, dict]]:
     return [(pattern, {"double_buffering": False}) for pattern in layers]
 
 
-def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
-    """``inner`` wrapped by commopt's optimizer with this configuration's wire format."""
+def wrap_commopt(
+    inner, comm, model, cfg: StepConfig, outer_lr: float | None = None
+) -> MultiNodeOptimizer:
+    """``inner`` wrapped by commopt's optimizer with this configuration's wire format
+    (``outer_lr``: a local-steps configuration's outer learning rate, else the schedule's)."""
     import commopt
 
     kwargs: dict[str, Any] = {}
@@ -406,6 +409,8 @@ def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
             fragments=cfg.fragments,
             overlap_steps=cfg.overlap_steps,
         )
+        if outer_lr is not None:
+            kwargs["outer_lr"] = outer_lr
     return commopt.create_multi_node_optimizer(
         inner, comm, double_buffering=cfg.double_buffering, overlap=True, model=model, **kwargs
     )
