@@ -130,6 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--valid-windows", type=int, default=2048, help="text: validation windows (default 2048)"
     )
     parser.add_argument(
+        "--outer-lr",
+        type=float,
+        help="the local-steps configurations' outer learning rate (default: the schedule's, 0.7)",
+    )
+    parser.add_argument(
         "--compute-steps",
         type=int,
         default=5,
@@ -263,6 +268,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         "seeds": seeds,
         "budget": args.budget,
         "budget_factor": args.budget_factor,
+        "outer_lr": args.outer_lr,
         "powersgd_warmup": args.powersgd_warmup,
         "tolerance": args.tolerance,
         "eval_every": args.eval_every,
@@ -305,8 +311,11 @@ def run_driver(args: argparse.Namespace) -> dict:
             "hidden",
             "context",
             "valid_windows",
+            "outer_lr",
             "collective_timeout",
         ):
+            if getattr(args, opt) is None:
+                continue
             worker += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
         worker += ["--threads", str(threads)]
         argv = launch_argv(args.nprocs, "--timeout", str(args.timeout))

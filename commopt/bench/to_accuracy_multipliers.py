@@ -8,7 +8,8 @@ budget factor, a lower bound, and is marked ``censored``). Which entry a configu
 measures: DDP's fp16 and bf16 hooks and PowerSGD with its warm-up (``-warm``), and commopt's
 codecs with overlap, measure the codec; commopt's ``-db`` and ``-comp`` configurations measure
 the ``stale`` and ``compensated`` schedules, as their ratio to the same codec with overlap in
-the same file; a ``local_stepsH`` configuration measures ``local_steps:H``. ``auto``, mixed
+the same file; a ``local_stepsH`` configuration measures ``local_steps:H`` (of the benchmark's
+own, only ``commopt-local-stepsH``: fp32 outer gradients, one fragment, no overlap). ``auto``, mixed
 plans and DDP PowerSGD without its warm-up measure nothing. Per task, the files' ratios are
 averaged weighted by their seeds; an entry's multiplier is the mean over the tasks. Entries
 no file measures keep what the table had (an estimate with its source).
@@ -47,6 +48,22 @@ def _codec_of(name: str) -> str | None:
     return cfg.wire
 
 
+def _plain_local_steps(name: str) -> bool:
+    """Whether ``name`` measures the local-steps schedule alone: commopt's, fp32 outer
+    gradients, one fragment, no overlap (names the benchmark does not know: by the name)."""
+    from commopt.bench.step.configs import CONFIGS
+
+    cfg = CONFIGS.get(name)
+    if cfg is None:
+        return True
+    return (
+        cfg.kind == "commopt"
+        and cfg.wire == "fp32"
+        and cfg.fragments == 1
+        and not cfg.overlap_steps
+    )
+
+
 def _steps(row: dict) -> float | None:
     if row.get("reached") and row.get("steps_to_target"):
         return float(row["steps_to_target"])
@@ -82,6 +99,8 @@ def ratios(report: dict) -> list[tuple[str, str, str, float, int, bool]]:
     for name, row in rows.items():
         seeds = int(row.get("seeds_run") or row.get("seeds_reached") or 1)
         local = _LOCAL.search(name)
+        if local and not _plain_local_steps(name):
+            continue  # compressed or streaming local steps, torchft: no entry of their own
         if local:
             found = ratio(row, base)
             if found:

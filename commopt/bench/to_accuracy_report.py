@@ -8,7 +8,11 @@ below. Per configuration and seed: the wall time and steps to the target and the
 steps needed x the configuration's compute-plus-codec seconds per step (the time if the link
 cost nothing). Per configuration: their mean and spread over the seeds, and the speed-ups
 against DDP fp32 and against the best DDP hook that reaches the target (ratios of the mean
-times, where every seed reached it).
+times, where every seed reached it), and the bytes each rank sent to the target (the record's
+``sent_bytes`` beside each evaluation: a local-steps configuration sends only on the steps a
+fragment synchronises; older records: bytes per step x steps) and how many times fewer than
+DDP fp32's. A local-steps configuration's time per step is the mean over its whole cycles of
+``sync_every`` steps (a median would report only its silent steps).
 
     >>> reached([(0, 0.0, 4.6), (10, 5.0, 3.0), (20, 10.0, 2.5)], 2.9)
     (20, 10.0)
@@ -25,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from commopt.bench.step.configs import CONFIGS, allreduce_limit_s
+from commopt.bench.step.configs import CONFIGS, allreduce_limit_s, cycle_mean
 
 REFERENCE = "ddp-fp32"
 #: Goals the headline is checked against: the best commopt configuration reaches the target
@@ -35,6 +39,8 @@ GOAL_VS_HOOK = 2.0
 GOAL_VS_FP32 = 3.0
 GOAL_FLOOR_RATIO = 1.3
 GOAL_AUTO_BEHIND = 0.05
+#: Local steps: bytes on the wire to the target at least this many times fewer than DDP fp32's.
+GOAL_BYTES_VS_FP32 = 100.0
 
 
 def reached(curve, target: float):
@@ -151,6 +157,28 @@ def target_loss(report: dict) -> float:
     return statistics.fmean(targets(report).values())
 
 
+def bytes_to(rec: dict, step: int) -> float:
+    """Bytes one rank sent by the end of ``step``: the record's ``sent_bytes`` at that
+    evaluation, else (records without it) bytes per step x steps."""
+    sent = rec.get("sent_bytes")
+    if sent:
+        for point, nbytes in zip(rec["curve"], sent):
+            if point[0] == step:
+                return float(nbytes)
+    return float(rec["wire_bytes"]) * step
+
+
+def step_seconds(name: str, times: list[float]) -> float | None:
+    """The configuration's time per step from its step times (every seed's, each seed's in
+    step order): the median; for a local-steps configuration the mean over each seed's whole
+    cycles (:func:`~commopt.bench.step.configs.cycle_mean`)."""
+    cfg = CONFIGS.get(name)
+    if cfg is not None and cfg.local_steps:
+        return cycle_mean(times, cfg.cycle)
+    ordered = sorted(times)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def _seed_row(rec: dict, target: float) -> dict:
     hit = reached(rec["curve"], target)
     step_cost = (
@@ -162,6 +190,7 @@ def _seed_row(rec: dict, target: float) -> dict:
         "wall_to_target_s": hit[1] if hit else None,
         "final_loss": rec["curve"][-1][2],
         "floor_s": hit[0] * step_cost if hit and step_cost is not None else None,
+        "bytes_to_target": bytes_to(rec, hit[0]) if hit else None,
     }
     # A run stopped at a higher target than this one cannot tell whether it would reach it.
     stop = rec.get("stop_target")
@@ -190,7 +219,14 @@ def summarize(report: dict) -> list[dict]:
             continue
         per = {s: _seed_row(rec, goal[s]) for s, rec in done.items()}
         hits = [p for p in per.values() if p["reached"]]
-        all_times = sorted(t for rec in done.values() for t in rec["step_times"])
+        cfg = CONFIGS.get(name)
+        cycle = cfg.cycle if cfg is not None else 1
+        # (each seed's whole cycles: a seed's cut-off tail does not shift the next seed's)
+        all_times = [
+            t
+            for rec in done.values()
+            for t in rec["step_times"][: len(rec["step_times"]) // cycle * cycle]
+        ]
         any_rec = next(iter(done.values()))
         compute = [rec["compute_s"] for rec in done.values() if rec.get("compute_s") is not None]
         codec = [rec["codec_s"] for rec in done.values() if rec.get("codec_s") is not None]
@@ -206,7 +242,8 @@ def summarize(report: dict) -> list[dict]:
             "reached": len(hits) == len(done) and not errors,
             "undecided": any(p["undecided"] for p in per.values()),
             "final_loss": statistics.fmean(p["final_loss"] for p in per.values()),
-            "median_step_s": all_times[len(all_times) // 2] if all_times else None,
+            "median_step_s": step_seconds(name, all_times),
+            "cycle_steps": cycle,
             "wire_mb": any_rec["wire_bytes"] / 1e6,
             "link_limit_step_s": allreduce_limit_s(
                 any_rec["wire_bytes"], report["nprocs"], report.get("rate_bits")
@@ -223,6 +260,9 @@ def summarize(report: dict) -> list[dict]:
             row["steps_to_target"], row["steps_to_target_sd"] = spread(
                 [p["steps_to_target"] for p in hits]
             )
+            row["bytes_to_target"], row["bytes_to_target_sd"] = spread(
+                [p["bytes_to_target"] for p in hits]
+            )
             floors = [p["floor_s"] for p in hits if p["floor_s"]]
             if len(floors) == len(hits):
                 row["floor_s"] = statistics.fmean(floors)
@@ -234,6 +274,7 @@ def summarize(report: dict) -> list[dict]:
             continue
         if ref is not None and ref.get("reached"):
             r["speedup_vs_ddp_fp32"] = _ratio(ref, r)
+            r["bytes_fewer_than_ddp_fp32"] = _ratio(ref, r, "bytes_to_target")
         hook = best_hook(rows, list(r["seeds"]))
         if hook is not None:
             r["speedup_vs_best_hook"] = _ratio(hook, r)
@@ -241,18 +282,20 @@ def summarize(report: dict) -> list[dict]:
     return rows
 
 
-def _mean_wall(row: dict, seeds: list[str]) -> float | None:
-    """``row``'s mean wall time to the target over ``seeds`` (None: not run on all of them)."""
+def _mean_wall(row: dict, seeds: list[str], key: str = "wall_to_target_s") -> float | None:
+    """``row``'s mean wall time (or ``key``) to the target over ``seeds`` (None: not run on
+    all of them)."""
     per = row.get("seeds", {})
-    if not all(s in per and per[s].get("wall_to_target_s") for s in seeds):
+    if not all(s in per and per[s].get(key) for s in seeds):
         return None
-    return statistics.fmean(per[s]["wall_to_target_s"] for s in seeds)
+    return statistics.fmean(per[s][key] for s in seeds)
 
 
-def _ratio(base: dict, row: dict) -> float | None:
-    """``base``'s mean time over ``row``'s, on the seeds ``row`` ran (both reached them)."""
+def _ratio(base: dict, row: dict, key: str = "wall_to_target_s") -> float | None:
+    """``base``'s mean time (or ``key``) over ``row``'s, on the seeds ``row`` ran (both
+    reached them)."""
     seeds = list(row["seeds"])
-    a, b = _mean_wall(base, seeds), _mean_wall(row, seeds)
+    a, b = _mean_wall(base, seeds, key), _mean_wall(row, seeds, key)
     return a / b if a is not None and b else None
 
 
@@ -371,7 +414,13 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"Command: `{report['command']}`{again}  \n{report['nprocs']} ranks, {report['link']}; "
         f"task {report.get('task', 'text')}: {report['model']}; seeds "
         f"{', '.join(seeds)}; DDP fp32 trains {budget} steps{others}{warm_text}; evaluation "
-        f"every {report['eval_every']}; target = {REFERENCE}'s validation loss at the budget "
+        f"every {report['eval_every']}; "
+        + (
+            f"local steps' outer learning rate {report['outer_lr']:g}; "
+            if report.get("outer_lr") is not None
+            else ""
+        )
+        + f"target = {REFERENCE}'s validation loss at the budget "
         f"+ {100 * report.get('tolerance', 0):g}% ({per_seed}); {report['machine']}, load "
         f"average {report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
     )
@@ -385,16 +434,26 @@ def markdown(report: dict, rows: list[dict]) -> str:
         else "Floor: steps to the target x (compute + codec seconds per step, measured after "
         "the configuration in the same run).\n\n"
     )
+    if any(r.get("cycle_steps", 1) > 1 for r in rows):
+        note += (
+            "Local steps (steps are inner steps): the step time and the wire bytes per step "
+            "are means over whole synchronisation cycles of H steps (most steps send nothing; "
+            "a median would show only those); MB to target: the bytes one rank sent up to the "
+            "evaluation that reached the target, counted on the steps that sent them; x fewer "
+            "bytes: DDP fp32's MB to target over the configuration's, same seeds.\n\n"
+        )
     lines = [
         "| configuration | reached | wall to target (s) | steps to target | x DDP fp32 | "
-        "final loss | x best DDP hook | floor (s) | x floor | median step (s) | "
-        "compute + codec/step (s) | wire MB/step | link limit/step (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "final loss | x best DDP hook | floor (s) | x floor | step (s): median; local steps: "
+        "cycle mean | compute + codec/step (s) | wire MB/step (local steps: cycle mean) | "
+        "link limit/step (s) | MB to target | x fewer bytes than DDP fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 13)
             continue
+        to_target = r.get("bytes_to_target")
         step_cost = (
             r["compute_s"] + (r["codec_s"] or 0.0) if r.get("compute_s") is not None else None
         )
@@ -404,8 +463,10 @@ def markdown(report: dict, rows: list[dict]) -> str:
             f"{_mean_sd(r, 'steps_to_target', 'steps_to_target_sd', '.1f', '.0f')} | {_f(r.get('speedup_vs_ddp_fp32'), '.2f')} | "
             f"{r['final_loss']:.4f} | {_f(r.get('speedup_vs_best_hook'), '.2f')} | "
             f"{_f(r.get('floor_s'), '.1f')} | {_f(r.get('floor_ratio'), '.2f')} | "
-            f"{_f(r['median_step_s'], '.3f')} | {_f(step_cost, '.3f')} | {r['wire_mb']:.1f} | "
-            f"{_f(r['link_limit_step_s'], '.3f')} |"
+            f"{_f(r['median_step_s'], '.3f')} | {_f(step_cost, '.3f')} | {r['wire_mb']:.3g} | "
+            f"{_f(r['link_limit_step_s'], '.3f')} | "
+            f"{_f(None if to_target is None else to_target / 1e6, '.1f')} | "
+            f"{_f(r.get('bytes_fewer_than_ddp_fp32'), '.0f')} |"
         )
     failed = [
         f"{r['label']} seed(s) failed: {'; '.join(sorted(set(r['errors'])))}"
@@ -415,7 +476,8 @@ def markdown(report: dict, rows: list[dict]) -> str:
     text = head + note + "\n".join(lines) + "\n"
     if failed:
         text += "\n" + "\n".join(f"- {f}" for f in failed) + "\n"
-    return text + _headline_text(rows)
+    traffic = _traffic_lines(rows)
+    return text + _headline_text(rows) + "".join(f"{line}\n" for line in traffic)
 
 
 def _headline_text(rows: list[dict]) -> str:
@@ -464,6 +526,34 @@ def _headline_text(rows: list[dict]) -> str:
         if r["config"].endswith("-comp") and "error" not in r
     ]
     return "\n".join(lines) + "\n"
+
+
+def _traffic_lines(rows: list[dict]) -> list[str]:
+    """One line per local-steps configuration: did it reach DDP fp32's target on every seed,
+    and how many times fewer bytes it sent to it (goal, for compressed outer gradients:
+    GOAL_BYTES_VS_FP32)."""
+    out = []
+    for r in rows:
+        cfg = CONFIGS.get(r["config"])
+        if cfg is None or not cfg.local_steps or "error" in r:
+            continue
+        fewer = r.get("bytes_fewer_than_ddp_fp32")
+        if not r.get("reached"):
+            out.append(
+                f"{r['label']}: reached DDP fp32's target on {r['seeds_reached']} of "
+                f"{r['seeds_run']} seed(s) within the budget factor: NOT met."
+            )
+            continue
+        verdict = "met" if fewer is not None and fewer >= GOAL_BYTES_VS_FP32 else "NOT met"
+        goal = (
+            f" (goal {GOAL_BYTES_VS_FP32:g}x: {verdict})" if cfg.wire != "fp32" else ""
+        )  # the goal is the compressed outer gradients'
+        out.append(
+            f"{r['label']}: reached DDP fp32's target on every seed in "
+            f"{r['steps_to_target']:.0f} inner steps (mean), sending {_f(fewer, '.0f')}x fewer "
+            f"bytes to it than DDP fp32{goal}."
+        )
+    return out
 
 
 def plot(report: dict, path: str) -> None:

@@ -7,7 +7,12 @@ validation loss every ``--eval-every`` steps; it stops at the first evaluation a
 the target, or after ``--budget-factor`` x the budget. The training clock stops during
 evaluation (every rank evaluates, then all restart together), so the curve's wall time is
 training time only. Compensated double buffering is evaluated at its true weights
-(``opt.true_weights()``); plain double buffering as training left them (one step behind).
+(``opt.true_weights()``); plain double buffering as training left them (one step behind);
+the local-steps configurations at the anchor (``opt.true_weights()``, the weights every rank
+agreed on at the last synchronisation; torchft's ``DiLoCo``: rank 0's weights, which between
+its synchronisations are local). Beside each evaluation the record keeps the bytes sent so far
+(``sent_bytes``): a reduction's bytes on every step for DDP and the per-step schedules, a
+fragment's outer gradients on the steps it sends them for local steps, nothing on the others.
 
 After each configuration, every rank at once: ``--compute-steps`` steps of a compute-only
 twin (the same model and Adam, no communication) and the configuration's codec arithmetic
@@ -20,6 +25,7 @@ after each configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -31,6 +37,7 @@ from typing import Any
 from commopt.bench.step.configs import (
     COMPENSATED,
     CONFIGS,
+    commopt_sent_bytes,
     commopt_wire_bytes,
     ddp_wire_bytes,
     powersgd_start_iter,
@@ -106,14 +113,20 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     commopt_opt: Any = None  # commopt's optimizer (wrapping Adam): flush(), true_weights()
     extra: dict[str, Any] = {}
     error = None
+    peer: Any = None  # torchft's DiLoCo (a context manager) and what it needs
     try:
-        if cfg.kind == "ddp":
+        if cfg.kind == "torchft":
+            from commopt.bench.torchft_peer import TorchftDiLoCo
+
+            peer = TorchftDiLoCo(model, inner, comm, cfg, seed)
+            wire = peer.wire_bytes_per_sync // cfg.sync_every
+        elif cfg.kind == "ddp":
             start_iter = powersgd_start_iter(cfg, args.budget, args.powersgd_warmup)
             net, wire = wrap_ddp(model, cfg, start_iter), ddp_wire_bytes(cfg, shapes)
             if cfg.wire == "powersgd":
                 extra["powersgd_start_iter"] = start_iter
         else:
-            opt = commopt_opt = wrap_commopt(inner, comm, model, cfg)
+            opt = commopt_opt = wrap_commopt(inner, comm, model, cfg, args.outer_lr)
             wire = commopt_wire_bytes(opt)
             extra["plans"] = list(commopt_opt.plans)
     except Exception as exc:  # the same on every rank: recorded, and the job goes on
@@ -126,7 +139,7 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
 
     def evaluate() -> float:
         with torch.no_grad():
-            if cfg.double_buffering == COMPENSATED:
+            if cfg.double_buffering == COMPENSATED or (cfg.local_steps and commopt_opt):
                 with commopt_opt.true_weights():
                     return float(F.cross_entropy(model(vx), vy))
             return float(F.cross_entropy(model(vx), vy))
@@ -135,25 +148,42 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     step_times = []
     stopped = "budget"
     comm.allgather_obj(None)
-    for step in range(1, budget + 1):
-        x, y = task.batch(gen)
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        step_times.append(time.perf_counter() - start)
-        if step % args.eval_every == 0 or step == budget:
-            # Plain double buffering's weights lag one step: evaluated as training left them.
-            loss = evaluate()
-            # Rank 0's loss decides for every rank (every rank restarts the clock together).
-            loss = comm.allgather_obj(loss)[0]
-            curve.append((step, sum(step_times), loss))
-            if not is_reference and target is not None and loss <= target:
-                stopped = "target"
-                break
+    with peer if peer is not None else _nothing():
+        for step in range(1, budget + 1):
+            x, y = task.batch(gen)
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            step_times.append(time.perf_counter() - start)
+            if step % args.eval_every == 0 or step == budget:
+                # Plain double buffering's weights lag one step: evaluated as training left them.
+                loss = evaluate()
+                # Rank 0's loss decides for every rank (every rank restarts the clock together).
+                loss = comm.allgather_obj(loss)[0]
+                curve.append((step, sum(step_times), loss))
+                if not is_reference and target is not None and loss <= target:
+                    stopped = "target"
+                    break
     # The floor's time per step, every rank at once, nothing in flight.
     comm.allgather_obj(None)
     codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
+    steps_run = curve[-1][0]
+    if commopt_opt is not None:
+        per_step = [commopt_sent_bytes(commopt_opt, t) for t in range(1, steps_run + 1)]
+    elif peer is not None:
+        per_step = [
+            peer.wire_bytes_per_sync if t % cfg.sync_every == 0 else 0
+            for t in range(1, steps_run + 1)
+        ]
+    else:
+        per_step = [wire] * steps_run
+    sent = [0]  # bytes sent by the end of each step (0: before the first)
+    for b in per_step:
+        sent.append(sent[-1] + b)
+    extra["sent_bytes"] = [sent[point[0]] for point in curve]
+    if peer is not None:
+        peer.close()
     if commopt_opt is not None:
         wire = commopt_wire_bytes(commopt_opt)  # compression="auto" has chosen its plan by now
         extra["plans"] = list(commopt_opt.plans)
@@ -173,6 +203,11 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
         "params": sum(math.prod(s) for s in shapes),
         **extra,
     }
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def _compute_seconds(task, seed: int, args, comm) -> float:

@@ -12,7 +12,14 @@ buffering (``-comp``: the stale averages applied at predicted weights; the model
 ``nn.Embedding`` weights reduce synchronously, the wrapper's default rule); qsgd4+EF and
 PowerSGD rank 4 also as a mixed plan (``-mixed``: double buffering, the model's first and
 last layers synchronous through ``plans=``); and ``compression="auto"`` (``commopt-auto``,
-``-db``, ``-comp``). ``wrap_commopt`` and ``wrap_ddp`` build one on a rank.
+``-db``, ``-comp``); commopt's local-steps schedule (``commopt-local-steps16``: DiLoCo, 16
+inner steps between synchronisations, fp32 outer gradients; ``-qsgd4+ef``: 4-bit outer
+gradients with error feedback; ``-stream-qsgd4+ef``: Streaming DiLoCo, 2 fragments each
+overlapping 1 inner step) and torchft's ``DiLoCo`` as a peer (``torchft-diloco16``, where
+torchft imports). ``wrap_commopt`` and ``wrap_ddp`` build one on a rank.
+
+A local-steps configuration sends nothing on most steps: its time and bytes per step are means
+over whole synchronisation cycles of ``sync_every`` steps (:func:`cycle_mean`), never medians.
 
     >>> CONFIGS["commopt-qsgd4+ef-db"].label
     'commopt qsgd4+EF, double buffering'
@@ -26,6 +33,10 @@ last layers synchronous through ``plans=``); and ``compression="auto"`` (``commo
     8396800
     >>> allreduce_limit_s(100e6, 2, parse_rate("1gbit"))
     0.8
+    >>> CONFIGS["commopt-local-steps16-stream-qsgd4+ef"].cycle
+    16
+    >>> cycle_mean([1.0, 0.0, 0.0, 0.0, 5.0], 4)  # one whole cycle; the fifth step is cut
+    0.25
 """
 
 from __future__ import annotations
@@ -71,6 +82,20 @@ class StepConfig:
     powersgd_warmup: bool = False
     # commopt: the model's first and last layers reduce synchronously (plans= rules)
     mixed: bool = False
+    # local steps (commopt's schedule, torchft's DiLoCo): inner steps between two
+    # synchronisations of a fragment (0: a reduction every step), fragments, overlap steps
+    sync_every: int = 0
+    fragments: int = 1
+    overlap_steps: int = 0
+
+    @property
+    def cycle(self) -> int:
+        """Steps of one whole cycle of the configuration's traffic (1: every step alike)."""
+        return max(1, self.sync_every)
+
+    @property
+    def local_steps(self) -> bool:
+        return self.sync_every > 0
 
 
 _MODES = (
@@ -148,7 +173,79 @@ def _configs() -> dict[str, StepConfig]:
                 double_buffering=db,
             )
         )
+    out += local_steps_configs()
     return {c.name: c for c in out}
+
+
+#: The local-steps configurations' H (Streaming: P fragments, each overlapping tau steps).
+LOCAL_STEPS_H = 16
+LOCAL_STEPS_FRAGMENTS = 2
+LOCAL_STEPS_OVERLAP = 1
+
+
+def local_steps_configs() -> list[StepConfig]:
+    """commopt's local-steps schedule (plain fp32, qsgd4+EF outer gradients, streaming; also
+    at H = 32) and torchft's ``DiLoCo`` (fp32 outer gradients, one fragment)."""
+    h, p, tau = LOCAL_STEPS_H, LOCAL_STEPS_FRAGMENTS, LOCAL_STEPS_OVERLAP
+    out = [
+        StepConfig(
+            f"commopt-local-steps{h}",
+            "commopt",
+            "fp32",
+            f"commopt local steps H={h}, fp32 outer gradients",
+            sync_every=h,
+        )
+    ]
+    out.extend(
+        StepConfig(
+            f"commopt-local-steps{every}-qsgd4+ef",
+            "commopt",
+            "qsgd4+ef",
+            f"commopt local steps H={every}, qsgd4+EF outer gradients",
+            sync_every=every,
+        )
+        for every in (h, 2 * h)
+    )
+    out.append(
+        StepConfig(
+            f"commopt-local-steps{h}-stream-qsgd4+ef",
+            "commopt",
+            "qsgd4+ef",
+            f"commopt streaming local steps H={h}, {p} fragments, overlap {tau}, "
+            "qsgd4+EF outer gradients",
+            sync_every=h,
+            fragments=p,
+            overlap_steps=tau,
+        )
+    )
+    out.append(
+        StepConfig(
+            f"torchft-diloco{h}",
+            "torchft",
+            "fp32",
+            f"torchft DiLoCo H={h}, fp32 outer gradients",
+            sync_every=h,
+        )
+    )
+    return out
+
+
+def cycle_mean(values, cycle: int) -> float | None:
+    """The mean of ``values`` (per-step times or bytes, in step order) over their whole cycles
+    of ``cycle`` steps: a configuration that synchronises every ``cycle`` steps is timed over
+    its silent steps and its synchronising ones alike. None when not one whole cycle ran.
+
+        >>> cycle_mean([0.1, 0.1, 0.1, 0.9, 0.1, 0.1, 0.1, 0.9], 4)
+        0.3
+        >>> cycle_mean([0.1, 0.2], 4) is None
+        True
+    """
+    if cycle < 1:
+        raise ValueError(f"a cycle is at least 1 step, got {cycle}")
+    whole = len(values) // cycle * cycle
+    if whole == 0:
+        return None
+    return round(math.fsum(values[:whole]) / whole, 12)
 
 
 CONFIGS: dict[str, StepConfig] = _configs()
@@ -157,8 +254,16 @@ CONFIGS: dict[str, StepConfig] = _configs()
 STEP_DEFAULT_CONFIGS = tuple(
     name
     for name, c in CONFIGS.items()
-    if not (c.powersgd_warmup or c.mixed or c.wire == "auto" or c.double_buffering == COMPENSATED)
+    if not (
+        c.powersgd_warmup
+        or c.mixed
+        or c.wire == "auto"
+        or c.double_buffering == COMPENSATED
+        or c.local_steps
+    )
 )
+#: The local-steps configurations of `commopt bench step` (``--configs local-steps``).
+LOCAL_STEPS_CONFIGS = tuple(name for name, c in CONFIGS.items() if c.local_steps)
 #: What `commopt demo` runs: DDP fp32 against commopt's fp16, qsgd4 and double buffering.
 DEMO_CONFIGS = (
     "ddp-fp32",
@@ -281,8 +386,11 @@ def mixed_plan_rules(model) -> list[tuple[str, dict]]:
     return [(pattern, {"double_buffering": False}) for pattern in layers]
 
 
-def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
-    """``inner`` wrapped by commopt's optimizer with this configuration's wire format."""
+def wrap_commopt(
+    inner, comm, model, cfg: StepConfig, outer_lr: float | None = None
+) -> MultiNodeOptimizer:
+    """``inner`` wrapped by commopt's optimizer with this configuration's wire format
+    (``outer_lr``: a local-steps configuration's outer learning rate, else the schedule's)."""
     import commopt
 
     kwargs: dict[str, Any] = {}
@@ -294,29 +402,65 @@ def wrap_commopt(inner, comm, model, cfg: StepConfig) -> MultiNodeOptimizer:
         kwargs["compression"] = f"powersgd{cfg.powersgd_rank}"
     if cfg.mixed:
         kwargs["plans"] = mixed_plan_rules(model)
+    if cfg.local_steps:
+        kwargs.update(
+            schedule="local_steps",
+            sync_every=cfg.sync_every,
+            fragments=cfg.fragments,
+            overlap_steps=cfg.overlap_steps,
+        )
+        if outer_lr is not None:
+            kwargs["outer_lr"] = outer_lr
     return commopt.create_multi_node_optimizer(
         inner, comm, double_buffering=cfg.double_buffering, overlap=True, model=model, **kwargs
     )
 
 
-def commopt_wire_bytes(opt) -> int:
-    """Bytes one step of commopt's optimizer ``opt`` puts on the wire, from its buckets' codecs.
-
-    Each plan has its own buckets over its own parameters; a low-rank bucket's wire depends
-    on its tensors' shapes (the plan's parameters, which the buckets' slots index).
-    """
+def reducer_wire_bytes(reducer) -> int:
+    """Bytes one reduction of ``reducer``'s buckets puts on the wire, from their codecs (a
+    low-rank bucket's wire depends on its tensors' shapes, which the buckets' slots index)."""
     from commopt.codecs import PowerSGD
 
     total = 0
-    for schedule in opt.plans.values():
-        reducer = schedule.bucketed.reducer
-        params = reducer.params
-        for b in reducer.buckets:
-            if isinstance(b.codec, PowerSGD):
-                shapes = [(s.offset, tuple(params[s.param].shape)) for s in b.slots]
-                total += 4 * b.codec.wire_numel(b.numel, shapes)
-            elif b.codec is not None:
-                total += b.codec.encoded_nbytes(b.numel)
-            else:
-                total += b.dtype.itemsize * b.numel
+    params = reducer.params
+    for b in reducer.buckets:
+        if isinstance(b.codec, PowerSGD):
+            shapes = [(s.offset, tuple(params[s.param].shape)) for s in b.slots]
+            total += 4 * b.codec.wire_numel(b.numel, shapes)
+        elif b.codec is not None:
+            total += b.codec.encoded_nbytes(b.numel)
+        else:
+            total += b.dtype.itemsize * b.numel
     return int(total)
+
+
+def commopt_sent_bytes(opt, step: int) -> int:
+    """Bytes commopt's optimizer ``opt`` sent during its inner step ``step`` (1-based).
+
+    A part that reduces every step sends its buckets each step; a local-steps part sends a
+    fragment's outer gradients on the steps whose reduction starts (``overlap_steps`` before
+    the fragment's synchronisation), nothing on the others. A local-steps part builds its
+    fragments at its first step: ask after it.
+    """
+    total = 0
+    for schedule in opt.plans.values():
+        if getattr(schedule, "reduces_every_step", True):
+            total += reducer_wire_bytes(schedule.bucketed.reducer)
+            continue
+        every, tau = schedule.sync_every, schedule.overlap_steps
+        for f in schedule.fragments:
+            if (step + tau) % every == f.offset:
+                total += reducer_wire_bytes(f.reducer)
+    return total
+
+
+def commopt_wire_bytes(opt) -> int:
+    """Bytes per step commopt's optimizer ``opt`` puts on the wire: a reduction's bytes for a
+    part that reduces every step; for a local-steps part, the mean over a whole cycle of
+    ``sync_every`` steps (every fragment once), rounded to a byte.
+    """
+    cycle = 1
+    for schedule in opt.plans.values():
+        if not getattr(schedule, "reduces_every_step", True):
+            cycle = math.lcm(cycle, schedule.sync_every)
+    return round(sum(commopt_sent_bytes(opt, t) for t in range(1, cycle + 1)) / cycle)

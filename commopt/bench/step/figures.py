@@ -8,6 +8,8 @@ Pure arithmetic over the workers' records (no torch, no processes):
     ...     [{"step_times": [1.0, 9.0, 2.0]}, {"step_times": [3.0]}, {"step_times": [60.0]}]
     ... )
     3.0
+    >>> robust_step([{"step_times": [0.1, 0.1, 0.1, 0.5]}, {"step_times": [0.2] * 4}], cycle=4)
+    0.2
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from commopt.bench.step.configs import CONFIGS, allreduce_limit_s
+from commopt.bench.step.configs import CONFIGS, allreduce_limit_s, cycle_mean
 from commopt.bench.step.floor import floor_s
 
 
@@ -29,9 +31,20 @@ def comm_wait_share(step_s: float, compute_s: float) -> float:
     return max(0.0, step_s - compute_s) / step_s
 
 
-def robust_step(rounds: list[dict], key: str = "step_times") -> float | None:
-    """Median over rounds of each round's median: one slow round cannot move it far."""
-    medians = [statistics.median(r[key]) for r in rounds if r.get(key)]
+def round_step(times: list[float], cycle: int = 1) -> float:
+    """One round's step time: the median; with ``cycle`` > 1 (a configuration that
+    synchronises every ``cycle`` steps, most steps silent) the mean over its whole cycles."""
+    if cycle > 1:
+        mean = cycle_mean(times, cycle)
+        if mean is not None:
+            return mean
+    return statistics.median(times)
+
+
+def robust_step(rounds: list[dict], key: str = "step_times", cycle: int = 1) -> float | None:
+    """Median over rounds of each round's median (``cycle`` > 1: each round's mean over whole
+    cycles, :func:`round_step`): one slow round cannot move it far."""
+    medians = [round_step(r[key], cycle) for r in rounds if r.get(key)]
     return statistics.median(medians) if medians else None
 
 
@@ -87,7 +100,11 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
     configuration's own compute-only time.
     """
     base = results.get("ddp-fp32")
-    base_step = robust_step(base["rounds"]) if base and "error" not in base else None
+    base_step = (
+        robust_step(base["rounds"], cycle=CONFIGS["ddp-fp32"].cycle)
+        if base and "error" not in base
+        else None
+    )
     rows = []
     for name, r in results.items():
         cfg = CONFIGS[name]
@@ -96,13 +113,13 @@ def summarize(results: dict[str, dict], n: int, rate_bits: float | None) -> list
             row.error = r["error"]
             rows.append(row)
             continue
-        step_s = robust_step(r["rounds"])
+        step_s = robust_step(r["rounds"], cycle=cfg.cycle)
         if step_s is None:  # was a TypeError further down
             row.error = "no timed steps recorded (no round has step_times)"
             rows.append(row)
             continue
         row.step_s = step_s
-        row.step_rounds = [statistics.median(rd["step_times"]) for rd in r["rounds"]]
+        row.step_rounds = [round_step(rd["step_times"], cfg.cycle) for rd in r["rounds"]]
         row.compute_s = robust_step(r["rounds"], "compute_times")
         row.backward_s = robust_step(r["rounds"], "backward_times")
         row.cpu_busy = cpu_share(r["rounds"])

@@ -152,7 +152,8 @@ def codec_seconds(cfg, shapes, n: int, repeats: int = 3, opt=None) -> float:
     """Median seconds of one step's codec arithmetic for ``cfg`` on this rank (1 rank's share).
 
     ``opt`` (commopt's optimizer of ``cfg``) is needed where the codec is chosen per layer
-    (``compression="auto"``): its buckets' own codecs are timed.
+    (``compression="auto"``): its buckets' own codecs are timed. A local-steps configuration
+    codes its outer gradients once per cycle of ``sync_every`` steps: its share per step.
     """
     import math
 
@@ -171,4 +172,4 @@ def codec_seconds(cfg, shapes, n: int, repeats: int = 3, opt=None) -> float:
         start = time.perf_counter()
         work()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times) / cfg.cycle

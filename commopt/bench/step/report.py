@@ -1,6 +1,7 @@
 """The step benchmark's report: the table (terminal and markdown), the markdown page, the plot.
 
->>> from commopt.bench.step.figures import Row
+>>> from commopt.bench.step.configs import CONFIGS
+from commopt.bench.step.figures import Row
 >>> table_cells(Row("ddp-fp32", "DDP fp32", "ddp", step_s=0.812, speedup=1.0))[:2]
 ['ddp-fp32', '812']
 """
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from commopt.bench.step.configs import CONFIGS
 from commopt.bench.step.figures import Row
 from commopt.bench.step.sim_export import sim_measurements
 from commopt.tables import table
@@ -134,6 +136,18 @@ def markdown_report(report: dict) -> str:
             f"{report['warmup']} warm-up and {info['steps']} timed steps per configuration; "
             f"median over rounds of each round's median.",
             "",
+            *(
+                [
+                    "Local-steps configurations (`local-steps`, `torchft-diloco`): each round's "
+                    "step time is the mean over whole synchronisation cycles of H steps (the "
+                    "timed blocks rounded up to whole cycles), not a median, which would show "
+                    "only the steps that send nothing; their link limit is that of the wire "
+                    "bytes per step averaged over a cycle.",
+                    "",
+                ]
+                if any(CONFIGS[r.config].local_steps for r in rows if r.config in CONFIGS)
+                else []
+            ),
             markdown_table(rows),
             "",
         ]

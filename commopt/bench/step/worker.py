@@ -8,11 +8,18 @@ plain optimizer and no communication (every rank at once: one rank's throughput 
 same moment and under the same sharing of the machine's cores). The records go to
 ``RESULT.rank<N>`` after each configuration, so a later failure keeps them; rank 0 prints
 ``PROGRESS`` lines for the driver.
+
+A local-steps configuration (commopt's schedule, torchft's ``DiLoCo``) sends on few steps: its
+blocks are whole cycles of ``sync_every`` steps (the block rounded up to a multiple of the
+cycle, the steps to a multiple of the block), so that every block holds each fragment's
+synchronisation as often as the others; its step time is the mean over those cycles
+(``commopt.bench.step.configs.cycle_mean``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -25,6 +32,7 @@ from commopt.bench.step.configs import (
     CONFIGS,
     StepConfig,
     commopt_wire_bytes,
+    cycle_mean,
     ddp_wire_bytes,
     powersgd_start_iter,
     wrap_commopt,
@@ -77,7 +85,7 @@ def run_worker(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(records))  # after each one: a later failure keeps these
         if comm.rank == 0:
             print(
-                f"{PROGRESS}done {index} {name} {statistics.median(rec['step_times']):.6f} "
+                f"{PROGRESS}done {index} {name} {step_seconds(cfg, rec['step_times']):.6f} "
                 f"{rec['eval_loss']:.6f}",
                 flush=True,
             )
@@ -87,6 +95,30 @@ def run_worker(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def step_seconds(cfg: StepConfig, times: list[float]) -> float:
+    """The configuration's time per step: the median, or (local steps) the cycle mean."""
+    if cfg.local_steps:
+        mean = cycle_mean(times, cfg.cycle)
+        if mean is not None:
+            return mean
+    return statistics.median(times)
+
+
+def cycle_blocks(cfg: StepConfig, steps: int, block: int) -> tuple[int, int]:
+    """(steps, block) of ``cfg``: unchanged, or for a local-steps configuration the block
+    rounded up to whole cycles and the steps up to whole blocks.
+
+        >>> cycle_blocks(CONFIGS["commopt-local-steps16-qsgd4+ef"], 24, 4)
+        (32, 16)
+        >>> cycle_blocks(CONFIGS["ddp-fp32"], 24, 4)
+        (24, 4)
+    """
+    if not cfg.local_steps:
+        return steps, block
+    block = -(-block // cfg.cycle) * cfg.cycle
+    return -(-steps // block) * block, block
 
 
 def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) -> dict:
@@ -107,6 +139,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     commopt_opt = None  # commopt's optimizer, when cfg.kind is "commopt"
     steps = args.steps or spec.steps
     block = min(args.block or spec.block, steps)
+    steps, block = cycle_blocks(cfg, steps, block)
     n_blocks = -(-steps // block)
     # Double buffering restarts its pipeline after each pause: one untimed step per block,
     # for every configuration so that all train the same number of steps.
@@ -118,6 +151,13 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
     elif cfg.kind == "commopt":
         opt = commopt_opt = wrap_commopt(inner, comm, model, cfg)
         wire_bytes = commopt_wire_bytes(opt)
+    peer = None  # torchft's DiLoCo around the inner optimizer
+    if cfg.kind == "torchft":
+        from commopt.bench.torchft_peer import TorchftDiLoCo
+
+        peer = TorchftDiLoCo(model, inner, gloo, cfg, args.seed)
+        wire_bytes = round(peer.wire_bytes_per_sync / cfg.sync_every)
+        peer.__enter__()
     # The compute-only twin: the same model and optimizer, no communication.
     torch.manual_seed(args.seed)
     twin = spec.build()
@@ -197,12 +237,20 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
         gloo.allgather_obj(None)
         twins = [twin_step(j) for j in range(args.compute_steps or count)]
         compute_times += twins
-        block_eff.append(statistics.median(twins) / statistics.median(step_times[first:]))
+        block_eff.append(statistics.median(twins) / step_seconds(cfg, step_times[first:]))
+    if peer is not None:
+        peer.__exit__(None, None, None)
+        peer.close()
+    if commopt_opt is not None:  # (a local-steps part builds its fragments at its first step)
+        wire_bytes = commopt_wire_bytes(commopt_opt)
     # The floor's codec time: this configuration's arithmetic on the gradient, every rank at
     # once (the same sharing of the cores as the compute twin), nothing in flight.
     gloo.allgather_obj(None)
     codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
-    with torch.no_grad():
+    with (
+        torch.no_grad(),
+        commopt_opt.true_weights() if cfg.local_steps and commopt_opt else contextlib.nullcontext(),
+    ):  # local steps: at the anchor, the weights the ranks agreed on
         ex, ey = spec.eval_batch()
         eval_loss = float(F.cross_entropy(model(ex), ey))
         checksum = float(sum(p.double().sum() for p in model.parameters()))
@@ -227,6 +275,7 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
         "checksum": checksum,
         "wire_bytes": wire_bytes,
         "params": sum(math.prod(s) for s in shapes),
+        "cycle": cfg.cycle,
     }
 
 
