@@ -87,10 +87,18 @@ def test_markdown_and_plot_come_from_the_report(tmp_path):
 # Several seeds, early stops, the floor, the best hook and the headline.
 
 
+def _steps_of(curve):
+    """Step times that add up to ``curve``'s wall times: each interval's steps alike."""
+    times = []
+    for (s0, w0, _), (s1, w1, _) in zip(curve, curve[1:], strict=False):
+        times += [(w1 - w0) / (s1 - s0)] * (s1 - s0)
+    return times
+
+
 def _rec(curve, compute=0.1, codec=0.0, stopped="budget", stop_target=None, wire=1_000_000):
     return {
         "curve": curve,
-        "step_times": [0.1] * curve[-1][0],
+        "step_times": _steps_of(curve),
         "compute_s": compute,
         "codec_s": codec,
         "stopped": stopped,
@@ -234,7 +242,7 @@ def test_auto_is_compared_with_the_best_other_configuration():
     auto = report["runs"]["commopt-qsgd4+ef"]["seeds"]
     report["runs"]["commopt-auto"] = {
         "seeds": {
-            s: dict(r, curve=[(p[0], p[1] * 1.04, p[2]) for p in r["curve"]])
+            s: dict(r, step_times=[t * 1.04 for t in r["step_times"]])
             for s, r in auto.items()
         }
     }

@@ -84,6 +84,7 @@ def _configs() -> dict[str, StepConfig]:
     out = [
         StepConfig("ddp-fp32", "ddp", "fp32", "DDP fp32"),
         StepConfig("ddp-fp16", "ddp", "fp16", "DDP fp16_compress_hook"),
+        StepConfig("ddp-bf16", "ddp", "bf16", "DDP bf16_compress_hook"),
         StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
         StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
     ]
@@ -209,7 +210,7 @@ def ddp_wire_bytes(config: StepConfig, shapes) -> int:
     numel = sum(math.prod(s) for s in shapes)
     if config.wire == "fp32":
         return 4 * numel
-    if config.wire == "fp16":
+    if config.wire in ("fp16", "bf16"):
         return 2 * numel
     if config.wire == "powersgd":
         return powersgd_wire_bytes(shapes, config.powersgd_rank)
@@ -242,11 +243,12 @@ def wrap_ddp(model, cfg: StepConfig, start_iter: int = POWERSGD_START_ITER):
 
     if cfg.wire == "fp32":
         return DDP(model)
-    if cfg.wire == "fp16":
+    if cfg.wire in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+        hook = getattr(default_hooks, f"{cfg.wire}_compress_hook")
         ddp = DDP(model)
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, hook)
         return ddp
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
