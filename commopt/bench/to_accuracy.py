@@ -13,6 +13,17 @@ DDP hook that reaches it, the floor (steps to the target x that configuration's 
 codec time per step, measured in the same run) and the ratio to it, and the link's limit per
 step. Runs from a checkout (the tasks' data live in ``recipes/``).
 
+Two settings (``--setting``): ``compute-heavy`` (the default: batch 64 per rank, hidden
+4096, 1 Gbit/s; DDP fp32's step is about 2.5x its compute on 2 shared cores) and
+``link-bound`` (batch 16, hidden 2048, 100 Mbit/s, the peers at their best: DDP fp32's step
+at least 8x its compute-only step, as on a GPU cluster whose link is the limit). Every run
+measures that ratio, prints it in its header, records it (``setting_check``) and warns
+loudly where the link-bound setting falls below 8x.
+
+    $ commopt bench to_accuracy --setting link-bound --task text --seeds 0 \\
+          --json benchmarks/results/tta-text-linkbound-seed0.json
+    $ commopt bench to_accuracy --charts docs/plots \\
+          --from-json benchmarks/results/tta-text-linkbound-seed0.json
     $ commopt bench to_accuracy --task text --seeds 0,1,2 \\
           --json benchmarks/results/tta-text-1gbit.json --markdown /tmp/tta-text.md \\
           --plot docs/plots/tta-text-1gbit.png
@@ -51,7 +62,7 @@ DEFAULT_CONFIGS = (
 #: configurations, fp32 first. Configurations added by other settings go in their own tuple.
 LINK_BOUND_CONFIGS = (
     "ddp-fp32,ddp-fp16,ddp-bf16,ddp-powersgd1-warm,ddp-powersgd4-warm,"
-    "commopt-fp16,commopt-qsgd4+ef,commopt-qsgd4+ef-db,commopt-powersgd4,commopt-auto"
+    "commopt-qsgd4+ef,commopt-qsgd4+ef-db,commopt-powersgd4,commopt-auto"
 )
 #: ``--setting``: the per-rank batch, the MLP width and the emulated link of each setting
 #: (docs/benchmarks-accuracy.md works the choice out against GPU clusters). ``compute-heavy``
@@ -64,7 +75,7 @@ SETTINGS: dict[str, dict] = {
     "link-bound": {
         "batch": 16,
         "hidden": 2048,
-        "link": "200mbit",
+        "link": "100mbit",
         "configs": LINK_BOUND_CONFIGS,
     },
 }
@@ -86,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(SETTINGS),
         default=DEFAULT_SETTING,
         help="compute-heavy: batch 64, hidden 4096, 1gbit (DDP fp32 ~2.5x its compute); "
-        "link-bound: batch 16, hidden 2048, 200mbit and the peers at their best (DDP fp32's "
+        "link-bound: batch 16, hidden 2048, 100mbit and the peers at their best (DDP fp32's "
         "step >= 8x its compute-only step, measured and checked in every run); "
         "--batch, --hidden, --link and --configs override it (default compute-heavy)",
     )
@@ -112,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-n", "--nprocs", type=int, default=2, help="ranks, one per host (default 2)"
     )
     parser.add_argument(
-        "--link", default=None, help="emulated link rate (default: the setting's, 1gbit or 200mbit)"
+        "--link", default=None, help="emulated link rate (default: the setting's, 1gbit or 100mbit)"
     )
     parser.add_argument("--no-link", action="store_true", help="plain loopback, unshaped")
     parser.add_argument(
@@ -189,6 +200,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "takes only those configurations' runs from PATH",
     )
     parser.add_argument(
+        "--charts",
+        metavar="DIR",
+        help="with --from-json: run nothing, write a loss-against-wall-time chart per task and "
+        "setting (tta-TASK-SETTING.png) and the speed-up chart of every configuration "
+        "(tta-speedup.png) into DIR (needs matplotlib)",
+    )
+    parser.add_argument(
         "--write-multipliers",
         metavar="PATH",
         nargs="?",
@@ -240,6 +258,17 @@ def run(args: argparse.Namespace) -> int:
                     f"{section[:-1]} {name}: x{entry['multiplier']:g} ({entry.get('source', '')})"
                 )
         print(f"wrote {out}", flush=True)
+        return 0
+    if getattr(args, "charts", None):
+        if not args.from_json:
+            raise SystemExit(
+                "commopt bench to_accuracy: --charts draws result files: give them with "
+                "--from-json PATH (once per file)"
+            )
+        from commopt.bench.to_accuracy_charts import write_charts
+
+        for path in write_charts(args.from_json, args.charts):
+            print(f"wrote {path}", flush=True)
         return 0
     if args.from_json:
         report = report_mod.merge_reports([report_mod.read_report(p) for p in args.from_json])

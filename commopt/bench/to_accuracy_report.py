@@ -20,8 +20,10 @@ times, where every seed reached it).
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,13 @@ SETTING_MIN_RATIO: dict[str | None, float] = {"link-bound": LINK_BOUND_MIN_RATIO
 REPEATS = 3
 MIN_REPEAT_STEPS = 2
 OUTLIER_FRACTION = 0.25
+
+
+REPEATS_NOTE = (
+    f"Wall to target: the steps to the target x the median of {REPEATS} repeats of the step "
+    f"time (consecutive blocks of the run; DDP PowerSGD's plain-allreduce warm-up steps at "
+    f"their own median; the measured sum is in the result file as measured_wall_s). "
+)
 
 
 def step_ratio_text(step_s: float, compute_s: float, min_ratio: float | None) -> str:
@@ -244,7 +253,7 @@ def step_repeats(step_times: list[float], steps: int, skip: int = 0) -> dict:
             "the measured sum",
         }
     cuts = [round(i * len(rest) / REPEATS) for i in range(REPEATS + 1)]
-    medians = [statistics.median(rest[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    medians = [statistics.median(rest[a:b]) for a, b in itertools.pairwise(cuts)]
     mid = statistics.median(medians)
     return {
         "repeats": medians,
@@ -327,6 +336,19 @@ def summarize(report: dict) -> list[dict]:
             "wall_to_target_s": None,
             "steps_to_target": None,
         }
+        row["outlier_repeats"] = [
+            f"seed {s}: repeat {i + 1} of {len(p['repeats']['repeats'])} "
+            f"{p['repeats']['repeats'][i]:.3f} s/step against their median "
+            f"{p['repeats']['median_step_s']:.3f} s"
+            for s, p in per.items()
+            if p.get("repeats")
+            for i in p["repeats"]["outliers"]
+        ]
+        row["repeats_why_not"] = [
+            f"seed {s}: {p['repeats']['why_not']}"
+            for s, p in per.items()
+            if p.get("repeats") and p["repeats"]["why_not"]
+        ]
         if hits:  # the mean over the seeds that reached it (all of them where ``reached``)
             row["wall_to_target_s"], row["wall_to_target_sd"] = spread(
                 [p["wall_to_target_s"] for p in hits]
@@ -486,14 +508,19 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"+ {100 * report.get('tolerance', 0):g}% ({per_seed}); {report['machine']}, load "
         f"average {report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
     )
+    check = report.get("setting_check") or setting_check(report)
+    if check is not None:
+        head += f"Setting: {check['setting'] or 'compute-heavy'}. {check['text']}.\n\n"
     many = len(seeds) > 1
     note = (
+        f"{REPEATS_NOTE}"
         "Times and steps: mean ± sample standard deviation over the seeds that reached the "
         "target; speed-ups: ratios of the mean times, where every seed reached it; floor: "
         "steps to the target x (compute + codec seconds per step, measured after the "
         "configuration in the same run).\n\n"
         if many
-        else "Floor: steps to the target x (compute + codec seconds per step, measured after "
+        else f"{REPEATS_NOTE}"
+        "Floor: steps to the target x (compute + codec seconds per step, measured after "
         "the configuration in the same run).\n\n"
     )
     lines = [
@@ -522,6 +549,16 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"{r['label']} seed(s) failed: {'; '.join(sorted(set(r['errors'])))}"
         for r in rows
         if "error" not in r and r.get("errors")
+    ]
+    failed += [
+        f"{r['label']}: outlier repeat of the step time (kept in the median): {o}"
+        for r in rows
+        for o in r.get("outlier_repeats", [])
+    ]
+    failed += [
+        f"{r['label']}: no repeats of the step time, {w}"
+        for r in rows
+        for w in r.get("repeats_why_not", [])
     ]
     text = head + note + "\n".join(lines) + "\n"
     if failed:
@@ -623,7 +660,8 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("validation loss")
     ax.set_title(
-        f"Time to accuracy ({report.get('task', 'text')}), {report['nprocs']} ranks, "
+        f"Time to accuracy ({report.get('task', 'text')}, "
+        f"{report.get('setting') or 'compute-heavy'} setting), {report['nprocs']} ranks, "
         f"{report['link']}",
         fontsize=9,
     )
@@ -638,6 +676,9 @@ def write_outputs(report: dict, args) -> None:
         report["tolerance"] = args.tolerance
     rows = report["rows"] = summarize(report)
     report["headline"] = headline(rows)
+    check = report["setting_check"] = setting_check(report)
+    if check is not None and check["met"] is False:
+        print(check["text"], file=sys.stderr, flush=True)
     print(markdown(report, rows), flush=True)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(report, indent=1))
