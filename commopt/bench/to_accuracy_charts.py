@@ -54,21 +54,26 @@ def group_reports(reports: list[dict]) -> dict[tuple[str, str], dict]:
     }
 
 
-def speedups(report: dict) -> list[tuple[str, float | None]]:
-    """(label, speed-up against DDP fp32 in time to the target; None: did not reach it on
-    every seed, or failed) for every configuration of ``report`` but DDP fp32."""
+def speedups(report: dict) -> list[tuple[str, float | None, str]]:
+    """(label, speed-up against DDP fp32 in time to the target, why there is none: "failed"
+    or "did not reach the target" on every seed, else "") for every configuration of
+    ``report`` but DDP fp32."""
     out = []
     for row in summarize(report):
         if row["config"] == REFERENCE:
             continue
-        out.append((row["label"], row.get("speedup_vs_ddp_fp32")))
+        value = row.get("speedup_vs_ddp_fp32")
+        why = (
+            "" if value is not None else "failed" if "error" in row else "did not reach the target"
+        )
+        out.append((row["label"], value, why))
     return out
 
 
 def speedup_chart(groups: dict[tuple[str, str], dict], path: str | Path) -> Path:
     """One horizontal bar per configuration and (task, setting): its speed-up against DDP
-    fp32; a configuration that did not reach the target is drawn as an empty mark at 0 and
-    labelled so; a dotted line at 1 (DDP fp32)."""
+    fp32; a configuration that failed or did not reach the target is a grey cross at 0,
+    labelled with the reason; a dotted line at 1 (DDP fp32)."""
     plt = _matplotlib()
     blocks = [(key, speedups(report)) for key, report in groups.items()]
     n_bars = sum(len(rows) for _, rows in blocks) + len(blocks)
@@ -77,10 +82,10 @@ def speedup_chart(groups: dict[tuple[str, str], dict], path: str | Path) -> Path
     y = 0
     ticks, labels = [], []
     for k, ((task, setting), rows) in enumerate(blocks):
-        for label, value in rows:
+        for label, value, why in rows:
             if value is None:
                 ax.plot([0], [y], "x", color="grey")
-                ax.text(0.05, y, "did not reach the target", va="center", fontsize=6)
+                ax.text(0.05, y, why, va="center", fontsize=6)
             else:
                 ax.barh(y, value, color=colours(k % 10), height=0.8)
                 ax.text(value, y, f" {value:.2f}x", va="center", fontsize=6)
