@@ -13,6 +13,17 @@ DDP hook that reaches it, the floor (steps to the target x that configuration's 
 codec time per step, measured in the same run) and the ratio to it, and the link's limit per
 step. Runs from a checkout (the tasks' data live in ``recipes/``).
 
+Two settings (``--setting``): ``compute-heavy`` (the default: batch 64 per rank, hidden
+4096, 1 Gbit/s; DDP fp32's step is about 2.5x its compute on 2 shared cores) and
+``link-bound`` (batch 16, hidden 2048, 100 Mbit/s, the peers at their best: DDP fp32's step
+at least 8x its compute-only step, as on a GPU cluster whose link is the limit). Every run
+measures that ratio, prints it in its header, records it (``setting_check``) and warns
+loudly where the link-bound setting falls below 8x.
+
+    $ commopt bench to_accuracy --setting link-bound --task text --seeds 0 \\
+          --json benchmarks/results/tta-text-linkbound-seed0.json
+    $ commopt bench to_accuracy --charts docs/plots \\
+          --from-json benchmarks/results/tta-text-linkbound-seed0.json
     $ commopt bench to_accuracy --task text --seeds 0,1,2 \\
           --json benchmarks/results/tta-text-1gbit.json --markdown /tmp/tta-text.md \\
           --plot docs/plots/tta-text-1gbit.png
@@ -46,6 +57,29 @@ DEFAULT_CONFIGS = (
     "commopt-qsgd4+ef-comp,commopt-powersgd1,commopt-powersgd4,commopt-powersgd4-db,"
     "commopt-powersgd4-comp,commopt-auto,commopt-auto-db,commopt-auto-comp"
 )
+#: The link-bound setting's configurations: every peer at its documented best (DDP's fp16 and
+#: bf16 hooks; PowerSGD rank 1 and 4 after torch's suggested warm-up) and commopt's best
+#: configurations, fp32 first. Configurations added by other settings go in their own tuple.
+LINK_BOUND_CONFIGS = (
+    "ddp-fp32,ddp-fp16,ddp-bf16,ddp-powersgd1-warm,ddp-powersgd4-warm,"
+    "commopt-qsgd4+ef,commopt-qsgd4+ef-db,commopt-powersgd4,commopt-auto"
+)
+#: ``--setting``: the per-rank batch, the MLP width and the emulated link of each setting
+#: (docs/benchmarks-accuracy.md works the choice out against GPU clusters). ``compute-heavy``
+#: is the historical one: on 2 shared cores DDP fp32 spends about 40% of its step computing.
+#: ``link-bound``: a narrower model, a small batch and a slow link, so that DDP fp32's step
+#: is at least LINK_BOUND_MIN_RATIO x its compute-only step, as on a GPU cluster whose link is
+#: the limit; measured in every run and checked by ``to_accuracy_report.setting_check``.
+SETTINGS: dict[str, dict] = {
+    "compute-heavy": {"batch": 64, "hidden": 4096, "link": "1gbit", "configs": None},
+    "link-bound": {
+        "batch": 16,
+        "hidden": 2048,
+        "link": "100mbit",
+        "configs": LINK_BOUND_CONFIGS,
+    },
+}
+DEFAULT_SETTING = "compute-heavy"
 #: Training steps of DDP fp32, whose loss there is the target (others: up to
 #: DEFAULT_BUDGET_FACTOR x as many).
 DEFAULT_BUDGET = 150
@@ -59,10 +93,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from commopt.bench.to_accuracy_tasks import TASKS
 
     parser.add_argument(
+        "--setting",
+        choices=sorted(SETTINGS),
+        default=DEFAULT_SETTING,
+        help="compute-heavy: batch 64, hidden 4096, 1gbit (DDP fp32 ~2.5x its compute); "
+        "link-bound: batch 16, hidden 2048, 100mbit and the peers at their best (DDP fp32's "
+        "step >= 8x its compute-only step, measured and checked in every run); "
+        "--batch, --hidden, --link and --configs override it (default compute-heavy)",
+    )
+    parser.add_argument(
         "--configs",
-        default=DEFAULT_CONFIGS,
-        help=f"comma-separated step-benchmark configurations, ddp-fp32 first "
-        f"(default {DEFAULT_CONFIGS})",
+        default=None,
+        help=f"comma-separated step-benchmark configurations, ddp-fp32 first (default: the "
+        f"setting's; compute-heavy: {DEFAULT_CONFIGS}; link-bound: {LINK_BOUND_CONFIGS})",
     )
     parser.add_argument(
         "--task",
@@ -79,7 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n", "--nprocs", type=int, default=2, help="ranks, one per host (default 2)"
     )
-    parser.add_argument("--link", default="1gbit", help="emulated link rate (default 1gbit)")
+    parser.add_argument(
+        "--link", default=None, help="emulated link rate (default: the setting's, 1gbit or 100mbit)"
+    )
     parser.add_argument("--no-link", action="store_true", help="plain loopback, unshaped")
     parser.add_argument(
         "--budget",
@@ -113,15 +158,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-every", type=int, default=5, help="steps between evaluations (default 5)"
     )
-    parser.add_argument("--batch", type=int, default=64, help="per-rank batch (default 64)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="per-rank batch (default: the setting's, 64 or 16)"
+    )
     parser.add_argument(
         "--lr", type=float, default=1e-3, help="Adam's learning rate (default 1e-3)"
     )
     parser.add_argument(
         "--hidden",
         type=int,
-        default=4096,
-        help="MLP width (default 4096: 21.4M parameters on text, 17.1M on digits)",
+        default=None,
+        help="MLP width (default: the setting's; 4096: 21.4M parameters on text, 17.1M on "
+        "digits; 2048: 6.6M on text, 4.3M on digits)",
     )
     parser.add_argument(
         "--context", type=int, default=16, help="text: characters seen (default 16)"
@@ -157,6 +205,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "takes only those configurations' runs from PATH",
     )
     parser.add_argument(
+        "--charts",
+        metavar="DIR",
+        help="with --from-json: run nothing, write a loss-against-wall-time chart per task and "
+        "setting (tta-TASK-SETTING.png) and the speed-up chart of every configuration "
+        "(tta-speedup.png) into DIR (needs matplotlib)",
+    )
+    parser.add_argument(
         "--write-multipliers",
         metavar="PATH",
         nargs="?",
@@ -170,8 +225,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser)
 
 
+def apply_setting(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``--batch``, ``--hidden``, ``--link`` and ``--configs`` left unset from
+    ``--setting``'s values (in place; returns ``args``)."""
+    setting = SETTINGS[getattr(args, "setting", None) or DEFAULT_SETTING]
+    for key in ("batch", "hidden", "link"):
+        if getattr(args, key, None) is None:
+            setattr(args, key, setting[key])
+    if getattr(args, "configs", None) is None:
+        args.configs = setting["configs"] or DEFAULT_CONFIGS
+    return args
+
+
 def run(args: argparse.Namespace) -> int:
     from commopt.bench import to_accuracy_report as report_mod
+
+    apply_setting(args)
 
     if args.worker:
         from commopt.bench.to_accuracy_worker import run_worker
@@ -194,6 +263,17 @@ def run(args: argparse.Namespace) -> int:
                     f"{section[:-1]} {name}: x{entry['multiplier']:g} ({entry.get('source', '')})"
                 )
         print(f"wrote {out}", flush=True)
+        return 0
+    if getattr(args, "charts", None):
+        if not args.from_json:
+            raise SystemExit(
+                "commopt bench to_accuracy: --charts draws result files: give them with "
+                "--from-json PATH (once per file)"
+            )
+        from commopt.bench.to_accuracy_charts import write_charts
+
+        for path in write_charts(args.from_json, args.charts):
+            print(f"wrote {path}", flush=True)
         return 0
     if args.from_json:
         report = report_mod.merge_reports([report_mod.read_report(p) for p in args.from_json])
@@ -222,6 +302,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         root_cause,
         start_job,
     )
+    from commopt.bench.to_accuracy_report import SETTING_MIN_RATIO
     from commopt.bench.to_accuracy_tasks import TASKS
     from commopt.bench.to_accuracy_worker import PROGRESS
     from commopt.commands.launch import launch_argv
@@ -265,6 +346,8 @@ def run_driver(args: argparse.Namespace) -> dict:
         "load_average_start": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "task": args.task,
+        "setting": args.setting,
+        "setting_min_ratio": SETTING_MIN_RATIO.get(args.setting),
         "seeds": seeds,
         "budget": args.budget,
         "budget_factor": args.budget_factor,
@@ -279,7 +362,8 @@ def run_driver(args: argparse.Namespace) -> dict:
         "runs": {},
     }
     print(
-        f"time to accuracy ({args.task}): {args.nprocs} ranks, {plan.description}; seeds "
+        f"time to accuracy ({args.task}, {args.setting} setting: batch {args.batch} per rank, "
+        f"hidden {args.hidden}): {args.nprocs} ranks, {plan.description}; seeds "
         f"{args.seeds}; DDP fp32 {args.budget} steps, the others up to "
         f"{args.budget_factor:g}x as many",
         flush=True,
@@ -298,6 +382,7 @@ def run_driver(args: argparse.Namespace) -> dict:
             str(result),
         ]
         for opt in (
+            "setting",
             "task",
             "seeds",
             "budget",

@@ -24,8 +24,10 @@ DDP fp32's. A local-steps configuration's time per step is the mean over its who
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,75 @@ GOAL_FLOOR_RATIO = 1.3
 GOAL_AUTO_BEHIND = 0.05
 #: Local steps: bytes on the wire to the target at least this many times fewer than DDP fp32's.
 GOAL_BYTES_VS_FP32 = 100.0
+
+#: The least ratio of DDP fp32's median step to its compute-only step that each setting
+#: promises (``commopt bench to_accuracy --setting``): the link-bound setting is the regime of
+#: GPU clusters whose link is the limit; a run below it is marked, not silently reported.
+LINK_BOUND_MIN_RATIO = 8.0
+SETTING_MIN_RATIO: dict[str | None, float] = {"link-bound": LINK_BOUND_MIN_RATIO}
+#: A time to the target prices its steps at the median of this many repeats of the step-time
+#: measurement (consecutive blocks of the run: ``step_repeats``), each of at least
+#: MIN_REPEAT_STEPS steps; a repeat more than OUTLIER_FRACTION from their median is reported.
+REPEATS = 3
+MIN_REPEAT_STEPS = 2
+OUTLIER_FRACTION = 0.25
+
+
+REPEATS_NOTE = (
+    f"Wall to target: the steps to the target x the median of {REPEATS} repeats of the step "
+    f"time (consecutive blocks of the run; DDP PowerSGD's plain-allreduce warm-up steps at "
+    f"their own median; the measured sum is in the result file as measured_wall_s). "
+)
+
+
+def step_ratio_text(step_s: float, compute_s: float, min_ratio: float | None) -> str:
+    """One line: DDP fp32's median step against its compute-only step, and, where the
+    setting promises a least ratio, whether it holds (loudly when it does not).
+
+        >>> step_ratio_text(2.0, 0.5, 8.0).startswith("WARNING")
+        True
+        >>> step_ratio_text(4.0, 0.25, 8.0)
+        'DDP fp32: median step 4.000 s = 16.0x its compute-only step 0.250 s (the setting needs >= 8x: holds)'
+    """
+    ratio = step_s / compute_s if compute_s else float("inf")
+    text = (
+        f"DDP fp32: median step {step_s:.3f} s = {ratio:.1f}x its compute-only step "
+        f"{compute_s:.3f} s"
+    )
+    if min_ratio is None:
+        return text
+    if ratio >= min_ratio:
+        return f"{text} (the setting needs >= {min_ratio:g}x: holds)"
+    return (
+        f"WARNING: NOT LINK-BOUND: {text}, below the setting's {min_ratio:g}x: this run does "
+        f"not measure the link-bound regime (a slower --link or a narrower --hidden raises it)"
+    )
+
+
+def setting_check(report: dict) -> dict | None:
+    """DDP fp32's median step (over every seed's steps) against its compute-only step (the
+    mean over the seeds), checked against the setting's least ratio: ``{"setting",
+    "median_step_s", "compute_s", "ratio", "min_ratio", "met", "text"}``; ``met`` is None
+    where the setting promises no ratio. None when DDP fp32 has no timed run."""
+    runs = seed_runs(report).get(REFERENCE, {})
+    done = [rec for rec in runs.values() if "curve" in rec and rec.get("compute_s")]
+    times = sorted(t for rec in done for t in rec.get("step_times", []))
+    if not done or not times:
+        return None
+    step = statistics.median(times)
+    compute = statistics.fmean(rec["compute_s"] for rec in done)
+    setting = report.get("setting")
+    min_ratio = report.get("setting_min_ratio", SETTING_MIN_RATIO.get(setting))
+    ratio = step / compute
+    return {
+        "setting": setting,
+        "median_step_s": step,
+        "compute_s": compute,
+        "ratio": ratio,
+        "min_ratio": min_ratio,
+        "met": None if min_ratio is None else ratio >= min_ratio,
+        "text": step_ratio_text(step, compute, min_ratio),
+    }
 
 
 def reached(curve, target: float):
@@ -179,15 +250,91 @@ def step_seconds(name: str, times: list[float]) -> float | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
-def _seed_row(rec: dict, target: float) -> dict:
+def step_repeats(step_times: list[float], steps: int, skip: int = 0, cycle: int = 1) -> dict:
+    """The step-time part of a time to the target, from repeats of its measurement.
+
+    The first ``skip`` steps (DDP PowerSGD's plain-allreduce warm-up) are priced at their own
+    median step. The other steps up to ``steps`` are cut into REPEATS consecutive blocks,
+    each a repeat of the step-time measurement, and priced at the median over the blocks of
+    each block's median step: a disturbed block (another process on the shared cores) moves
+    neither the figure nor, unless two of three are, its median. A block whose median is more
+    than OUTLIER_FRACTION away from that median is reported as an outlier. With fewer than
+    REPEATS x MIN_REPEAT_STEPS such steps, the figure is the measured sum, and ``why_not``
+    says so. A configuration that synchronises every ``cycle`` steps (local steps) is cut at
+    whole cycles and each block priced at its mean (a median would see only the silent
+    steps); with fewer than REPEATS whole cycles, the measured sum.
+
+        >>> r = step_repeats([0.5] * 8 + [2.0] * 4, 12)
+        >>> r["repeats"], r["median_step_s"], r["time_s"], r["outliers"]
+        ([0.5, 0.5, 2.0], 0.5, 6.0, [2])
+        >>> r = step_repeats([0.1, 0.1, 0.1, 0.5] * 3, 12, cycle=4)  # local steps, H = 4
+        >>> r["repeats"], round(r["time_s"], 6)
+        ([0.2, 0.2, 0.2], 2.4)
+        >>> step_repeats([0.3, 0.2], 2)["why_not"]
+        'only 2 steps to the target: too few for 3 repeats, the measured sum'
+    """
+    times = list(step_times[:steps])
+    skip = min(max(skip, 0), len(times))
+    head, rest = times[:skip], times[skip:]
+    head_s = len(head) * statistics.median(head) if head else 0.0
+    if cycle > 1:
+        cycles = len(rest) // cycle
+        if cycles < REPEATS:
+            return {
+                "repeats": [],
+                "median_step_s": cycle_mean(rest, cycle),
+                "time_s": sum(times),
+                "outliers": [],
+                "why_not": f"only {cycles} whole cycles of {cycle} steps to the target: too "
+                f"few for {REPEATS} repeats, the measured sum",
+            }
+        cuts = [round(i * cycles / REPEATS) * cycle for i in range(REPEATS + 1)]
+        means = [statistics.fmean(rest[a:b]) for a, b in itertools.pairwise(cuts)]
+        mid = statistics.median(means)
+        return {
+            "repeats": means,
+            "median_step_s": mid,
+            "time_s": head_s + len(rest) * mid,
+            "outliers": [i for i, m in enumerate(means) if abs(m - mid) > OUTLIER_FRACTION * mid],
+            "why_not": None,
+        }
+    if len(rest) < REPEATS * MIN_REPEAT_STEPS:
+        return {
+            "repeats": [],
+            "median_step_s": statistics.median(rest) if rest else None,
+            "time_s": sum(times),
+            "outliers": [],
+            "why_not": f"only {len(rest)} steps to the target: too few for {REPEATS} repeats, "
+            "the measured sum",
+        }
+    cuts = [round(i * len(rest) / REPEATS) for i in range(REPEATS + 1)]
+    medians = [statistics.median(rest[a:b]) for a, b in itertools.pairwise(cuts)]
+    mid = statistics.median(medians)
+    return {
+        "repeats": medians,
+        "median_step_s": mid,
+        "time_s": head_s + len(rest) * mid,
+        "outliers": [i for i, m in enumerate(medians) if abs(m - mid) > OUTLIER_FRACTION * mid],
+        "why_not": None,
+    }
+
+
+def _seed_row(rec: dict, target: float, cycle: int = 1) -> dict:
     hit = reached(rec["curve"], target)
     step_cost = (
         rec["compute_s"] + (rec.get("codec_s") or 0.0) if rec.get("compute_s") is not None else None
     )
+    rep = (
+        step_repeats(rec["step_times"], hit[0], rec.get("powersgd_start_iter", 0), cycle)
+        if hit and rec.get("step_times")
+        else None
+    )
     out = {
         "reached": hit is not None,
         "steps_to_target": hit[0] if hit else None,
-        "wall_to_target_s": hit[1] if hit else None,
+        "wall_to_target_s": (rep["time_s"] if rep else hit[1]) if hit else None,
+        "measured_wall_s": hit[1] if hit else None,
+        "repeats": rep,
         "final_loss": rec["curve"][-1][2],
         "floor_s": hit[0] * step_cost if hit and step_cost is not None else None,
         "bytes_to_target": bytes_to(rec, hit[0]) if hit else None,
@@ -217,10 +364,10 @@ def summarize(report: dict) -> list[dict]:
                 {"config": name, "label": label, "error": errors[0] if errors else "did not run"}
             )
             continue
-        per = {s: _seed_row(rec, goal[s]) for s, rec in done.items()}
-        hits = [p for p in per.values() if p["reached"]]
         cfg = CONFIGS.get(name)
         cycle = cfg.cycle if cfg is not None else 1
+        per = {s: _seed_row(rec, goal[s], cycle) for s, rec in done.items()}
+        hits = [p for p in per.values() if p["reached"]]
         # (each seed's whole cycles: a seed's cut-off tail does not shift the next seed's)
         all_times = [
             t
@@ -253,6 +400,19 @@ def summarize(report: dict) -> list[dict]:
             "wall_to_target_s": None,
             "steps_to_target": None,
         }
+        row["outlier_repeats"] = [
+            f"seed {s}: repeat {i + 1} of {len(p['repeats']['repeats'])} "
+            f"{p['repeats']['repeats'][i]:.3f} s/step against their median "
+            f"{p['repeats']['median_step_s']:.3f} s"
+            for s, p in per.items()
+            if p.get("repeats")
+            for i in p["repeats"]["outliers"]
+        ]
+        row["repeats_why_not"] = [
+            f"seed {s}: {p['repeats']['why_not']}"
+            for s, p in per.items()
+            if p.get("repeats") and p["repeats"]["why_not"]
+        ]
         if hits:  # the mean over the seeds that reached it (all of them where ``reached``)
             row["wall_to_target_s"], row["wall_to_target_sd"] = spread(
                 [p["wall_to_target_s"] for p in hits]
@@ -424,14 +584,19 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"+ {100 * report.get('tolerance', 0):g}% ({per_seed}); {report['machine']}, load "
         f"average {report['load_average_start']:.1f} at the start; {report['date']}.\n\n"
     )
+    check = report.get("setting_check") or setting_check(report)
+    if check is not None:
+        head += f"Setting: {check['setting'] or 'compute-heavy'}. {check['text']}.\n\n"
     many = len(seeds) > 1
     note = (
+        f"{REPEATS_NOTE}"
         "Times and steps: mean ± sample standard deviation over the seeds that reached the "
         "target; speed-ups: ratios of the mean times, where every seed reached it; floor: "
         "steps to the target x (compute + codec seconds per step, measured after the "
         "configuration in the same run).\n\n"
         if many
-        else "Floor: steps to the target x (compute + codec seconds per step, measured after "
+        else f"{REPEATS_NOTE}"
+        "Floor: steps to the target x (compute + codec seconds per step, measured after "
         "the configuration in the same run).\n\n"
     )
     if any(r.get("cycle_steps", 1) > 1 for r in rows):
@@ -472,6 +637,16 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"{r['label']} seed(s) failed: {'; '.join(sorted(set(r['errors'])))}"
         for r in rows
         if "error" not in r and r.get("errors")
+    ]
+    failed += [
+        f"{r['label']}: outlier repeat of the step time (kept in the median): {o}"
+        for r in rows
+        for o in r.get("outlier_repeats", [])
+    ]
+    failed += [
+        f"{r['label']}: no repeats of the step time, {w}"
+        for r in rows
+        for w in r.get("repeats_why_not", [])
     ]
     text = head + note + "\n".join(lines) + "\n"
     if failed:
@@ -602,7 +777,8 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("validation loss")
     ax.set_title(
-        f"Time to accuracy ({report.get('task', 'text')}), {report['nprocs']} ranks, "
+        f"Time to accuracy ({report.get('task', 'text')}, "
+        f"{report.get('setting') or 'compute-heavy'} setting), {report['nprocs']} ranks, "
         f"{report['link']}",
         fontsize=9,
     )
@@ -617,6 +793,9 @@ def write_outputs(report: dict, args) -> None:
         report["tolerance"] = args.tolerance
     rows = report["rows"] = summarize(report)
     report["headline"] = headline(rows)
+    check = report["setting_check"] = setting_check(report)
+    if check is not None and check["met"] is False:
+        print(check["text"], file=sys.stderr, flush=True)
     print(markdown(report, rows), flush=True)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -88,10 +88,23 @@ def run_worker(args: argparse.Namespace) -> int:
                 else:
                     done = f"failed: {rec['error']}"
                 print(f"{PROGRESS}done {name} seed {seed}: {done}", flush=True)
+                if name == REFERENCE and "curve" in rec:
+                    print(f"{PROGRESS}{_ratio_line(rec, args)}", flush=True)
     comm.allgather_obj(None)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _ratio_line(rec: dict, args) -> str:
+    """DDP fp32's median step against its compute-only step, checked against the setting."""
+    from commopt.bench.to_accuracy_report import SETTING_MIN_RATIO, step_ratio_text
+
+    return step_ratio_text(
+        statistics.median(rec["step_times"]),
+        rec["compute_s"],
+        SETTING_MIN_RATIO.get(getattr(args, "setting", None)),
+    )
 
 
 def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:

@@ -67,3 +67,8 @@ def test_to_accuracy_runs_ddp_and_commopt_to_the_target(tmp_path):
             assert rec["compute_s"] > 0 and rec["codec_s"] >= 0, (name, seed)
     assert report["runs"]["ddp-powersgd4-warm"]["seeds"]["0"]["powersgd_start_iter"] == 2
     assert len(report["runs"]["commopt-qsgd4+ef-comp"]["seeds"]["0"]["plans"]) == 2
+    # The header's check: DDP fp32's median step against its compute-only step, recorded.
+    check = report["setting_check"]
+    assert report["setting"] == "compute-heavy" and check["met"] is None
+    assert check["ratio"] == pytest.approx(check["median_step_s"] / check["compute_s"])
+    assert "DDP fp32: median step" in proc.stdout

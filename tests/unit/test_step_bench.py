@@ -55,6 +55,8 @@ def test_ddp_wire_bytes_of_each_hook():
     numel = 4096 * 1024 + 4096
     assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-fp32"], shapes) == 4 * numel
     assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-fp16"], shapes) == 2 * numel
+    assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-bf16"], shapes) == 2 * numel
+    assert "ddp-bf16" not in configs.STEP_DEFAULT_CONFIGS  # torch refuses it without NCCL/XPU
     assert configs.ddp_wire_bytes(configs.CONFIGS["ddp-powersgd1"], shapes) == 4 * (
         (4096 + 1024) + 4096
     )

@@ -1,5 +1,6 @@
 """Time to accuracy's pure parts: the target from DDP fp32's curve, reaching it, the table, the plot."""
 
+import itertools
 import json
 
 import pytest
@@ -87,10 +88,18 @@ def test_markdown_and_plot_come_from_the_report(tmp_path):
 # Several seeds, early stops, the floor, the best hook and the headline.
 
 
+def _steps_of(curve):
+    """Step times that add up to ``curve``'s wall times: each interval's steps alike."""
+    times = []
+    for (s0, w0, _), (s1, w1, _) in itertools.pairwise(curve):
+        times += [(w1 - w0) / (s1 - s0)] * (s1 - s0)
+    return times
+
+
 def _rec(curve, compute=0.1, codec=0.0, stopped="budget", stop_target=None, wire=1_000_000):
     return {
         "curve": curve,
-        "step_times": [0.1] * curve[-1][0],
+        "step_times": _steps_of(curve),
         "compute_s": compute,
         "codec_s": codec,
         "stopped": stopped,
@@ -234,8 +243,7 @@ def test_auto_is_compared_with_the_best_other_configuration():
     auto = report["runs"]["commopt-qsgd4+ef"]["seeds"]
     report["runs"]["commopt-auto"] = {
         "seeds": {
-            s: dict(r, curve=[(p[0], p[1] * 1.04, p[2]) for p in r["curve"]])
-            for s, r in auto.items()
+            s: dict(r, step_times=[t * 1.04 for t in r["step_times"]]) for s, r in auto.items()
         }
     }
     h = headline(summarize(report))
@@ -341,3 +349,106 @@ def test_a_report_read_with_a_configuration_list_keeps_those_runs_only(tmp_path)
     assert merged["runs"]["commopt-qsgd4+ef"]["seeds"]["0"]["curve"][-1][2] == 0.5
     with pytest.raises(ValueError, match="has no runs of"):
         read_report(f"{path}#commopt-nope")
+
+
+# The settings: DDP fp32's step against its compute-only step, checked; the charts.
+
+
+def _fp32_only(step_s, compute_s, setting="link-bound"):
+    report = _seeded()
+    report["setting"] = setting
+    for rec in report["runs"]["ddp-fp32"]["seeds"].values():
+        rec["step_times"] = [step_s] * len(rec["step_times"])
+        rec["compute_s"] = compute_s
+    return report
+
+
+def test_a_link_bound_run_below_8x_is_flagged_loudly(capsys):
+    from commopt.bench.to_accuracy_report import setting_check, write_outputs
+
+    check = setting_check(_fp32_only(1.0, 0.2))  # 5x
+    assert check["ratio"] == pytest.approx(5.0) and check["met"] is False
+    assert check["text"].startswith("WARNING: NOT LINK-BOUND") and "8x" in check["text"]
+    report = _fp32_only(1.0, 0.2)
+    write_outputs(report, type("A", (), {"tolerance": 0.0})())
+    out = capsys.readouterr()
+    assert "WARNING: NOT LINK-BOUND" in out.err and "WARNING: NOT LINK-BOUND" in out.out
+    assert report["setting_check"]["met"] is False
+
+
+def test_a_link_bound_run_at_8x_or_more_holds_and_compute_heavy_promises_nothing():
+    from commopt.bench.to_accuracy_report import setting_check
+
+    check = setting_check(_fp32_only(2.0, 0.25))  # exactly 8x
+    assert check["met"] is True and "holds" in check["text"]
+    heavy = setting_check(_fp32_only(1.0, 0.4, "compute-heavy"))
+    assert heavy["met"] is None and heavy["ratio"] == pytest.approx(2.5)
+    assert "WARNING" not in heavy["text"]
+    assert "2.5x its compute-only step" in markdown(_fp32_only(1.0, 0.4, "compute-heavy"), [])
+
+
+def test_the_settings_fill_only_what_the_command_left_unset():
+    import argparse
+
+    from commopt.bench.to_accuracy import DEFAULT_CONFIGS, LINK_BOUND_CONFIGS, apply_setting
+
+    args = apply_setting(
+        argparse.Namespace(setting="link-bound", batch=None, hidden=None, link=None, configs=None)
+    )
+    assert (args.batch, args.hidden, args.link, args.configs) == (
+        16,
+        2048,
+        "100mbit",
+        LINK_BOUND_CONFIGS,
+    )
+    args = apply_setting(
+        argparse.Namespace(setting="compute-heavy", batch=8, hidden=None, link=None, configs=None)
+    )
+    assert (args.batch, args.hidden, args.link, args.configs) == (8, 4096, "1gbit", DEFAULT_CONFIGS)
+
+
+def test_a_disturbed_block_of_steps_does_not_move_the_time_to_the_target():
+    from commopt.bench.to_accuracy_report import step_repeats
+
+    report = _seeded()
+    rec = report["runs"]["ddp-fp32"]["seeds"]["0"]
+    rec["step_times"] = rec["step_times"][:14] + [5.0] * 6  # the last third 5x slower
+    row = {r["config"]: r for r in summarize(report)}["ddp-fp32"]
+    seed0 = row["seeds"]["0"]
+    assert seed0["wall_to_target_s"] == pytest.approx(20.0)  # 20 steps x 1.0 s
+    assert seed0["measured_wall_s"] == 20.0  # the curve's (synthetic) wall time
+    assert row["outlier_repeats"] and "seed 0: repeat 3 of 3" in row["outlier_repeats"][0]
+    # PowerSGD's warm-up steps are priced at their own median.
+    assert step_repeats([2.0] * 4 + [0.5] * 12, 16, skip=4)["time_s"] == pytest.approx(14.0)
+
+
+def test_charts_are_drawn_from_result_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    from commopt.bench.to_accuracy_charts import group_reports, speedups, write_charts
+
+    paths = []
+    for task, setting in (("text", "link-bound"), ("digits", "link-bound"), ("text", None)):
+        report = dict(_seeded(), task=task, setting=setting)
+        path = tmp_path / f"{task}-{setting}.json"
+        path.write_text(json.dumps(report))
+        paths.append(str(path))
+    groups = group_reports([json.loads(open(p).read()) for p in paths])
+    assert list(groups) == [
+        ("text", "link-bound"),
+        ("digits", "link-bound"),
+        ("text", "compute-heavy"),
+    ]
+    bars = {label: (value, why) for label, value, why in speedups(groups[("text", "link-bound")])}
+    assert "DDP fp32" not in bars and bars["commopt qsgd4+EF, overlap"][0] > 1
+    assert bars["commopt auto, overlap"] == (None, "failed")
+    assert bars["DDP PowerSGD rank 1, warm-up"] == (None, "did not reach the target")
+    written = write_charts(paths, tmp_path / "charts")
+    names = sorted(p.name for p in written)
+    assert names == [
+        "tta-digits-link-bound.png",
+        "tta-speedup.png",
+        "tta-text-compute-heavy.png",
+        "tta-text-link-bound.png",
+    ]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

@@ -109,6 +109,7 @@ def _configs() -> dict[str, StepConfig]:
     out = [
         StepConfig("ddp-fp32", "ddp", "fp32", "DDP fp32"),
         StepConfig("ddp-fp16", "ddp", "fp16", "DDP fp16_compress_hook"),
+        StepConfig("ddp-bf16", "ddp", "bf16", "DDP bf16_compress_hook"),
         StepConfig("ddp-powersgd1", "ddp", "powersgd", "DDP PowerSGD rank 1", powersgd_rank=1),
         StepConfig("ddp-powersgd4", "ddp", "powersgd", "DDP PowerSGD rank 4", powersgd_rank=4),
     ]
@@ -249,7 +250,8 @@ def cycle_mean(values, cycle: int) -> float | None:
 
 
 CONFIGS: dict[str, StepConfig] = _configs()
-#: What `commopt bench step` runs by default: DDP's four and commopt's fp32, fp16, qsgd4,
+#: What `commopt bench step` runs by default (not DDP's bf16 hook, which torch refuses without
+#: CUDA and NCCL or XPU): DDP's four and commopt's fp32, fp16, qsgd4,
 #: qsgd4+EF and PowerSGD rank 1 and 4, each with overlap and with double buffering.
 STEP_DEFAULT_CONFIGS = tuple(
     name
@@ -257,7 +259,7 @@ STEP_DEFAULT_CONFIGS = tuple(
     if not (
         c.powersgd_warmup
         or c.mixed
-        or c.wire == "auto"
+        or c.wire in ("auto", "bf16")  # bf16: torch's hook needs CUDA/NCCL or XPU
         or c.double_buffering == COMPENSATED
         or c.local_steps
     )
@@ -314,7 +316,7 @@ def ddp_wire_bytes(config: StepConfig, shapes) -> int:
     numel = sum(math.prod(s) for s in shapes)
     if config.wire == "fp32":
         return 4 * numel
-    if config.wire == "fp16":
+    if config.wire in ("fp16", "bf16"):
         return 2 * numel
     if config.wire == "powersgd":
         return powersgd_wire_bytes(shapes, config.powersgd_rank)
@@ -347,11 +349,12 @@ def wrap_ddp(model, cfg: StepConfig, start_iter: int = POWERSGD_START_ITER):
 
     if cfg.wire == "fp32":
         return DDP(model)
-    if cfg.wire == "fp16":
+    if cfg.wire in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+        hook = getattr(default_hooks, f"{cfg.wire}_compress_hook")
         ddp = DDP(model)
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, hook)
         return ddp
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 

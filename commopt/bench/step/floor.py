@@ -137,10 +137,11 @@ def _ddp_work(cfg, shapes, n: int):
     flat = torch.cat([g.reshape(-1) for g in grads])
     if cfg.wire == "fp32":
         return lambda: flat.add_(flat)  # gloo's sum of the received bucket
-    if cfg.wire == "fp16":
+    if cfg.wire in ("fp16", "bf16"):
+        dtype = torch.float16 if cfg.wire == "fp16" else torch.bfloat16
 
-        def fp16_hook():  # fp16_compress_hook: divide, cast down, (sum), cast back
-            half = flat.div(n).to(torch.float16)
+        def fp16_hook():  # fp16/bf16_compress_hook: divide, cast down, (sum), cast back
+            half = flat.div(n).to(dtype)
             half.add_(half)
             flat.copy_(half)
 
