@@ -1,7 +1,6 @@
 """The step benchmark's report: the table (terminal and markdown), the markdown page, the plot.
 
->>> from commopt.bench.step.configs import CONFIGS
-from commopt.bench.step.figures import Row
+>>> from commopt.bench.step.figures import Row
 >>> table_cells(Row("ddp-fp32", "DDP fp32", "ddp", step_s=0.812, speedup=1.0))[:2]
 ['ddp-fp32', '812']
 """
