@@ -61,6 +61,9 @@ CONFIGS = {
         "--no-synchronous-embeddings",
         "--no-synchronous-vectors",
     ],
+    # local steps (DiLoCo): each rank takes 16 Adam steps alone, then the outer step
+    "local16": ["--sync-every", "16"],
+    "local16-qsgd4+ef": ["--sync-every", "16", "--compression", "qsgd4+ef"],
 }
 DEFAULT_CONFIGS = ["fp32", "fp16", "qsgd4", "qsgd4+ef", "db"]
 TOLERANCE_BLEU = 1.0

@@ -284,6 +284,9 @@ DROPPED_CTRL_C = """
 import os, signal, sys
 from commopt.commands.signals import install_signal_handlers, raise_if_signalled
 
+# As started from a terminal: a suite run in the background (`make test &`) hands its
+# children SIGINT ignored, which install_signal_handlers rightly keeps.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 install_signal_handlers()
 
 
