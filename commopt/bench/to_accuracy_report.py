@@ -277,44 +277,28 @@ def step_repeats(step_times: list[float], steps: int, skip: int = 0, cycle: int 
     skip = min(max(skip, 0), len(times))
     head, rest = times[:skip], times[skip:]
     head_s = len(head) * statistics.median(head) if head else 0.0
-    if cycle > 1:
-        cycles = len(rest) // cycle
-        if cycles < REPEATS:
-            return {
-                "repeats": [],
-                "median_step_s": cycle_mean(rest, cycle),
-                "time_s": sum(times),
-                "outliers": [],
-                "why_not": f"only {cycles} whole cycles of {cycle} steps to the target: too "
-                f"few for {REPEATS} repeats, the measured sum",
-            }
-        cuts = [round(i * cycles / REPEATS) * cycle for i in range(REPEATS + 1)]
-        means = [statistics.fmean(rest[a:b]) for a, b in itertools.pairwise(cuts)]
-        mid = statistics.median(means)
-        return {
-            "repeats": means,
-            "median_step_s": mid,
-            "time_s": head_s + len(rest) * mid,
-            "outliers": [i for i, m in enumerate(means) if abs(m - mid) > OUTLIER_FRACTION * mid],
-            "why_not": None,
-        }
-    if len(rest) < REPEATS * MIN_REPEAT_STEPS:
+    # local steps: whole cycles, each block at its mean; else steps, each block at its median
+    unit, aggregate = (cycle, statistics.fmean) if cycle > 1 else (1, statistics.median)
+    units = len(rest) // unit
+    if units < (REPEATS if cycle > 1 else REPEATS * MIN_REPEAT_STEPS):
+        what = f"{units} whole cycles of {cycle} steps" if cycle > 1 else f"{len(rest)} steps"
+        whole = cycle_mean(rest, cycle) if cycle > 1 else None
         return {
             "repeats": [],
-            "median_step_s": statistics.median(rest) if rest else None,
+            "median_step_s": whole if cycle > 1 else statistics.median(rest) if rest else None,
             "time_s": sum(times),
             "outliers": [],
-            "why_not": f"only {len(rest)} steps to the target: too few for {REPEATS} repeats, "
-            "the measured sum",
+            "why_not": f"only {what} to the target: too few for {REPEATS} repeats, the "
+            "measured sum",
         }
-    cuts = [round(i * len(rest) / REPEATS) for i in range(REPEATS + 1)]
-    medians = [statistics.median(rest[a:b]) for a, b in itertools.pairwise(cuts)]
-    mid = statistics.median(medians)
+    cuts = [round(i * units / REPEATS) * unit for i in range(REPEATS + 1)]
+    blocks = [aggregate(rest[a:b]) for a, b in itertools.pairwise(cuts)]
+    mid = statistics.median(blocks)
     return {
-        "repeats": medians,
+        "repeats": blocks,
         "median_step_s": mid,
         "time_s": head_s + len(rest) * mid,
-        "outliers": [i for i, m in enumerate(medians) if abs(m - mid) > OUTLIER_FRACTION * mid],
+        "outliers": [i for i, m in enumerate(blocks) if abs(m - mid) > OUTLIER_FRACTION * mid],
         "why_not": None,
     }
 
