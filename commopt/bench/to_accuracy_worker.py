@@ -161,7 +161,7 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     step_times = []
     stopped = "budget"
     comm.allgather_obj(None)
-    with peer if peer is not None else _nothing():
+    with peer if peer is not None else contextlib.nullcontext():
         for step in range(1, budget + 1):
             x, y = task.batch(gen)
             start = time.perf_counter()
@@ -216,11 +216,6 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
         "params": sum(math.prod(s) for s in shapes),
         **extra,
     }
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 def _compute_seconds(task, seed: int, args, comm) -> float:
