@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from commopt.bench.step.configs import CONFIGS, allreduce_limit_s, cycle_mean
+from commopt.bench.step.configs import CONFIGS, allreduce_limit_s, cycle_mean, step_seconds
 
 REFERENCE = "ddp-fp32"
 #: Goals the headline is checked against: the best commopt configuration reaches the target
@@ -239,17 +239,6 @@ def bytes_to(rec: dict, step: int) -> float:
     return float(rec["wire_bytes"]) * step
 
 
-def step_seconds(name: str, times: list[float]) -> float | None:
-    """The configuration's time per step from its step times (every seed's, each seed's in
-    step order): the median; for a local-steps configuration the mean over each seed's whole
-    cycles (:func:`~commopt.bench.step.configs.cycle_mean`)."""
-    cfg = CONFIGS.get(name)
-    if cfg is not None and cfg.local_steps:
-        return cycle_mean(times, cfg.cycle)
-    ordered = sorted(times)
-    return ordered[len(ordered) // 2] if ordered else None
-
-
 def step_repeats(step_times: list[float], steps: int, skip: int = 0, cycle: int = 1) -> dict:
     """The step-time part of a time to the target, from repeats of its measurement.
 
@@ -373,7 +362,7 @@ def summarize(report: dict) -> list[dict]:
             "reached": len(hits) == len(done) and not errors,
             "undecided": any(p["undecided"] for p in per.values()),
             "final_loss": statistics.fmean(p["final_loss"] for p in per.values()),
-            "median_step_s": step_seconds(name, all_times),
+            "median_step_s": step_seconds(CONFIGS.get(name), all_times),
             "cycle_steps": cycle,
             "wire_mb": any_rec["wire_bytes"] / 1e6,
             "link_limit_step_s": allreduce_limit_s(

@@ -12,7 +12,7 @@ import commopt
 from commopt.bench import torchft_peer
 from commopt.bench.step import configs
 from commopt.bench.step.figures import robust_step, summarize
-from commopt.bench.step.worker import cycle_blocks, step_seconds
+from commopt.bench.step.worker import cycle_blocks
 from commopt.bench.to_accuracy_report import bytes_to, markdown
 from commopt.bench.to_accuracy_report import summarize as tta_summarize
 from recipes.text_lm.wide import WideCharMLP
@@ -107,8 +107,8 @@ def test_cycle_mean_arithmetic_on_synthetic_step_times():
     with pytest.raises(ValueError, match="cycle"):
         configs.cycle_mean([1.0], 0)
     cfg = C["commopt-local-steps16"]
-    assert step_seconds(cfg, cycle * 2) == pytest.approx(0.2)
-    assert step_seconds(C["ddp-fp32"], cycle * 2) == pytest.approx(silent)  # the median
+    assert configs.step_seconds(cfg, cycle * 2) == pytest.approx(0.2)
+    assert configs.step_seconds(C["ddp-fp32"], cycle * 2) == pytest.approx(silent)  # the median
     # each round's cycle mean, then the median over rounds
     rounds = [{"step_times": cycle}, {"step_times": [0.3] * 16}, {"step_times": [5.0] * 16}]
     assert robust_step(rounds, cycle=16) == pytest.approx(0.3)

@@ -42,6 +42,8 @@ over whole synchronisation cycles of ``sync_every`` steps (:func:`cycle_mean`), 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -247,6 +249,24 @@ def cycle_mean(values, cycle: int) -> float | None:
     if whole == 0:
         return None
     return round(math.fsum(values[:whole]) / whole, 12)
+
+
+def step_seconds(cfg: StepConfig | None, times: Sequence[float]) -> float | None:
+    """A configuration's time per step from its step times (in step order): the median, or
+    for a local-steps configuration the mean over whole cycles (:func:`cycle_mean`; a median
+    would see only the silent steps). None when there is no time, or not one whole cycle.
+    ``cfg`` None: a configuration this module does not know, priced at the median.
+
+        >>> step_seconds(CONFIGS["ddp-fp32"], [0.1, 0.1, 0.1, 0.9])
+        0.1
+        >>> step_seconds(CONFIGS["commopt-local-steps16"], [0.1] * 15 + [1.7])
+        0.2
+        >>> step_seconds(CONFIGS["commopt-local-steps16"], [0.1] * 15) is None
+        True
+    """
+    if cfg is not None and cfg.local_steps:
+        return cycle_mean(times, cfg.cycle)
+    return statistics.median(times) if times else None
 
 
 CONFIGS: dict[str, StepConfig] = _configs()

@@ -13,7 +13,7 @@ A local-steps configuration (commopt's schedule, torchft's ``DiLoCo``) sends on 
 blocks are whole cycles of ``sync_every`` steps (the block rounded up to a multiple of the
 cycle, the steps to a multiple of the block), so that every block holds each fragment's
 synchronisation as often as the others; its step time is the mean over those cycles
-(``commopt.bench.step.configs.cycle_mean``).
+(``commopt.bench.step.configs.step_seconds``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from commopt.bench.step.configs import (
     CONFIGS,
     StepConfig,
     commopt_wire_bytes,
-    cycle_mean,
     ddp_wire_bytes,
     powersgd_start_iter,
+    step_seconds,
     wrap_commopt,
     wrap_ddp,
 )
@@ -85,7 +85,8 @@ def run_worker(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(records))  # after each one: a later failure keeps these
         if comm.rank == 0:
             print(
-                f"{PROGRESS}done {index} {name} {step_seconds(cfg, rec['step_times']):.6f} "
+                f"{PROGRESS}done {index} {name} "
+                f"{step_seconds(cfg, rec['step_times']) or math.nan:.6f} "
                 f"{rec['eval_loss']:.6f}",
                 flush=True,
             )
@@ -95,15 +96,6 @@ def run_worker(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-def step_seconds(cfg: StepConfig, times: list[float]) -> float:
-    """The configuration's time per step: the median, or (local steps) the cycle mean."""
-    if cfg.local_steps:
-        mean = cycle_mean(times, cfg.cycle)
-        if mean is not None:
-            return mean
-    return statistics.median(times)
 
 
 def cycle_blocks(cfg: StepConfig, steps: int, block: int) -> tuple[int, int]:
@@ -237,7 +229,9 @@ def _run_config(cfg: StepConfig, spec, comm, gloo, args, profile: bool = False) 
         gloo.allgather_obj(None)
         twins = [twin_step(j) for j in range(args.compute_steps or count)]
         compute_times += twins
-        block_eff.append(statistics.median(twins) / step_seconds(cfg, step_times[first:]))
+        block_step = step_seconds(cfg, step_times[first:])
+        assert block_step is not None, "a block is whole cycles (cycle_blocks)"
+        block_eff.append(statistics.median(twins) / block_step)
     if peer is not None:
         peer.__exit__(None, None, None)
         peer.close()
