@@ -27,9 +27,13 @@ LEAVE_EARLY = re.compile(r"test_a_rank_that_leaves_early_ends_the_job\[horovod-"
 BEGIN, END = "<!-- stress: begin -->", "<!-- stress: end -->"
 
 
-def read_run(path: Path) -> tuple[dict[str, int], dict[str, str], dict[str, float]]:
-    """(counts of passed/failed/skipped tests, {failed test: its failure text}, {test: s})."""
+def read_run(
+    path: Path,
+) -> tuple[dict[str, int], dict[str, str], dict[str, float], set[str]]:
+    """(counts of passed/failed/skipped tests, {failed test: its failure text}, {test: s},
+    the tests that passed)."""
     counts = {"passed": 0, "failed": 0, "skipped": 0}
+    passed: set[str] = set()
     failures: dict[str, str] = {}
     seconds: dict[str, float] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -45,7 +49,8 @@ def read_run(path: Path) -> tuple[dict[str, int], dict[str, str], dict[str, floa
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return counts, failures, seconds
+            passed.add(test)
+    return counts, failures, seconds, passed
 
 
 def _run_number(path: Path) -> int:
@@ -76,6 +81,7 @@ def collect(directory: Path) -> tuple[dict, dict[str, list[tuple[int, str]]]]:
         "machine": platform.machine(),
         "runs": [],
         "failures": {},
+        "passes": {},
         "leave_early": {"runs_passed": 0, "cases": 0, "max_seconds": 0.0},
     }
     texts: dict[str, list[tuple[int, str]]] = {}
@@ -88,9 +94,11 @@ def collect(directory: Path) -> tuple[dict, dict[str, list[tuple[int, str]]]]:
             entry["result"] = "no result (pytest did not finish)"
             record["runs"].append(entry)
             continue
-        counts, failures, seconds = read_run(xml)
+        counts, failures, seconds, passed = read_run(xml)
         entry.update(counts)
         record["runs"].append(entry)
+        for test in passed:
+            record["passes"][test] = record["passes"].get(test, 0) + 1
         for test, text in failures.items():
             texts.setdefault(test, []).append((run, text))
             record["failures"].setdefault(test, []).append(run)
@@ -123,8 +131,20 @@ def summary(record: dict, texts: dict[str, list[tuple[int, str]]]) -> tuple[str,
     return "\n".join(lines), ok
 
 
-def section(record: dict, result_file: str) -> str:
-    """The stress section of docs/reliability.md, from a record alone."""
+def section(records: list[tuple[dict, str]]) -> str:
+    """The stress section of docs/reliability.md, from records alone (each with its result
+    file): one part per batch of runs, then, for more than one, each test file's runs in all."""
+    out = [BEGIN, "## Stress: the multi-rank tests, again and again, under load", ""]
+    for record, result_file in records:
+        out += batch(record, result_file)
+    if len(records) > 1:
+        out += totals([r for r, _ in records])
+    out.append(END)
+    return "\n".join(out) + "\n"
+
+
+def batch(record: dict, result_file: str) -> list[str]:
+    """One batch of runs: its command, load, runs and failures."""
     runs = record["runs"]
     finished = [r for r in runs if "result" not in r]
     passed = sum(r["passed"] for r in finished)
@@ -137,9 +157,6 @@ def section(record: dict, result_file: str) -> str:
         else "no hog"
     )
     out = [
-        BEGIN,
-        "## Stress: the multi-rank tests, again and again, under load",
-        "",
         f"`{record['command']}` on {record['started']}: {', '.join(f'`{t}`' for t in record['tests'])}, "
         f"each run as CI runs the suite (`pytest {record['workers']}`), with {hog} for the whole "
         f"time, on one {record['machine']} host of {record['cores']} cores shared with other work "
@@ -174,16 +191,44 @@ def section(record: dict, result_file: str) -> str:
             for t, rs in sorted(record["failures"].items())
         ]
     le = record["leave_early"]
-    out += [
+    if le["cases"]:
+        out += [
+            "",
+            f"The Horovod cases in which rank 1 leaves early ({le['cases']}: `sys.exit(1)`, "
+            f"`sys.exit(0)`, an early return, and `sys.exit(1)` on 4 ranks; each checks that "
+            f"every other rank names rank 1 and that the job ends within 60 s of the departure) "
+            f"passed in {le['runs_passed']} of {len(runs)} runs; the longest took "
+            f"{le['max_seconds']:.1f} s from its start (start-up included, on the loaded cores).",
+        ]
+    out.append("")
+    return out
+
+
+def totals(records: list[dict]) -> list[str]:
+    """Each test file's cases and how often each ran and passed over every batch: the fewest
+    passing runs of any of its cases (a file's figure is its weakest case's)."""
+    passes: dict[str, dict[str, int]] = {}
+    failures: dict[str, int] = {}
+    for record in records:
+        for test, count in record.get("passes", {}).items():
+            cases = passes.setdefault(test.split("::")[0], {})
+            cases[test] = cases.get(test, 0) + count
+        for test, runs in record["failures"].items():
+            name = test.split("::")[0]
+            passes.setdefault(name, {}).setdefault(test, 0)
+            failures[name] = failures.get(name, 0) + len(runs)
+    out = [
+        "All batches together, per test file (a case's runs are counted where it passed; "
+        "**fewest** is the least any case of the file passed):",
         "",
-        f"The Horovod cases in which rank 1 leaves early ({le['cases']}: `sys.exit(1)`, "
-        f"`sys.exit(0)`, an early return, and `sys.exit(1)` on 4 ranks; each checks that every "
-        f"other rank names rank 1 and that the job ends within 60 s of the departure) passed in "
-        f"{le['runs_passed']} of {len(runs)} runs; the longest took {le['max_seconds']:.1f} s "
-        "from its start (start-up included, on the loaded cores).",
-        END,
+        "| test file | cases | fewest passing runs of a case | failures |",
+        "|---|---|---|---|",
     ]
-    return "\n".join(out) + "\n"
+    for name in sorted(passes):
+        cases = passes[name]
+        out.append(f"| `{name}` | {len(cases)} | {min(cases.values())} | {failures.get(name, 0)} |")
+    out.append("")
+    return out
 
 
 def write_section(page: Path, text: str) -> None:
@@ -199,21 +244,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default="out/stress")
     parser.add_argument("--json", help="write the record here")
-    parser.add_argument("--from-json", help="read this record instead of a directory")
+    parser.add_argument(
+        "--from-json",
+        action="append",
+        help="read this record instead of a directory (again: another batch, in order)",
+    )
     parser.add_argument("--docs", help="write the stress section of this page (reliability.md)")
     args = parser.parse_args(argv)
     if args.from_json:
-        record, texts = json.loads(Path(args.from_json).read_text()), {}
-        result_file = args.from_json
+        records = [(json.loads(Path(f).read_text()), f) for f in args.from_json]
+        texts: dict[str, list[tuple[int, str]]] = {}
     else:
         record, texts = collect(Path(args.directory))
-        result_file = args.json or ""
-    if args.json and not args.from_json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    text, ok = summary(record, texts)
-    print(text)
+        records = [(record, args.json or "")]
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    ok = True
+    for record, _ in records:
+        text, fine = summary(record, texts)
+        print(text)
+        ok = ok and fine
     if args.docs:
-        write_section(Path(args.docs), section(record, result_file))
+        write_section(Path(args.docs), section(records))
         print(f"wrote the stress section of {args.docs}")
     return 0 if ok else 1
 
