@@ -221,7 +221,7 @@ def totals(records: list[dict]) -> list[str]:
         "All batches together, per test file (a case's runs are counted where it passed; "
         "**fewest** is the least any case of the file passed):",
         "",
-        "| test file | cases | fewest passing runs of a case | failures |",
+        "| test file | cases stressed | fewest passing runs of a case | failures |",
         "|---|---|---|---|",
     ]
     for name in sorted(passes):
