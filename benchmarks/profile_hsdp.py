@@ -94,6 +94,8 @@ def instrument() -> None:
     _wrap(qsgd.QSGD, "encode", "qsgd.encode")
     _wrap(qsgd.QSGD, "decode_scaled", "qsgd.decode")
     qsgd.QSGD.decode = qsgd.QSGD.decode_scaled  # type: ignore[method-assign]
+    if "decode_own" in vars(qsgd.QSGD):  # error feedback's read-back of its own wire
+        _wrap(qsgd.QSGD, "decode_own", "qsgd.decode")
     _wrap(qsgd.QSGD, "_check_scales", "qsgd.check_scales")
     nan_to_num_ = torch.nan_to_num_
 
@@ -208,7 +210,8 @@ def main() -> int:
             Path(args.json).write_text(
                 json.dumps(
                     {
-                        "command": "commopt launch ... -- python " + " ".join(sys.argv),
+                        "command": f"commopt launch -n {world} --launcher torch --ranks-per-host "
+                        f"{world // args.nodes} -- python " + " ".join(sys.argv),
                         "world": world,
                         "nodes": args.nodes,
                         "steps": args.steps,
