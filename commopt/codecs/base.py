@@ -110,6 +110,15 @@ class Codec(ABC):
         else:
             torch.mul(tmp, alpha, out=out)
 
+    def decode_own(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
+        """``decode_scaled`` of a wire that this codec's own ``encode`` has just written in this
+        process (error feedback reads back what it sent): the bytes never left the process, so
+        a codec may skip the checks it runs on a wire from a peer. Same values as
+        ``decode_scaled``."""
+        self.decode_scaled(wire, out, accumulate=accumulate, alpha=alpha)
+
     # Stateful codecs (error feedback) override these; the state is plain tensors.
     def state_dict(self) -> dict[str, Any]:
         return {}

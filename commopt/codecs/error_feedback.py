@@ -108,7 +108,7 @@ class ErrorFeedback(Codec):
         self._residuals[key] = r
         self.inner.encode(r, out, scale=1.0, rng=rng, key=key)
         # r <- y - decode(wire), fused in the decode kernel
-        self.inner.decode_scaled(out, r, accumulate=True, alpha=-1.0)
+        self.inner.decode_own(out, r, accumulate=True, alpha=-1.0)
         torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)
 
     def decode(self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False) -> None:
@@ -118,6 +118,11 @@ class ErrorFeedback(Codec):
         self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
     ) -> None:
         self.inner.decode_scaled(wire, out, accumulate=accumulate, alpha=alpha)
+
+    def decode_own(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
+        self.inner.decode_own(wire, out, accumulate=accumulate, alpha=alpha)
 
     def residual(self, key: Hashable | None = None) -> torch.Tensor | None:
         """The residual kept for ``key`` (None before its first encode)."""

@@ -166,6 +166,15 @@ class QSGD(Codec):
 
     decode = decode_scaled  # (alpha defaults to 1: the plain decode is the same kernel call)
 
+    def decode_own(
+        self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
+    ) -> None:
+        """``decode_scaled`` without the check of the scales: the wire is this process's own
+        encode (error feedback's read-back), whose scales need no check."""
+        flat = check_values(self, out, "out")
+        check_wire(self, wire, flat.numel(), "wire")
+        kernels.qsgd_decode(wire, flat, accumulate=accumulate, alpha=alpha, **self._params())
+
     def _check_scales(self, wire: torch.Tensor, numel: int) -> None:
         """Raise for a scale no encoder writes (one read of the ``numel / bucket_size`` scales).
 
@@ -180,6 +189,11 @@ class QSGD(Codec):
         scales = typed_view(head, self.scale_dtype)
         if scales is None:
             scales = head.clone().view(self.scale_dtype)
+        # One pass and one host read on the good path: NaN and +Inf (legal) count as 0,
+        # -Inf stays below 0; the top legal value is checked in float64 as below.
+        low, high = torch.aminmax(torch.nan_to_num(scales, nan=0.0, posinf=0.0))
+        if float(low) >= 0 and float(high) * self.levels <= _TOP:
+            return
         steps = scales.to(torch.float64)
         bad = (steps < 0) | (torch.isfinite(steps) & (steps * self.levels > _TOP))
         if bool(bad.any()):

@@ -141,6 +141,28 @@ class _Segment:
     shape: tuple[int, ...]
 
 
+def _stretch(bucket, segments: list[_Segment]) -> int | None:
+    """Where ``bucket`` starts in the hook's flat tensor if it is one stretch of it (its
+    slots in the same order and places, no padding), else None.
+
+        >>> from commopt.reducer.layout import Bucket, Slot
+        >>> segs = [_Segment("w", 0, 8, (2, 4)), _Segment("b", 8, 2, (2,))]
+        >>> b = Bucket(0, None, False, torch.device("cpu"), torch.float32, [Slot(1, 0, 2, 2)], 2)
+        >>> _stretch(b, segs)
+        8
+        >>> b.slots, b.numel = [Slot(1, 0, 2, 2), Slot(0, 2, 8, 8)], 10  # reversed order
+        >>> _stretch(b, segs) is None
+        True
+    """
+    start = None
+    for s in bucket.slots:
+        at = segments[s.param].offset - s.offset
+        if s.padded != s.numel or at < 0 or (start is not None and at != start):
+            return None
+        start = at
+    return start
+
+
 class _ShardView:
     """Looks like a parameter to the reducer; its ``grad`` is a view into the hook's tensor."""
 
@@ -170,6 +192,10 @@ class _Unit:
         self.segments = segments
         self.numel = sum(s.numel for s in segments)
         self.reducer: GradientReducer | None = None
+        # Per bucket of the reducer: where its flat buffer starts in the hook's tensor when
+        # the bucket is one stretch of it (reduced there, no copy in or out), else None.
+        self.in_place: list[int | None] = []
+        self.flats: list[torch.Tensor] = []  # the buckets' flat buffers, this backward
         self.pending_state: dict[str, Any] = {}  # codec state for the reducer, once made
         # "probe": wait in the hook and check FSDP's handling afterwards; then "deferred"
         # (reduce while backward goes on) or "blocking" (wait in the hook).
@@ -321,15 +347,22 @@ class CompressedReplicas:
         for view, seg in zip(reducer.params, unit.segments):
             view.grad = output[seg.offset : seg.offset + seg.numel].view(seg.shape)
         reduction = reducer.start(self._number)  # opens the codecs' step (error feedback)
-        flats = reducer.buffers[0]
+        # A bucket that is one stretch of the hook's tensor is reduced where it lies: packing
+        # then only checks it for NaN/Inf, and the averages need no unpacking.
+        flats = [
+            reducer.buffers[0][b.index] if at is None else output[at : at + b.numel]
+            for b, at in zip(reducer.buckets, unit.in_place)
+        ]
+        unit.flats = flats
         present = [True] * len(unit.segments)
         unit.bad = [reducer.pack(b, flats[b.index], present) for b in reducer.buckets]
         for b in reducer.buckets:
             reducer.reduce(b, flats[b.index], reduction.number, 1.0)
         keep = [True] * len(unit.segments)
+        copied = [b for b, at in zip(reducer.buckets, unit.in_place) if at is None]
 
         def unpack() -> None:
-            for b in reducer.buckets:
+            for b in copied:
                 reducer.unpack(b, flats[b.index], keep)
 
         unit.output = output
@@ -379,6 +412,9 @@ class CompressedReplicas:
             reducer.load_codec_states(unit.pending_state)
             unit.pending_state = {}
         unit.reducer = reducer
+        unit.in_place = [
+            _stretch(b, unit.segments) if b.dtype == output.dtype else None for b in reducer.buckets
+        ]
         return reducer
 
     def _begin_backward(self) -> None:
@@ -420,6 +456,7 @@ class CompressedReplicas:
             for unit in called:
                 unit.output = None
                 unit.expected = None
+                unit.flats = []
 
     def _probe(self, unit: _Unit) -> None:
         """After a unit's first reduction: does FSDP keep the hook's tensor as the gradient?"""
@@ -468,7 +505,7 @@ class CompressedReplicas:
                 flags = torch.zeros(1, device=device)
                 for unit in called:
                     assert unit.reducer is not None
-                    flats = unit.reducer.buffers[0]
+                    flats = unit.flats
                     for b, bad in zip(unit.reducer.buckets, unit.bad):
                         if isinstance(bad, torch.Tensor):
                             flags.add_(bad.reshape(1).to(torch.float32))
@@ -481,7 +518,7 @@ class CompressedReplicas:
                     bool(bad) or (may_overflow(b.codec, 1.0) and has_nonfinite(flat))
                     for unit in called
                     if unit.reducer is not None
-                    for b, bad, flat in zip(unit.reducer.buckets, unit.bad, unit.reducer.buffers[0])
+                    for b, bad, flat in zip(unit.reducer.buckets, unit.bad, unit.flats)
                 )
                 flags = torch.tensor([float(bad_here)], device=device)
             comm.allreduce(flags)

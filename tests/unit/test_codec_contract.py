@@ -133,6 +133,17 @@ def test_decode_accumulates(codec):
     assert torch.equal(acc, expected)
 
 
+def test_decode_own_gives_decode_scaleds_values(codec):
+    # error feedback's read-back of its own wire skips the untrusted-wire checks, not a bit
+    x = torch.randn(513)
+    wire, _ = _round_trip(codec, x)
+    acc = torch.linspace(-3, 3, 513)
+    own, expected = acc.clone(), acc.clone()
+    codec.decode_scaled(wire, expected, accumulate=True, alpha=-1.0)
+    codec.decode_own(wire, own, accumulate=True, alpha=-1.0)
+    assert torch.equal(own, expected)
+
+
 def test_empty_input(codec):
     wire, out = _round_trip(codec, torch.zeros(0))
     assert wire.numel() == 0 and out.numel() == 0

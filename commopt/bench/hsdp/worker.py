@@ -110,7 +110,7 @@ def _shard(model, mesh, config: str, seed: int):
     kw: dict[str, Any] = {}
     if config == "hsdp-bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
-    for m in model:
+    for m in model.modules():  # each Linear a unit (the text task's model is no Sequential)
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=on, **kw)
     fully_shard(model, mesh=on, **kw)
@@ -234,6 +234,7 @@ def _accuracy(args, mesh, configs: list[str]) -> dict:
                 logits = model(vx)
                 valid = float(F.cross_entropy(logits, vy))
                 top1 = float((logits.argmax(-1) == vy).float().mean()) * 100
+            model.reshard()  # the root unit keeps its own parameters (text: the embedding) whole
             mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
             peers = [torch.empty_like(mine) for _ in range(args.nodes)]
             dist.all_gather(peers, mine, group=mesh["replicate"].get_group())
