@@ -129,8 +129,15 @@ def prepare_optimizer(
 
     def save_rank_state(models, weights, output_dir) -> None:
         os.makedirs(output_dir, exist_ok=True)
-        part = wrapped.state_dict()["commopt"]
+        part = wrapped.state_dict()["commopt"]  # (this rank's own weights where they differ)
         torch.save({"commopt": part}, os.path.join(output_dir, rank_state_file(rank)))
+        if wrapped.holds_local_weights:
+            # Accelerate's model file: the weights the ranks agree on, not rank 0's own.
+            with wrapped.true_weights():
+                for i, saved in enumerate(models):
+                    if accelerator.unwrap_model(saved) is module and i < len(weights):
+                        agreed = accelerator.get_state_dict(saved, unwrap=False)
+                        weights[i] = {k: v.clone() for k, v in agreed.items()}
 
     def load_rank_state(models, input_dir) -> None:
         path = os.path.join(input_dir, rank_state_file(rank))

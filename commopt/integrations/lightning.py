@@ -204,6 +204,9 @@ def _strategies() -> dict[str, type]:
             # (Lightning's GradClipAlgorithmType: a str enum; None means "norm")
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
             averaged_before_clip = options.get("overlap", True) and not options["double_buffering"]
+            # (local steps: the inner step applies each rank's own gradients, so a clip of the
+            # local gradients is the clip of what is applied)
+            averaged_before_clip |= options.get("schedule") == "local_steps"
             if algorithm == "norm":
                 if options.get("clip_grad_norm") not in (None, clip_val):
                     raise ValueError(
@@ -251,9 +254,9 @@ def _strategies() -> dict[str, type]:
             super().on_validation_end()
 
         def lightning_module_state_dict(self) -> dict[str, Any]:
-            """The model's state at its true weights (each rank's predicted weights are in
-            its own part of the checkpoint)."""
-            predicting = [o for o in self._commopt_optimizers() if o.predicts_weights]
+            """The model's state at its true weights: the agreed weights (each rank's predicted
+            or local weights are in its own part of the checkpoint)."""
+            predicting = [o for o in self._commopt_optimizers() if o.holds_local_weights]
             if not predicting:
                 return super().lightning_module_state_dict()
             with contextlib.ExitStack() as stack:
@@ -262,10 +265,12 @@ def _strategies() -> dict[str, type]:
                 return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
         def on_train_end(self) -> None:
-            """With double buffering the last step's gradients are pending: apply them."""
+            """With double buffering the last step's gradients are pending: apply them; under
+            local steps the fragments with steps since their last synchronisation synchronise,
+            so the trained model is the agreed one on every rank."""
             super().on_train_end()
             for opt in self._commopt_optimizers():
-                opt.flush()
+                opt.final_sync()
 
         def teardown(self) -> None:
             for opt in self._commopt_optimizers():
