@@ -694,17 +694,17 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._parts.start_callbacks.step_done()
 
     def final_sync(self) -> None:
-        """End of training: :meth:`flush`, then bring every rank to the agreed weights.
+        """End of training: apply what is pending and bring every rank to the agreed weights.
 
         Under local steps (``schedule="local_steps"``) each fragment with inner steps since
         its last synchronisation synchronises now (its outer step taken) and the model holds
         the anchor on every rank; in the other modes this is :meth:`flush`. A collective
-        call: every rank calls it at the same step.
+        call: every rank calls it at the same step, instead of :meth:`flush`.
         """
-        self.flush()
         with self._parts.gate.own_reads():
             for part in self._parts:
                 part.schedule.final_sync()
+        self.flush()
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -435,16 +435,20 @@ class LocalStepsSchedule(ScheduleBase):
     def final_sync(self) -> None:
         """Synchronise now each fragment whose weights may differ from its anchor: every rank
         ends with the anchor, the weights they agree on (a collective call, at the same step on
-        every rank; call it after :meth:`flush`, at the end of training).
+        every rank, at the end of training, instead of :meth:`flush`).
 
-        A fragment with inner steps since its last synchronisation (or whose weights were merged
-        with the anchor since, under overlap) is synchronised as at its slot, its outer step
+        A reduction in flight is applied first: sent at this step, the weights become the new
+        anchor (nothing was learnt since it was sent); sent earlier, it is merged as at its
+        slot. Then a fragment with inner steps since its last synchronisation (or whose weights
+        were merged with the anchor since) is synchronised as at its slot, its outer step
         taken, and its weights become the anchor; a fragment that synchronised at this very
         step is left alone (an outer step on a zero outer gradient would still move the anchor
         by the outer momentum). Training may go on afterwards: each fragment's next slot
         averages the steps taken since.
         """
-        self._finish_all()
+        for f in self.fragments:
+            if f.in_flight is not None:
+                self._finish(f, merge=f.due - self.overlap_steps != self.position)
         for f in self.fragments:
             if f.synced_at != self.position:
                 self._start(f)
