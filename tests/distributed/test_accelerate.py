@@ -10,7 +10,14 @@ One rank script trains a small regression model:
   (each rank its own error-feedback residuals);
 - ``accelerator.accumulate`` (2 micro-batches) with ``accelerator.clip_grad_norm_``: commopt
   without compression ends where Accelerate's DDP ends (within float rounding), and the
-  clipping changed the result.
+  clipping changed the result;
+- local steps (``schedule="local_steps"``), each against the same run written as a direct
+  commopt loop on the same batches (equal bit for bit; with clipping within float rounding):
+  ``sync_every=3`` (the ranks differ between synchronisations and agree at each, and after
+  ``final_sync()``); accumulation with ``accelerator.clip_grad_norm_`` (each rank's inner
+  step clipped); streaming (overlap 2 steps, ``qsgd4+ef``) saved after step 4, inside a
+  cycle with a reduction in flight: the model file holds the anchor and ``load_state``
+  resumes exactly.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ if importlib.util.find_spec("accelerate") is None:
 pytestmark = pytest.mark.distributed
 
 SCRIPT = r"""
-import os, sys
+import contextlib, os, sys
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from safetensors.torch import load_file
+import commopt
 from commopt.integrations.accelerate import prepare_optimizer, rank_state_file
 
 tmp = sys.argv[1]
@@ -126,8 +135,6 @@ assert not torch.allclose(flat(unclipped), flat(ddp_acc)), f"rank {r}: the clip 
 
 # 3. local steps (DiLoCo): the ranks differ between synchronisations and agree at each;
 # the end of training synchronises; all as a direct commopt loop on the same batches
-import contextlib
-import commopt
 
 
 def direct(options, batches, accumulate=1, clip=None):
@@ -179,29 +186,29 @@ assert torch.equal(flat(local), flat(oracle)), (
 assert not torch.allclose(flat(local), flat(ddp)), f"rank {r}: local steps gave DDP's weights"
 
 # accumulation and accelerator.clip_grad_norm_ (each rank's own gradients, the inner step's)
-seen = []
-clipped, _ = train({"schedule": "local_steps", "sync_every": 2}, accumulate=2, clip=0.05, seen=seen)
+seen, every2 = [], {"schedule": "local_steps", "sync_every": 2}
+clipped, _ = train(every2, accumulate=2, clip=0.05, seen=seen)
 same_on_ranks(clipped, "local steps + accumulation + clipping")
-reference = direct({"schedule": "local_steps", "sync_every": 2}, seen, accumulate=2, clip=0.05)
+reference = direct(every2, seen, accumulate=2, clip=0.05)
 assert torch.allclose(flat(clipped), flat(reference), rtol=1e-6, atol=1e-7), (
     f"rank {r}: local steps, accumulation + clipping: "
     f"{(flat(clipped) - flat(reference)).abs().max()} from the commopt loop"
 )
-unclipped = direct({"schedule": "local_steps", "sync_every": 2}, seen, accumulate=2)
+unclipped = direct(every2, seen, accumulate=2)
 assert not torch.allclose(flat(unclipped), flat(clipped)), f"rank {r}: the clip changed nothing"
 
 # mid-cycle resume: sync_every=3, reductions overlapping 2 steps (sent after steps 1, 4, 7)
 # with 4-bit outer gradients and error feedback; saved after step 4 (one in flight); the
 # model file holds the anchor, each rank's part its own weights, residuals and inner state
-streaming = {"schedule": "local_steps", "sync_every": 3, "overlap_steps": 2}
-streaming["compression"] = "qsgd4+ef"
+streaming = {
+    "schedule": "local_steps", "sync_every": 3, "overlap_steps": 2, "compression": "qsgd4+ef"
+}
 state = os.path.join(tmp, "local")
 seen, watch = [], Watch()
 run, _ = train(streaming, save=state, seen=seen, each_step=watch)
 same_on_ranks(run, "streaming, after final_sync()")
-from safetensors.torch import load_file
-
-saved = {k.removeprefix("module."): v for k, v in load_file(os.path.join(state, "model.safetensors")).items()}
+saved = load_file(os.path.join(state, "model.safetensors"))
+saved = {k.removeprefix("module."): v for k, v in saved.items()}  # (DDP's names)
 saved = torch.cat([saved[name].flatten() for name, _ in run.named_parameters()])
 assert torch.equal(saved, watch.anchors[4]), (
     f"rank {r}: Accelerate's model file does not hold the anchor"

@@ -13,6 +13,14 @@ One rank script (Lightning's import is the slow part) trains a small regression 
   clip each rank's local gradients under double buffering, is refused with the fix;
 - ``CommoptHookStrategy`` runs commopt's DDP hook on CPU (the losses differ from DDP's), and
   Lightning's own DDPStrategy given the hook on CPU (which would drop it) raises, naming the fix;
+- local steps (``schedule="local_steps"``), each against the same run written as a direct
+  commopt loop on the same shards (equal bit for bit; with clipping within float rounding):
+  ``sync_every=3`` (the ranks' weights differ between synchronisations and agree at each;
+  validation, between synchronisations, runs at the anchor, identical on both ranks; the end
+  of training synchronises, so the trained model is the same on both ranks); accumulation
+  with ``gradient_clip_val`` (each rank's inner step clipped); streaming (overlap 2 steps,
+  ``qsgd4+ef``) whose epoch checkpoint at step 4, inside a cycle and with a reduction in
+  flight, holds the anchor in Lightning's file and resumes exactly;
 - ``double_buffering=True`` as a new user writes it (a 3-layer MLP classifier, SGD lr 0.05
   momentum 0.9, 64 steps): the final loss is within 2% of Lightning's own DDP, with and
   without ``qsgd4+ef``, while the plain stale schedule (``double_buffering="stale"``) ends
@@ -35,10 +43,11 @@ if importlib.util.find_spec("lightning") is None:
 pytestmark = pytest.mark.distributed
 
 SCRIPT = r"""
-import glob, os, sys, warnings
+import contextlib, glob, os, sys, warnings
 import torch
 import torch.distributed as dist
 import lightning as L
+import commopt
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from commopt.integrations.ddp import CommoptHookState, commopt_hook
@@ -163,9 +172,6 @@ except RuntimeError as e:
 # 5. local steps (DiLoCo): the ranks' weights differ between synchronisations and agree at
 # each; validation and Lightning's checkpoint file see the anchor; the end of training
 # synchronises; all as a direct commopt loop on the same data; a mid-cycle resume is exact
-import contextlib
-import commopt
-
 
 class Watch(L.Callback):
     def __init__(self, every=None):  # every: the sync period (None: overlap merges)
