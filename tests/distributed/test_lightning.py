@@ -13,6 +13,10 @@ One rank script (Lightning's import is the slow part) trains a small regression 
   clip each rank's local gradients under double buffering, is refused with the fix;
 - ``CommoptHookStrategy`` runs commopt's DDP hook on CPU (the losses differ from DDP's), and
   Lightning's own DDPStrategy given the hook on CPU (which would drop it) raises, naming the fix;
+- ``double_buffering=True`` as a new user writes it (a 3-layer MLP classifier, SGD lr 0.05
+  momentum 0.9, 64 steps): the final loss is within 2% of Lightning's own DDP, with and
+  without ``qsgd4+ef``, while the plain stale schedule (``double_buffering="stale"``) ends
+  more than 10% above it on the same run;
 - local steps (``schedule="local_steps"``), each against the same run written as a direct
   commopt loop on the same shards (equal bit for bit; with clipping within float rounding):
   ``sync_every=3`` (the ranks' weights differ between synchronisations and agree at each;
@@ -20,11 +24,7 @@ One rank script (Lightning's import is the slow part) trains a small regression 
   of training synchronises, so the trained model is the same on both ranks); accumulation
   with ``gradient_clip_val`` (each rank's inner step clipped); streaming (overlap 2 steps,
   ``qsgd4+ef``) whose epoch checkpoint at step 4, inside a cycle and with a reduction in
-  flight, holds the anchor in Lightning's file and resumes exactly;
-- ``double_buffering=True`` as a new user writes it (a 3-layer MLP classifier, SGD lr 0.05
-  momentum 0.9, 64 steps): the final loss is within 2% of Lightning's own DDP, with and
-  without ``qsgd4+ef``, while the plain stale schedule (``double_buffering="stale"``) ends
-  more than 10% above it on the same run.
+  flight, holds the anchor in Lightning's file and resumes exactly.
 """
 
 from __future__ import annotations
@@ -169,7 +169,61 @@ try:
 except RuntimeError as e:
     assert "CommoptHookStrategy" in str(e), e
 
-# 5. local steps (DiLoCo): the ranks' weights differ between synchronisations and agree at
+# 5. double_buffering=True keeps DDP's accuracy (the compensated schedule); "stale" does not
+class MLP(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+            torch.nn.Linear(64, 4),
+        )
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+g = torch.Generator().manual_seed(1)
+centers = torch.randn(4, 20, generator=g)
+labels = torch.randint(0, 4, (2048,), generator=g)
+points = centers[labels] + 2.0 * torch.randn(2048, 20, generator=g)  # overlapping classes
+
+
+def final_loss(strategy):
+    model = MLP()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(points, labels), batch_size=16
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=64, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, loader)
+    assert trainer.global_step == 64, trainer.global_step
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model.net(points), labels).item()
+
+
+reference = final_loss("ddp")
+for name, strategy in (
+    ("double_buffering=True", CommoptStrategy(double_buffering=True)),
+    ("qsgd4+ef, double_buffering=True", CommoptStrategy("qsgd4+ef", double_buffering=True)),
+):
+    loss = final_loss(strategy)
+    assert abs(loss / reference - 1) <= 0.02, (
+        f"rank {r}: {name}: final loss {loss:.4f}, Lightning's DDP {reference:.4f}"
+    )
+stale = final_loss(CommoptStrategy(double_buffering="stale"))
+assert stale / reference - 1 > 0.10, f"rank {r}: stale {stale:.4f}, DDP {reference:.4f}"
+if r == 0:
+    print(f"final loss: DDP {reference:.4f}, double_buffering=True {loss:.4f} (qsgd4+ef), "
+          f"stale {stale:.4f}", file=sys.stderr)
+# 6. local steps (DiLoCo): the ranks' weights differ between synchronisations and agree at
 # each; validation and Lightning's checkpoint file see the anchor; the end of training
 # synchronises; all as a direct commopt loop on the same data; a mid-cycle resume is exact
 
@@ -277,60 +331,6 @@ assert torch.equal(flat(run), flat(direct({"compression": "qsgd4+ef", **streamin
     f"rank {r}: streaming under Lightning differs from the commopt loop"
 )
 
-# 6. double_buffering=True keeps DDP's accuracy (the compensated schedule); "stale" does not
-class MLP(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-            torch.nn.Linear(64, 4),
-        )
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
-g = torch.Generator().manual_seed(1)
-centers = torch.randn(4, 20, generator=g)
-labels = torch.randint(0, 4, (2048,), generator=g)
-points = centers[labels] + 2.0 * torch.randn(2048, 20, generator=g)  # overlapping classes
-
-
-def final_loss(strategy):
-    model = MLP()
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(points, labels), batch_size=16
-    )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=64, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=False,
-    )
-    trainer.fit(model, loader)
-    assert trainer.global_step == 64, trainer.global_step
-    with torch.no_grad():
-        return torch.nn.functional.cross_entropy(model.net(points), labels).item()
-
-
-reference = final_loss("ddp")
-for name, strategy in (
-    ("double_buffering=True", CommoptStrategy(double_buffering=True)),
-    ("qsgd4+ef, double_buffering=True", CommoptStrategy("qsgd4+ef", double_buffering=True)),
-):
-    loss = final_loss(strategy)
-    assert abs(loss / reference - 1) <= 0.02, (
-        f"rank {r}: {name}: final loss {loss:.4f}, Lightning's DDP {reference:.4f}"
-    )
-stale = final_loss(CommoptStrategy(double_buffering="stale"))
-assert stale / reference - 1 > 0.10, f"rank {r}: stale {stale:.4f}, DDP {reference:.4f}"
-if r == 0:
-    print(f"final loss: DDP {reference:.4f}, double_buffering=True {loss:.4f} (qsgd4+ef), "
-          f"stale {stale:.4f}", file=sys.stderr)
 print("ok", r)
 """
 
