@@ -51,7 +51,9 @@ its meaning:
   synchronise (their outer step taken), so the trained model is the anchor, the same on
   every rank (no step is lost when training stops inside a cycle; with one fragment and no
   overlap, a run whose steps are a multiple of ``sync_every`` ends synchronised and the call
-  changes nothing).
+  changes nothing). Lightning calls the callbacks' ``on_train_end`` before the strategy's: a
+  callback that saves the model there sees each rank's local weights (save inside
+  ``opt.true_weights()``, or after ``fit``).
 
 The DDP communication-hook path (:mod:`commopt.integrations.ddp`) is
 :class:`CommoptHookStrategy`: Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a
