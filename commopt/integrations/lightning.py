@@ -24,9 +24,10 @@ its meaning:
   inside commopt's ``no_sync()``: one reduction per optimizer step.
 - ``gradient_clip_val`` with the norm algorithm becomes commopt's ``clip_grad_norm=``: the
   averaged gradients are clipped to that global norm, identically on every rank, in every
-  mode (under local steps, each rank's own gradients: see below). The value algorithm is kept where the gradients are averaged before Lightning clips
-  them (``overlap=True`` without double buffering) and under local steps (where each rank
-  applies its own gradients), and refused elsewhere, with the fix.
+  mode (under local steps, each rank's own gradients: see below). The value algorithm is
+  kept where the gradients are averaged before Lightning clips them (``overlap=True``
+  without double buffering) and under local steps (where each rank applies its own
+  gradients), and refused elsewhere, with the fix.
 - checkpoints: rank 0 writes Lightning's file as usual, and every rank writes its own part
   of commopt's state (error-feedback residuals differ per rank) next to it, as
   ``<checkpoint>.commopt-rank<R>.pt``; ``ckpt_path=`` restores each rank's own part.

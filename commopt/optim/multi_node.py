@@ -136,8 +136,8 @@ def create_multi_node_optimizer(
     it as a table once, and the checkpoint records it (``opt.auto_plan``; docs/optimizer.md).
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
-    ``add_param_group()``, ``flush()`` and ``final_sync()`` in the same order (``state_dict()`` starts no
-    communication: each rank saves its own).
+    ``add_param_group()``, ``flush()`` and ``final_sync()`` in the same order
+    (``state_dict()`` starts no communication: each rank saves its own).
     """
     return MultiNodeOptimizer(optimizer, comm, Settings.of(*args, **kwargs))
 

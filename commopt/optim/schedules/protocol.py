@@ -15,8 +15,8 @@ Events (each a method; the optimizer calls them in this order within a step):
 - ``after_step(result, max_norm)``: the inner step ran (or was skipped on every rank);
 - ``discard()``: a ``step(closure)`` evaluation's gradients were consumed; ``flush()``: apply
   what is pending (None: nothing); ``final_sync()``: at the end of training, before
-  ``flush()``, bring every rank to the agreed weights (a no-op where every step does); ``before_layout_change()``: the buckets
-  are rebuilt;
+  ``flush()``, bring every rank to the agreed weights (a no-op where every step does);
+  ``before_layout_change()``: the buckets are rebuilt;
 - ``state_dict()`` / ``load_state_dict(state, rank)``: the schedule's part of the
   checkpoint; ``close()``: the optimizer is closed or the part is dropped.
 
