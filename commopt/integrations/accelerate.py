@@ -11,7 +11,7 @@
         with accelerator.accumulate(model):
             accelerator.backward(loss_fn(model(x), y))
             opt.step(); opt.zero_grad()
-    opt.optimizer.flush()  # double buffering: apply the last gradients
+    opt.optimizer.final_sync()  # double buffering: the last gradients; local steps: a sync
 
 :func:`prepare_optimizer` takes the model as ``accelerator.prepare`` returned it and the
 plain torch optimizer. It returns the model without Accelerate's DistributedDataParallel
@@ -31,6 +31,23 @@ optimizer wrapped by :func:`commopt.create_multi_node_optimizer` and then by
 - ``accelerator.save_state`` / ``load_state``: rank 0 writes Accelerate's files and every
   rank writes its own part of commopt's state (error-feedback residuals differ per rank) as
   ``commopt_rank<R>.pt`` in the same folder; ``load_state`` gives each rank its own part.
+  Where the model holds a rank's own weights between steps (compensated double buffering's
+  predicted weights, local steps' local weights), Accelerate's model file is written at the
+  weights the ranks agree on (``opt.true_weights()``) and each rank's part puts its own
+  weights back on ``load_state``.
+- local steps (``schedule="local_steps"``, ``sync_every=``, ``fragments=``,
+  ``overlap_steps=``, ``outer_lr=``, DiLoCo and Streaming DiLoCo): ``accumulate`` makes one
+  inner step of several micro-batches; ``accelerator.clip_grad_norm_`` (or
+  ``clip_grad_norm=``) clips each rank's own gradients before its inner step, which is what
+  the inner step applies; the saved part holds the anchor, the outer optimizer's state, the
+  position in the cycle (a reduction in flight saved completed) and the rank's own weights,
+  inner state and residuals, so ``load_state`` resumes exactly from a step inside a cycle.
+  Between synchronisations each rank's model holds its own weights: evaluate inside
+  ``with opt.optimizer.true_weights():`` (the anchor, the same on every rank), and end
+  training with ``opt.optimizer.final_sync()`` (every rank calls it): the fragments with
+  inner steps since their last synchronisation synchronise, and the model is the anchor on
+  every rank (``flush()`` only applies the reductions in flight and leaves the local
+  weights).
 
 Every keyword of ``create_multi_node_optimizer`` but ``model`` is accepted; ``communicator``
 (default ``"torch"``: the process group Accelerate created, gloo on CPU, nccl on GPU) and
@@ -129,8 +146,15 @@ def prepare_optimizer(
 
     def save_rank_state(models, weights, output_dir) -> None:
         os.makedirs(output_dir, exist_ok=True)
-        part = wrapped.state_dict()["commopt"]
+        part = wrapped.state_dict()["commopt"]  # (this rank's own weights where they differ)
         torch.save({"commopt": part}, os.path.join(output_dir, rank_state_file(rank)))
+        if wrapped.holds_local_weights:
+            # Accelerate's model file: the weights the ranks agree on, not rank 0's own.
+            with wrapped.true_weights():
+                for i, saved in enumerate(models):
+                    if accelerator.unwrap_model(saved) is module and i < len(weights):
+                        agreed = accelerator.get_state_dict(saved, unwrap=False)
+                        weights[i] = {k: v.clone() for k, v in agreed.items()}
 
     def load_rank_state(models, input_dir) -> None:
         path = os.path.join(input_dir, rank_state_file(rank))

@@ -24,8 +24,10 @@ its meaning:
   inside commopt's ``no_sync()``: one reduction per optimizer step.
 - ``gradient_clip_val`` with the norm algorithm becomes commopt's ``clip_grad_norm=``: the
   averaged gradients are clipped to that global norm, identically on every rank, in every
-  mode. The value algorithm is kept where the gradients are averaged before Lightning clips
-  them (``overlap=True`` without double buffering) and refused elsewhere, with the fix.
+  mode (under local steps, each rank's own gradients: see below). The value algorithm is
+  kept where the gradients are averaged before Lightning clips them (``overlap=True``
+  without double buffering) and under local steps (where each rank applies its own
+  gradients), and refused elsewhere, with the fix.
 - checkpoints: rank 0 writes Lightning's file as usual, and every rank writes its own part
   of commopt's state (error-feedback residuals differ per rank) next to it, as
   ``<checkpoint>.commopt-rank<R>.pt``; ``ckpt_path=`` restores each rank's own part.
@@ -34,6 +36,25 @@ its meaning:
   each rank's predicted weights; validation runs, and Lightning's checkpoint file is
   written, at the true weights (``opt.true_weights()``), and each rank's own part of the
   checkpoint puts its predicted weights back on resume.
+- local steps (``CommoptStrategy(schedule="local_steps", sync_every=H, fragments=P,
+  overlap_steps=tau, outer_lr=..., compression=...)``, DiLoCo and Streaming DiLoCo): each
+  rank's inner optimizer steps on its own gradients and the weights differ between ranks
+  until a synchronisation. Validation runs at the anchor (the weights every rank agreed on
+  at the last synchronisation, identical on every rank) and Lightning's checkpoint file holds
+  the anchor, so it serves inference; each rank's own part holds its local weights, inner
+  optimizer state, error-feedback residuals of the outer gradients, the outer optimizer's
+  state and the position in the cycle (a reduction in flight saved completed), and
+  ``ckpt_path=`` resumes exactly, also from a step inside a cycle. Accumulation and
+  clipping keep their meaning per rank: ``accumulate_grad_batches`` makes one inner step of
+  several micro-batches, and ``gradient_clip_val`` (norm or value) clips each rank's own
+  gradients before its inner step. When training ends the strategy calls
+  ``opt.final_sync()``: the fragments with inner steps since their last synchronisation
+  synchronise (their outer step taken), so the trained model is the anchor, the same on
+  every rank (no step is lost when training stops inside a cycle; with one fragment and no
+  overlap, a run whose steps are a multiple of ``sync_every`` ends synchronised and the call
+  changes nothing). Lightning calls the callbacks' ``on_train_end`` before the strategy's: a
+  callback that saves the model there sees each rank's local weights (save inside
+  ``opt.true_weights()``, or after ``fit``).
 
 The DDP communication-hook path (:mod:`commopt.integrations.ddp`) is
 :class:`CommoptHookStrategy`: Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a
@@ -203,7 +224,12 @@ def _strategies() -> dict[str, type]:
                 return options
             # (Lightning's GradClipAlgorithmType: a str enum; None means "norm")
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
-            averaged_before_clip = options.get("overlap", True) and not options["double_buffering"]
+            averaged_before_clip = bool(
+                options.get("overlap", True) and not options["double_buffering"]
+            )
+            # (local steps: the inner step applies each rank's own gradients, so a clip of the
+            # local gradients is the clip of what is applied)
+            averaged_before_clip |= options.get("schedule") == "local_steps"
             if algorithm == "norm":
                 if options.get("clip_grad_norm") not in (None, clip_val):
                     raise ValueError(
@@ -251,9 +277,9 @@ def _strategies() -> dict[str, type]:
             super().on_validation_end()
 
         def lightning_module_state_dict(self) -> dict[str, Any]:
-            """The model's state at its true weights (each rank's predicted weights are in
-            its own part of the checkpoint)."""
-            predicting = [o for o in self._commopt_optimizers() if o.predicts_weights]
+            """The model's state at its true weights: the agreed weights (each rank's predicted
+            or local weights are in its own part of the checkpoint)."""
+            predicting = [o for o in self._commopt_optimizers() if o.holds_local_weights]
             if not predicting:
                 return super().lightning_module_state_dict()
             with contextlib.ExitStack() as stack:
@@ -262,10 +288,12 @@ def _strategies() -> dict[str, type]:
                 return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
         def on_train_end(self) -> None:
-            """With double buffering the last step's gradients are pending: apply them."""
+            """With double buffering the last step's gradients are pending: apply them; under
+            local steps the fragments with steps since their last synchronisation synchronise,
+            so the trained model is the agreed one on every rank."""
             super().on_train_end()
             for opt in self._commopt_optimizers():
-                opt.flush()
+                opt.final_sync()
 
         def teardown(self) -> None:
             for opt in self._commopt_optimizers():

@@ -136,8 +136,8 @@ def create_multi_node_optimizer(
     it as a table once, and the checkpoint records it (``opt.auto_plan``; docs/optimizer.md).
 
     Every rank must create the wrapper, call ``step()``, ``synchronize()``,
-    ``add_param_group()`` and ``flush()`` in the same order (``state_dict()`` starts no
-    communication: each rank saves its own).
+    ``add_param_group()``, ``flush()`` and ``final_sync()`` in the same order
+    (``state_dict()`` starts no communication: each rank saves its own).
     """
     return MultiNodeOptimizer(optimizer, comm, Settings.of(*args, **kwargs))
 
@@ -645,13 +645,25 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         (then evaluate or save inside :meth:`true_weights`)."""
         return any(part.schedule.predicts_weights for part in self._parts)
 
+    @property
+    def holds_local_weights(self) -> bool:
+        """Whether the model may hold this rank's own weights between steps: predicted ones
+        (compensated double buffering) or local ones (local steps). Then evaluate or save
+        for inference inside :meth:`true_weights`, which shows the weights the ranks agree on."""
+        return any(
+            part.schedule.predicts_weights or not part.schedule.reduces_every_step
+            for part in self._parts
+        )
+
     @contextlib.contextmanager
     def true_weights(self) -> Iterator[None]:
         """Inside the block the model holds the true (replicated) weights; after it, as before.
 
         With ``double_buffering="compensated"`` the model holds each rank's *predicted*
         weights between steps; evaluate or save the model for inference inside this block
-        (or after ``flush()``, which leaves the true weights). A no-op in the other modes.
+        (or after ``flush()``, which leaves the true weights). Under local steps the block
+        shows the anchor, the weights every rank agreed on at the last synchronisation. A
+        no-op in the other modes.
 
             >>> import torch, commopt
             >>> model = torch.nn.Linear(2, 1)
@@ -680,6 +692,19 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             if _combine(results) is not None:
                 self._apply(parts, results, None)
             self._parts.start_callbacks.step_done()
+
+    def final_sync(self) -> None:
+        """End of training: apply what is pending and bring every rank to the agreed weights.
+
+        Under local steps (``schedule="local_steps"``) each fragment with inner steps since
+        its last synchronisation synchronises now (its outer step taken) and the model holds
+        the anchor on every rank; in the other modes this is :meth:`flush`. A collective
+        call: every rank calls it at the same step, instead of :meth:`flush`.
+        """
+        with self._parts.gate.own_reads():
+            for part in self._parts:
+                part.schedule.final_sync()
+        self.flush()
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -269,3 +269,43 @@ def test_bucket_view_gradients_and_accumulation_give_the_same_weights():
     plain = run(True, False)
     assert all(torch.equal(a, b) for a, b in zip(plain, run(False, False)))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, run(True, True)))
+
+
+def test_final_sync_moves_the_weights_to_the_anchor_once_and_resumes_exactly():
+    """final_sync() synchronises the fragments with steps since their last synchronisation
+    (the weights become the anchor), leaves one that synchronised at this step alone (its
+    outer momentum would move the anchor on a zero outer gradient), and the checkpoint knows
+    which is which."""
+    model = _model()
+    opt = _opt(model, sync_every=4, fragments=2, overlap_steps=1)
+    _train(model, opt, range(5))  # fragment 0 sent after step 5, due at 6: in flight
+    s = opt.schedule
+    assert s.in_flight == [0]
+    saved = copy.deepcopy(opt.state_dict())
+    anchor = [a.clone() for a in s.anchor]
+    opt.final_sync()
+    assert s.in_flight == []
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), s.anchor))
+    assert not all(torch.equal(a, b) for a, b in zip(anchor, s.anchor)), "no outer step"
+    after = [p.detach().clone() for p in model.parameters()]
+    opt.final_sync()  # nothing since: nothing moves
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), after))
+
+    resumed_model = _model(seed=3)
+    resumed = _opt(resumed_model, sync_every=4, fragments=2, overlap_steps=1)
+    _train(resumed_model, resumed, range(1))  # (the layout exists before loading)
+    resumed.load_state_dict(saved)
+    resumed.final_sync()
+    assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), after))
+
+    # at a step where the only fragment synchronised (no overlap): final_sync() changes nothing
+    model = _model()
+    opt = _opt(model, sync_every=3)
+    _train(model, opt, range(6))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.final_sync()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), before))
+    _train(model, opt, range(6, 7))
+    opt.final_sync()
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), before))
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), opt.schedule.anchor))

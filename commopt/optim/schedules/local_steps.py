@@ -165,6 +165,8 @@ class _Fragment:
         self.offset = offset  # the inner step of the cycle (mod sync_every) it synchronises at
         self.in_flight: StepReduction | None = None
         self.due = 0  # the inner step whose end applies the reduction in flight
+        #: the position at which the weights last became the anchor (-1: merged since)
+        self.synced_at = 0
 
 
 class LocalStepsSchedule(ScheduleBase):
@@ -379,8 +381,9 @@ class LocalStepsSchedule(ScheduleBase):
                 for c in f.carriers:
                     c.grad = None
 
-    def _finish(self, f: _Fragment) -> None:
-        """Apply the fragment's averaged outer gradient: outer step, then move the weights."""
+    def _finish(self, f: _Fragment, merge: bool = True) -> None:
+        """Apply the fragment's averaged outer gradient: outer step, then move the weights
+        (to the anchor, or with overlap and ``merge`` to the mix with the local weights)."""
         red = f.in_flight
         assert red is not None
         f.in_flight = None
@@ -398,16 +401,19 @@ class LocalStepsSchedule(ScheduleBase):
                     )
                 for p, a in zip(f.params, f.anchors):
                     p.copy_(a.to(p.device))
+                f.synced_at = self.position
             else:
                 if f.carriers is not f.anchors:
                     for a, c in zip(f.anchors, f.carriers):
                         a.grad = None if c.grad is None else c.grad.to(a.device)
                         c.grad = None
                 f.outer.step()
-                if self.overlap_steps == 0 or self.alpha == 0.0:
+                if self.overlap_steps == 0 or self.alpha == 0.0 or not merge:
                     for p, a in zip(f.params, f.anchors):
                         p.copy_(a.to(p.device))
+                    f.synced_at = self.position
                 else:
+                    f.synced_at = -1
                     mixed = [
                         a.to(p.device) * (1.0 - self.alpha) for p, a in zip(f.params, f.anchors)
                     ]
@@ -425,6 +431,28 @@ class LocalStepsSchedule(ScheduleBase):
         """Apply every fragment's reduction in flight now (nothing for the inner step)."""
         self._finish_all()
         return None
+
+    def final_sync(self) -> None:
+        """Synchronise now each fragment whose weights may differ from its anchor: every rank
+        ends with the anchor, the weights they agree on (a collective call, at the same step on
+        every rank, at the end of training, instead of :meth:`flush`).
+
+        A reduction in flight is applied first: sent at this step, the weights become the new
+        anchor (nothing was learnt since it was sent); sent earlier, it is merged as at its
+        slot. Then a fragment with inner steps since its last synchronisation (or whose weights
+        were merged with the anchor since) is synchronised as at its slot, its outer step
+        taken, and its weights become the anchor; a fragment that synchronised at this very
+        step is left alone (an outer step on a zero outer gradient would still move the anchor
+        by the outer momentum). Training may go on afterwards: each fragment's next slot
+        averages the steps taken since.
+        """
+        for f in self.fragments:
+            if f.in_flight is not None:
+                self._finish(f, merge=f.due - self.overlap_steps != self.position)
+        for f in self.fragments:
+            if f.synced_at != self.position:
+                self._start(f)
+                self._finish(f, merge=False)
 
     def before_layout_change(self) -> None:
         """Apply the reductions in flight: the new layout starts with none."""
@@ -469,6 +497,7 @@ class LocalStepsSchedule(ScheduleBase):
                 "sync_every": self.sync_every,
                 "in_flight": in_flight,
                 "discards": [f.reducer.pending_discards for f in self.fragments],
+                "synced_at": [f.synced_at for f in self.fragments],
                 "local_skipped_steps": self.local_skipped_steps,
             },
             "outer_residuals": [f.reducer.codec_states() for f in self.fragments],
@@ -542,6 +571,9 @@ class LocalStepsSchedule(ScheduleBase):
         for f, codec_state, discards in zip(fragments, residuals, cycle["discards"]):
             f.reducer.load_codec_states(codec_state or {})
             f.reducer.pending_discards = int(discards)
+        # (absent from an older checkpoint: a final synchronisation then syncs every fragment)
+        for f, at in zip(fragments, cycle.get("synced_at") or [-1] * len(fragments)):
+            f.synced_at = int(at)
         for key, pending in cycle["in_flight"].items():
             f = fragments[int(key)]
             red = StepReduction(f.reducer, 0, 0, 1.0)

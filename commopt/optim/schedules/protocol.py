@@ -14,7 +14,9 @@ Events (each a method; the optimizer calls them in this order within a step):
   :class:`~commopt.reducer.StepResult`, or None: nothing to apply this step);
 - ``after_step(result, max_norm)``: the inner step ran (or was skipped on every rank);
 - ``discard()``: a ``step(closure)`` evaluation's gradients were consumed; ``flush()``: apply
-  what is pending (None: nothing); ``before_layout_change()``: the buckets are rebuilt;
+  what is pending (None: nothing); ``final_sync()``: at the end of training, before
+  ``flush()``, bring every rank to the agreed weights (a no-op where every step does);
+  ``before_layout_change()``: the buckets are rebuilt;
 - ``state_dict()`` / ``load_state_dict(state, rank)``: the schedule's part of the
   checkpoint; ``close()``: the optimizer is closed or the part is dropped.
 
@@ -141,6 +143,8 @@ class Schedule(Protocol):
 
     def flush(self) -> StepResult | None: ...
 
+    def final_sync(self) -> None: ...
+
     def before_layout_change(self) -> None: ...
 
     def true_weights(self) -> contextlib.AbstractContextManager[None]: ...
@@ -231,6 +235,9 @@ class ScheduleBase:
 
     def flush(self) -> StepResult | None:
         return None  # nothing pending
+
+    def final_sync(self) -> None:
+        """Nothing: every step's averages leave the ranks with the same weights."""
 
     def before_layout_change(self) -> None:
         """Nothing of the old buckets to forget."""
