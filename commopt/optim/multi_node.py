@@ -610,8 +610,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if refusing:
             raise ValueError(
                 "step(closure) re-evaluates the gradients within the step, which "
-                f"{refusing[0].closure_refusal} cannot do: create the optimizer with "
-                "double_buffering=False for closure optimizers such as LBFGS"
+                f"{refusing[0].closure_refusal} cannot do: closure optimizers such as "
+                'LBFGS need the synchronous schedule (schedule="synchronous", '
+                "double_buffering=False) for every group"
             )
         if self._skip_sync:
             raise RuntimeError(
