@@ -610,9 +610,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if refusing:
             raise ValueError(
                 "step(closure) re-evaluates the gradients within the step, which "
-                f"{refusing[0].closure_refusal} cannot do: closure optimizers such as "
-                'LBFGS need the synchronous schedule (schedule="synchronous", '
-                "double_buffering=False) for every group"
+                f"{refusing[0].closure_refusal} cannot do: create the optimizer with "
+                f"{refusing[0].closure_fix} for closure optimizers such as LBFGS"
             )
         if self._skip_sync:
             raise RuntimeError(

@@ -194,7 +194,7 @@ def test_more_fragments_than_tensors_is_refused_at_the_first_step():
 def test_closures_are_refused():
     model = _model()
     opt = _opt(model, sync_every=2)
-    with pytest.raises(ValueError, match=r"local steps .* the synchronous schedule"):
+    with pytest.raises(ValueError, match=r"local steps .* schedule=\"synchronous\" for closure"):
         opt.step(lambda: model(torch.ones(1, 4)).sum())
 
 

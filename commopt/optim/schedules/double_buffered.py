@@ -70,6 +70,7 @@ class DoubleBufferedSchedule(ScheduleBase):
     refused_under = "double_buffering=True"
     supports_closures = False
     closure_refusal = "double buffering (gradients applied one step late)"
+    closure_fix = "double_buffering=False"
     #: GradScaler hands over its scale: each rank unscales its own gradients as it sends them.
     unscales_locally = True
     checkpoint_keys: ClassVar[tuple[str, ...]] = ("db_buffer", "pending")

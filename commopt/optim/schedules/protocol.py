@@ -26,7 +26,8 @@ of the schedule's own keyword arguments of ``create_multi_node_optimizer``, with
 weights between steps: ``true_weights()`` matters, and at most one part may predict),
 ``overlaps_step`` (a reduction overlaps a whole step, not only the backward: what the
 ``"auto"`` planner budgets), ``supports_closures`` (and, where False, ``closure_refusal``:
-what the schedule does that ``step(closure)`` cannot live with), ``reduces_every_step`` (every
+what the schedule does that ``step(closure)`` cannot live with, and ``closure_fix``: the
+setting that gives a schedule that can), ``reduces_every_step`` (every
 ``step()`` starts a reduction on every rank: what ``commopt.Join`` counts on to shadow the
 others' steps), ``unscales_locally`` (GradScaler hands
 its scale over and each rank unscales as it sends), ``checkpoint_keys`` and
@@ -96,6 +97,7 @@ class Schedule(Protocol):
     overlaps_step: ClassVar[bool]
     supports_closures: ClassVar[bool]
     closure_refusal: ClassVar[str]
+    closure_fix: ClassVar[str]
     reduces_every_step: ClassVar[bool]
     unscales_locally: ClassVar[bool]
     checkpoint_keys: ClassVar[tuple[str, ...]]
@@ -175,6 +177,7 @@ class ScheduleBase:
     overlaps_step: ClassVar[bool] = False
     supports_closures: ClassVar[bool] = True
     closure_refusal: ClassVar[str] = "this schedule"
+    closure_fix: ClassVar[str] = 'schedule="synchronous"'
     reduces_every_step: ClassVar[bool] = True
     unscales_locally: ClassVar[bool] = False
     checkpoint_keys: ClassVar[tuple[str, ...]] = ()
