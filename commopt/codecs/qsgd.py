@@ -158,11 +158,7 @@ class QSGD(Codec):
         self, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, alpha: float = 1.0
     ) -> None:
         """``decode`` writing ``alpha * decoded`` (error feedback uses ``alpha=-1``)."""
-        flat = check_values(self, out, "out")
-        check_wire(self, wire, flat.numel(), "wire")
-        if wire.device.type == "cpu":  # on a GPU the check would wait for the device
-            self._check_scales(wire, flat.numel())
-        kernels.qsgd_decode(wire, flat, accumulate=accumulate, alpha=alpha, **self._params())
+        self._decode(wire, out, accumulate, alpha, check_scales=True)
 
     decode = decode_scaled  # (alpha defaults to 1: the plain decode is the same kernel call)
 
@@ -171,8 +167,20 @@ class QSGD(Codec):
     ) -> None:
         """``decode_scaled`` without the check of the scales: the wire is this process's own
         encode (error feedback's read-back), whose scales need no check."""
+        self._decode(wire, out, accumulate, alpha, check_scales=False)
+
+    def _decode(
+        self,
+        wire: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool,
+        alpha: float,
+        check_scales: bool,
+    ) -> None:
         flat = check_values(self, out, "out")
         check_wire(self, wire, flat.numel(), "wire")
+        if check_scales and wire.device.type == "cpu":  # on a GPU it would wait for the device
+            self._check_scales(wire, flat.numel())
         kernels.qsgd_decode(wire, flat, accumulate=accumulate, alpha=alpha, **self._params())
 
     def _check_scales(self, wire: torch.Tensor, numel: int) -> None:
