@@ -77,6 +77,8 @@ from torch.nn.parallel import DistributedDataParallel
 from commopt.comm import Communicator, create_communicator
 from commopt.integrations.ddp import CommoptHookState, commopt_hook
 from commopt.optim import MultiNodeOptimizer
+from commopt.optim.schedules import schedule_class
+from commopt.optim.settings import Settings
 
 __all__ = ["CommoptHookStrategy", "CommoptStrategy", "rank_state_path"]
 
@@ -224,12 +226,15 @@ def _strategies() -> dict[str, type]:
                 return options
             # (Lightning's GradClipAlgorithmType: a str enum; None means "norm")
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
-            averaged_before_clip = bool(
-                options.get("overlap", True) and not options["double_buffering"]
+            # Lightning clips between backward and step. What it clips there is what the step
+            # applies when the step applies each rank's own gradients (a schedule that does not
+            # reduce every step: local steps' inner steps), or this step's average reduced
+            # during the backward (overlap, and a schedule whose reduction does not overlap the
+            # next step).
+            schedule = schedule_class(Settings.of(**options).default_schedule)
+            averaged_before_clip = not schedule.reduces_every_step or bool(
+                options.get("overlap", True) and not schedule.overlaps_step
             )
-            # (local steps: the inner step applies each rank's own gradients, so a clip of the
-            # local gradients is the clip of what is applied)
-            averaged_before_clip |= options.get("schedule") == "local_steps"
             if algorithm == "norm":
                 if options.get("clip_grad_norm") not in (None, clip_val):
                     raise ValueError(
