@@ -62,7 +62,8 @@ DEFAULT_CONFIGS = (
 #: configurations, fp32 first. Configurations added by other settings go in their own tuple.
 LINK_BOUND_CONFIGS = (
     "ddp-fp32,ddp-fp16,ddp-bf16,ddp-powersgd1-warm,ddp-powersgd4-warm,"
-    "commopt-qsgd4+ef,commopt-qsgd4+ef-db,commopt-powersgd4,commopt-auto"
+    "commopt-qsgd4+ef,commopt-qsgd4+ef-db,commopt-powersgd4,commopt-auto,"
+    "commopt-local-steps32-qsgd4+ef,commopt-local-steps16-stream-qsgd4+ef,torchft-diloco16"
 )
 #: ``--setting``: the per-rank batch, the MLP width and the emulated link of each setting
 #: (docs/benchmarks-accuracy.md works the choice out against GPU clusters). ``compute-heavy``
@@ -71,12 +72,21 @@ LINK_BOUND_CONFIGS = (
 #: is at least LINK_BOUND_MIN_RATIO x its compute-only step, as on a GPU cluster whose link is
 #: the limit; measured in every run and checked by ``to_accuracy_report.setting_check``.
 SETTINGS: dict[str, dict] = {
-    "compute-heavy": {"batch": 64, "hidden": 4096, "link": "1gbit", "configs": None},
+    "compute-heavy": {
+        "batch": 64,
+        "hidden": 4096,
+        "link": "1gbit",
+        "configs": None,
+        "outer_lr": None,
+    },
     "link-bound": {
         "batch": 16,
         "hidden": 2048,
         "link": "100mbit",
         "configs": LINK_BOUND_CONFIGS,
+        # 2 ranks at batch 16: half DiLoCo's 0.7 (tuned for 8 workers); chosen on text seed 0
+        # from 0.35 / 0.5 / 0.7 (docs/local-steps.md), torchft's DiLoCo given the same
+        "outer_lr": 0.35,
     },
 }
 DEFAULT_SETTING = "compute-heavy"
@@ -180,7 +190,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--outer-lr",
         type=float,
-        help="the local-steps configurations' outer learning rate (default: the schedule's, 0.7)",
+        help="the local-steps configurations' and torchft's DiLoCo's outer learning rate "
+        "(default: the setting's; link-bound 0.35, compute-heavy the schedule's, 0.7)",
     )
     parser.add_argument(
         "--compute-steps",
@@ -226,10 +237,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_setting(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill ``--batch``, ``--hidden``, ``--link`` and ``--configs`` left unset from
-    ``--setting``'s values (in place; returns ``args``)."""
+    """Fill ``--batch``, ``--hidden``, ``--link``, ``--outer-lr`` and ``--configs`` left unset
+    from ``--setting``'s values (in place; returns ``args``)."""
     setting = SETTINGS[getattr(args, "setting", None) or DEFAULT_SETTING]
-    for key in ("batch", "hidden", "link"):
+    for key in ("batch", "hidden", "link", "outer_lr"):
         if getattr(args, key, None) is None:
             setattr(args, key, setting[key])
     if getattr(args, "configs", None) is None:

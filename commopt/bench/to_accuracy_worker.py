@@ -131,7 +131,7 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
         if cfg.kind == "torchft":
             from commopt.bench.torchft_peer import TorchftDiLoCo
 
-            peer = TorchftDiLoCo(model, inner, comm, cfg, seed)
+            peer = TorchftDiLoCo(model, inner, comm, cfg, seed, outer_lr=args.outer_lr)
             wire = peer.wire_bytes_per_sync // cfg.sync_every
         elif cfg.kind == "ddp":
             start_iter = powersgd_start_iter(cfg, args.budget, args.powersgd_warmup)

@@ -9,7 +9,8 @@ Each rank of the benchmark's job is one torchft replica group of one process: ra
 the lighthouse (torchft's quorum server) and every rank its own store and ``Manager``, which
 advertises this host's address (the one that reaches ``MASTER_ADDR``: on the emulated hosts,
 the address on the shaped link). The inner optimizer is the benchmark's; the outer optimizer
-is SGD with Nesterov momentum (lr 0.7, momentum 0.9, as commopt's default); the whole model
+is SGD with Nesterov momentum (momentum 0.9; the learning rate the benchmark gives commopt's
+local-steps configurations, else 0.7, commopt's default); the whole model
 is one fragment, synchronised every ``sync_every`` steps with fp32 outer gradients, which
 torchft averages with an allreduce over the replicas.
 
@@ -64,7 +65,16 @@ class TorchftDiLoCo:
     the training loop, then :meth:`close`). ``comm``: the benchmark's communicator (its
     ``allgather_obj`` shares the lighthouse's address); ``cfg``: a torchft StepConfig."""
 
-    def __init__(self, model, inner, comm, cfg, seed: int, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        model,
+        inner,
+        comm,
+        cfg,
+        seed: int,
+        timeout_s: float = 120.0,
+        outer_lr: float | None = None,
+    ) -> None:
         torchft = require_torchft()
         import torch
         from torchft._torchft import LighthouseServer
@@ -103,7 +113,12 @@ class TorchftDiLoCo:
             quorum_timeout=limit,
             timeout=limit,
         )
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        outer = torch.optim.SGD(
+            model.parameters(),
+            lr=0.7 if outer_lr is None else outer_lr,
+            momentum=0.9,
+            nesterov=True,
+        )
         self.diloco = DiLoCo(
             self.manager,
             [model],

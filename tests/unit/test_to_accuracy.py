@@ -392,19 +392,29 @@ def test_the_settings_fill_only_what_the_command_left_unset():
 
     from commopt.bench.to_accuracy import DEFAULT_CONFIGS, LINK_BOUND_CONFIGS, apply_setting
 
-    args = apply_setting(
-        argparse.Namespace(setting="link-bound", batch=None, hidden=None, link=None, configs=None)
-    )
-    assert (args.batch, args.hidden, args.link, args.configs) == (
+    unset = dict(batch=None, hidden=None, link=None, configs=None, outer_lr=None)
+    args = apply_setting(argparse.Namespace(setting="link-bound", **unset))
+    assert (args.batch, args.hidden, args.link, args.outer_lr, args.configs) == (
         16,
         2048,
         "100mbit",
+        0.35,
         LINK_BOUND_CONFIGS,
     )
-    args = apply_setting(
-        argparse.Namespace(setting="compute-heavy", batch=8, hidden=None, link=None, configs=None)
+    assert (
+        apply_setting(
+            argparse.Namespace(setting="link-bound", **{**unset, "outer_lr": 0.7})
+        ).outer_lr
+        == 0.7
     )
-    assert (args.batch, args.hidden, args.link, args.configs) == (8, 4096, "1gbit", DEFAULT_CONFIGS)
+    args = apply_setting(argparse.Namespace(setting="compute-heavy", **{**unset, "batch": 8}))
+    assert (args.batch, args.hidden, args.link, args.outer_lr, args.configs) == (
+        8,
+        4096,
+        "1gbit",
+        None,
+        DEFAULT_CONFIGS,
+    )
 
 
 def test_a_disturbed_block_of_steps_does_not_move_the_time_to_the_target():
