@@ -31,8 +31,10 @@ time-to-accuracy benchmark records, shipped with the package).
   that lowers the expected time the most, until no move lowers it by more than 0.1%. Ties go
   to the earlier tensor, so the plan is deterministic;
 - local steps (a schedule registered as ``local_steps``, with ``H`` steps between averages):
-  every tensor exact, one synchronous average every ``H`` steps, its multiplier from the
-  table; chosen when its expected time is lower than the best per-step plan's.
+  one average of the outer gradients every ``H`` steps, nothing overlapped, the outer
+  gradients sent with the option (one for every tensor it applies to, the rest exact) of
+  least expected time: ``(step + its wire and codec time / H) x multiplier(H) x the option's
+  multiplier``; chosen when that is lower than the best per-step plan's.
 
     >>> planner = AutoPlanner()
     >>> tensors = [TensorInfo("fc.weight", (1024, 1024)), TensorInfo("fc.bias", (1024,))]
@@ -413,15 +415,29 @@ class AutoPlanner:
         if local_steps is not None:
             m_local = table.local_steps(int(local_steps))
             if m_local is not None:
-                # Local steps: every tensor exact, one synchronous average every H steps,
-                # nothing overlapped (a conservative price).
-                exact_wire = sum(t.numel * self.exact_bytes for t in tensors) / link_rate
-                local_s = (step_s + exact_wire / int(local_steps)) * m_local
+                # Local steps: one average of the outer gradients every H steps, nothing
+                # overlapped (a conservative price). The outer gradients travel with one
+                # option, on every tensor it applies to (the others exact), priced as a
+                # per-step plan is: its wire and codec time, once per H steps, and its step
+                # multiplier times the schedule's.
+                local_s, picks, per_sync = math.inf, [0] * len(units), 0.0
+                for option in OPTIONS:
+                    pick = [
+                        next((j for j, c in enumerate(menu) if c[0] == option), 0) for menu in menus
+                    ]
+                    if option != OPTIONS[0] and not any(pick):
+                        continue  # applies to no tensor: the exact price, already counted
+                    sync_s = sum(menus[u][j][2] + menus[u][j][3] for u, j in enumerate(pick))
+                    mass = sum(menus[u][j][4] for u, j in enumerate(pick))
+                    price = (step_s + sync_s / int(local_steps)) * m_local
+                    price *= mass / total_numel if total_numel else 1.0
+                    if price < local_s * (1 - 1e-9):
+                        local_s, picks, per_sync = price, pick, sync_s
                 priced["local_steps"] = local_s
                 if local_s < now * (1 - 1e-3):
                     chosen_schedule, now = "local_steps", local_s
-                    at = [0] * len(units)
-                    fits = step_s + exact_wire / int(local_steps) <= step_s * (1 + 1e-9)
+                    at = picks
+                    fits = step_s + per_sync / int(local_steps) <= step_s * (1 + 1e-9)
         priced["chosen"] = now
         choices: dict[str, str] = {}
         wire_bytes: dict[str, int] = {}

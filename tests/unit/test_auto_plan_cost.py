@@ -124,6 +124,26 @@ def test_local_steps_are_a_candidate_only_where_priced_and_win_only_when_sooner(
     assert none.schedule is None and "local_steps" not in none.expected_s
 
 
+def test_local_steps_price_their_outer_gradients_with_each_option_and_take_the_cheapest():
+    # 4-bit QSGD + EF costs no steps here, low rank 4x: per step the 4-bit wire (67 ms at 1
+    # Gbit/s) is exposed beyond the backward pass; every 8 steps it is 8 ms a step.
+    slow = dict.fromkeys(("powersgd1", "powersgd2", "powersgd4", "qsgd2+ef"), 4.0)
+    t = table(slow, {"local_steps:8": 1.3})
+    planner = AutoPlanner(multipliers=t, codec_overlaps=False, codec_seconds_per_element=FREE)
+    plan = planner.plan(BIG, link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=8)
+    assert plan.schedule == "local_steps"
+    assert plan.choices == {"w": "qsgd4+ef", "b": "none"}  # the bias cannot be compressed
+    wire = planner.wire_bytes("qsgd4+ef", BIG[0]) + 4096 * 4
+    assert plan.wire_bytes == {"w": wire - 4096 * 4, "b": 4096 * 4}
+    assert plan.expected_s["local_steps"] == pytest.approx((0.05 + wire / GBIT / 8) * 1.3)
+    exact_local = (0.05 + (4096 * 4097 * 4) / GBIT / 8) * 1.3
+    # exact outer gradients (152 ms) would lose to the best per-step plan (101 ms)
+    assert plan.expected_s["local_steps"] < plan.expected_s["per_step"] < exact_local
+    # where the link is fast, exact outer gradients cost nothing more: per step wins
+    fast = planner.plan(BIG, link_rate=1e12, backward_s=0.02, step_s=0.05, local_steps=8)
+    assert fast.schedule is None
+
+
 def test_the_plans_json_keeps_its_schedule_and_expected_times_and_reads_older_plans():
     planner = AutoPlanner(multipliers=table(schedules_={"local_steps:4": 1.1}))
     chosen = planner.plan(BIG, link_rate=1e6, backward_s=0.01, step_s=0.02, local_steps=4)
@@ -274,3 +294,31 @@ def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
     opt2.load_state_dict(torch.load(buf, weights_only=False))
     assert opt2.auto_plan == chosen
     assert any(key.endswith("schedule=local_steps") for key in opt2.plans), list(opt2.plans)
+
+
+def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path, monkeypatch):
+    data = json.loads(TABLE_PATH.read_text())
+    for name, entry in data["codecs"].items():
+        entry["multiplier"] = 1.0 if name == "qsgd4+ef" else 10.0
+    data["schedules"]["local_steps:16"]["multiplier"] = 1.1
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(step_multipliers, "TABLE_PATH", path)
+    model = _model()
+    opt = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        commopt.create_communicator("local"),
+        model=model,
+        compression="auto",
+        auto_link_rate="100kbit",
+        auto_measure_steps=1,
+        sync_every=16,
+    )
+    _train(model, opt, range(20))  # past the first synchronisation
+    chosen = opt.auto_plan
+    assert chosen is not None and chosen.schedule == "local_steps", chosen
+    assert chosen.choices["0.weight"] == "qsgd4+ef", chosen.choices
+    assert any("qsgd4+ef" in key and "local_steps" in key for key in opt.plans), list(opt.plans)
+    with opt.true_weights():
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.close()
