@@ -5,7 +5,8 @@ plan part (keyed by the plan's text, ``"plans"``) its reduction number, bucket k
 schedule's own state (a pending double-buffered reduction: averaged, the same on every
 rank); and *this rank's* codec state per part (error-feedback residuals differ per rank),
 with the keys a schedule declares as this rank's own (``own_keys``: compensated double
-buffering's predicted weights) lifted to the top and listed in ``"rank_keys"``. Nothing is
+buffering's predicted weights, local steps' inner state) lifted to the top and listed in
+``"rank_keys"`` (``key@plan`` where several parts declare the same key). Nothing is
 gathered: each rank saves its own communication state, so a checkpoint does not grow with the
 number of ranks and no rank ever holds a peer's residuals (``save_checkpoint`` in
 :mod:`commopt.optim.checkpoint_files` writes the per-rank part with
@@ -61,6 +62,8 @@ _READS = (1, 2, STATE_VERSION)
 
 #: What a plan part saves besides its schedule's state.
 REDUCTION = "reduction"
+#: Between a schedule's own key and its part's key where several parts save that key.
+OWNER = "@"
 
 _RESUME_HINT = (
     "resume with the same number of ranks, each rank loading the state it saved "
@@ -107,17 +110,19 @@ def plans_state(
         "codec_state": {},
         "rank_keys": [],
     }
+    declared: dict[str, int] = {}
+    for part in parts:
+        for k in part.own_keys:
+            declared[k] = declared.get(k, 0) + 1
     for part in parts:
         schedule_state = dict(part.schedule_state or {})
         for k in part.own_keys:
             value = schedule_state.pop(k, None)
-            if k in state["rank_keys"] and value is not None and state[k] is not None:
-                raise ValueError(f"internal: two plan parts save this rank's {k!r}")
-            if k not in state["rank_keys"]:
-                state["rank_keys"].append(k)
-                state[k] = value
-            elif value is not None:
-                state[k] = value
+            # A key one part declares keeps its name; parts that declare the same key (two
+            # local-steps parts: each its own residuals and inner state) save it per part.
+            name = k if declared[k] == 1 else f"{k}{OWNER}{part.key}"
+            state["rank_keys"].append(name)
+            state[name] = value
         state["plans"][part.key] = {
             REDUCTION: part.counter.saved(part.reducer),
             "buckets": [b.key for b in part.reducer.buckets],
@@ -214,7 +219,11 @@ def load_plans_state(
         part.reducer.load_codec_states(own_codec_state(own, comm.rank))
         part.counter.next = int(own[REDUCTION])
         for k in extra.get("rank_keys", []):
-            own[k] = extra.get(k)
+            base, _, owner = k.partition(OWNER)
+            if not owner:
+                own[k] = extra.get(k)
+            elif owner == saved[part.key]:
+                own[base] = extra.get(k)
     applier.load_state_dict(extra)
     return int(extra["seed"]), per_part
 

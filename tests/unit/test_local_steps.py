@@ -143,6 +143,33 @@ def test_a_checkpoint_mid_cycle_resumes_exactly():
     assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
 
 
+def test_two_local_steps_parts_each_save_their_own_state_and_resume_exactly():
+    # Per-group plans: the first layer's outer gradients in 4 bits with error feedback, the
+    # rest exact; two local-steps parts, each with its residuals and inner state.
+    def build():
+        model = _model()
+        return model, _opt(
+            model, sync_every=3, plans=[("0.*", {"compression": "qsgd4+ef"})], outer_lr=0.5
+        )
+
+    m1, o1 = build()
+    assert sorted(o1.plans) == [
+        "compression=None, schedule=local_steps",
+        "compression=qsgd4+ef, schedule=local_steps",
+    ]
+    _train(m1, o1, range(4))
+    saved = copy.deepcopy({"model": m1.state_dict(), "opt": o1.state_dict()})
+    keys = saved["opt"]["commopt"]["rank_keys"]
+    assert sorted(keys) == sorted(f"{k}@{p}" for p in o1.plans for k in LocalStepsSchedule.own_keys)
+    assert all(saved["opt"]["commopt"][f"local_state@{p}"] is not None for p in o1.plans)
+    _train(m1, o1, range(4, 11))
+    m2, o2 = build()
+    m2.load_state_dict(saved["model"])
+    o2.load_state_dict(saved["opt"])
+    _train(m2, o2, range(4, 11))
+    assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
+
+
 def test_a_checkpoint_of_another_cycle_is_refused():
     m1 = _model()
     o1 = _opt(m1, sync_every=4)

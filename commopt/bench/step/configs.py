@@ -188,7 +188,8 @@ LOCAL_STEPS_OVERLAP = 1
 
 def local_steps_configs() -> list[StepConfig]:
     """commopt's local-steps schedule (plain fp32, qsgd4+EF outer gradients, streaming; also
-    at H = 32) and torchft's ``DiLoCo`` (fp32 outer gradients, one fragment)."""
+    at H = 32), ``compression="auto"`` with local steps at H as a candidate beside the
+    per-step plans, and torchft's ``DiLoCo`` (fp32 outer gradients, one fragment)."""
     h, p, tau = LOCAL_STEPS_H, LOCAL_STEPS_FRAGMENTS, LOCAL_STEPS_OVERLAP
     out = [
         StepConfig(
@@ -219,6 +220,15 @@ def local_steps_configs() -> list[StepConfig]:
             sync_every=h,
             fragments=p,
             overlap_steps=tau,
+        )
+    )
+    out.append(
+        StepConfig(
+            f"commopt-auto-local{h}",
+            "commopt",
+            "auto",
+            f"commopt auto, local steps H={h} a candidate",
+            sync_every=h,
         )
     )
     out.append(
@@ -427,11 +437,10 @@ def wrap_commopt(
         kwargs["plans"] = mixed_plan_rules(model)
     if cfg.local_steps:
         kwargs.update(
-            schedule="local_steps",
-            sync_every=cfg.sync_every,
-            fragments=cfg.fragments,
-            overlap_steps=cfg.overlap_steps,
+            sync_every=cfg.sync_every, fragments=cfg.fragments, overlap_steps=cfg.overlap_steps
         )
+        if cfg.wire != "auto":  # auto prices local steps beside the per-step plans
+            kwargs["schedule"] = "local_steps"
         if outer_lr is not None:
             kwargs["outer_lr"] = outer_lr
     return commopt.create_multi_node_optimizer(
