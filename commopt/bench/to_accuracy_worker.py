@@ -159,16 +159,22 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
 
     curve = [(0, 0.0, evaluate())]  # (step, training wall seconds, validation loss)
     step_times = []
+    sent_live: list[int] = []  # commopt: bytes sent by each step
     stopped = "budget"
     comm.allgather_obj(None)
     with peer if peer is not None else contextlib.nullcontext():
         for step in range(1, budget + 1):
             x, y = task.batch(gen)
+            # compression="auto" reduces its measured steps exactly, as its first plan does
+            measuring = cfg.wire == "auto" and commopt_opt is not None and not commopt_opt.auto_plan
+            exact = commopt_sent_bytes(commopt_opt) if measuring else 0
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(x), y).backward()
             opt.step()
             step_times.append(time.perf_counter() - start)
+            if commopt_opt is not None:  # what this step sent, by the plan it ran under
+                sent_live.append(exact if measuring else commopt_sent_bytes(commopt_opt))
             if step % args.eval_every == 0 or step == budget:
                 # Plain double buffering's weights lag one step: evaluated as training left them.
                 loss = evaluate()
@@ -183,7 +189,7 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     codec_s = codec_seconds(cfg, shapes, comm.size, opt=commopt_opt)
     steps_run = curve[-1][0]
     if commopt_opt is not None:
-        per_step = [commopt_sent_bytes(commopt_opt, t) for t in range(1, steps_run + 1)]
+        per_step = sent_live[:steps_run]
     elif peer is not None:
         per_step = [
             peer.wire_bytes_per_sync if t % cfg.sync_every == 0 else 0

@@ -466,13 +466,15 @@ def reducer_wire_bytes(reducer) -> int:
     return int(total)
 
 
-def commopt_sent_bytes(opt, step: int) -> int:
-    """Bytes commopt's optimizer ``opt`` sent during its inner step ``step`` (1-based).
+def commopt_sent_bytes(opt, step: int | None = None) -> int:
+    """Bytes commopt's optimizer ``opt`` sent during its inner step ``step`` (1-based; None:
+    the step each part took last, asked right after it).
 
     A part that reduces every step sends its buckets each step; a local-steps part sends a
     fragment's outer gradients on the steps whose reduction starts (``overlap_steps`` before
     the fragment's synchronisation), nothing on the others. A local-steps part builds its
-    fragments at its first step: ask after it.
+    fragments at its first step: ask after it. Its steps count from its own first step (a part
+    that ``compression="auto"`` built after its measured steps starts later than the job).
     """
     total = 0
     for schedule in opt.plans.values():
@@ -480,8 +482,9 @@ def commopt_sent_bytes(opt, step: int) -> int:
             total += reducer_wire_bytes(schedule.bucketed.reducer)
             continue
         every, tau = schedule.sync_every, schedule.overlap_steps
+        at = schedule.position if step is None else step
         for f in schedule.fragments:
-            if (step + tau) % every == f.offset:
+            if (at + tau) % every == f.offset:
                 total += reducer_wire_bytes(f.reducer)
     return total
 
