@@ -231,17 +231,22 @@ def test_write_multipliers_from_synthetic_result_files(tmp_path):
     assert refused.returncode != 0 and "--from-json" in refused.stderr
 
 
-@pytest.fixture
-def local_steps_registered(tmp_path, monkeypatch):
+def _package_table(tmp_path, monkeypatch, cheap=()) -> None:
+    """The package's table with every codec at 10x the steps but ``cheap`` (1x) and
+    ``local_steps:16`` at 1.1x: local steps win on a slow link."""
     assert "local_steps" in schedules.SCHEDULES  # the local-steps schedule
-    # Codecs that cost many steps, local steps few: local steps win on a slow link.
     data = json.loads(TABLE_PATH.read_text())
-    for entry in data["codecs"].values():
-        entry["multiplier"] = 10.0
+    for name, entry in data["codecs"].items():
+        entry["multiplier"] = 1.0 if name in cheap else 10.0
     data["schedules"]["local_steps:16"]["multiplier"] = 1.1
     path = tmp_path / "table.json"
     path.write_text(json.dumps(data))
     monkeypatch.setattr(step_multipliers, "TABLE_PATH", path)
+
+
+@pytest.fixture
+def local_steps_registered(tmp_path, monkeypatch):
+    _package_table(tmp_path, monkeypatch)
 
 
 def _model():
@@ -297,13 +302,7 @@ def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
 
 
 def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path, monkeypatch):
-    data = json.loads(TABLE_PATH.read_text())
-    for name, entry in data["codecs"].items():
-        entry["multiplier"] = 1.0 if name == "qsgd4+ef" else 10.0
-    data["schedules"]["local_steps:16"]["multiplier"] = 1.1
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps(data))
-    monkeypatch.setattr(step_multipliers, "TABLE_PATH", path)
+    _package_table(tmp_path, monkeypatch, cheap=("qsgd4+ef",))
     model = _model()
     opt = commopt.create_multi_node_optimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),

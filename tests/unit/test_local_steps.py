@@ -135,12 +135,7 @@ def test_a_checkpoint_mid_cycle_resumes_exactly():
     (part,) = saved["opt"]["commopt"]["plans"].values()
     assert part["cycle"]["position"] == 5 and list(part["cycle"]["in_flight"]) == ["0"]
     assert "outer_residuals" in saved["opt"]["commopt"]["rank_keys"]
-    _train(m1, o1, range(5, 13))
-    m2, o2 = build()
-    m2.load_state_dict(saved["model"])
-    o2.load_state_dict(saved["opt"])
-    _train(m2, o2, range(5, 13))
-    assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
+    _resumes_exactly(build, m1, o1, saved, range(5, 13))
 
 
 def test_two_local_steps_parts_each_save_their_own_state_and_resume_exactly():
@@ -162,11 +157,16 @@ def test_two_local_steps_parts_each_save_their_own_state_and_resume_exactly():
     keys = saved["opt"]["commopt"]["rank_keys"]
     assert sorted(keys) == sorted(f"{k}@{p}" for p in o1.plans for k in LocalStepsSchedule.own_keys)
     assert all(saved["opt"]["commopt"][f"local_state@{p}"] is not None for p in o1.plans)
-    _train(m1, o1, range(4, 11))
+    _resumes_exactly(build, m1, o1, saved, range(4, 11))
+
+
+def _resumes_exactly(build, m1, o1, saved, steps) -> None:
+    """``m1``/``o1`` train on through ``steps``; a fresh pair loaded from ``saved`` ends equal."""
+    _train(m1, o1, steps)
     m2, o2 = build()
     m2.load_state_dict(saved["model"])
     o2.load_state_dict(saved["opt"])
-    _train(m2, o2, range(4, 11))
+    _train(m2, o2, steps)
     assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
 
 
