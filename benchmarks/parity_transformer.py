@@ -64,6 +64,16 @@ CONFIGS = {
     # local steps (DiLoCo): each rank takes 16 Adam steps alone, then the outer step
     "local16": ["--sync-every", "16"],
     "local16-qsgd4+ef": ["--sync-every", "16", "--compression", "qsgd4+ef"],
+    # the same at outer learning rate 0.35 (half DiLoCo's 0.7, which was tuned for 8 workers)
+    "local16-olr0.35": ["--sync-every", "16", "--outer-lr", "0.35"],
+    "local16-qsgd4+ef-olr0.35": [
+        "--sync-every",
+        "16",
+        "--compression",
+        "qsgd4+ef",
+        "--outer-lr",
+        "0.35",
+    ],
 }
 DEFAULT_CONFIGS = ["fp32", "fp16", "qsgd4", "qsgd4+ef", "db"]
 TOLERANCE_BLEU = 1.0

@@ -79,4 +79,5 @@ printf '%s\n' "${args[@]}" >"$out/args.txt"
 quoted="$(printf ' %q' "$@")"  # the command as it can be typed again
 STRESS_COMMAND="N=$n HOG=$hog bash scripts/stress.sh${*:+$quoted}" STRESS_STARTED="$started" \
   STRESS_HOG="${#hogs_started[@]}" STRESS_WORKERS="$workers" \
+  STRESS_COMMIT="$(git -C "$root" rev-parse --short HEAD 2>/dev/null)" \
   "$python" "$root/scripts/stress_report.py" "$out" --json "$out/stress.json" | tee "$out/summary.txt"

@@ -6,8 +6,8 @@ docs/reliability.md made from that record.
     python scripts/stress_report.py --from-json benchmarks/results/stress.json --docs docs/reliability.md
 
 Reads ``run-*.xml`` (JUnit), ``runs.tsv`` and ``args.txt`` of a stress directory; the command,
-start and hog come from $STRESS_COMMAND, $STRESS_STARTED, $STRESS_HOG and $STRESS_WORKERS
-(stress.sh sets them). Exits 1 when a test failed (or errored) in any run, or a run wrote no
+start, hog and commit come from $STRESS_COMMAND, $STRESS_STARTED, $STRESS_HOG, $STRESS_WORKERS
+and $STRESS_COMMIT (stress.sh sets them). Exits 1 when a test failed (or errored) in any run, or a run wrote no
 result.
 """
 
@@ -75,6 +75,7 @@ def collect(directory: Path) -> tuple[dict, dict[str, list[tuple[int, str]]]]:
         "started": os.environ.get("STRESS_STARTED", ""),
         "hog_processes": int(os.environ.get("STRESS_HOG", "0") or 0),
         "workers": os.environ.get("STRESS_WORKERS", ""),
+        "commit": os.environ.get("STRESS_COMMIT", ""),
         "tests": [a for a in args if a],
         "cores": os.cpu_count(),
         "python": platform.python_version(),
@@ -156,8 +157,10 @@ def batch(record: dict, result_file: str) -> list[str]:
         if record["hog_processes"]
         else "no hog"
     )
+    tests = ", ".join(f"`{t}`" for t in record["tests"]) or "the default set of scripts/stress.sh"
+    commit = f" at commit `{record['commit']}`" if record.get("commit") else ""
     out = [
-        f"`{record['command']}` on {record['started']}: {', '.join(f'`{t}`' for t in record['tests'])}, "
+        f"`{record['command']}` on {record['started']}{commit}: {tests}, "
         f"each run as CI runs the suite (`pytest {record['workers']}`), with {hog} for the whole "
         f"time, on one {record['machine']} host of {record['cores']} cores shared with other work "
         f"(load average at the end of each run {min(loads, default='?')}-{max(loads, default='?')}), "

@@ -63,11 +63,15 @@ def test_batches_render_together_per_file_by_the_weakest_case(report, tmp_path):
     for name in ("s1", "s2"):
         record, _ = report.collect(tmp_path / name)
         record.update(command=f"N=? bash scripts/stress.sh ({name})", started="today")
+        if name == "s2":
+            record.update(commit="abc1234", tests=[])  # a record of the default set
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(record))
         records.append((json.loads(path.read_text()), str(path)))
     text = report.section(records)
     assert text.count("N=? bash scripts/stress.sh") == 2
+    assert "(s2)` on today at commit `abc1234`: the default set of scripts/stress.sh," in text
+    assert "(s1)` on today: `tests/distributed/test_a.py`," in text
     assert "| `tests.distributed.test_a` | 2 | 3 | 0 |" in text  # b passed 3 runs (s2 skipped it)
     assert "| `tests.distributed.test_c` | 1 | 2 | 0 |" in text
     page = tmp_path / "reliability.md"
