@@ -188,8 +188,8 @@ LOCAL_STEPS_OVERLAP = 1
 
 def local_steps_configs() -> list[StepConfig]:
     """commopt's local-steps schedule (plain fp32, qsgd4+EF outer gradients, streaming; also
-    at H = 32), ``compression="auto"`` with local steps at H as a candidate beside the
-    per-step plans, and torchft's ``DiLoCo`` (fp32 outer gradients, one fragment)."""
+    at H = 32), ``compression="auto"`` with streaming local steps at H as a candidate beside
+    the per-step plans, and torchft's ``DiLoCo`` (fp32 outer gradients, one fragment)."""
     h, p, tau = LOCAL_STEPS_H, LOCAL_STEPS_FRAGMENTS, LOCAL_STEPS_OVERLAP
     out = [
         StepConfig(
@@ -224,11 +224,13 @@ def local_steps_configs() -> list[StepConfig]:
     )
     out.append(
         StepConfig(
-            f"commopt-auto-local{h}",
+            f"commopt-auto-stream{h}",
             "commopt",
             "auto",
-            f"commopt auto, local steps H={h} a candidate",
+            f"commopt auto, streaming local steps H={h} ({p} fragments, overlap {tau}) a candidate",
             sync_every=h,
+            fragments=p,
+            overlap_steps=tau,
         )
     )
     out.append(
