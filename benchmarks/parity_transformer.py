@@ -74,6 +74,19 @@ CONFIGS = {
         "--outer-lr",
         "0.35",
     ],
+    # Streaming DiLoCo: 2 fragments on a staggered cycle, each reduction overlapping 1 step
+    "stream16-qsgd4+ef-olr0.35": [
+        "--sync-every",
+        "16",
+        "--fragments",
+        "2",
+        "--overlap-steps",
+        "1",
+        "--compression",
+        "qsgd4+ef",
+        "--outer-lr",
+        "0.35",
+    ],
 }
 DEFAULT_CONFIGS = ["fp32", "fp16", "qsgd4", "qsgd4+ef", "db"]
 TOLERANCE_BLEU = 1.0
@@ -88,12 +101,26 @@ def _worker(runs: list[list[str]]) -> None:
         train.run(argv)
 
 
+def _finished(save: Path) -> bool:
+    """Whether the run in ``save`` logged its final test BLEU."""
+    log = save / "log.jsonl"
+    return log.exists() and any(json.loads(line)["event"] == "final" for line in open(log))
+
+
 def _run_seed(
-    seed: int, configs: list[str], work: Path, data: Path, extra: list[str], timeout: float
+    seed: int,
+    configs: list[str],
+    work: Path,
+    data: Path,
+    extra: list[str],
+    timeout: float,
+    skip_existing: bool = False,
 ) -> None:
     runs = []
     for name in configs:
         save = work / f"{name}-seed{seed}"
+        if skip_existing and _finished(save):
+            continue
         shutil.rmtree(save, ignore_errors=True)
         runs.append(
             [
@@ -111,6 +138,8 @@ def _run_seed(
                 *extra,
             ]
         )
+    if not runs:
+        return
     spec = work / f"runs-seed{seed}.json"
     spec.write_text(json.dumps(runs))
     from commopt.bench import harness  # the repository is on sys.path by now
@@ -142,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="where the runs write (default: a temporary folder)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per mpirun job")
+    p.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="keep the runs in --work-dir that finished (resume an interrupted comparison)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument(
         "extra", nargs="*", help="more train.py options after --, e.g. -- --max-update 200"
@@ -166,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     for seed in args.seeds:
         t0 = time.time()
-        _run_seed(seed, args.configs, work, data, args.extra, args.timeout)
+        _run_seed(seed, args.configs, work, data, args.extra, args.timeout, args.skip_existing)
         print(f"seed {seed}: {len(args.configs)} runs in {time.time() - t0:.0f} s", flush=True)
 
     results = {name: [_read(work / f"{name}-seed{s}") for s in args.seeds] for name in args.configs}
