@@ -219,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                 "bleu_per_seed": bleus,
                 "bleu_mean": round(mean, 2),
                 "delta_vs_fp32": round(delta, 2),
+                "valid_nll_per_seed": [r["valid_nll"] for r in results[name]],
                 "valid_nll_mean": round(statistics.mean(r["valid_nll"] for r in results[name]), 4),
+                # the final validation NLL over fp32's, seed by seed
+                "valid_nll_vs_fp32_per_seed": [
+                    round(r["valid_nll"] / f["valid_nll"] - 1, 4)
+                    for r, f in zip(results[name], results["fp32"])
+                ],
                 "train_s_mean": round(statistics.mean(r["train_time"] for r in results[name]), 1),
                 "within_1_bleu": passed,
             }
