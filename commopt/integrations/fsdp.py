@@ -64,12 +64,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from commopt import driver
+from commopt import driver, kernels
 from commopt.codecs import Codec, CompressionPolicy, ErrorFeedback, PowerSGD, get_codec
 from commopt.comm.base import Communicator, Work
 from commopt.optim.fingerprint import SettingsMismatchError
 from commopt.reducer import GradientReducer
-from commopt.reducer.agreement import has_nonfinite, may_overflow
+from commopt.reducer.agreement import may_overflow
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -515,7 +515,7 @@ class CompressedReplicas:
                             flags.add_((~torch.isfinite(flats[b.index]).all()).reshape(1))
             else:
                 bad_here = any(
-                    bool(bad) or (may_overflow(b.codec, 1.0) and has_nonfinite(flat))
+                    bool(bad) or (may_overflow(b.codec, 1.0) and kernels.any_nonfinite((flat,)))
                     for unit in called
                     if unit.reducer is not None
                     for b, bad, flat in zip(unit.reducer.buckets, unit.bad, unit.flats)

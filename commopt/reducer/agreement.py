@@ -119,7 +119,9 @@ def issue_agreement(
     if not getattr(comm, "stream_ordered", False):
         # The worker thread runs this after the buckets: reading here costs the host nothing.
         local = [
-            float(bool(bad[i]) or (_check_after(buckets[i], scale) and has_nonfinite(flat)))
+            float(
+                bool(bad[i]) or (_check_after(buckets[i], scale) and kernels.any_nonfinite((flat,)))
+            )
             for i, flat in enumerate(flats)
         ]
         local += [float(p) for p in present]
@@ -157,15 +159,3 @@ def may_overflow(codec: Codec | None, scale: float) -> bool:
     in exact float32 (``codec`` None). Those buckets, and a scale above 1, pay a second pass.
     """
     return scale > 1.0 or codec is None or codec.can_overflow
-
-
-def has_nonfinite(flat: torch.Tensor) -> bool:
-    """Whether ``flat`` holds a NaN or Inf (exact: huge finite values are no false alarm).
-
-    >>> import torch
-    >>> has_nonfinite(torch.tensor([3e38, 3e38])), has_nonfinite(torch.tensor([float("nan")]))
-    (False, True)
-    """
-    if flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
-        return kernels.nonfinite(flat)  # one native pass, no temporary
-    return not bool(torch.isfinite(flat).all())

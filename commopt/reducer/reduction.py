@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import torch
 
-from commopt import driver
+from commopt import driver, kernels
 from commopt.comm.base import Communicator, Work
 from commopt.comm.base import CompletedWork as _DoneWork
 from commopt.profiling import phase
-from commopt.reducer.agreement import Agreement, StepResult, has_nonfinite, issue_agreement
+from commopt.reducer.agreement import Agreement, StepResult, issue_agreement
 from commopt.reducer.layout import Bucket
 
 __all__ = ["BucketReducer", "StepReduction"]
@@ -242,7 +242,7 @@ class StepReduction:
         if self._result is not None or marks is None:
             for i in self._resolve().bad_buckets:
                 flat = self.flats[i]
-                if not has_nonfinite(flat):
+                if not kernels.any_nonfinite((flat,)):
                     for s in self.reducer.buckets[i].slots:
                         flat[s.offset : s.offset + s.numel].fill_(float("nan"))
             return

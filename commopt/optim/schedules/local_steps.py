@@ -339,7 +339,7 @@ class LocalStepsSchedule(ScheduleBase):
             inverse = inverse_grad_scale(scale)
             for g in grads:
                 g.mul_(inverse)
-        if any_nonfinite(grads):
+        if kernels.any_nonfinite(grads):
             self.local_skipped_steps += 1
             log.warning(
                 "commopt: rank %d skipped its local inner step: NaN/Inf gradients "
@@ -618,30 +618,3 @@ def sync_steps(fragment: int, fragments: int, sync_every: int, steps: int) -> Se
 def _offset(fragment: int, fragments: int, sync_every: int) -> int:
     """The step of the cycle (mod ``sync_every``) at which ``fragment`` synchronises."""
     return (fragment + 1) * sync_every // fragments % sync_every
-
-
-def any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether any of ``tensors`` holds a NaN or +-Inf.
-
-    Contiguous float32 tensors on the CPU are read once each by the native check
-    (:func:`commopt.kernels.nonfinite`, about a tenth of ``torch.isfinite(t).all()``'s time);
-    the others are checked together with one synchronisation.
-
-    >>> any_nonfinite([torch.ones(3), torch.tensor([1.0, float("inf")])])
-    True
-    >>> any_nonfinite([torch.ones(3), torch.zeros(2, dtype=torch.float16)])
-    False
-    """
-    rest = []
-    for t in tensors:
-        if (
-            t.layout == torch.strided
-            and t.device.type == "cpu"
-            and t.dtype == torch.float32
-            and t.is_contiguous()
-        ):
-            if kernels.nonfinite(t.view(-1)):
-                return True
-        else:
-            rest.append(t)
-    return bool(rest) and not bool(torch.stack([torch.isfinite(t).all() for t in rest]).all())
