@@ -573,7 +573,7 @@ class LocalStepsSchedule(ScheduleBase):
         # (absent from an older checkpoint: a final synchronisation then syncs every fragment)
         for f, at in zip(fragments, cycle.get("synced_at") or [-1] * len(fragments)):
             f.synced_at = int(at)
-        for key, pending in cycle["in_flight"].items():
+        for key, pending in cycle.get("in_flight", {}).items():  # (DCP drops an empty dict)
             f = fragments[int(key)]
             red = StepReduction(f.reducer, 0, 0, 1.0)
             saved_reduction = dict(pending["reduction"])  # (DCP drops an empty list)
