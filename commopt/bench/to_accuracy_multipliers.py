@@ -9,7 +9,9 @@ measures: DDP's fp16 and bf16 hooks and PowerSGD with its warm-up (``-warm``), a
 codecs with overlap, measure the codec; commopt's ``-db`` and ``-comp`` configurations measure
 the ``stale`` and ``compensated`` schedules, as their ratio to the same codec with overlap in
 the same file; a ``local_stepsH`` configuration measures ``local_steps:H`` (of the benchmark's
-own, only ``commopt-local-stepsH``: fp32 outer gradients, one fragment, no overlap). ``auto``, mixed
+own, only ``commopt-local-stepsH``: fp32 outer gradients, one fragment, no overlap), and
+``commopt-local-stepsH-CODEC`` (one fragment, no overlap) measures the outer-gradient codec
+as its ratio to ``commopt-local-stepsH`` in the same file. ``auto``, mixed
 plans and DDP PowerSGD without its warm-up measure nothing. Per task, the files' ratios are
 averaged weighted by their seeds; an entry's multiplier is the mean over the tasks. Entries
 no file measures keep what the table had (an estimate with its source).
@@ -64,6 +66,23 @@ def _plain_local_steps(name: str) -> bool:
     )
 
 
+def _outer_codec_of(name: str) -> str | None:
+    """The codec of local steps' outer gradients that ``name`` measures against exact ones at
+    the same H (commopt's, one fragment, no overlap), or None."""
+    from commopt.bench.step.configs import CONFIGS
+
+    cfg = CONFIGS.get(name)
+    if (
+        cfg is None
+        or cfg.kind != "commopt"
+        or cfg.fragments != 1
+        or cfg.overlap_steps
+        or cfg.wire in ("fp32", "auto")
+    ):
+        return None
+    return cfg.wire
+
+
 def _steps(row: dict) -> float | None:
     if row.get("reached") and row.get("steps_to_target"):
         return float(row["steps_to_target"])
@@ -100,7 +119,11 @@ def ratios(report: dict) -> list[tuple[str, str, str, float, int, bool]]:
         seeds = int(row.get("seeds_run") or row.get("seeds_reached") or 1)
         local = _LOCAL.search(name)
         if local and not _plain_local_steps(name):
-            continue  # compressed or streaming local steps, torchft: no entry of their own
+            outer, plain = _outer_codec_of(name), f"commopt-local-steps{local.group(1)}"
+            found = ratio(row, rows[plain]) if outer and plain in rows else None
+            if found:
+                out.append(("outer_codecs", str(outer), task, found[0], seeds, found[1]))
+            continue  # streaming local steps, torchft: no entry of their own
         if local:
             found = ratio(row, base)
             if found:
@@ -154,6 +177,7 @@ def build_table(paths: list[str], previous: dict[str, Any]) -> dict[str, Any]:
         "about": previous.get("about", ""),
         "codecs": dict(previous.get("codecs", {})),
         "schedules": dict(previous.get("schedules", {})),
+        "outer_codecs": dict(previous.get("outer_codecs", {})),
     }
     for (section, entry), by_task in sorted(pooled.items()):
         per_task = {

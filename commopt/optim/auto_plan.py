@@ -34,7 +34,9 @@ time-to-accuracy benchmark records, shipped with the package).
   one average of the outer gradients every ``H`` steps, nothing overlapped, the outer
   gradients sent with the option (one for every tensor it applies to, the rest exact) of
   least expected time: ``(step + its wire and codec time / H) x multiplier(H) x the option's
-  multiplier``; chosen when that is lower than the best per-step plan's.
+  outer-gradient multiplier`` (only options the table prices for outer gradients: a
+  low-rank outer gradient keeps a few directions of H steps' progress and trains far
+  slower); chosen when that is lower than the best per-step plan's.
 
     >>> planner = AutoPlanner()
     >>> tensors = [TensorInfo("fc.weight", (1024, 1024)), TensorInfo("fc.bias", (1024,))]
@@ -422,13 +424,19 @@ class AutoPlanner:
                 # multiplier times the schedule's.
                 local_s, picks, per_sync = math.inf, [0] * len(units), 0.0
                 for option in OPTIONS:
+                    m_outer = table.outer_codec(option)
+                    if m_outer is None:
+                        continue  # not known to train as outer gradients (low rank, for one)
                     pick = [
                         next((j for j, c in enumerate(menu) if c[0] == option), 0) for menu in menus
                     ]
                     if option != OPTIONS[0] and not any(pick):
                         continue  # applies to no tensor: the exact price, already counted
                     sync_s = sum(menus[u][j][2] + menus[u][j][3] for u, j in enumerate(pick))
-                    mass = sum(menus[u][j][4] for u, j in enumerate(pick))
+                    mass = sum(
+                        sum(tensors[i].numel for i in unit) * (m_outer if pick[u] else 1.0)
+                        for u, unit in enumerate(units)
+                    )
                     price = (step_s + sync_s / int(local_steps)) * m_local
                     price *= mass / total_numel if total_numel else 1.0
                     if price < local_s * (1 - 1e-9):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,14 @@ TABLE_PATH = Path(__file__).with_name("step_multipliers.json")
 @dataclass(frozen=True)
 class StepMultipliers:
     """The table: ``codecs`` and ``schedules`` map a name to an entry with its
-    ``multiplier`` (local steps as ``"local_steps:H"``). A multiplier below 1 (a measurement's
-    noise: fewer steps than fp32) counts as 1."""
+    ``multiplier`` (local steps as ``"local_steps:H"``); ``outer_codecs`` the codecs that may
+    carry local steps' outer gradients, each with its multiplier against exact outer
+    gradients at the same ``H`` (a codec missing there is no candidate for them). A multiplier
+    below 1 (a measurement's noise: fewer steps than fp32) counts as 1."""
 
     codecs: dict[str, float]
     schedules: dict[str, float]
+    outer_codecs: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> StepMultipliers:
@@ -62,7 +65,11 @@ class StepMultipliers:
                 out[str(key)] = max(1.0, value)
             return out
 
-        return cls(codecs=section("codecs"), schedules=section("schedules"))
+        return cls(
+            codecs=section("codecs"),
+            schedules=section("schedules"),
+            outer_codecs=section("outer_codecs") if "outer_codecs" in data else {},
+        )
 
     def codec(self, option: str) -> float:
         """``option``'s multiplier (1 for the exact ``none``; an option missing from the
@@ -100,9 +107,23 @@ class StepMultipliers:
                 return m0 + t * (m1 - m0)
         return None
 
+    def outer_codec(self, option: str) -> float | None:
+        """``option``'s multiplier on local steps' outer gradients, against exact ones (1 for
+        ``none``; None: the table neither measures nor estimates it, so the planner does not
+        offer it for outer gradients).
+
+            >>> table = StepMultipliers.load()
+            >>> table.outer_codec("none"), table.outer_codec("powersgd4") is None
+            (1.0, True)
+        """
+        if option == "none":
+            return 1.0
+        return self.outer_codecs.get(option)
+
     def as_inputs(self) -> dict[str, float]:
         """The table as flat ``inputs`` of a plan (``multiplier.NAME``)."""
         return {
             **{f"multiplier.{k}": v for k, v in sorted(self.codecs.items())},
             **{f"multiplier.schedule.{k}": v for k, v in sorted(self.schedules.items())},
+            **{f"multiplier.outer.{k}": v for k, v in sorted(self.outer_codecs.items())},
         }

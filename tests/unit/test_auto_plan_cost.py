@@ -27,14 +27,19 @@ FREE = dict.fromkeys(CODEC_SECONDS_PER_ELEMENT, 0.0)  # no codec time
 BIG = [TensorInfo("w", (4096, 4096)), TensorInfo("b", (4096,), compressible=False)]
 
 
-def table(codecs=None, schedules_=None):
+def table(codecs=None, schedules_=None, outer=None):
+    """Every codec at 1x the steps but ``codecs``; outer gradients: ``outer``, by default
+    every elementwise codec at its per-step multiplier (no low-rank one)."""
     entries = {"qsgd8": 1.0, "bf16": 1.0, "qsgd4+ef": 1.0, "qsgd2+ef": 1.0}
     entries.update({f"powersgd{r}": 1.0 for r in (1, 2, 4)})
     entries.update(codecs or {})
+    if outer is None:
+        outer = {k: v for k, v in entries.items() if not k.startswith("powersgd")}
     return StepMultipliers.from_dict(
         {
             "codecs": {k: {"multiplier": v} for k, v in entries.items()},
             "schedules": {k: {"multiplier": v} for k, v in (schedules_ or {}).items()},
+            "outer_codecs": {k: {"multiplier": v} for k, v in outer.items()},
         }
     )
 
@@ -47,7 +52,10 @@ def test_the_package_table_loads_and_names_a_source_for_every_entry():
     for option in ("powersgd1", "powersgd2", "powersgd4"):
         assert loaded.codec(option) > 1.0
     assert loaded.schedule("stale") > 1.0 and loaded.schedule("compensated") >= 1.0
-    for section in ("codecs", "schedules"):
+    assert loaded.outer_codec("qsgd4+ef") >= 1.0
+    for option in ("powersgd1", "powersgd2", "powersgd4"):
+        assert loaded.outer_codec(option) is None  # low rank never carries outer gradients
+    for section in ("codecs", "schedules", "outer_codecs"):
         for name, entry in data[section].items():
             assert entry["source"].startswith(("measured: ", "estimate: ")), name
             if entry["source"].startswith("measured: "):
@@ -144,6 +152,35 @@ def test_local_steps_price_their_outer_gradients_with_each_option_and_take_the_c
     assert fast.schedule is None
 
 
+def test_outer_gradients_go_only_with_options_priced_for_them():
+    # Low rank's wire is the smallest, but the table prices no low-rank outer gradients (a
+    # rank-4 outer gradient keeps a few directions of H steps' progress): local steps send the
+    # outer gradients in 4 bits, priced at their own outer multiplier (1.2x), not at the
+    # per-step one (3x, as every per-step option here).
+    t = table(
+        dict.fromkeys(
+            ("qsgd4+ef", "qsgd8", "bf16", "qsgd2+ef", "powersgd1", "powersgd2", "powersgd4"), 3.0
+        ),
+        {"local_steps:8": 1.3},
+        outer={"qsgd4+ef": 1.2},
+    )
+    planner = AutoPlanner(multipliers=t, codec_overlaps=False, codec_seconds_per_element=FREE)
+    plan = planner.plan(BIG, link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=8)
+    assert plan.schedule == "local_steps" and plan.choices["w"] == "qsgd4+ef", plan.choices
+    wire = planner.wire_bytes("qsgd4+ef", BIG[0]) + 4096 * 4
+    numel = sum(t.numel for t in BIG)
+    mass = (4096 * 4096 * 1.2 + 4096) / numel
+    assert plan.expected_s["local_steps"] == pytest.approx((0.05 + wire / (GBIT) / 8) * 1.3 * mass)
+    assert plan.inputs["multiplier.outer.qsgd4+ef"] == 1.2
+    # without any priced codec the outer gradients travel exact
+    exact = AutoPlanner(
+        multipliers=table({"qsgd4+ef": 3.0}, {"local_steps:8": 1.3}, outer={}),
+        codec_overlaps=False,
+        codec_seconds_per_element=FREE,
+    ).plan(BIG, link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=8)
+    assert exact.schedule != "local_steps" or set(exact.choices.values()) == {"none"}
+
+
 def test_the_plans_json_keeps_its_schedule_and_expected_times_and_reads_older_plans():
     planner = AutoPlanner(multipliers=table(schedules_={"local_steps:4": 1.1}))
     chosen = planner.plan(BIG, link_rate=1e6, backward_s=0.01, step_s=0.02, local_steps=4)
@@ -182,6 +219,9 @@ def test_write_multipliers_from_synthetic_result_files(tmp_path):
             _row("commopt-qsgd4+ef-db", 165.0),
             _row("commopt-qsgd4+ef-comp", 110.0),
             _row("commopt-auto", 90.0),  # auto measures nothing
+            _row("commopt-local-steps16", 160.0),
+            _row("commopt-local-steps16-qsgd4+ef", 176.0),  # outer gradients: 1.1x exact
+            _row("commopt-local-steps16-stream-qsgd4+ef", 400.0),  # streaming: nothing
         ],
     )
     digits = _synthetic_report(
@@ -216,6 +256,10 @@ def test_write_multipliers_from_synthetic_result_files(tmp_path):
     assert codecs["qsgd4+ef"]["multiplier"] == pytest.approx(1.15)
     assert str(tmp_path / "t.json") in codecs["qsgd4+ef"]["source"]
     assert scheds["stale"]["multiplier"] == 1.5 and scheds["compensated"]["multiplier"] == 1.0
+    assert scheds["local_steps:16"]["measured"] == {"text": 1.6}
+    assert written["outer_codecs"]["qsgd4+ef"]["measured"] == {"text": 1.1}
+    package_outer = json.loads(TABLE_PATH.read_text())["outer_codecs"]
+    assert written["outer_codecs"]["bf16"] == package_outer["bf16"]
     # entries no file measures keep the package's estimate and its source
     package = json.loads(TABLE_PATH.read_text())
     assert codecs["qsgd8"] == package["codecs"]["qsgd8"]
@@ -236,8 +280,9 @@ def _package_table(tmp_path, monkeypatch, cheap=()) -> None:
     ``local_steps:16`` at 1.1x: local steps win on a slow link."""
     assert "local_steps" in schedules.SCHEDULES  # the local-steps schedule
     data = json.loads(TABLE_PATH.read_text())
-    for name, entry in data["codecs"].items():
-        entry["multiplier"] = 1.0 if name in cheap else 10.0
+    for section in ("codecs", "outer_codecs"):
+        for name, entry in data[section].items():
+            entry["multiplier"] = 1.0 if name in cheap else 10.0
     data["schedules"]["local_steps:16"]["multiplier"] = 1.1
     path = tmp_path / "table.json"
     path.write_text(json.dumps(data))
