@@ -65,6 +65,7 @@ from commopt.optim.parts import Part, Parts, part_seed
 from commopt.optim.plans import check_group
 from commopt.optim.replicas import (
     ModelMismatchError,
+    average_replicas,
     broadcast_from_root,
     check_same_model,
     param_names,
@@ -127,7 +128,8 @@ def create_multi_node_optimizer(
 
     ``compression="auto"``: a codec per tensor, chosen by rank 0 after the first
     ``1 + auto_measure_steps`` steps (reduced exactly, in ``step()``, while the backward pass
-    and the time between steps are measured) for the least expected time to the target: seconds
+    and the time between steps are measured; with local steps a candidate, the first inner
+    steps of its cycle when they all come before its first send) for the least expected time to the target: seconds
     per step on a link of ``auto_link_rate`` x the steps each option needs relative to fp32
     (the package's step multipliers; a registered ``local_steps`` schedule is priced too when
     the wrapper's schedule is the synchronous one) (``auto_link_rate``: bytes/s,
@@ -432,8 +434,19 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         auto = self._parts.auto
         assert auto is not None
         self._drain()
+        # Measured on local steps: the plan's parts take their cycle up, or (another schedule)
+        # the ranks' weights are averaged once and their inner state made rank 0's.
+        carried = [part.schedule.cycle_state() for part in self._parts]
         self._parts.use_auto_plan(plan, self._model())
         self._rebuild(broadcast=False)
+        cycles = [c for c in carried if c is not None]
+        if cycles:
+            anchors = {k: v for c in cycles for k, v in c["anchors"].items()}
+            whole = {**cycles[0], "anchors": anchors}
+            taken = [part.schedule.continue_cycle(whole) for part in self._parts]
+            if not all(taken):
+                with self._parts.gate.own_reads():
+                    average_replicas(self.comm, self._all_params(), self._inner)
         if self.comm.rank == 0 and not auto.logged:
             auto.logged = True
             log.info(

@@ -50,6 +50,7 @@ from commopt.optim.reduction_counter import ReductionCounter, StartCallbacks
 from commopt.optim.schedules import schedule_class
 from commopt.optim.schedules.protocol import Schedule, ScheduleContext
 from commopt.optim.settings import Settings
+from commopt.optim.step_multipliers import StepMultipliers
 from commopt.reducer import GradientReducer
 
 __all__ = ["Gate", "Part", "Parts", "part_seed"]
@@ -197,8 +198,11 @@ class Parts:
         if self.auto is None:
             self.default = Plan(compression, self.final_schedule)
             self.rules = check_rules(settings.plans)
-        else:  # the first steps reduce exactly, synchronously, in step()
-            self.default = Plan(None, "synchronous")
+        else:
+            # The measured steps: inner steps of the local-steps candidate's cycle while they
+            # send nothing (a plan of local steps takes the cycle up, another one starts from
+            # the weights every rank agrees on); else exact, synchronous, in step().
+            self.default = Plan(None, _measuring_schedule(settings, self.auto))
             self.rules = []
 
     def __iter__(self) -> Iterator[Part]:
@@ -432,6 +436,19 @@ def _local_steps(settings: Settings, schedule: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return None
     return value
+
+
+def _measuring_schedule(settings: Settings, auto: AutoPlanning) -> str:
+    """The schedule of ``compression="auto"``'s measured steps: the local-steps candidate's
+    (priced by the step multipliers) when all of them fall before its first send, else the
+    synchronous one."""
+    if auto.local_steps is None or StepMultipliers.load().local_steps(auto.local_steps) is None:
+        return "synchronous"
+    cls = schedules.schedule_class("local_steps")
+    measured = auto.timer.skip + auto.timer.steps
+    return (
+        "local_steps" if cls.quiet_steps(settings.options_for(cls)) >= measured else "synchronous"
+    )
 
 
 def _refuse_auto_with_plans(param_groups: list[dict[str, Any]], plans: Any) -> None:

@@ -14,7 +14,13 @@ import torch
 
 from commopt.comm.base import Communicator
 
-__all__ = ["ModelMismatchError", "broadcast_from_root", "check_same_model", "param_names"]
+__all__ = [
+    "ModelMismatchError",
+    "average_replicas",
+    "broadcast_from_root",
+    "check_same_model",
+    "param_names",
+]
 
 
 class ModelMismatchError(ValueError):
@@ -137,3 +143,39 @@ def broadcast_from_root(
 
 def _field(sig: tuple[Any, ...], what: str) -> Any:
     return {"shape": sig[1], "dtype": sig[2], "requires_grad": sig[3], "name": sig[0]}[what]
+
+
+def average_replicas(
+    comm: Communicator, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer
+) -> None:
+    """Bring replicas that trained apart to one: every rank's ``params`` become their mean
+    over the ranks, and ``inner``'s state of them rank 0's (a collective call; a
+    floating-point parameter is averaged, any other taken from rank 0).
+
+        >>> import torch, commopt
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.Adam([w])
+        >>> average_replicas(commopt.create_communicator("local"), [w], opt); w.tolist()
+        [1.0, 1.0]
+    """
+    floats = [p for p in params if p.dtype.is_floating_point]
+    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+    for t in floats:
+        groups.setdefault((str(t.device), t.dtype), []).append(t)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.allreduce(flat)
+            flat.div_(comm.size)
+            offset = 0
+            for t in group:
+                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+    state = [
+        v
+        for p in params
+        for _, v in sorted(inner.state.get(p, {}).items())
+        if isinstance(v, torch.Tensor)
+    ]
+    others = [p for p in params if not p.dtype.is_floating_point]
+    broadcast_from_root(comm, [*others, *state])

@@ -206,7 +206,7 @@ def test_torchft_missing_is_reported_unavailable_with_the_pip_command(monkeypatc
     assert math.isfinite(rows[0]["target"])
 
 
-def test_only_plain_local_steps_measure_the_schedules_step_multiplier():
+def test_only_plain_local_steps_measure_the_schedule_and_one_fragment_the_outer_codec():
     from commopt.bench.to_accuracy_multipliers import ratios
 
     def row(name, steps):
@@ -229,7 +229,10 @@ def test_only_plain_local_steps_measure_the_schedules_step_multiplier():
             row("torchft-diloco16", 150.0),
         ],
     }
-    assert ratios(report) == [("schedules", "local_steps:16", "text", 1.5, 1, False)]
+    assert ratios(report) == [
+        ("schedules", "local_steps:16", "text", 1.5, 1, False),
+        ("outer_codecs", "qsgd4+ef", "text", pytest.approx(160 / 150), 1, False),
+    ]
 
 
 def test_to_accuracys_outer_lr_reaches_the_outer_optimizer():

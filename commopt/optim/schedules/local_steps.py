@@ -202,6 +202,8 @@ class LocalStepsSchedule(ScheduleBase):
         self.fragments: list[_Fragment] = []
         self._built_for: tuple[int, ...] | None = None
         self._checked = False  # every rank's options compared (at the first step)
+        #: a replaced part's cycle to take up when the fragments are built
+        self._continued: dict[str, Any] | None = None
 
     # -- building the fragments (the part's buckets are installed after construction) ------
     def _ensure_fragments(self) -> list[_Fragment]:
@@ -218,7 +220,59 @@ class LocalStepsSchedule(ScheduleBase):
         self.fragments = self._build(params)
         self._built_for = key
         self.position = 0
+        if self._continued is not None:
+            self._take_up(self._continued)
+            self._continued = None
         return self.fragments
+
+    @classmethod
+    def quiet_steps(cls, options: Any) -> int:
+        """The steps before the first fragment's outer gradient is sent.
+
+        >>> LocalStepsSchedule.quiet_steps(LocalStepsOptions(sync_every=16))
+        15
+        >>> LocalStepsSchedule.quiet_steps(
+        ...     LocalStepsOptions(sync_every=16, fragments=2, overlap_steps=1))
+        6
+        """
+        every, tau = int(options.sync_every), int(options.overlap_steps)
+        first = min(
+            next(t for t in range(1, every + tau + 1) if (t + tau) % every == off)
+            for off in (_offset(f, int(options.fragments), every) for f in range(options.fragments))
+        )
+        return first - 1
+
+    def cycle_state(self) -> dict[str, Any] | None:
+        """The anchor of each parameter and the position in the cycle, while no fragment has
+        sent yet (later: None, nothing a new part could take up exactly)."""
+        if (
+            not self.fragments
+            or self.position > self.quiet_steps(self.settings)
+            or any(f.in_flight is not None for f in self.fragments)
+        ):
+            return None
+        anchors = {id(p): a for f in self.fragments for p, a in zip(f.params, f.anchors)}
+        return {
+            "local_steps": (self.sync_every, self.num_fragments, self.overlap_steps),
+            "position": self.position,
+            "anchors": anchors,
+        }
+
+    def continue_cycle(self, state: dict[str, Any]) -> bool:
+        """Start from ``state``'s anchors and position (at the first step, which builds the
+        fragments) when it is a cycle of this schedule's options."""
+        if state.get("local_steps") != (self.sync_every, self.num_fragments, self.overlap_steps):
+            return False
+        self._continued = state
+        return True
+
+    def _take_up(self, state: dict[str, Any]) -> None:
+        anchors = state["anchors"]
+        with torch.no_grad():
+            for f in self.fragments:
+                for p, a in zip(f.params, f.anchors):
+                    a.copy_(anchors[id(p)])
+        self.position = int(state["position"])
 
     def _build(self, params: list[torch.Tensor]) -> list[_Fragment]:
         owned = self.bucketed.reducer

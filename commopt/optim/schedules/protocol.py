@@ -18,7 +18,11 @@ Events (each a method; the optimizer calls them in this order within a step):
   ``flush()``, bring every rank to the agreed weights (a no-op where every step does);
   ``before_layout_change()``: the buckets are rebuilt;
 - ``state_dict()`` / ``load_state_dict(state, rank)``: the schedule's part of the
-  checkpoint; ``close()``: the optimizer is closed or the part is dropped.
+  checkpoint; ``close()``: the optimizer is closed or the part is dropped;
+- ``cycle_state()`` / ``continue_cycle(state)``: a part replaced by parts of another plan
+  (``compression="auto"``'s measuring part, by the plan's) tells where its cycle stands
+  (None: nothing to continue), and a new part takes it up (False: it cannot; the optimizer
+  then brings every rank to the agreed weights first, with ``final_sync()``).
 
 Declarations (class attributes): ``name`` (the registry's), ``options`` (a frozen dataclass
 of the schedule's own keyword arguments of ``create_multi_node_optimizer``, with defaults),
@@ -31,7 +35,10 @@ setting that gives a schedule that can), ``reduces_every_step`` (every
 ``step()`` starts a reduction on every rank: what ``commopt.Join`` counts on to shadow the
 others' steps), ``unscales_locally`` (GradScaler hands
 its scale over and each rank unscales as it sends), ``checkpoint_keys`` and
-``own_keys`` (those of its keys that are this rank's own, saved in the rank's part).
+``own_keys`` (those of its keys that are this rank's own, saved in the rank's part), and
+``quiet_steps(options)`` (a class method: how many steps from the start send nothing, 0 for a
+schedule that reduces every step; ``"auto"`` measures the compute on them when the plan may
+continue this schedule's cycle).
 
 :class:`ScheduleBase` holds what every schedule does the same way (the parameters it
 reduces, the ``.grad`` write guard, the no-op events); a new schedule derives from it and
@@ -157,6 +164,19 @@ class Schedule(Protocol):
 
     def close(self) -> None: ...
 
+    @classmethod
+    def quiet_steps(cls, options: Any) -> int:
+        """How many steps from the start send nothing (0: it reduces every step)."""
+        ...
+
+    def cycle_state(self) -> dict[str, Any] | None:
+        """Where this part's cycle stands, for a part that replaces it (None: nothing)."""
+        ...
+
+    def continue_cycle(self, state: dict[str, Any]) -> bool:
+        """Take up the cycle a replaced part left (False: this schedule cannot)."""
+        ...
+
 
 def not_synchronized_error() -> RuntimeError:
     """``step()`` inside ``skip_synchronize()`` before this step's gradients were averaged."""
@@ -251,6 +271,16 @@ class ScheduleBase:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    @classmethod
+    def quiet_steps(cls, options: Any) -> int:
+        return 0  # (a schedule that says nothing sends from its first step)
+
+    def cycle_state(self) -> dict[str, Any] | None:
+        return None  # every step leaves the ranks agreeing: nothing to continue
+
+    def continue_cycle(self, state: dict[str, Any]) -> bool:
+        return False
 
     def _check_no_local_writes(self) -> None:
         """Refuse a write to ``.grad`` between the end of backward and the reduction."""

@@ -1,0 +1,151 @@
+"""``compression="auto"`` with local steps a candidate, on 2 real ranks (gloo and mpirun).
+
+Its measured steps are the local-steps cycle's first inner steps (they send nothing). One
+script checks, on every rank:
+
+(a) a slow link, where the plan is local steps with exact outer gradients: the run is bit for
+    bit the local-steps schedule's from the first step (the plan took the cycle up: the same
+    anchor, the same position, the fragments' synchronisations at the same steps);
+(b) a fast link, where the plan reduces every step: right after the measured steps every rank
+    holds the mean of the ranks' weights and rank 0's momentum, and from then on the run is
+    synchronous SGD from there (a one-process reference of the replicas, written from those
+    two rules), within float rounding, the same on every rank.
+
+Every failure names its rank.
+"""
+
+import pytest
+
+from tests.multirank import run_mpi, run_torch
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch
+import commopt
+from commopt.optim import create_multi_node_optimizer, step_multipliers
+
+backend, tmp = sys.argv[1], Path(sys.argv[2])
+comm = commopt.create_communicator(backend)
+r, n = comm.rank, comm.size
+torch.use_deterministic_algorithms(True)
+
+# Every codec at 10x the steps, local steps at H=16 at 1.1x: on a slow link the plan is local
+# steps with exact outer gradients; on a fast one, exact every step.
+data = json.loads(step_multipliers.TABLE_PATH.read_text())
+for section in ("codecs", "outer_codecs"):
+    for entry in data[section].values():
+        entry["multiplier"] = 10.0
+data["schedules"]["local_steps:16"]["multiplier"] = 1.1
+table = tmp / f"table{r}.json"
+table.write_text(json.dumps(data))
+step_multipliers.TABLE_PATH = table
+
+H, P, TAU, MEASURED, STEPS = 16, 2, 1, 4, 40
+LOCAL = dict(sync_every=H, fragments=P, overlap_steps=TAU, outer_lr=0.5)
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def loss_of(model, step, rank):
+    x, y = batch(step, rank)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train(model, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        loss_of(model, step, r).backward()
+        opt.step()
+
+
+def fail(what):
+    raise AssertionError(f"rank {r}: {what}")
+
+
+def inner(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+# (a) slow link: local steps with exact outer gradients, bit for bit the schedule's run.
+ref, auto = net(), net()
+opt_ref = create_multi_node_optimizer(inner(ref), comm, model=ref, schedule="local_steps", **LOCAL)
+opt_auto = create_multi_node_optimizer(
+    inner(auto), comm, model=auto, compression="auto", auto_link_rate="100kbit", **LOCAL)
+train(ref, opt_ref, range(STEPS))
+train(auto, opt_auto, range(MEASURED))
+if opt_auto.auto_plan is None:
+    fail(f"no plan after {MEASURED} steps")
+if opt_auto.auto_plan.schedule != "local_steps" or set(opt_auto.auto_plan.choices.values()) != {"none"}:
+    fail(f"expected local steps with exact outer gradients, got {opt_auto.auto_plan}")
+train(auto, opt_auto, range(MEASURED, STEPS))
+if not all(torch.equal(x, y) for x, y in zip(ref.parameters(), auto.parameters())):
+    worst = max((x - y).abs().max().item() for x, y in zip(ref.parameters(), auto.parameters()))
+    fail(f"auto's local steps differ from the schedule's by {worst} (bit for bit expected)")
+print(f"rank {r} continued ok")
+opt_ref.close(); opt_auto.close()
+
+# (b) fast link: exact every step after the measured steps, from the replicas' mean.
+model = net()
+opt = create_multi_node_optimizer(
+    inner(model), comm, model=model, compression="auto", auto_link_rate="100gbit", **LOCAL)
+train(model, opt, range(MEASURED))
+if opt.auto_plan is None or opt.auto_plan.schedule is not None:
+    fail(f"expected a per-step plan, got {opt.auto_plan}")
+everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in model.parameters()])
+if any(theirs != everyone[0] for theirs in everyone):
+    fail("the ranks' weights differ right after the measured steps")
+train(model, opt, range(MEASURED, STEPS))
+
+replicas = [net() for _ in range(n)]
+opts = [inner(m) for m in replicas]
+for step in range(MEASURED):  # each replica alone
+    for k, (m, o) in enumerate(zip(replicas, opts)):
+        o.zero_grad(); loss_of(m, step, k).backward(); o.step()
+with torch.no_grad():
+    mean = [sum(ps) / n for ps in zip(*(m.parameters() for m in replicas))]
+one, one_opt = replicas[0], opts[0]  # rank 0's momentum
+with torch.no_grad():
+    for p, m in zip(one.parameters(), mean):
+        p.copy_(m)
+for step in range(MEASURED, STEPS):  # synchronous: the mean of the ranks' gradients
+    grads = []
+    for k in range(n):
+        one.zero_grad(); loss_of(one, step, k).backward()
+        grads.append([p.grad.clone() for p in one.parameters()])
+    for p, gs in zip(one.parameters(), zip(*grads)):
+        p.grad = sum(gs) / n
+    one_opt.step()
+worst = max((x - y).abs().max().item() for x, y in zip(one.parameters(), model.parameters()))
+if worst > 1e-5:
+    fail(f"the per-step plan's run differs from the reference by {worst}")
+print(f"rank {r} averaged ok")
+opt.close()
+"""
+
+
+def _check(out, n):
+    assert len(out) == n
+    for r, text in enumerate(out):
+        for what in ("continued ok", "averaged ok"):
+            assert f"rank {r} {what}" in text, (r, text)
+
+
+@pytest.mark.timeout(180)
+def test_torch_gloo_auto_measured_on_local_steps(tmp_path):
+    _check(run_torch(SCRIPT, 2, args=["torch", str(tmp_path)], timeout=140), 2)
+
+
+@pytest.mark.timeout(180)
+def test_mpi_auto_measured_on_local_steps(tmp_path):
+    _check(run_mpi(SCRIPT, 2, args=["mpi", str(tmp_path)], timeout=140), 2)
