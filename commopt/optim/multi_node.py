@@ -434,19 +434,23 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         auto = self._parts.auto
         assert auto is not None
         self._drain()
-        # Measured on local steps: the plan's parts take their cycle up, or (another schedule)
-        # the ranks' weights are averaged once and their inner state made rank 0's.
+        # Measured on local steps: the plan's parts take their cycle up; otherwise (another
+        # schedule, or a cycle past its first send: measuring resumed from a checkpoint) the
+        # ranks' weights are averaged once and their inner state made rank 0's.
+        apart = [not part.schedule.reduces_every_step for part in self._parts]
         carried = [part.schedule.cycle_state() for part in self._parts]
         self._parts.use_auto_plan(plan, self._model())
         self._rebuild(broadcast=False)
         cycles = [c for c in carried if c is not None]
-        if cycles:
+        continued = False
+        if cycles and len(cycles) == sum(apart):
             anchors = {k: v for c in cycles for k, v in c["anchors"].items()}
             whole = {**cycles[0], "anchors": anchors}
-            taken = [part.schedule.continue_cycle(whole) for part in self._parts]
-            if not all(taken):
-                with self._parts.gate.own_reads():
-                    average_replicas(self.comm, self._all_params(), self._inner)
+            taken = [part.schedule.continue_cycle(whole) for part in self._parts]  # (each)
+            continued = all(taken)
+        if any(apart) and not continued:
+            with self._parts.gate.own_reads():
+                average_replicas(self.comm, self._all_params(), self._inner)
         if self.comm.rank == 0 and not auto.logged:
             auto.logged = True
             log.info(

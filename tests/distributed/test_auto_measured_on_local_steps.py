@@ -9,7 +9,10 @@ script checks, on every rank:
 (b) a fast link, where the plan reduces every step: right after the measured steps every rank
     holds the mean of the ranks' weights and rank 0's momentum, and from then on the run is
     synchronous SGD from there (a one-process reference of the replicas, written from those
-    two rules), within float rounding, the same on every rank.
+    two rules), within float rounding, the same on every rank;
+(c) the measurement resumed from a checkpoint, its cycle past the first send when the plan
+    comes: every rank holds the same weights right after the plan, and after
+    ``final_sync()`` at the end.
 
 Every failure names its rank.
 """
@@ -131,13 +134,41 @@ if worst > 1e-5:
     fail(f"the per-step plan's run differs from the reference by {worst}")
 print(f"rank {r} averaged ok")
 opt.close()
+
+# (c) measuring resumed from a checkpoint, so that the cycle passes its first send before the
+# plan: the plan cannot take the cycle up, and every rank starts it from the mean weights.
+import copy
+m1 = net()
+o1 = create_multi_node_optimizer(
+    inner(m1), comm, model=m1, compression="auto", auto_link_rate="100kbit", **LOCAL)
+train(m1, o1, range(3))
+saved = copy.deepcopy({"model": m1.state_dict(), "opt": o1.state_dict()})
+o1.close()
+m2 = net()
+o2 = create_multi_node_optimizer(
+    inner(m2), comm, model=m2, compression="auto", auto_link_rate="100kbit", **LOCAL)
+m2.load_state_dict(saved["model"])
+o2.load_state_dict(saved["opt"])
+train(m2, o2, range(3, 3 + MEASURED))   # position 7: fragment 0 sent at step 7
+if o2.auto_plan is None or o2.auto_plan.schedule != "local_steps":
+    fail(f"expected local steps after the resumed measurement, got {o2.auto_plan}")
+everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in m2.parameters()])
+if any(theirs != everyone[0] for theirs in everyone):
+    fail("the ranks' weights differ after a resumed measurement's plan")
+train(m2, o2, range(3 + MEASURED, STEPS))
+o2.final_sync()
+everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in m2.parameters()])
+if any(theirs != everyone[0] for theirs in everyone):
+    fail("the ranks' weights differ after final_sync")
+print(f"rank {r} resumed ok")
+o2.close()
 """
 
 
 def _check(out, n):
     assert len(out) == n
     for r, text in enumerate(out):
-        for what in ("continued ok", "averaged ok"):
+        for what in ("continued ok", "averaged ok", "resumed ok"):
             assert f"rank {r} {what}" in text, (r, text)
 
 
