@@ -128,17 +128,24 @@ def broadcast_from_root(
         tensors += [
             t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in seen
         ]
+    _per_flat(tensors, lambda flat: comm.broadcast(flat, root=0))
+
+
+def _per_flat(tensors: Sequence[torch.Tensor], collective: Any) -> None:
+    """Run ``collective`` in place on one flat copy of ``tensors`` per (device, dtype), and
+    copy the results back: a model of many small tensors costs a few collectives."""
     groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((str(t.device), t.dtype), []).append(t)
-    for group in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        comm.broadcast(flat, root=0)
-        offset = 0
-        for t in group:
-            n = t.numel()
-            t.detach().copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            collective(flat)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.detach().copy_(flat[offset : offset + n].view_as(t))
+                offset += n
 
 
 def _field(sig: tuple[Any, ...], what: str) -> Any:
@@ -158,19 +165,12 @@ def average_replicas(
         >>> average_replicas(commopt.create_communicator("local"), [w], opt); w.tolist()
         [1.0, 1.0]
     """
-    floats = [p for p in params if p.dtype.is_floating_point]
-    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-    for t in floats:
-        groups.setdefault((str(t.device), t.dtype), []).append(t)
-    with torch.no_grad():
-        for group in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.allreduce(flat)
-            flat.div_(comm.size)
-            offset = 0
-            for t in group:
-                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+
+    def mean(flat: torch.Tensor) -> None:
+        comm.allreduce(flat)
+        flat.div_(comm.size)
+
+    _per_flat([p for p in params if p.dtype.is_floating_point], mean)
     state = [
         v
         for p in params
