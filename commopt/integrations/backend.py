@@ -52,8 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# present at run time (torch's own multi-threaded test group uses it), absent from the stubs
-from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
+# _create_work_from_future: present at run time (torch's own multi-threaded test group uses
+# it), absent from the stubs; AllgatherOptions: torch.distributed's stubs do not re-export it
+from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+    AllgatherOptions,
+    _create_work_from_future,
+)
 
 from commopt import collectives, driver
 from commopt.codecs import QSGD, CompressionPolicy, ErrorFeedback, RngKey, get_codec
@@ -205,6 +209,7 @@ class CommoptProcessGroup(dist.ProcessGroup):
         self._set_default_backend(
             dist.ProcessGroup.BackendType.NCCL if cuda else dist.ProcessGroup.BackendType.GLOO
         )
+        self._default_device = "cuda" if cuda else "cpu"
         # commopt's own traffic: separate contexts, so its stages (on commopt's collective
         # thread) never interleave with pass-through collectives issued by the caller.
         self.counters = Counters(bits=self.config.bits)
@@ -273,6 +278,67 @@ class CommoptProcessGroup(dist.ProcessGroup):
 
         driver.then(self.comm, finish)
         return _create_work_from_future(future)
+
+    # -- every other collective: to gloo or nccl, through their Python bindings -------------
+    # torch's trampoline for Python subclasses of ProcessGroup calls a collective the subclass
+    # does not override with the GIL held, and gloo's enqueue then waits for the lock of its
+    # work queue. A gloo worker holds that lock while it frees a finished work, and freeing a
+    # tensor that has a Python object takes the GIL (every tensor that passed through
+    # ``allreduce`` above has one): each waits for the other, forever. DDP meets it when its
+    # bucket rebuild's broadcast follows the first backward's allreduce closely. Each
+    # collective below goes to the backend through its Python binding instead, which releases
+    # the GIL before it enqueues.
+    def _to(self, tensors) -> Any:
+        """The pass-through backend for ``tensors`` (a list, or a list of lists)."""
+        first = tensors[0] if tensors else None
+        while isinstance(first, (list, tuple)):
+            first = first[0] if first else None
+        device = first.device.type if first is not None else self._default_device
+        return self._passthrough[device]
+
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]
+        return self._to(tensors).broadcast(tensors, opts or dist.BroadcastOptions())
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._to(input_tensors).allgather(
+            output_tensors, input_tensors, opts or AllgatherOptions()
+        )
+
+    def all_gather_single(self, output, input, opts=None):
+        # (the backends' binding of all_gather_single has only this name)
+        return self._to([input])._allgather_base(  # noqa: SLF001
+            output, input, opts or AllgatherOptions()
+        )
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._to(tensors).allreduce_coalesced(
+            tensors, opts or dist.AllreduceCoalescedOptions()
+        )
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._to([input]).alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()
+        )
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        return self._to(output_tensors).reduce_scatter(
+            output_tensors, input_tensors, opts or dist.ReduceScatterOptions()
+        )
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        # (the backends' binding of reduce_scatter_single has only this name)
+        return self._to([output])._reduce_scatter_base(  # noqa: SLF001
+            output, input, opts or dist.ReduceScatterOptions()
+        )
+
+    def barrier(self, opts=None):
+        return self._passthrough[self._default_device].barrier(opts or dist.BarrierOptions())
+
+    def send(self, tensors, dstRank, tag):
+        return self._to(tensors).send(tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag):
+        return self._to(tensors).recv(tensors, srcRank, tag)
 
 
 def _create(store, rank, size, timeout):
