@@ -3,7 +3,7 @@
 Two torchft replicas (threads, one lighthouse, gloo, CPU) and two commopt ranks (torch gloo
 processes) train the same two-layer model on the same batches with the same inner SGD and
 outer Nesterov SGD; torchft's fragments are the two layers, commopt's the two weight tensors
-(strided), so both split the model alike. torchft's ``sync_every`` is the per-fragment
+(48 and 24 elements: one in each fragment of near-equal bytes), so both split the model alike. torchft's ``sync_every`` is the per-fragment
 interval, ``fragment_sync_delay`` is ``overlap_steps`` and ``fragment_update_alpha`` is
 ``fragment_alpha``. With ``fragment_alpha=0`` the final weights are bit-identical on each
 rank; with 0.5 they agree within float rounding (torchft merges with ``lerp``, commopt with

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import commopt
-from commopt.optim.schedules.local_steps import LocalStepsSchedule, sync_steps
+from commopt.optim.schedules.local_steps import LocalStepsSchedule, balanced_fragments, sync_steps
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -168,6 +168,63 @@ def _resumes_exactly(build, m1, o1, saved, steps) -> None:
     o2.load_state_dict(saved["opt"])
     _train(m2, o2, steps)
     assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_fragments_place_every_tensor_once_within_one_tensor_of_each_other(seed):
+    g = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 30, (1,), generator=g))
+    sizes = torch.randint(0, 10_000, (count,), generator=g).tolist()
+    parts = int(torch.randint(1, count + 1, (1,), generator=g))
+    split = balanced_fragments(sizes, parts)
+    assert len(split) == parts and all(split)  # every fragment holds a tensor
+    assert sorted(i for m in split for i in m) == list(range(count))
+    assert all(m == sorted(m) for m in split) and [m[0] for m in split] == sorted(
+        m[0] for m in split
+    )
+    loads = [sum(sizes[i] for i in m) for m in split]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+def test_fragments_hold_near_equal_bytes_and_a_checkpoint_keeps_its_split():
+    # Linear(4, 3) and Linear(3, 2): 48, 12, 24 and 8 bytes -> the first weight alone
+    model = _model()
+    params = list(model.parameters())
+    opt = _opt(model, sync_every=4, fragments=2, overlap_steps=1)
+    _train(model, opt, range(4))  # (no reduction in flight after step 4)
+    schedule = opt.schedule
+    assert [f.members for f in schedule.fragments] == [[0], [1, 2, 3]]
+    assert all(all(p is params[i] for p, i in zip(f.params, f.members)) for f in schedule.fragments)
+    assert all(a.shape == p.shape for a, p in zip(schedule.anchor, params))
+    saved = copy.deepcopy(opt.state_dict())
+    (part,) = saved["commopt"]["plans"].values()
+    assert part["cycle"]["members"] == [[0], [1, 2, 3]]
+
+    # a checkpoint holding another split (or none: tensor i in fragment i % 2) resumes with it
+    for members, expected in (([[0, 1], [2, 3]], [[0, 1], [2, 3]]), (None, [[0, 2], [1, 3]])):
+        state = copy.deepcopy(saved)
+        (cycle_part,) = state["commopt"]["plans"].values()
+        if members is None:
+            del cycle_part["cycle"]["members"]
+        else:
+            cycle_part["cycle"]["members"] = members
+        # (the outer optimizers' state as that split saved it: one state per fragment)
+        cycle_part["outer_state"] = [
+            torch.optim.SGD(
+                [part["anchor"][i].clone() for i in m], lr=0.7, momentum=0.9, nesterov=True
+            ).state_dict()
+            for m in expected
+        ]
+        resumed = _opt(_model(), sync_every=4, fragments=2, overlap_steps=1)
+        resumed.load_state_dict(state)
+        assert [f.members for f in resumed.schedule.fragments] == expected
+        assert all(torch.equal(a, b) for a, b in zip(resumed.schedule.anchor, part["anchor"]))
+
+    state = copy.deepcopy(saved)
+    (cycle_part,) = state["commopt"]["plans"].values()
+    cycle_part["cycle"]["members"] = [[0], [1, 2]]
+    with pytest.raises(ValueError, match="split of the local-steps part into fragments"):
+        _opt(_model(), sync_every=4, fragments=2, overlap_steps=1).load_state_dict(state)
 
 
 def test_a_checkpoint_of_another_cycle_is_refused():

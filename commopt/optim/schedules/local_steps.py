@@ -5,8 +5,9 @@ fragment by fragment, each fragment's reduction overlapping inner steps (Streami
 :class:`LocalStepsSchedule` (``schedule="local_steps"``) lets the inner optimizer step on each
 rank's own gradient: its :meth:`~LocalStepsSchedule.result` reduces nothing. It keeps an
 *anchor*, the weights every rank agreed on at the last synchronisation, and an outer
-optimizer over it. The part's parameters are split into ``fragments`` (tensor ``i`` in
-fragment ``i % fragments``); fragment ``f`` synchronises after the inner steps ``t`` with
+optimizer over it. The part's parameters are split into ``fragments`` of near-equal bytes
+(:func:`balanced_fragments`; each fragment's tensors in the part's order, fragment 0 holding
+the first tensor); fragment ``f`` synchronises after the inner steps ``t`` with
 ``t % sync_every == (f + 1) * sync_every // fragments % sync_every`` (staggered; one fragment:
 every ``sync_every`` steps). A synchronisation:
 
@@ -61,7 +62,7 @@ from commopt.optim.apply_step import inverse_grad_scale
 from commopt.optim.schedules.protocol import ScheduleBase, ScheduleContext
 from commopt.reducer import GradientReducer, StepReduction, StepResult
 
-__all__ = ["LocalStepsOptions", "LocalStepsSchedule", "sync_steps"]
+__all__ = ["LocalStepsOptions", "LocalStepsSchedule", "balanced_fragments", "sync_steps"]
 
 log = logging.getLogger("commopt")
 
@@ -150,6 +151,7 @@ class _Fragment:
     def __init__(
         self,
         index: int,
+        members: list[int],
         params: list[torch.Tensor],
         anchors: list[torch.Tensor],
         carriers: list[torch.Tensor],
@@ -158,6 +160,7 @@ class _Fragment:
         offset: int,
     ) -> None:
         self.index = index
+        self.members = members  # its tensors' positions in the part's parameters
         self.params = params
         self.anchors = anchors  # the agreed weights (on the parameters' device or on the CPU)
         self.carriers = carriers  # the reducer's tensors: the anchors, or device stand-ins
@@ -204,6 +207,8 @@ class LocalStepsSchedule(ScheduleBase):
         self._checked = False  # every rank's options compared (at the first step)
         #: a replaced part's cycle to take up when the fragments are built
         self._continued: dict[str, Any] | None = None
+        #: a checkpoint's split of the tensors into fragments, for the next build
+        self._saved_members: list[list[int]] | None = None
 
     # -- building the fragments (the part's buckets are installed after construction) ------
     def _ensure_fragments(self) -> list[_Fragment]:
@@ -217,7 +222,8 @@ class LocalStepsSchedule(ScheduleBase):
                 "commopt: the local-steps part's parameters changed: its anchor and outer "
                 "optimizer state restart from the current weights"
             )
-        self.fragments = self._build(params)
+        self.fragments = self._build(params, self._saved_members)
+        self._saved_members = None
         self._built_for = key
         self.position = 0
         if self._continued is not None:
@@ -274,7 +280,9 @@ class LocalStepsSchedule(ScheduleBase):
                     a.copy_(anchors[id(p)])
         self.position = int(state["position"])
 
-    def _build(self, params: list[torch.Tensor]) -> list[_Fragment]:
+    def _build(
+        self, params: list[torch.Tensor], split: list[list[int]] | None = None
+    ) -> list[_Fragment]:
         owned = self.bucketed.reducer
         o = self.settings
         if self.num_fragments > max(1, len(params)):
@@ -293,9 +301,11 @@ class LocalStepsSchedule(ScheduleBase):
             elif not b.compressed and b.dtype == torch.float32 and plain_codec is None:
                 plain_codec = b.codec
         pin = bool(o.offload_anchor) and torch.cuda.is_available()
+        if split is None:
+            sizes = [p.numel() * p.element_size() for p in params]
+            split = balanced_fragments(sizes, self.num_fragments) if params else [[]]
         fragments = []
-        for f in range(self.num_fragments):
-            mine = list(range(f, len(params), self.num_fragments))
+        for f, mine in enumerate(split):
             ps = [params[i] for i in mine]
             with torch.no_grad():
                 if o.offload_anchor:
@@ -335,7 +345,7 @@ class LocalStepsSchedule(ScheduleBase):
                     nesterov=bool(o.outer_nesterov) and o.outer_momentum > 0,
                 )
             offset = _offset(f, self.num_fragments, self.sync_every)
-            fragments.append(_Fragment(f, ps, anchors, carriers, reducer, outer, offset))
+            fragments.append(_Fragment(f, mine, ps, anchors, carriers, reducer, outer, offset))
         return fragments
 
     def _check_same_options(self, comm: Any) -> None:
@@ -364,8 +374,8 @@ class LocalStepsSchedule(ScheduleBase):
         """The agreed weights, in the part's parameter order."""
         out: list[torch.Tensor | None] = [None] * sum(len(f.anchors) for f in self.fragments)
         for f in self.fragments:
-            for j, a in enumerate(f.anchors):
-                out[f.index + j * self.num_fragments] = a
+            for i, a in zip(f.members, f.anchors):
+                out[i] = a
         return [a for a in out if a is not None]
 
     # -- events ---------------------------------------------------------------------------
@@ -548,6 +558,7 @@ class LocalStepsSchedule(ScheduleBase):
                 "position": self.position,
                 "fragments": self.num_fragments,
                 "sync_every": self.sync_every,
+                "members": [list(f.members) for f in self.fragments],
                 "in_flight": in_flight,
                 "discards": [f.reducer.pending_discards for f in self.fragments],
                 "synced_at": [f.synced_at for f in self.fragments],
@@ -612,6 +623,7 @@ class LocalStepsSchedule(ScheduleBase):
                 f"fragments={self.num_fragments}, sync_every={self.sync_every}: create it with "
                 "the checkpoint's"
             )
+        self._saved_members = _saved_members(cycle, len(self.bucketed.params), self.num_fragments)
         fragments = self._ensure_fragments()
         anchors = self.anchor
         saved = state["anchor"]
@@ -656,6 +668,46 @@ def _copy_saved(tensors: Sequence[torch.Tensor], saved: Sequence[Any], what: str
     with torch.no_grad():
         for t, s in zip(tensors, saved):
             t.copy_(s.to(t.device))
+
+
+def balanced_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Split tensors of ``sizes`` (bytes) into ``fragments`` groups of near-equal bytes.
+
+    Largest first, each tensor joins the group holding the fewest bytes (ties: the fewest
+    tensors, then the lower index), so every group gets a tensor when there are enough;
+    each group lists its tensors in order, and the groups are numbered by their first
+    tensor. A model whose weights and biases alternate splits by bytes, not by position:
+
+    >>> balanced_fragments([4096, 64, 4096, 64], 2)
+    [[0, 1], [2, 3]]
+    >>> balanced_fragments([48, 8, 24, 3], 2)
+    [[0], [1, 2, 3]]
+    """
+    if fragments < 1:
+        return []
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    load = [0] * fragments
+    for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
+        g = min(range(fragments), key=lambda g: (load[g], len(groups[g]), g))
+        groups[g].append(i)
+        load[g] += int(sizes[i])
+    return sorted((sorted(g) for g in groups if g), key=lambda g: g[0])
+
+
+def _saved_members(cycle: dict[str, Any], count: int, fragments: int) -> list[list[int]]:
+    """The checkpoint's split of ``count`` tensors into ``fragments`` (a checkpoint without
+    one was saved when tensor ``i`` went to fragment ``i % fragments``)."""
+    saved = cycle.get("members")
+    if saved is None:
+        return [list(range(f, count, fragments)) for f in range(fragments)]
+    members = [[int(i) for i in m] for m in saved]
+    if len(members) != fragments or sorted(i for m in members for i in m) != list(range(count)):
+        raise ValueError(
+            f"the checkpoint's split of the local-steps part into fragments ({members}) does "
+            f"not fit this part's {count} tensors in {fragments} fragments (a different model "
+            "or plan?)"
+        )
+    return members
 
 
 def sync_steps(fragment: int, fragments: int, sync_every: int, steps: int) -> Sequence[int]:
