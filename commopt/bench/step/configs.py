@@ -15,7 +15,7 @@ last layers synchronous through ``plans=``); and ``compression="auto"`` (``commo
 ``-db``, ``-comp``); commopt's local-steps schedule (``commopt-local-steps16``: DiLoCo, 16
 inner steps between synchronisations, fp32 outer gradients; ``-qsgd4+ef``: 4-bit outer
 gradients with error feedback; ``-stream-qsgd4+ef``: Streaming DiLoCo, 2 fragments each
-overlapping 1 inner step) and torchft's ``DiLoCo`` as a peer (``torchft-diloco16``, where
+overlapping 1 inner step; ``-stream-overlap3-qsgd4+ef``: 3 inner steps) and torchft's ``DiLoCo`` as a peer (``torchft-diloco16``, where
 torchft imports). ``wrap_commopt`` and ``wrap_ddp`` build one on a rank.
 
 A local-steps configuration sends nothing on most steps: its time and bytes per step are means
@@ -184,6 +184,9 @@ def _configs() -> dict[str, StepConfig]:
 LOCAL_STEPS_H = 16
 LOCAL_STEPS_FRAGMENTS = 2
 LOCAL_STEPS_OVERLAP = 1
+#: ``-stream-overlap3-`` and ``-auto-stream16-overlap3``: each fragment's reduction overlapping
+#: 3 inner steps (for a transfer longer than one step's compute)
+LOCAL_STEPS_LONG_OVERLAP = 3
 
 
 def local_steps_configs() -> list[StepConfig]:
@@ -210,28 +213,35 @@ def local_steps_configs() -> list[StepConfig]:
         )
         for every in (h, 2 * h)
     )
-    out.append(
+    out.extend(
         StepConfig(
-            f"commopt-local-steps{h}-stream-qsgd4+ef",
+            f"commopt-local-steps{h}-stream-qsgd4+ef"
+            if overlap == tau
+            else f"commopt-local-steps{h}-stream-overlap{overlap}-qsgd4+ef",
             "commopt",
             "qsgd4+ef",
-            f"commopt streaming local steps H={h}, {p} fragments, overlap {tau}, "
+            f"commopt streaming local steps H={h}, {p} fragments, overlap {overlap}, "
             "qsgd4+EF outer gradients",
             sync_every=h,
             fragments=p,
-            overlap_steps=tau,
+            overlap_steps=overlap,
         )
+        for overlap in (tau, LOCAL_STEPS_LONG_OVERLAP)
     )
-    out.append(
+    out.extend(
         StepConfig(
-            f"commopt-auto-stream{h}",
+            f"commopt-auto-stream{h}"
+            if overlap == tau
+            else f"commopt-auto-stream{h}-overlap{overlap}",
             "commopt",
             "auto",
-            f"commopt auto, streaming local steps H={h} ({p} fragments, overlap {tau}) a candidate",
+            f"commopt auto, streaming local steps H={h} ({p} fragments, overlap {overlap}) "
+            "a candidate",
             sync_every=h,
             fragments=p,
-            overlap_steps=tau,
+            overlap_steps=overlap,
         )
+        for overlap in (tau, LOCAL_STEPS_LONG_OVERLAP)
     )
     out.append(
         StepConfig(
