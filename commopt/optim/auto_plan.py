@@ -31,10 +31,11 @@ time-to-accuracy benchmark records, shipped with the package).
   that lowers the expected time the most, until no move lowers it by more than 0.1%. Ties go
   to the earlier tensor, so the plan is deterministic;
 - local steps (a schedule registered as ``local_steps``, with ``H`` steps between averages):
-  one average of the outer gradients every ``H`` steps, nothing overlapped, the outer
-  gradients sent with the option (one for every tensor it applies to, the rest exact) of
-  least expected time: ``(step + its wire and codec time / H) x multiplier(H) x the option's
-  outer-gradient multiplier`` (only options the table prices for outer gradients: a
+  one average of the outer gradients every ``H`` steps, the outer gradients sent with the
+  option (one for every tensor it applies to, the rest exact) of least expected time:
+  ``(step + its exposed wire and codec time / H) x multiplier(H) x the option's
+  outer-gradient multiplier`` (with ``overlap_steps``, each fragment's wire time beyond that
+  many steps of compute is exposed; without, all of it) (only options the table prices for outer gradients: a
   low-rank outer gradient keeps a few directions of H steps' progress and trains far
   slower); chosen when that is lower than the best per-step plan's.
 
@@ -240,6 +241,19 @@ class AutoPlan:
         )
 
 
+def _fragments_of(
+    units: Sequence[Sequence[int]], tensors: Sequence[TensorInfo], fragments: int
+) -> list[list[int]]:
+    """The units (indices into ``units``) of each local-steps fragment: near-equal elements,
+    as the schedule splits its tensors (one fragment: every unit)."""
+    if fragments <= 1 or len(units) <= 1:
+        return [list(range(len(units)))]
+    from commopt.optim.schedules.local_steps import balanced_fragments
+
+    sizes = [sum(tensors[i].numel for i in unit) for unit in units]
+    return balanced_fragments(sizes, min(int(fragments), len(units)))
+
+
 def _compression(option: str) -> str | None:
     return None if option == "none" else option
 
@@ -307,13 +321,17 @@ class AutoPlanner:
         step_s: float,
         schedule: str = "synchronous",
         local_steps: int | None = None,
+        local_fragments: int = 1,
+        local_overlap: int = 0,
     ) -> AutoPlan:
         """The plan for ``tensors`` on a link of ``link_rate`` bytes/s, with a backward pass
         of ``backward_s`` and a step (compute between two reductions) of ``step_s`` seconds:
         the one of least expected time to the target (seconds per step x the step
         multiplier). ``schedule``: the double-buffered tensors' schedule (its multiplier
         counts for them); ``local_steps``: the steps between averages of the local-steps
-        schedule, priced as a candidate beside the per-step plans (None: not a candidate)."""
+        schedule, priced as a candidate beside the per-step plans (None: not a candidate),
+        with ``local_fragments`` fragments of near-equal bytes, each fragment's transfer
+        overlapping ``local_overlap`` inner steps."""
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise ValueError("the planner needs one name per tensor; some names repeat")
@@ -417,11 +435,14 @@ class AutoPlanner:
         if local_steps is not None:
             m_local = table.local_steps(int(local_steps))
             if m_local is not None:
-                # Local steps: one average of the outer gradients every H steps, nothing
-                # overlapped (a conservative price). The outer gradients travel with one
-                # option, on every tensor it applies to (the others exact), priced as a
-                # per-step plan is: its wire and codec time, once per H steps, and its step
-                # multiplier times the schedule's.
+                # Local steps: one average of the outer gradients every H steps. The outer
+                # gradients travel with one option, on every tensor it applies to (the others
+                # exact), priced as a per-step plan is: its wire and codec time, once per H
+                # steps, and its step multiplier times the schedule's. With overlap, each
+                # fragment's time that can overlap compute hides behind its overlapped inner
+                # steps; without, nothing hides.
+                split = _fragments_of(units, tensors, local_fragments)
+                hidden_s = step_s * max(0, int(local_overlap))
                 local_s, picks, per_sync = math.inf, [0] * len(units), 0.0
                 for option in OPTIONS:
                     m_outer = table.outer_codec(option)
@@ -432,7 +453,11 @@ class AutoPlanner:
                     ]
                     if option != OPTIONS[0] and not any(pick):
                         continue  # applies to no tensor: the exact price, already counted
-                    sync_s = sum(menus[u][j][2] + menus[u][j][3] for u, j in enumerate(pick))
+                    sync_s = sum(
+                        max(0.0, sum(menus[u][pick[u]][2] for u in part) - hidden_s)
+                        + sum(menus[u][pick[u]][3] for u in part)
+                        for part in split
+                    )
                     mass = sum(
                         sum(tensors[i].numel for i in unit) * (m_outer if pick[u] else 1.0)
                         for u, unit in enumerate(units)
@@ -463,6 +488,9 @@ class AutoPlanner:
         }
         if local_steps is not None:
             inputs["local_steps"] = float(local_steps)
+            if local_fragments != 1 or local_overlap:
+                inputs["local_fragments"] = float(local_fragments)
+                inputs["local_overlap"] = float(local_overlap)
         return AutoPlan(
             choices={t.name: choices[t.name] for t in tensors},
             shapes={t.name: t.shape for t in tensors},
@@ -653,12 +681,16 @@ class AutoPlanning:
         *,
         schedule: str = "synchronous",
         local_steps: int | None = None,
+        local_fragments: int = 1,
+        local_overlap: int = 0,
     ) -> None:
         self.link_rate = float(link_rate)
         #: the wrapper's schedule (the double-buffered tensors' multiplier) and the local-steps
-        #: schedule's steps between averages (None: not a candidate)
+        #: schedule's steps between averages (None: not a candidate), fragments and overlap
         self.schedule = schedule
         self.local_steps = local_steps
+        self.local_fragments = int(local_fragments)
+        self.local_overlap = int(local_overlap)
         self.timer = ComputeTimer(measure_steps)
         self.plan: AutoPlan | None = None
         self.logged = False
@@ -694,6 +726,8 @@ class AutoPlanning:
             step_s=step_s,
             schedule=self.schedule,
             local_steps=self.local_steps,
+            local_fragments=self.local_fragments,
+            local_overlap=self.local_overlap,
         )
 
     def describe(self) -> str:

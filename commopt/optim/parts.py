@@ -184,11 +184,14 @@ class Parts:
         self.auto: AutoPlanning | None = None
         if isinstance(compression, str) and compression.strip().lower() == "auto":
             _refuse_auto_with_plans(inner.param_groups, settings.plans)
+            local = _local_steps(settings, self.final_schedule)
             self.auto = AutoPlanning(  # (the rate: later)
                 0.0,
                 settings.auto_measure_steps,
                 schedule=self.final_schedule,
-                local_steps=_local_steps(settings, self.final_schedule),
+                local_steps=local[0] if local else None,
+                local_fragments=local[1] if local else 1,
+                local_overlap=local[2] if local else 0,
             )
             self.gate.timer = self.auto.timer
             compression = None
@@ -424,18 +427,29 @@ class Parts:
         self.default = Plan(None, plan.schedule or self.final_schedule)
 
 
-def _local_steps(settings: Settings, schedule: str) -> int | None:
-    """The steps between averages (``sync_every``) of a schedule registered as
-    ``local_steps``, which ``compression="auto"`` prices beside the per-step plans when the
-    wrapper's own schedule is the synchronous one (a schedule given is kept); None without
-    one, or when its options hold no ``sync_every``."""
+def _local_steps(settings: Settings, schedule: str) -> tuple[int, int, int] | None:
+    """The steps between averages (``sync_every``), the fragments and the overlap of a
+    schedule registered as ``local_steps``, which ``compression="auto"`` prices beside the
+    per-step plans when the wrapper's own schedule is the synchronous one (a schedule given
+    is kept); None without one, or when its options hold no ``sync_every``."""
     if schedule != "synchronous" or "local_steps" not in schedules.SCHEDULES:
         return None
     options = settings.options_for(schedules.schedule_class("local_steps"))
-    value = getattr(options, "sync_every", None)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+
+    def whole(name: str, default: int, low: int) -> int | None:
+        value = getattr(options, name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            return None
+        return value
+
+    every, fragments, overlap = (
+        whole("sync_every", 0, 1),
+        whole("fragments", 1, 1),
+        whole("overlap_steps", 0, 0),
+    )
+    if every is None:
         return None
-    return value
+    return every, fragments or 1, overlap or 0
 
 
 def _measuring_schedule(settings: Settings, auto: AutoPlanning) -> str:

@@ -152,6 +152,39 @@ def test_local_steps_price_their_outer_gradients_with_each_option_and_take_the_c
     assert fast.schedule is None
 
 
+def test_streaming_local_steps_price_the_wire_their_overlap_hides():
+    # 4 exact vectors of 4 MB (34 ms each at 1 Gbit/s), 2 fragments of two each (67 ms of
+    # wire): overlapping 1 step (50 ms) leaves 17 ms of each fragment exposed, 3 steps none.
+    vectors = [TensorInfo(f"v{i}", (1 << 20,)) for i in range(4)]
+    t = table(dict.fromkeys(("qsgd8", "bf16", "qsgd4+ef", "qsgd2+ef"), 4.0), {"local_steps:8": 1.3})
+    planner = AutoPlanner(multipliers=t, codec_overlaps=False, codec_seconds_per_element=FREE)
+    kw = dict(link_rate=GBIT, backward_s=0.02, step_s=0.05, local_steps=8)
+    fragment = 2 * (4 << 20) / GBIT
+    plain = planner.plan(vectors, **kw)
+    assert plain.expected_s["local_steps"] == pytest.approx((0.05 + 2 * fragment / 8) * 1.3)
+    one = planner.plan(vectors, **kw, local_fragments=2, local_overlap=1)
+    exposed = 2 * (fragment - 0.05)
+    assert one.expected_s["local_steps"] == pytest.approx((0.05 + exposed / 8) * 1.3)
+    three = planner.plan(vectors, **kw, local_fragments=2, local_overlap=3)
+    assert three.expected_s["local_steps"] == pytest.approx(0.05 * 1.3)
+    assert three.inputs["local_fragments"] == 2 and three.inputs["local_overlap"] == 3
+    # one fragment: the whole transfer (134 ms) behind 1 step of overlap
+    whole = planner.plan(vectors, **kw, local_overlap=1)
+    assert whole.expected_s["local_steps"] == pytest.approx(
+        (0.05 + (2 * fragment - 0.05) / 8) * 1.3
+    )
+    # codec time on the CPU takes compute's cores: it never hides. Every codec costs 0.17 s
+    # on this matrix; 7 steps of overlap hide any compressed wire, not exact fp32's 0.54 s.
+    costs = {**dict.fromkeys(CODEC_SECONDS_PER_ELEMENT, 1e-8), "none": 0.0}
+    costly = AutoPlanner(
+        multipliers=table(schedules_={"local_steps:8": 1.3}),
+        codec_overlaps=False,
+        codec_seconds_per_element=costs,
+    ).plan([TensorInfo("w", (4096, 4096))], **kw, local_overlap=7)
+    codec = 1e-8 * 4096 * 4096
+    assert costly.expected_s["local_steps"] == pytest.approx((0.05 + codec / 8) * 1.3)
+
+
 def test_outer_gradients_go_only_with_options_priced_for_them():
     # Low rank's wire is the smallest, but the table prices no low-rank outer gradients (a
     # rank-4 outer gradient keeps a few directions of H steps' progress): local steps send the
