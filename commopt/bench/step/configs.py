@@ -35,6 +35,8 @@ over whole synchronisation cycles of ``sync_every`` steps (:func:`cycle_mean`), 
     0.8
     >>> CONFIGS["commopt-local-steps16-stream-qsgd4+ef"].cycle
     16
+    >>> CONFIGS["commopt-local-steps16-stream-overlap3-qsgd4+ef"].overlap_steps
+    3
     >>> cycle_mean([1.0, 0.0, 0.0, 0.0, 5.0], 4)  # one whole cycle; the fifth step is cut
     0.25
 """
