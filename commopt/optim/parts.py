@@ -423,8 +423,34 @@ class Parts:
         self.drop()  # the measuring part is idle between steps
         self.auto.plan = plan
         self.gate.timer = None
+        schedule = plan.schedule or self.final_schedule
+        codec = _one_codec(plan, self.auto_tensors(model)) if schedule == "local_steps" else None
+        if codec is not None:
+            # One codec on exactly the tensors the policy compresses: the plan is the
+            # wrapper's own compression= with that codec, one local-steps part (one per codec
+            # would synchronise each fragment twice and step twice the parts)
+            self.rules = []
+            self.default = Plan(None if codec == "none" else codec, schedule)
+            self.codecs = resolve_codecs(
+                self.comm,
+                self.settings.allreduce_grad_dtype,
+                self.default.compression,
+                self.settings.policy,
+            )
+            return
         self.rules = check_rules(plan.rules())
-        self.default = Plan(None, plan.schedule or self.final_schedule)
+        self.default = Plan(None, schedule)
+
+
+def _one_codec(plan: AutoPlan, tensors: Sequence[TensorInfo]) -> str | None:
+    """The option ``plan`` gives every tensor the compression policy compresses, where it
+    gives one option to all of those and none to the rest (else None)."""
+    options = {plan.choices[t.name] for t in tensors if t.compressible}
+    if len(options) != 1 or any(
+        plan.choices[t.name] != "none" for t in tensors if not t.compressible
+    ):
+        return None
+    return options.pop()
 
 
 def _local_steps(settings: Settings, schedule: str) -> tuple[int, int, int] | None:

@@ -381,21 +381,41 @@ def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
 
 def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path, monkeypatch):
     _package_table(tmp_path, monkeypatch, cheap=("qsgd4+ef",))
+
+    def build(model):
+        return commopt.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            commopt.create_communicator("local"),
+            model=model,
+            compression="auto",
+            auto_link_rate="100kbit",
+            auto_measure_steps=1,
+            sync_every=16,
+        )
+
     model = _model()
-    opt = commopt.create_multi_node_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        commopt.create_communicator("local"),
-        model=model,
-        compression="auto",
-        auto_link_rate="100kbit",
-        auto_measure_steps=1,
-        sync_every=16,
-    )
+    opt = build(model)
     _train(model, opt, range(20))  # past the first synchronisation
     chosen = opt.auto_plan
     assert chosen is not None and chosen.schedule == "local_steps", chosen
     assert chosen.choices["0.weight"] == "qsgd4+ef", chosen.choices
-    assert any("qsgd4+ef" in key and "local_steps" in key for key in opt.plans), list(opt.plans)
+    # the codec on exactly the tensors the policy compresses: one part, as compression= gives
+    assert list(opt.plans) == ["compression=qsgd4+ef, schedule=local_steps"], list(opt.plans)
     with opt.true_weights():
         assert all(torch.isfinite(p).all() for p in model.parameters())
+    # resumed from its state dicts, the run goes on bit for bit under the same one part
+    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    model2 = _model()
+    opt2 = build(model2)
+    model2.load_state_dict(loaded["model"])
+    opt2.load_state_dict(loaded["opt"])
+    assert list(opt2.plans) == list(opt.plans)
+    _train(model, opt, range(20, 40))
+    _train(model2, opt2, range(20, 40))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     opt.close()
+    opt2.close()
