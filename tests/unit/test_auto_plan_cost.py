@@ -419,3 +419,17 @@ def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     opt.close()
     opt2.close()
+    # and on one rank the run is the wrapper's with that plan from the start, bit for bit
+    # (the measured step is the cycle's first inner step)
+    fixed_model = _model()
+    fixed = commopt.create_multi_node_optimizer(
+        torch.optim.SGD(fixed_model.parameters(), lr=0.01),
+        commopt.create_communicator("local"),
+        model=fixed_model,
+        compression="qsgd4+ef",
+        schedule="local_steps",
+        sync_every=16,
+    )
+    _train(fixed_model, fixed, range(40))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fixed_model.parameters()))
+    fixed.close()
