@@ -332,7 +332,7 @@ class CommoptProcessGroup(dist.ProcessGroup):
         )
 
     def barrier(self, opts=None):
-        return self._passthrough[self._default_device].barrier(opts or dist.BarrierOptions())
+        return self._to([]).barrier(opts or dist.BarrierOptions())
 
     def send(self, tensors, dstRank, tag):
         return self._to(tensors).send(tensors, dstRank, tag)

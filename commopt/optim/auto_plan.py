@@ -34,10 +34,11 @@ time-to-accuracy benchmark records, shipped with the package).
   one average of the outer gradients every ``H`` steps, the outer gradients sent with the
   option (one for every tensor it applies to, the rest exact) of least expected time:
   ``(step + its exposed wire and codec time / H) x multiplier(H) x the option's
-  outer-gradient multiplier`` (with ``overlap_steps``, each fragment's wire time beyond that
-  many steps of compute is exposed; without, all of it) (only options the table prices for outer gradients: a
+  outer-gradient multiplier``, only with options the table prices for outer gradients (a
   low-rank outer gradient keeps a few directions of H steps' progress and trains far
-  slower); chosen when that is lower than the best per-step plan's.
+  slower); with ``overlap_steps``, each fragment's wire time beyond that many steps of
+  compute is exposed, without, all of it; chosen when that is lower than the best per-step
+  plan's.
 
     >>> planner = AutoPlanner()
     >>> tensors = [TensorInfo("fc.weight", (1024, 1024)), TensorInfo("fc.bias", (1024,))]

@@ -412,7 +412,8 @@ class Parts:
         """Reduce every tensor as ``plan`` says, from the next step on (new parts; the caller
         drained the old ones and rebuilds)."""
         assert self.auto is not None
-        mine = {t.name for t in self.auto_tensors(model)}
+        tensors = self.auto_tensors(model)
+        mine = {t.name for t in tensors}
         if set(plan.choices) != mine:
             raise ValueError(
                 "the automatic plan names other tensors than this optimizer's trainable "
@@ -424,7 +425,7 @@ class Parts:
         self.auto.plan = plan
         self.gate.timer = None
         schedule = plan.schedule or self.final_schedule
-        codec = _one_codec(plan, self.auto_tensors(model)) if schedule == "local_steps" else None
+        codec = _one_codec(plan, tensors) if schedule == "local_steps" else None
         if codec is not None:
             # One codec on exactly the tensors the policy compresses: the plan is the
             # wrapper's own compression= with that codec, one local-steps part (one per codec

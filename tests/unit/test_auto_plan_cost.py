@@ -382,19 +382,19 @@ def test_the_wrapper_takes_local_steps_logs_the_prices_and_checkpoints_them(
 def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path, monkeypatch):
     _package_table(tmp_path, monkeypatch, cheap=("qsgd4+ef",))
 
-    def build(model):
+    auto = dict(compression="auto", auto_link_rate="100kbit", auto_measure_steps=1)
+
+    def build(model, **options):
         return commopt.create_multi_node_optimizer(
             torch.optim.SGD(model.parameters(), lr=0.01),
             commopt.create_communicator("local"),
             model=model,
-            compression="auto",
-            auto_link_rate="100kbit",
-            auto_measure_steps=1,
             sync_every=16,
+            **options,
         )
 
     model = _model()
-    opt = build(model)
+    opt = build(model, **auto)
     _train(model, opt, range(20))  # past the first synchronisation
     chosen = opt.auto_plan
     assert chosen is not None and chosen.schedule == "local_steps", chosen
@@ -410,7 +410,7 @@ def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path,
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     model2 = _model()
-    opt2 = build(model2)
+    opt2 = build(model2, **auto)
     model2.load_state_dict(loaded["model"])
     opt2.load_state_dict(loaded["opt"])
     assert list(opt2.plans) == list(opt.plans)
@@ -422,14 +422,7 @@ def test_the_wrapper_takes_local_steps_with_compressed_outer_gradients(tmp_path,
     # and on one rank the run is the wrapper's with that plan from the start, bit for bit
     # (the measured step is the cycle's first inner step)
     fixed_model = _model()
-    fixed = commopt.create_multi_node_optimizer(
-        torch.optim.SGD(fixed_model.parameters(), lr=0.01),
-        commopt.create_communicator("local"),
-        model=fixed_model,
-        compression="qsgd4+ef",
-        schedule="local_steps",
-        sync_every=16,
-    )
+    fixed = build(fixed_model, compression="qsgd4+ef", schedule="local_steps")
     _train(fixed_model, fixed, range(40))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fixed_model.parameters()))
     fixed.close()

@@ -15,8 +15,9 @@ last layers synchronous through ``plans=``); and ``compression="auto"`` (``commo
 ``-db``, ``-comp``); commopt's local-steps schedule (``commopt-local-steps16``: DiLoCo, 16
 inner steps between synchronisations, fp32 outer gradients; ``-qsgd4+ef``: 4-bit outer
 gradients with error feedback; ``-stream-qsgd4+ef``: Streaming DiLoCo, 2 fragments each
-overlapping 1 inner step; ``-stream-overlap3-qsgd4+ef``: 3 inner steps) and torchft's ``DiLoCo`` as a peer (``torchft-diloco16``, where
-torchft imports). ``wrap_commopt`` and ``wrap_ddp`` build one on a rank.
+overlapping 1 inner step; ``-stream-overlap3-qsgd4+ef``: 3 inner steps) and torchft's
+``DiLoCo`` as a peer (``torchft-diloco16``, where torchft imports). ``wrap_commopt`` and
+``wrap_ddp`` build one on a rank.
 
 A local-steps configuration sends nothing on most steps: its time and bytes per step are means
 over whole synchronisation cycles of ``sync_every`` steps (:func:`cycle_mean`), never medians.
@@ -191,6 +192,11 @@ LOCAL_STEPS_OVERLAP = 1
 LOCAL_STEPS_LONG_OVERLAP = 3
 
 
+def _overlap_suffix(overlap: int) -> str:
+    """A streaming configuration's name part: none at the default overlap, else ``-overlapN``."""
+    return "" if overlap == LOCAL_STEPS_OVERLAP else f"-overlap{overlap}"
+
+
 def local_steps_configs() -> list[StepConfig]:
     """commopt's local-steps schedule (plain fp32, qsgd4+EF outer gradients, streaming; also
     at H = 32), ``compression="auto"`` with streaming local steps at H as a candidate beside
@@ -217,9 +223,7 @@ def local_steps_configs() -> list[StepConfig]:
     )
     out.extend(
         StepConfig(
-            f"commopt-local-steps{h}-stream-qsgd4+ef"
-            if overlap == tau
-            else f"commopt-local-steps{h}-stream-overlap{overlap}-qsgd4+ef",
+            f"commopt-local-steps{h}-stream{_overlap_suffix(overlap)}-qsgd4+ef",
             "commopt",
             "qsgd4+ef",
             f"commopt streaming local steps H={h}, {p} fragments, overlap {overlap}, "
@@ -232,9 +236,7 @@ def local_steps_configs() -> list[StepConfig]:
     )
     out.extend(
         StepConfig(
-            f"commopt-auto-stream{h}"
-            if overlap == tau
-            else f"commopt-auto-stream{h}-overlap{overlap}",
+            f"commopt-auto-stream{h}{_overlap_suffix(overlap)}",
             "commopt",
             "auto",
             f"commopt auto, streaming local steps H={h} ({p} fragments, overlap {overlap}) "
