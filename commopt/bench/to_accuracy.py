@@ -198,8 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compute-steps",
         type=int,
-        default=5,
-        help="compute-only steps timed after each configuration, for the floor (default 5)",
+        default=15,
+        help="compute-only steps timed after each configuration, for the floor: the median "
+        "of 3 repeats of a third of them each (default 15)",
     )
     parser.add_argument(
         "--threads", type=int, help="torch threads per rank (default cores / ranks)"

@@ -381,6 +381,14 @@ def summarize(report: dict) -> list[dict]:
             if p.get("repeats")
             for i in p["repeats"]["outliers"]
         ]
+        row["outlier_compute"] = [
+            f"seed {s}: repeat {i + 1} of {len(reps)} {m * 1e3:.1f} ms/step against their "
+            f"median {rec['compute_s'] * 1e3:.1f} ms"
+            for s, rec in done.items()
+            for reps in [rec.get("compute_repeats") or []]
+            for i, m in enumerate(reps)
+            if abs(m - rec["compute_s"]) > OUTLIER_FRACTION * rec["compute_s"]
+        ]
         row["repeats_why_not"] = [
             f"seed {s}: {p['repeats']['why_not']}"
             for s, p in per.items()
@@ -615,6 +623,11 @@ def markdown(report: dict, rows: list[dict]) -> str:
         f"{r['label']}: outlier repeat of the step time (kept in the median): {o}"
         for r in rows
         for o in r.get("outlier_repeats", [])
+    ]
+    failed += [
+        f"{r['label']}: outlier repeat of the compute-only twin (kept in the median): {o}"
+        for r in rows
+        for o in r.get("outlier_compute", [])
     ]
     failed += [
         f"{r['label']}: no repeats of the step time, {w}"

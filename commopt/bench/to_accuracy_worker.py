@@ -15,7 +15,8 @@ its synchronisations are local). Beside each evaluation the record keeps the byt
 fragment's outer gradients on the steps it sends them for local steps, nothing on the others.
 
 After each configuration, every rank at once: ``--compute-steps`` steps of a compute-only
-twin (the same model and Adam, no communication) and the configuration's codec arithmetic
+twin (the same model and Adam, no communication; priced as the training steps are, at the
+median of the repeats' medians) and the configuration's codec arithmetic
 on one step's gradient (``commopt.bench.step.floor.codec_seconds``): the floor's time per
 step. A configuration whose wrapper cannot be built (the same error on every rank, such as
 an unknown codec) is recorded with its error and the job goes on. Rank 0 writes ``RESULT``
@@ -210,13 +211,14 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
             extra["auto_plan"] = json.loads(commopt_opt.auto_plan.to_json())
         commopt_opt.flush()
         commopt_opt.close()
-    compute_s = _compute_seconds(task, seed, args, comm)
+    compute_s, compute_repeats = _compute_seconds(task, seed, args, comm)
     return {
         "curve": curve,
         "step_times": step_times,
         "stopped": stopped,
         "stop_target": None if is_reference else target,
         "compute_s": compute_s,
+        "compute_repeats": compute_repeats,
         "codec_s": codec_s,
         "wire_bytes": wire,
         "params": sum(math.prod(s) for s in shapes),
@@ -224,10 +226,14 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     }
 
 
-def _compute_seconds(task, seed: int, args, comm) -> float:
-    """Median step of a compute-only twin: the same model and Adam, no communication."""
+def _compute_seconds(task, seed: int, args, comm) -> tuple[float, list[float]]:
+    """A compute-only twin's step (the same model and Adam, no communication), measured as the
+    training steps are: the median of REPEATS repeats (consecutive blocks, each at its median;
+    the first step is warm-up), and the repeats themselves (for the report's outliers)."""
     import torch
     import torch.nn.functional as F
+
+    from commopt.bench.to_accuracy_report import step_repeats
 
     torch.manual_seed(seed)
     twin = task.build()
@@ -242,4 +248,5 @@ def _compute_seconds(task, seed: int, args, comm) -> float:
         F.cross_entropy(twin(x), y).backward()
         twin_opt.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])  # the first: warm-up
+    rep = step_repeats(times[1:], len(times) - 1)
+    return rep["median_step_s"], rep["repeats"]

@@ -375,9 +375,14 @@ class Parts:
         driver.release_queued()
 
     def drop(self) -> None:
-        """Close every part and forget them (``"auto"``'s measuring part, before the plan)."""
+        """Close every part and forget them (``"auto"``'s measuring part, before the plan).
+
+        The next parts are numbered from 0 again: the plan's first part reduces on the
+        wrapper's own communicator with the optimizer's codec key, as the same plan given
+        directly does (the same stochastic rounding, the same run)."""
         self.close()
         self.parts = []
+        self._made = 0
 
     # -- compression="auto" ---------------------------------------------------------------------
     def auto_tensors(self, model: torch.nn.Module | None) -> list[TensorInfo]:

@@ -12,7 +12,10 @@ script checks, on every rank:
     two rules), within float rounding, the same on every rank;
 (c) the measurement resumed from a checkpoint, its cycle past the first send when the plan
     comes: every rank holds the same weights right after the plan, and after
-    ``final_sync()`` at the end.
+    ``final_sync()`` at the end;
+(d) a slow link where 4-bit outer gradients cost no steps: the plan is
+    ``compression="qsgd4+ef"`` on local steps, one part, and the run is that configuration's
+    bit for bit (the same communicator and the same stochastic rounding).
 
 Every failure names its rank.
 """
@@ -162,13 +165,37 @@ if any(theirs != everyone[0] for theirs in everyone):
     fail("the ranks' weights differ after final_sync")
 print(f"rank {r} resumed ok")
 o2.close()
+
+# (d) slow link, 4-bit outer gradients as cheap as exact ones: the plan is the wrapper's own
+# compression="qsgd4+ef" on local steps, and so is the run, bit for bit from the first step
+# (the same communicator and the same stochastic rounding as that configuration's).
+data["outer_codecs"]["qsgd4+ef"]["multiplier"] = 1.0
+table.write_text(json.dumps(data))
+from commopt.codecs import CompressionPolicy
+SMALL = CompressionPolicy(min_compress_numel=16)  # the 6x8 and 8x3 weights compressed
+ref, auto = net(), net()
+opt_ref = create_multi_node_optimizer(
+    inner(ref), comm, model=ref, compression="qsgd4+ef", schedule="local_steps", policy=SMALL,
+    **LOCAL)
+opt_auto = create_multi_node_optimizer(
+    inner(auto), comm, model=auto, compression="auto", auto_link_rate="100kbit", policy=SMALL,
+    **LOCAL)
+train(ref, opt_ref, range(STEPS))
+train(auto, opt_auto, range(STEPS))
+if list(opt_auto.plans) != list(opt_ref.plans):
+    fail(f"auto's plans {list(opt_auto.plans)} are not {list(opt_ref.plans)}")
+if not all(torch.equal(x, y) for x, y in zip(ref.parameters(), auto.parameters())):
+    worst = max((x - y).abs().max().item() for x, y in zip(ref.parameters(), auto.parameters()))
+    fail(f"auto's compressed local steps differ from the configuration's by {worst}")
+print(f"rank {r} compressed ok")
+opt_ref.close(); opt_auto.close()
 """
 
 
 def _check(out, n):
     assert len(out) == n
     for r, text in enumerate(out):
-        for what in ("continued ok", "averaged ok", "resumed ok"):
+        for what in ("continued ok", "averaged ok", "resumed ok", "compressed ok"):
             assert f"rank {r} {what}" in text, (r, text)
 
 

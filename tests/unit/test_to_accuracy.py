@@ -432,6 +432,20 @@ def test_a_disturbed_block_of_steps_does_not_move_the_time_to_the_target():
     assert step_repeats([2.0] * 4 + [0.5] * 12, 16, skip=4)["time_s"] == pytest.approx(14.0)
 
 
+def test_an_outlier_repeat_of_the_compute_only_twin_is_reported():
+    report = _seeded()
+    rec = report["runs"]["ddp-fp32"]["seeds"]["0"]
+    rec["compute_s"], rec["compute_repeats"] = 0.1, [0.1, 0.1, 0.2]
+    rows = summarize(report)
+    row = {r["config"]: r for r in rows}["ddp-fp32"]
+    assert row["outlier_compute"] == [
+        "seed 0: repeat 3 of 3 200.0 ms/step against their median 100.0 ms"
+    ]
+    assert "outlier repeat of the compute-only twin (kept in the median): seed 0: repeat 3" in (
+        markdown(report, rows)
+    )
+
+
 def test_charts_are_drawn_from_result_files(tmp_path):
     pytest.importorskip("matplotlib")
     from commopt.bench.to_accuracy_charts import group_reports, speedups, write_charts
