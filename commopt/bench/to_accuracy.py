@@ -63,8 +63,8 @@ DEFAULT_CONFIGS = (
 LINK_BOUND_CONFIGS = (
     "ddp-fp32,ddp-fp16,ddp-bf16,ddp-powersgd1-warm,ddp-powersgd4-warm,"
     "commopt-qsgd4+ef,commopt-qsgd4+ef-db,commopt-powersgd4,commopt-auto,commopt-auto-stream16,"
-    "commopt-auto-stream16-overlap3,commopt-local-steps32-qsgd4+ef,"
-    "commopt-local-steps16-stream-qsgd4+ef,commopt-local-steps16-stream-overlap3-qsgd4+ef,"
+    "commopt-auto-stream16-overlap7,commopt-local-steps32-qsgd4+ef,"
+    "commopt-local-steps16-stream-qsgd4+ef,commopt-local-steps16-stream-overlap7-qsgd4+ef,"
     "torchft-diloco16"
 )
 #: ``--setting``: the per-rank batch, the MLP width and the emulated link of each setting

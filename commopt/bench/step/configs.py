@@ -190,6 +190,10 @@ LOCAL_STEPS_OVERLAP = 1
 #: ``-stream-overlap3-`` and ``-auto-stream16-overlap3``: each fragment's reduction overlapping
 #: 3 inner steps (for a transfer longer than one step's compute)
 LOCAL_STEPS_LONG_OVERLAP = 3
+#: ``-stream-overlap7-`` and ``-auto-stream16-overlap7``: the longest overlap that keeps one
+#: fragment's reduction on the link at a time (H / P - 1 steps; the next fragment starts the
+#: step after it is applied), for a transfer of several steps' compute
+LOCAL_STEPS_FULL_OVERLAP = LOCAL_STEPS_H // LOCAL_STEPS_FRAGMENTS - 1
 
 
 def _overlap_suffix(overlap: int) -> str:
@@ -232,7 +236,7 @@ def local_steps_configs() -> list[StepConfig]:
             fragments=p,
             overlap_steps=overlap,
         )
-        for overlap in (tau, LOCAL_STEPS_LONG_OVERLAP)
+        for overlap in (tau, LOCAL_STEPS_LONG_OVERLAP, LOCAL_STEPS_FULL_OVERLAP)
     )
     out.extend(
         StepConfig(
@@ -245,7 +249,7 @@ def local_steps_configs() -> list[StepConfig]:
             fragments=p,
             overlap_steps=overlap,
         )
-        for overlap in (tau, LOCAL_STEPS_LONG_OVERLAP)
+        for overlap in (tau, LOCAL_STEPS_LONG_OVERLAP, LOCAL_STEPS_FULL_OVERLAP)
     )
     out.append(
         StepConfig(
