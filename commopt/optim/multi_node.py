@@ -129,7 +129,7 @@ def create_multi_node_optimizer(
     ``compression="auto"``: a codec per tensor, chosen by rank 0 after the first
     ``1 + auto_measure_steps`` steps (reduced exactly, in ``step()``, while the backward pass
     and the time between steps are measured; with local steps a candidate, the first inner
-    steps of its cycle when they all come before its first send) for the least expected time
+    steps of its cycle, which send nothing: where the cycle would send, its clock waits) for the least expected time
     to the target: seconds per step on a link of ``auto_link_rate`` x the steps each option
     needs relative to fp32 (the package's step multipliers; a registered ``local_steps``
     schedule is priced too when the wrapper's schedule is the synchronous one)
@@ -435,9 +435,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         auto = self._parts.auto
         assert auto is not None
         self._drain()
-        # Measured on local steps: the plan's parts take their cycle up; otherwise (another
-        # schedule, or a cycle past its first send: measuring resumed from a checkpoint) the
-        # ranks' weights are averaged once and their inner state made rank 0's.
+        # Measured on local steps: the plan's local-steps parts take their cycle up;
+        # otherwise (another schedule) the ranks' weights are averaged once and their inner
+        # state made rank 0's.
         apart = [not part.schedule.reduces_every_step for part in self._parts]
         carried = [part.schedule.cycle_state() for part in self._parts]
         self._parts.use_auto_plan(plan, self._model())

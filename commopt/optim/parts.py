@@ -486,15 +486,11 @@ def _local_steps(settings: Settings, schedule: str) -> tuple[int, int, int] | No
 
 def _measuring_schedule(settings: Settings, auto: AutoPlanning) -> str:
     """The schedule of ``compression="auto"``'s measured steps: the local-steps candidate's
-    (priced by the step multipliers) when all of them fall before its first send, else the
-    synchronous one."""
+    where the step multipliers price it (its measured steps send nothing: where the cycle
+    would send, its clock waits for the plan), else the synchronous one."""
     if auto.local_steps is None or StepMultipliers.load().local_steps(auto.local_steps) is None:
         return "synchronous"
-    cls = schedules.schedule_class("local_steps")
-    measured = auto.timer.skip + auto.timer.steps
-    return (
-        "local_steps" if cls.quiet_steps(settings.options_for(cls)) >= measured else "synchronous"
-    )
+    return "local_steps"
 
 
 def _refuse_auto_with_plans(param_groups: list[dict[str, Any]], plans: Any) -> None:

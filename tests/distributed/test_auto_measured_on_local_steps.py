@@ -10,12 +10,14 @@ script checks, on every rank:
     holds the mean of the ranks' weights and rank 0's momentum, and from then on the run is
     synchronous SGD from there (a one-process reference of the replicas, written from those
     two rules), within float rounding, the same on every rank;
-(c) the measurement resumed from a checkpoint, its cycle past the first send when the plan
-    comes: every rank holds the same weights right after the plan, and after
-    ``final_sync()`` at the end;
+(c) the measurement resumed from a checkpoint, its cycle due to send during the measured
+    steps: nothing is sent, the clock waits, the plan takes the cycle up there (no average:
+    the ranks' weights still their own), and after ``final_sync()`` every rank holds the same;
 (d) a slow link where 4-bit outer gradients cost no steps: the plan is
     ``compression="qsgd4+ef"`` on local steps, one part, and the run is that configuration's
-    bit for bit (the same communicator and the same stochastic rounding).
+    bit for bit (the same communicator and the same stochastic rounding);
+(e) an overlap so long that the cycle sends after its first step: the measured steps send
+    nothing and the clock waits for the plan.
 
 Every failure names its rank.
 """
@@ -138,8 +140,9 @@ if worst > 1e-5:
 print(f"rank {r} averaged ok")
 opt.close()
 
-# (c) measuring resumed from a checkpoint, so that the cycle passes its first send before the
-# plan: the plan cannot take the cycle up, and every rank starts it from the mean weights.
+# (c) measuring resumed from a checkpoint, so that the cycle would send fragment 0 (at step 7)
+# during the measured steps: nothing is sent while measuring, the cycle's clock waits at 6,
+# and the plan takes the cycle up there (no average: each rank keeps its own weights).
 import copy
 m1 = net()
 o1 = create_multi_node_optimizer(
@@ -152,13 +155,17 @@ o2 = create_multi_node_optimizer(
     inner(m2), comm, model=m2, compression="auto", auto_link_rate="100kbit", **LOCAL)
 m2.load_state_dict(saved["model"])
 o2.load_state_dict(saved["opt"])
-train(m2, o2, range(3, 3 + MEASURED))   # position 7: fragment 0 sent at step 7
+train(m2, o2, range(3, 3 + MEASURED))   # position 7 would send fragment 0
 if o2.auto_plan is None or o2.auto_plan.schedule != "local_steps":
     fail(f"expected local steps after the resumed measurement, got {o2.auto_plan}")
 everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in m2.parameters()])
-if any(theirs != everyone[0] for theirs in everyone):
-    fail("the ranks' weights differ after a resumed measurement's plan")
-train(m2, o2, range(3 + MEASURED, STEPS))
+if all(theirs == everyone[0] for theirs in everyone):
+    fail("the ranks' weights were averaged after a resumed measurement's plan")
+train(m2, o2, range(3 + MEASURED, 4 + MEASURED))  # the plan's first step: 7, fragment 0 sends
+(cycle,) = o2.plans.values()
+if cycle.position != 7 or cycle.in_flight != [0]:
+    fail(f"the cycle should go on from 6: at {cycle.position}, in flight {cycle.in_flight}")
+train(m2, o2, range(4 + MEASURED, STEPS))
 o2.final_sync()
 everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in m2.parameters()])
 if any(theirs != everyone[0] for theirs in everyone):
@@ -189,13 +196,38 @@ if not all(torch.equal(x, y) for x, y in zip(ref.parameters(), auto.parameters()
     fail(f"auto's compressed local steps differ from the configuration's by {worst}")
 print(f"rank {r} compressed ok")
 opt_ref.close(); opt_auto.close()
+
+# (e) the longest overlap (H / P - 1 = 7): the schedule sends fragment 0 after its first step;
+# measuring, nothing is sent and the clock waits at 0; under the plan the cycle starts there.
+LONG = dict(LOCAL, overlap_steps=H // P - 1)
+auto = net()
+opt_auto = create_multi_node_optimizer(
+    inner(auto), comm, model=auto, compression="auto", auto_link_rate="100kbit", policy=SMALL,
+    **LONG)
+train(auto, opt_auto, range(MEASURED))
+if opt_auto.auto_plan is None or opt_auto.auto_plan.schedule != "local_steps":
+    fail(f"expected local steps, got {opt_auto.auto_plan}")
+everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in auto.parameters()])
+if all(theirs == everyone[0] for theirs in everyone):
+    fail("the measured steps reduced something (the ranks' weights agree): they send nothing")
+train(auto, opt_auto, range(MEASURED, MEASURED + 1))
+(cycle,) = opt_auto.plans.values()
+if cycle.position != 1 or cycle.in_flight != [0]:
+    fail(f"the cycle should start at the plan: at {cycle.position}, in flight {cycle.in_flight}")
+train(auto, opt_auto, range(MEASURED + 1, STEPS))
+opt_auto.final_sync()
+everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in auto.parameters()])
+if any(theirs != everyone[0] for theirs in everyone):
+    fail("the ranks' weights differ after final_sync (overlap 7)")
+print(f"rank {r} waited ok")
+opt_auto.close()
 """
 
 
 def _check(out, n):
     assert len(out) == n
     for r, text in enumerate(out):
-        for what in ("continued ok", "averaged ok", "resumed ok", "compressed ok"):
+        for what in ("continued ok", "averaged ok", "resumed ok", "compressed ok", "waited ok"):
             assert f"rank {r} {what}" in text, (r, text)
 
 

@@ -418,20 +418,26 @@ class LocalStepsSchedule(ScheduleBase):
         )
 
     def after_step(self, result: StepResult | None, max_norm: float | None) -> None:
-        """One inner step more: apply the reductions due, start the fragments whose turn it is."""
+        """One inner step more: apply the reductions due, start the fragments whose turn it is.
+
+        While ``compression="auto"`` measures (``defer_to_step``), nothing is sent: a step
+        after which a fragment would start holds the cycle's clock instead (the cycle goes on
+        from there under the plan)."""
         fragments = self._ensure_fragments()
-        self.position += 1
-        t = self.position
+        t = self.position + 1
+        starting = [f for f in fragments if (t + self.overlap_steps) % self.sync_every == f.offset]
+        if starting and self.context.defer_to_step:
+            return
+        self.position = t
         for f in fragments:
             if f.in_flight is not None and f.due <= t:
                 self._finish(f)
-        for f in fragments:
-            if (t + self.overlap_steps) % self.sync_every == f.offset:
-                self._start(f)
-                if self.overlap_steps == 0:
-                    self._finish(f)
-                else:
-                    f.due = t + self.overlap_steps
+        for f in starting:
+            self._start(f)
+            if self.overlap_steps == 0:
+                self._finish(f)
+            else:
+                f.due = t + self.overlap_steps
 
     def _start(self, f: _Fragment) -> None:
         """Send the fragment's outer gradient, ``anchor - weights``."""

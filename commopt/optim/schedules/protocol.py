@@ -35,10 +35,7 @@ setting that gives a schedule that can), ``reduces_every_step`` (every
 ``step()`` starts a reduction on every rank: what ``commopt.Join`` counts on to shadow the
 others' steps), ``unscales_locally`` (GradScaler hands
 its scale over and each rank unscales as it sends), ``checkpoint_keys`` and
-``own_keys`` (those of its keys that are this rank's own, saved in the rank's part), and
-``quiet_steps(options)`` (a class method: how many steps from the start send nothing, 0 for a
-schedule that reduces every step; ``"auto"`` measures the compute on them when the plan may
-continue this schedule's cycle).
+``own_keys`` (those of its keys that are this rank's own, saved in the rank's part).
 
 :class:`ScheduleBase` holds what every schedule does the same way (the parameters it
 reduces, the ``.grad`` write guard, the no-op events); a new schedule derives from it and
@@ -81,8 +78,9 @@ class ScheduleContext:
     counter; ``inner``: the wrapped optimizer; ``zero_fill``: the wrapper's setting;
     ``ensure_layout()``: rebuild the buckets if the parameters changed (before sending);
     ``all_params()``: every parameter of the inner optimizer, in ``param_groups`` order;
-    ``defer_to_step``: send nothing during backward (``compression="auto"`` measures the
-    backward pass alone).
+    ``defer_to_step``: ``compression="auto"``'s measuring part: send nothing during backward
+    (the backward pass is measured alone), and a schedule that sends on some steps only
+    (local steps) sends nothing at all.
     """
 
     bucketed: BucketedParameters
@@ -163,11 +161,6 @@ class Schedule(Protocol):
     def load_state_dict(self, state: dict[str, Any], rank: int) -> None: ...
 
     def close(self) -> None: ...
-
-    @classmethod
-    def quiet_steps(cls, options: Any) -> int:
-        """How many steps from the start send nothing (0: it reduces every step)."""
-        ...
 
     def cycle_state(self) -> dict[str, Any] | None:
         """Where this part's cycle stands, for a part that replaces it (None: nothing)."""
@@ -271,10 +264,6 @@ class ScheduleBase:
 
     def close(self) -> None:
         """Nothing to release."""
-
-    @classmethod
-    def quiet_steps(cls, options: Any) -> int:
-        return 0  # (a schedule that says nothing sends from its first step)
 
     def cycle_state(self) -> dict[str, Any] | None:
         return None  # every step leaves the ranks agreeing: nothing to continue
