@@ -129,10 +129,11 @@ def create_multi_node_optimizer(
     ``compression="auto"``: a codec per tensor, chosen by rank 0 after the first
     ``1 + auto_measure_steps`` steps (reduced exactly, in ``step()``, while the backward pass
     and the time between steps are measured; with local steps a candidate, the first inner
-    steps of its cycle, which send nothing: where the cycle would send, its clock waits) for the least expected time
-    to the target: seconds per step on a link of ``auto_link_rate`` x the steps each option
-    needs relative to fp32 (the package's step multipliers; a registered ``local_steps``
-    schedule is priced too when the wrapper's schedule is the synchronous one)
+    steps of its cycle, which send nothing: where the cycle would send, its clock waits) for
+    the least expected time to the target: seconds per step on a link of ``auto_link_rate``
+    x the steps each option needs relative to fp32 (the package's step multipliers; a
+    registered ``local_steps`` schedule is priced too when the wrapper's schedule is the
+    synchronous one)
     (``auto_link_rate``: bytes/s, or a text such as ``"1gbit"``; default: the
     ``COMMOPT_LINK_RATE`` environment variable, else a short probe of the link at
     construction). Rank 0 broadcasts the plan as JSON, logs it as a table once, and the

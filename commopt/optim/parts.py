@@ -205,7 +205,7 @@ class Parts:
             # The measured steps: inner steps of the local-steps candidate's cycle while they
             # send nothing (a plan of local steps takes the cycle up, another one starts from
             # the weights every rank agrees on); else exact, synchronous, in step().
-            self.default = Plan(None, _measuring_schedule(settings, self.auto))
+            self.default = Plan(None, _measuring_schedule(self.auto))
             self.rules = []
 
     def __iter__(self) -> Iterator[Part]:
@@ -484,7 +484,7 @@ def _local_steps(settings: Settings, schedule: str) -> tuple[int, int, int] | No
     return every, fragments or 1, overlap or 0
 
 
-def _measuring_schedule(settings: Settings, auto: AutoPlanning) -> str:
+def _measuring_schedule(auto: AutoPlanning) -> str:
     """The schedule of ``compression="auto"``'s measured steps: the local-steps candidate's
     where the step multipliers price it (its measured steps send nothing: where the cycle
     would send, its clock waits for the plan), else the synchronous one."""
