@@ -7,6 +7,6 @@ if sys.argv[1:2] == ["launch"]:
 
     install_signal_handlers()
 
-from commopt.cli import main
+from commopt.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -47,6 +47,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def entry() -> None:
+    """The process's entry point (the ``commopt`` script, ``python -m commopt``): ``main()``
+    on ``sys.argv``, its result the exit status; ``commopt launch``'s status is decided when
+    its job has stopped (``commands.signals.exit_status``: Ctrl-C gives 130, never the
+    interpreter's own death by SIGINT)."""
+    if sys.argv[1:2] == ["launch"]:
+        from commopt.commands.signals import exit_status, install_signal_handlers
+
+        install_signal_handlers()
+        raise SystemExit(exit_status(main))
+    raise SystemExit(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:

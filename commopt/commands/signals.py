@@ -1,14 +1,26 @@
 """`commopt launch`'s signals: Ctrl-C, SIGTERM and SIGHUP stop the launch, never lost.
 
-Imports nothing but :mod:`signal`: ``python -m commopt launch`` installs the handlers before
-it imports anything else, so a signal during start-up is handled like one that comes later.
+Imports nothing but :mod:`signal` and :mod:`sys`: ``python -m commopt launch`` installs the
+handlers before it imports anything else, so a signal during start-up is handled like one that
+comes later.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 
-__all__ = ["Terminated", "install_signal_handlers", "raise_if_signalled", "signal_behind"]
+TYPE_CHECKING = False  # (typing itself is not imported: start-up stays short)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "Terminated",
+    "exit_status",
+    "install_signal_handlers",
+    "raise_if_signalled",
+    "signal_behind",
+]
 
 
 class Terminated(SystemExit):
@@ -83,3 +95,25 @@ def signal_behind(exc: BaseException) -> int | None:
     if isinstance(exc, Terminated):
         return exc.signum
     return None
+
+
+def exit_status(run: Callable[[], int]) -> int:
+    """``run()``'s exit status for the launcher's process, decided when ``run()`` ends.
+
+    A KeyboardInterrupt that escapes ``run()`` is 130, the shell's status for Ctrl-C (every
+    ``finally`` on its way stopped the job and cleaned up). From then on Ctrl-C is ignored:
+    nothing is left for it to stop, and a KeyboardInterrupt raised while the interpreter exits
+    would end the process by SIGINT (status -2) in place of the status decided here.
+    """
+    code: int | None = None
+    while True:
+        try:
+            if code is None:
+                code = run()
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return code
+        except KeyboardInterrupt:
+            if code is None:
+                code = 130
+                print("commopt launch: interrupted; the job is stopped", file=sys.stderr)

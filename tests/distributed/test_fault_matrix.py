@@ -826,9 +826,9 @@ def test_testbed_cleans_up_after_ctrl_c(case, tmp_path):
     slot = int(first.split(" run ")[-1])
     t = time.monotonic()
     p.send_signal(signal.SIGINT)
-    p.communicate(timeout=60)
+    _, err = p.communicate(timeout=60)
     c.seconds = time.monotonic() - t
-    assert p.returncode == 130
+    assert p.returncode == 130, (p.returncode, first + err)
     assert not [n for n in list_namespaces() if n.startswith(f"commopt{slot}-")]
     import tempfile
 

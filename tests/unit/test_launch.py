@@ -317,6 +317,48 @@ def test_a_signal_whose_exception_python_dropped_is_raised_again():
     assert "in raise_if_signalled" in r.stderr and r.returncode != 0, r.stderr
 
 
+LAUNCHER_EXIT = """
+import os, signal, sys
+from commopt.commands.signals import exit_status, install_signal_handlers
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as started from a terminal
+install_signal_handlers()
+
+
+def escapes():  # a Ctrl-C that no handler on the way turned into a status
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10000):
+        pass
+    return 0
+
+
+def ends(code):  # a Ctrl-C that comes after the job ended, as the interpreter exits
+    def run():
+        return code
+    status = exit_status(run)
+    os.kill(os.getpid(), signal.SIGINT)
+    return status
+
+
+raise SystemExit(exit_status(escapes) if sys.argv[1] == "escapes" else ends(3))
+"""
+
+
+@pytest.mark.parametrize(("case", "status"), [("escapes", 130), ("ends", 3)])
+def test_the_launchers_status_is_never_its_death_by_ctrl_c(case, status):
+    # Without exit_status, both processes die by SIGINT (status -2): an uncaught
+    # KeyboardInterrupt makes the interpreter kill itself with that signal.
+    r = subprocess.run(
+        [sys.executable, "-c", LAUNCHER_EXIT, case],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert r.returncode == status, (r.returncode, r.stderr)
+    assert ("interrupted; the job is stopped" in r.stderr) == (case == "escapes"), r.stderr
+
+
 def test_a_failing_check_stops_the_processes_already_started():
     calls = []
 
