@@ -53,10 +53,9 @@ def entry() -> None:
     its job has stopped (``commands.signals.exit_status``: Ctrl-C gives 130, never the
     interpreter's own death by SIGINT)."""
     if sys.argv[1:2] == ["launch"]:
-        from commopt.commands.signals import exit_status, install_signal_handlers
+        from commopt.commands.signals import exit_status
 
-        install_signal_handlers()
-        raise SystemExit(exit_status(main))
+        raise SystemExit(exit_status(main))  # (main() installs the launcher's handlers)
     raise SystemExit(main())
 
 

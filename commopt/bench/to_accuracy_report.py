@@ -239,6 +239,15 @@ def bytes_to(rec: dict, step: int) -> float:
     return float(rec["wire_bytes"]) * step
 
 
+def outliers(repeats: list[float], mid: float) -> list[int]:
+    """The repeats more than OUTLIER_FRACTION away from ``mid``, their median.
+
+    >>> outliers([0.5, 0.5, 2.0], 0.5)
+    [2]
+    """
+    return [i for i, m in enumerate(repeats) if abs(m - mid) > OUTLIER_FRACTION * mid]
+
+
 def step_repeats(step_times: list[float], steps: int, skip: int = 0, cycle: int = 1) -> dict:
     """The step-time part of a time to the target, from repeats of its measurement.
 
@@ -287,7 +296,7 @@ def step_repeats(step_times: list[float], steps: int, skip: int = 0, cycle: int 
         "repeats": blocks,
         "median_step_s": mid,
         "time_s": head_s + len(rest) * mid,
-        "outliers": [i for i, m in enumerate(blocks) if abs(m - mid) > OUTLIER_FRACTION * mid],
+        "outliers": outliers(blocks, mid),
         "why_not": None,
     }
 
@@ -382,12 +391,12 @@ def summarize(report: dict) -> list[dict]:
             for i in p["repeats"]["outliers"]
         ]
         row["outlier_compute"] = [
-            f"seed {s}: repeat {i + 1} of {len(reps)} {m * 1e3:.1f} ms/step against their "
+            f"seed {s}: repeat {i + 1} of {len(reps)} {reps[i] * 1e3:.1f} ms/step against their "
             f"median {rec['compute_s'] * 1e3:.1f} ms"
             for s, rec in done.items()
-            for reps in [rec.get("compute_repeats") or []]
-            for i, m in enumerate(reps)
-            if abs(m - rec["compute_s"]) > OUTLIER_FRACTION * rec["compute_s"]
+            for reps in [rec.get("compute_repeats")]
+            if reps
+            for i in outliers(reps, rec["compute_s"])
         ]
         row["repeats_why_not"] = [
             f"seed {s}: {p['repeats']['why_not']}"

@@ -166,7 +166,8 @@ def _train(cfg, comm, args, task, seed: int, target: float | None) -> dict:
     with peer if peer is not None else contextlib.nullcontext():
         for step in range(1, budget + 1):
             x, y = task.batch(gen)
-            # compression="auto" reduces its measured steps exactly, as its first plan does
+            # compression="auto"'s measured steps send what its measuring part sends (exact
+            # reductions, or nothing on the local-steps cycle), counted before the plan comes
             measuring = cfg.wire == "auto" and commopt_opt is not None and not commopt_opt.auto_plan
             exact = commopt_sent_bytes(commopt_opt) if measuring else 0
             start = time.perf_counter()

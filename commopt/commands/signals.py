@@ -110,8 +110,7 @@ def exit_status(run: Callable[[], int]) -> int:
         try:
             if code is None:
                 code = run()
-            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             return code
         except KeyboardInterrupt:
             if code is None:

@@ -133,9 +133,8 @@ def create_multi_node_optimizer(
     the least expected time to the target: seconds per step on a link of ``auto_link_rate``
     x the steps each option needs relative to fp32 (the package's step multipliers; a
     registered ``local_steps`` schedule is priced too when the wrapper's schedule is the
-    synchronous one)
-    (``auto_link_rate``: bytes/s, or a text such as ``"1gbit"``; default: the
-    ``COMMOPT_LINK_RATE`` environment variable, else a short probe of the link at
+    synchronous one) (``auto_link_rate``: bytes/s, or a text such as ``"1gbit"``; default:
+    the ``COMMOPT_LINK_RATE`` environment variable, else a short probe of the link at
     construction). Rank 0 broadcasts the plan as JSON, logs it as a table once, and the
     checkpoint records it (``opt.auto_plan``; docs/optimizer.md).
 

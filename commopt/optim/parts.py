@@ -202,9 +202,10 @@ class Parts:
             self.default = Plan(compression, self.final_schedule)
             self.rules = check_rules(settings.plans)
         else:
-            # The measured steps: inner steps of the local-steps candidate's cycle while they
-            # send nothing (a plan of local steps takes the cycle up, another one starts from
-            # the weights every rank agrees on); else exact, synchronous, in step().
+            # The measured steps: inner steps of the local-steps candidate's cycle, which send
+            # nothing (its clock waits where the cycle would send; a plan of local steps takes
+            # the cycle up, another one starts from the weights every rank agrees on); else
+            # exact, synchronous, in step().
             self.default = Plan(None, _measuring_schedule(self.auto))
             self.rules = []
 

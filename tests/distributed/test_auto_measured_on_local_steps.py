@@ -81,6 +81,11 @@ def fail(what):
     raise AssertionError(f"rank {r}: {what}")
 
 
+def agree(model):  # whether every rank holds the same weights (a collective call)
+    everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in model.parameters()])
+    return all(theirs == everyone[0] for theirs in everyone)
+
+
 def inner(model):
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -110,8 +115,7 @@ opt = create_multi_node_optimizer(
 train(model, opt, range(MEASURED))
 if opt.auto_plan is None or opt.auto_plan.schedule is not None:
     fail(f"expected a per-step plan, got {opt.auto_plan}")
-everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in model.parameters()])
-if any(theirs != everyone[0] for theirs in everyone):
+if not agree(model):
     fail("the ranks' weights differ right after the measured steps")
 train(model, opt, range(MEASURED, STEPS))
 
@@ -158,8 +162,7 @@ o2.load_state_dict(saved["opt"])
 train(m2, o2, range(3, 3 + MEASURED))   # position 7 would send fragment 0
 if o2.auto_plan is None or o2.auto_plan.schedule != "local_steps":
     fail(f"expected local steps after the resumed measurement, got {o2.auto_plan}")
-everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in m2.parameters()])
-if all(theirs == everyone[0] for theirs in everyone):
+if agree(m2):
     fail("the ranks' weights were averaged after a resumed measurement's plan")
 train(m2, o2, range(3 + MEASURED, 4 + MEASURED))  # the plan's first step: 7, fragment 0 sends
 (cycle,) = o2.plans.values()
@@ -167,8 +170,7 @@ if cycle.position != 7 or cycle.in_flight != [0]:
     fail(f"the cycle should go on from 6: at {cycle.position}, in flight {cycle.in_flight}")
 train(m2, o2, range(4 + MEASURED, STEPS))
 o2.final_sync()
-everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in m2.parameters()])
-if any(theirs != everyone[0] for theirs in everyone):
+if not agree(m2):
     fail("the ranks' weights differ after final_sync")
 print(f"rank {r} resumed ok")
 o2.close()
@@ -207,8 +209,7 @@ opt_auto = create_multi_node_optimizer(
 train(auto, opt_auto, range(MEASURED))
 if opt_auto.auto_plan is None or opt_auto.auto_plan.schedule != "local_steps":
     fail(f"expected local steps, got {opt_auto.auto_plan}")
-everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in auto.parameters()])
-if all(theirs == everyone[0] for theirs in everyone):
+if agree(auto):
     fail("the measured steps reduced something (the ranks' weights agree): they send nothing")
 train(auto, opt_auto, range(MEASURED, MEASURED + 1))
 (cycle,) = opt_auto.plans.values()
@@ -216,8 +217,7 @@ if cycle.position != 1 or cycle.in_flight != [0]:
     fail(f"the cycle should start at the plan: at {cycle.position}, in flight {cycle.in_flight}")
 train(auto, opt_auto, range(MEASURED + 1, STEPS))
 opt_auto.final_sync()
-everyone = comm.allgather_obj([p.detach().flatten().tolist() for p in auto.parameters()])
-if any(theirs != everyone[0] for theirs in everyone):
+if not agree(auto):
     fail("the ranks' weights differ after final_sync (overlap 7)")
 print(f"rank {r} waited ok")
 opt_auto.close()
