@@ -23,10 +23,16 @@ TIMEOUT_EXIT = 124
 GRACE_S = 5.0
 
 
+#: Signals held back while a process starts, so that one is never half-started: a signal
+#: that came meanwhile is taken once it is in the job (and is stopped with it).
+_HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # (the parent held them to start it)
 
 
 def _say(msg: str) -> None:
@@ -69,6 +75,7 @@ def run_processes(
             if check is not None:
                 check()
             env = dict(os.environ, **(envs[i] if envs else {}))
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
             try:
                 procs.append(
                     subprocess.Popen(
@@ -79,6 +86,8 @@ def run_processes(
                 _say(f"cannot start {names[i]}: {exc.filename} not found")
                 stop(procs)
                 return 127
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if check is not None:
